@@ -1,0 +1,29 @@
+"""The one place pipemark reaches into ``jax._src``.
+
+Each use says which JAX versions it was checked on. Everything else in pipemark uses
+public JAX (``jax``, ``jax.extend``, ``jax.interpreters``).
+"""
+
+from __future__ import annotations
+
+# JAX 0.10.2 and 0.11.x: a config state that is part of the jit cache key and of the
+# trace context. The marker lowering reads it, so `jit(f)` compiled under one lowering
+# mode is never reused under another. There is no public way to define such a state.
+from jax._src import config as _jax_config
+
+LOWERING_MODES = ("barrier", "identity", "custom_call")
+
+
+def define_lowering_state():
+    """A context-manager/setter object holding the marker lowering mode.
+
+    Its default can be set with the ``PIPEMARK_LOWERING`` environment variable.
+    """
+    return _jax_config.enum_state(
+        "pipemark_lowering",
+        list(LOWERING_MODES),
+        "barrier",
+        help="How pipeline_marker equations lower: barrier, identity or custom_call.",
+        include_in_jit_key=True,
+        include_in_trace_context=True,
+    )

@@ -1,0 +1,58 @@
+"""Exceptions pipemark raises on bad input.
+
+Every error caused by what a user passed in is a :class:`PipemarkError`, so a caller can
+catch all of them with one ``except`` clause. The subclasses say which part went wrong.
+"""
+
+from __future__ import annotations
+
+__all__ = ["PipemarkError", "MarkerError", "StageGraphError", "describe_eqn"]
+
+
+class PipemarkError(Exception):
+    """Base class of every error pipemark raises because of its input."""
+
+
+class MarkerError(PipemarkError, ValueError):
+    """A marker is malformed: unknown mark type, unpaired or misnamed start/end markers,
+    a marker where it cannot be sliced, or a value that cannot be marked.
+
+    It is also a :class:`ValueError`, which is what the original Alpa functions raised,
+    so code written against them keeps working.
+    """
+
+
+class StageGraphError(PipemarkError):
+    """The stages cannot form a valid program (for example, they depend on each other
+    in a cycle)."""
+
+
+def describe_eqn(eqn, index: int | None = None) -> str:
+    """A one-line description of a jaxpr equation for error messages: its index, its
+    primitive, its marker name when it has one, and the user's source line when JAX
+    recorded one.
+
+    >>> import jax, jax.numpy as jnp
+    >>> cj = jax.make_jaxpr(jnp.sin)(1.0)
+    >>> describe_eqn(cj.jaxpr.eqns[0], 0).startswith("equation 0 (sin")
+    True
+    """
+    where = f"equation {index}" if index is not None else "equation"
+    what = eqn.primitive.name
+    params = eqn.params
+    if "mark_type" in params and "name" in params:
+        what += f" {params['mark_type']} {params['name']!r}"
+    line = _source_line(eqn)
+    return f"{where} ({what}{', ' + line if line else ''})"
+
+
+def _source_line(eqn) -> str:
+    # JAX keeps a filtered traceback on every traced equation and summarises its first
+    # user frame as "file:line:column (function)"; hand-built equations have none.
+    from jax.extend import source_info_util
+
+    try:
+        line = source_info_util.summarize(eqn.source_info)
+    except Exception:  # hand-built equations may carry no traceback at all
+        return ""
+    return "" if line in ("", "unknown") else line

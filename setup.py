@@ -1,0 +1,42 @@
+"""Package metadata for pipemark. `make test` and `make demo` install it editable."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+
+setup(
+    name="pipemark",
+    version="0.1.0",
+    description="Pipeline-stage markers for JAX jaxprs: a marker primitive that survives "
+    "every transform, and passes that insert, slice and rewrite them into stage programs.",
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["pipemark", "pipemark.*"]),
+    install_requires=[
+        "jax>=0.10",
+        "jaxlib>=0.10",
+        "numpy>=1.26",
+        "networkx>=3.2",
+    ],
+    extras_require={
+        "gpu": ["cupy-cuda12x>=13"],
+        "viz": ["matplotlib>=3.7"],
+        "test": [
+            "pytest>=8",
+            "pytest-xdist>=3.5",
+            "hypothesis>=6.100",
+            "ruff>=0.6",
+        ],
+        "docs": ["mkdocs>=1.6"],
+    },
+    entry_points={"console_scripts": ["pipemark = pipemark.cli:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "License :: OSI Approved :: Apache Software License",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)
