@@ -27,3 +27,18 @@ def define_lowering_state():
         include_in_jit_key=True,
         include_in_trace_context=True,
     )
+
+
+# JAX 0.10.2 and 0.11.x: `eqn.source_info.name_stack` is a NameStack whose `.stack` holds
+# `Scope` entries (from jax.named_scope / jax.named_call) and `Transform` entries (jvp,
+# transpose, vmap, ...). There is no public accessor; its str() form mixes both.
+from jax._src import source_info_util as _source_info_util  # noqa: E402
+
+
+def name_stack_scopes(source_info) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The scope names and the transform names of an equation's name stack, outermost
+    first: ``(("block1", "attn"), ("transpose", "jvp"))``."""
+    stack = getattr(getattr(source_info, "name_stack", None), "stack", ())
+    scopes = tuple(e.name for e in stack if isinstance(e, _source_info_util.Scope))
+    transforms = tuple(e.name for e in stack if isinstance(e, _source_info_util.Transform))
+    return scopes, transforms

@@ -29,12 +29,13 @@ data, and instantiating them would move zero-filled buffers across a stage bound
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 import jax
+import numpy as np
+from jax.extend import source_info_util
 from jax.extend.core import JaxprEqn, Primitive, Var, new_jaxpr_eqn, no_effects
 from jax.interpreters import ad, batching
 from jax.interpreters import partial_eval as pe
@@ -86,6 +87,10 @@ _TRANSPOSED_MARK_TYPE = {
     "hook": "hook",
 }
 
+# Frames inside pipemark are not the user's: leave them out of the source line JAX
+# records for each traced equation, as JAX does for its own frames.
+source_info_util.register_exclusion(os.path.dirname(__file__))
+
 pipeline_p = Primitive("pipeline_marker")
 pipeline_p.multiple_results = True
 
@@ -105,8 +110,7 @@ def _check_params(name: Any, mark_type: Any) -> None:
         )
     if not isinstance(name, str):
         raise MarkerError(
-            f"A pipeline marker's name must be a str, got {name!r} of type "
-            f"{type(name).__name__}."
+            f"A pipeline marker's name must be a str, got {name!r} of type {type(name).__name__}."
         )
 
 
@@ -137,7 +141,9 @@ def _bind_over_nonzero(values, name: str, mark_type: str, zero_aval):
     """Bind a marker over the non-Zero entries of ``values``; Zero entries pass
     through as fresh Zeros of ``zero_aval(i)``."""
     keep = [i for i, v in enumerate(values) if type(v) is not ad.Zero]
-    marked = pipeline_p.bind(*(values[i] for i in keep), name=name, mark_type=mark_type)
+    marked = (
+        pipeline_p.bind(*(values[i] for i in keep), name=name, mark_type=mark_type) if keep else []
+    )
     out = [ad.Zero(zero_aval(i)) for i in range(len(values))]
     for i, v in zip(keep, marked):
         out[i] = v
@@ -293,8 +299,8 @@ def _check_eqn_vars(invars: Sequence[Any], outvars: Sequence[Any], what: str) ->
             raise MarkerError(f"{what}: result {i} is {b!r}, not a jaxpr Var.")
         if a.aval.shape != b.aval.shape or a.aval.dtype != b.aval.dtype:
             raise MarkerError(
-                f"{what}: operand {i} has type {a.aval.str_short()} but result {i} has "
-                f"type {b.aval.str_short()}; a marker's result must match its operand."
+                f"{what}: operand {i} has type {a.aval.str_short(short_dtypes=True)} but result {i} has "
+                f"type {b.aval.str_short(short_dtypes=True)}; a marker's result must match its operand."
             )
 
 

@@ -1,0 +1,5 @@
+import sys
+
+from pipemark.cli import main
+
+sys.exit(main())
