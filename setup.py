@@ -15,7 +15,10 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=find_packages(include=["pipemark", "pipemark.*"]),
+    # kernels/*.cu ship inside the package as pipemark/kernels (see pipemark.custom_call).
+    packages=[*find_packages(include=["pipemark", "pipemark.*"]), "pipemark.kernels"],
+    package_dir={"pipemark.kernels": "kernels"},
+    package_data={"pipemark.kernels": ["*.cu"]},
     install_requires=[
         "jax>=0.10",
         "jaxlib>=0.10",
@@ -23,7 +26,8 @@ setup(
         "networkx>=3.2",
     ],
     extras_require={
-        "gpu": ["cupy-cuda12x>=13"],
+        # The GPU image runs CUDA 13; on CUDA 12 install cupy-cuda12x instead.
+        "gpu": ["cupy-cuda13x>=13"],
         "viz": ["matplotlib>=3.7"],
         "test": [
             "pytest>=8",

@@ -71,10 +71,25 @@ def lowering(mode: str) -> Iterator[None]:
 
 
 def _custom_call_lowering() -> Callable:
-    raise PipemarkError(
-        "The 'custom_call' lowering is not available yet in this version of pipemark; "
-        "use pm.lowering('barrier') (the default) or pm.lowering('identity')."
-    )
+    """The custom-call lowering rule, after checking that JAX's default backend can run
+    it (registering its targets there); raises a :class:`PipemarkError` when it cannot,
+    e.g. on an NVIDIA GPU without CuPy."""
+    from pipemark import custom_call  # its CUDA side imports CuPy only when needed
+
+    custom_call.check_available()
+    return _lower_custom_call
+
+
+def _lower_custom_call(ctx, *args, name: str, mark_type: str):
+    if mark_type == "hook":
+        # Hooks are taps on values, not stage boundaries: like the original, they keep
+        # the barrier lowering and cost no call.
+        return _lower_barrier(ctx, *args, name=name, mark_type=mark_type)
+    from pipemark import custom_call
+
+    # Registers the targets for the platforms of this lowering, which need not be the
+    # default backend's.
+    return custom_call.lower_marker(ctx, *args, name=name, mark_type=mark_type)
 
 
 def _lower_barrier(ctx, *args, name: str, mark_type: str):
@@ -94,7 +109,7 @@ def _lower_marker(ctx, *args, name: str, mark_type: str):
     if mode == "identity":
         rule = _lower_identity
     elif mode == "custom_call":
-        rule = _custom_call_lowering()
+        rule = _lower_custom_call
     else:
         rule = _lower_barrier
     return rule(ctx, *args, name=name, mark_type=mark_type)
