@@ -31,14 +31,21 @@ def define_lowering_state():
 
 # JAX 0.10.2 and 0.11.x: `eqn.source_info.name_stack` is a NameStack whose `.stack` holds
 # `Scope` entries (from jax.named_scope / jax.named_call) and `Transform` entries (jvp,
-# transpose, vmap, ...). There is no public accessor; its str() form mixes both.
-from jax._src import source_info_util as _source_info_util  # noqa: E402
-
-
+# transpose, vmap, ...). There is no public accessor and its str() form mixes both, so
+# the entries are told apart by class name (no jax._src import needed here).
 def name_stack_scopes(source_info) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The scope names and the transform names of an equation's name stack, outermost
     first: ``(("block1", "attn"), ("transpose", "jvp"))``."""
-    stack = getattr(getattr(source_info, "name_stack", None), "stack", ())
-    scopes = tuple(e.name for e in stack if isinstance(e, _source_info_util.Scope))
-    transforms = tuple(e.name for e in stack if isinstance(e, _source_info_util.Transform))
-    return scopes, transforms
+    stack = getattr(getattr(source_info, "name_stack", None), "stack", ()) or ()
+    scopes: list[str] = []
+    transforms: list[str] = []
+    for entry in stack:
+        kind = type(entry).__name__
+        name = getattr(entry, "name", None)
+        if not isinstance(name, str):
+            continue
+        if kind == "Transform":
+            transforms.append(name)
+        elif kind == "Scope":
+            scopes.append(name)
+    return tuple(scopes), tuple(transforms)

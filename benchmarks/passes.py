@@ -1,0 +1,156 @@
+"""How long the pass pipeline takes compared with tracing the program.
+
+For MLPs and transformers of about 2k to 200k equations (``value_and_grad`` of a model
+whose layers are separated by boundary markers), time
+
+    layers_from_boundaries → slice_stages → mark_missing_vars → dce
+
+and divide by the time ``jax.make_jaxpr`` takes to trace the same program (a fresh
+function each time: ``make_jaxpr`` caches on the function object). Print a markdown
+table with the ratio and the microseconds per equation of each pass.
+
+Timing follows ``timeit``: the best of ``--repeat`` runs, with the garbage collector
+collected before and paused during each timed call, for tracing and passes alike (a
+full collection over a heap holding a 200k-equation jaxpr lands in whichever call
+happens to trigger it). The last column repeats the ratio with the collector running.
+
+Targets (issue 3): ratio <= 0.05 at 2k equations; microseconds per equation flat
+within 2x from 2k to 200k.
+
+    python benchmarks/passes.py                      # 2k, 20k, 200k
+    python benchmarks/passes.py --sizes 2000 20000 --repeat 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pipemark import examples
+from pipemark.passes import dce, layers_from_boundaries, mark_missing_vars, slice_stages
+
+PASSES: tuple[tuple[str, Callable[[Any], Any]], ...] = (
+    ("insert", layers_from_boundaries),
+    ("slice", slice_stages),
+    ("mark_missing_vars", mark_missing_vars),
+    ("dce", dce),
+)
+
+
+def _timed(fn: Callable[[], Any], collector: bool) -> tuple[float, Any]:
+    gc.collect()
+    if not collector:
+        gc.disable()
+    try:
+        start = time.perf_counter()
+        result = fn()
+        return time.perf_counter() - start, result
+    finally:
+        gc.enable()
+
+
+def _pipeline(cj: Any, collector: bool) -> dict[str, float]:
+    """Seconds per pass. slice_stages reads the inserted program; the rewrite passes
+    continue from it, each from the previous one's result."""
+    times: dict[str, float] = {}
+    inserted = None
+    current = cj
+    for name, fn in PASSES:
+        source = inserted if name == "slice" else current
+        seconds, result = _timed(lambda fn=fn, source=source: fn(source), collector)
+        times[name] = seconds
+        if name == "insert":
+            inserted = current = result
+        elif name != "slice":
+            current = result
+    return times
+
+
+def measure(kind: str, num_eqns: int, repeat: int) -> dict[str, Any]:
+    example = examples.sized(kind, num_eqns, markers="boundary")
+    trace_times, cj = [], None
+    for _ in range(repeat):
+        seconds, cj = _timed(lambda: example.trace(grad=True), collector=False)
+        trace_times.append(seconds)
+    pass_times = [_pipeline(cj, collector=False) for _ in range(repeat)]
+    best = {name: min(t[name] for t in pass_times) for name, _ in PASSES}
+    with_collector = _pipeline(cj, collector=True)
+    trace_with_collector, _ = _timed(lambda: example.trace(grad=True), collector=True)
+    count = len(cj.jaxpr.eqns)
+    total = sum(best.values())
+    return {
+        "kind": kind,
+        "eqns": count,
+        "layers": len(example.params),
+        "trace": min(trace_times),
+        "passes": best,
+        "total": total,
+        "ratio": total / min(trace_times),
+        "ratio_gc": sum(with_collector.values()) / trace_with_collector,
+        "us_per_eqn": total / count * 1e6,
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    names = [name for name, _ in PASSES]
+    head = (
+        "| model | equations | make_jaxpr (s) | "
+        + " | ".join(f"{n} (µs/eqn)" for n in names)
+        + " | passes (µs/eqn) | ratio | ratio, GC on |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        per_pass = " | ".join(f"{r['passes'][n] / r['eqns'] * 1e6:.2f}" for n in names)
+        lines.append(
+            f"| {r['kind']} | {r['eqns']:,} | {r['trace']:.2f} | {per_pass} | "
+            f"{r['us_per_eqn']:.2f} | {r['ratio']:.3f} | {r['ratio_gc']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def verdict(rows: list[dict[str, Any]]) -> str:
+    lines = []
+    for kind in dict.fromkeys(r["kind"] for r in rows):
+        mine = sorted((r for r in rows if r["kind"] == kind), key=lambda r: r["eqns"])
+        smallest = mine[0]
+        spread = max(r["us_per_eqn"] for r in mine) / min(r["us_per_eqn"] for r in mine)
+        ratio_ok = "meets" if smallest["ratio"] <= 0.05 else "misses"
+        flat_ok = "meets" if spread <= 2 else "misses"
+        lines.append(
+            f"- {kind}: ratio {smallest['ratio']:.3f} at {smallest['eqns']:,} equations "
+            f"({ratio_ok} <= 0.05); µs/eqn varies {spread:.2f}x from "
+            f"{mine[0]['eqns']:,} to {mine[-1]['eqns']:,} equations ({flat_ok} <= 2x)."
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kinds", nargs="+", default=["mlp", "transformer"])
+    parser.add_argument("--sizes", nargs="+", type=int, default=[2_000, 20_000, 200_000])
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="timed runs per size (the largest size runs once)"
+    )
+    args = parser.parse_args(argv)
+    rows = []
+    for kind in args.kinds:
+        for size in args.sizes:
+            repeat = 1 if size >= 100_000 else args.repeat
+            row = measure(kind, size, repeat)
+            rows.append(row)
+            print(
+                f"{kind} {row['eqns']:,} equations: ratio {row['ratio']:.3f}, "
+                f"{row['us_per_eqn']:.2f} µs/eqn",
+                flush=True,
+            )
+    print()
+    print(table(rows))
+    print()
+    print(verdict(rows))
+
+
+if __name__ == "__main__":
+    main()

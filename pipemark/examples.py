@@ -1,0 +1,453 @@
+"""Small models in plain JAX, with and without pipeline markers.
+
+Tests, benchmarks and documentation need the same few programs: an MLP, a residual
+network whose skip connections jump over stages, and a transformer. Each builder returns
+an :class:`Example` ``(loss_fn, params, batch)``; the traced programs are::
+
+    jax.make_jaxpr(loss_fn)(params, batch)
+    jax.make_jaxpr(jax.value_and_grad(loss_fn))(params, batch)
+
+(:meth:`Example.trace` does this for a fresh function each call.) Parameters come from
+``numpy.random.default_rng(seed)``, so the same arguments give the same arrays.
+
+``markers`` chooses how the layers are marked:
+
+``"startend"``
+    Layer ``i`` is wrapped in a ``start``/``end`` pair named ``layer{i}`` (``block{i}``
+    for the residual network and the transformer). *All* of the layer's inputs, its
+    activation and its own parameters, go through the start marker, so the gradient
+    with respect to the parameters gives complete mirrored ``_backward`` markers.
+``"boundary"``
+    A zero-operand boundary marker between consecutive layers.
+``None``
+    No markers: the reference program.
+
+The loss is computed inside the last layer, so with ``"startend"`` every forward
+equation lies between a start and an end marker.
+
+Models are built with a Python loop over layers (never ``lax.scan``), so the number of
+equations grows with the number of layers; :func:`sized` picks the number of layers for
+a target equation count.
+
+>>> import jax, pipemark as pm
+>>> loss_fn, params, batch = mlp(num_layers=2, width=4, batch=3)
+>>> cj = jax.make_jaxpr(loss_fn)(params, batch)
+>>> [e.params["name"] for e in cj.eqns if e.primitive is pm.pipeline_p]
+['layer0', 'layer0', 'layer1', 'layer1']
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pipemark.errors import PipemarkError
+from pipemark.primitive import mark, mark_gradient, mark_pipeline_boundary
+
+__all__ = [
+    "MARKER_STYLES",
+    "Example",
+    "mlp",
+    "resnet",
+    "transformer",
+    "sized",
+    "train_step",
+]
+
+MARKER_STYLES: tuple[str | None, ...] = ("startend", "boundary", None)
+
+
+class Example(NamedTuple):
+    """A model: ``loss_fn(params, batch)`` returns a scalar loss.
+
+    It unpacks as ``loss_fn, params, batch = example``.
+    """
+
+    loss_fn: Callable[[Any, Any], jax.Array]
+    params: Any
+    batch: Any
+
+    @property
+    def args(self) -> tuple[Any, Any]:
+        """``(params, batch)``, the arguments of ``loss_fn``."""
+        return (self.params, self.batch)
+
+    def trace(self, grad: bool = False) -> jax.extend.core.ClosedJaxpr:
+        """Trace ``loss_fn`` (or ``jax.value_and_grad(loss_fn)`` when ``grad``).
+
+        Each call traces a new function object, so ``jax.make_jaxpr``'s cache on the
+        function never hides the tracing time.
+        """
+        loss_fn = self.loss_fn
+        fn = jax.value_and_grad(loss_fn) if grad else loss_fn
+
+        def fresh(params, batch):
+            return fn(params, batch)
+
+        return jax.make_jaxpr(fresh)(self.params, self.batch)
+
+
+def _check_markers(markers: str | None) -> None:
+    if markers not in MARKER_STYLES:
+        raise PipemarkError(
+            f"Unknown markers style {markers!r}; choose one of 'startend', 'boundary' or None."
+        )
+
+
+def _check_positive(**sizes: int) -> None:
+    for key, value in sizes.items():
+        if not isinstance(value, int) or value < 1:
+            raise PipemarkError(f"{key} must be a positive int, got {value!r}.")
+
+
+def _normal(rng: np.random.Generator, shape: tuple[int, ...], scale: float) -> jax.Array:
+    return jnp.asarray(rng.normal(0.0, scale, size=shape).astype(np.float32))
+
+
+def _layer_begin(markers: str | None, name: str, index: int, values: Any) -> Any:
+    if markers == "startend":
+        return mark(values, name=name, mark_type="start")
+    if markers == "boundary" and index > 0:
+        mark_pipeline_boundary()
+    return values
+
+
+def _layer_finish(markers: str | None, name: str, value: jax.Array) -> jax.Array:
+    if markers == "startend":
+        return mark(value, name=name, mark_type="end")
+    return value
+
+
+def _mse(prediction: jax.Array, target: jax.Array) -> jax.Array:
+    return jnp.mean((prediction - target) ** 2)
+
+
+# ---------------------------------------------------------------------------------- MLP
+
+
+def mlp(
+    num_layers: int = 4,
+    width: int = 8,
+    batch: int = 4,
+    *,
+    markers: str | None = "startend",
+    seed: int = 0,
+) -> Example:
+    """A ``tanh`` MLP of ``num_layers`` square layers with a mean-squared-error loss.
+
+    ``params`` is a list of ``(w, b)`` pairs, ``batch`` is ``(x, y)`` with ``x`` and
+    ``y`` of shape ``(batch, width)``. Layer ``i`` is marked ``layer{i}``.
+
+    >>> loss_fn, params, batch = mlp(num_layers=3, markers=None)
+    >>> len(params), batch[0].shape
+    (3, (4, 8))
+    """
+    _check_markers(markers)
+    _check_positive(num_layers=num_layers, width=width, batch=batch)
+    rng = np.random.default_rng(seed)
+    params = [
+        (_normal(rng, (width, width), 1.0 / math.sqrt(width)), _normal(rng, (width,), 0.1))
+        for _ in range(num_layers)
+    ]
+    data = (_normal(rng, (batch, width), 1.0), _normal(rng, (batch, width), 1.0))
+
+    def loss_fn(params, batch):
+        x, y = batch
+        for i, (w, b) in enumerate(params):
+            name = f"layer{i}"
+            x, w, b = _layer_begin(markers, name, i, (x, w, b))
+            x = jnp.tanh(x @ w + b)
+            if i == len(params) - 1:
+                x = _mse(x, y)
+            x = _layer_finish(markers, name, x)
+        return x
+
+    return Example(loss_fn, params, data)
+
+
+# ------------------------------------------------------------------------------ ResNet
+
+
+def resnet(
+    num_blocks: int = 6,
+    width: int = 8,
+    batch: int = 4,
+    *,
+    skip: int = 3,
+    markers: str | None = "startend",
+    route_skips: bool = True,
+    seed: int = 0,
+) -> Example:
+    """A residual network whose block ``i`` also reads the output of block ``i - skip``.
+
+    Block ``i`` computes ``tanh(h @ w + b) + out[i - skip]`` (the second term only when
+    ``i >= skip``), where ``h`` is the previous block's output; so stage 0 feeds stage
+    ``skip`` directly, past the stages in between. Blocks are marked ``block{i}``.
+
+    With ``route_skips=True`` the skipped value goes through block ``i``'s start marker
+    like every other input. With ``route_skips=False`` it bypasses the marker: the
+    program then needs :func:`pipemark.passes.mark_missing_vars` before its stages read
+    other stages' values only through their start markers.
+
+    >>> import jax
+    >>> ex = resnet(num_blocks=4, skip=3)
+    >>> float(ex.loss_fn(*ex.args)) > 0
+    True
+    """
+    _check_markers(markers)
+    _check_positive(num_blocks=num_blocks, width=width, batch=batch, skip=skip)
+    rng = np.random.default_rng(seed)
+    params = [
+        (_normal(rng, (width, width), 1.0 / math.sqrt(width)), _normal(rng, (width,), 0.1))
+        for _ in range(num_blocks)
+    ]
+    data = (_normal(rng, (batch, width), 1.0), _normal(rng, (batch, width), 1.0))
+
+    def loss_fn(params, batch):
+        h, y = batch
+        outputs: list[jax.Array] = []
+        for i, (w, b) in enumerate(params):
+            name = f"block{i}"
+            skipped = outputs[i - skip] if i >= skip else None
+            if skipped is not None and route_skips:
+                h, skipped, w, b = _layer_begin(markers, name, i, (h, skipped, w, b))
+            else:
+                h, w, b = _layer_begin(markers, name, i, (h, w, b))
+            h = jnp.tanh(h @ w + b)
+            if skipped is not None:
+                h = h + skipped
+            if i == len(params) - 1:
+                h = _mse(h, y)
+            h = _layer_finish(markers, name, h)
+            outputs.append(h)
+        return h
+
+    return Example(loss_fn, params, data)
+
+
+# ------------------------------------------------------------------------- Transformer
+
+
+def _layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    centered = x - mean
+    variance = jnp.mean(centered * centered, axis=-1, keepdims=True)
+    return centered * lax.rsqrt(variance + 1e-5) * scale + bias
+
+
+def _softmax(scores: jax.Array) -> jax.Array:
+    # Written out rather than jax.nn.softmax so that no custom_jvp call hides the
+    # equations from the top level of the jaxpr.
+    shifted = scores - jnp.max(lax.stop_gradient(scores), axis=-1, keepdims=True)
+    exp = jnp.exp(shifted)
+    return exp / jnp.sum(exp, axis=-1, keepdims=True)
+
+
+def _gelu(x: jax.Array) -> jax.Array:
+    # The tanh approximation, written out: jax.nn.gelu is jitted and would appear as
+    # one nested call equation.
+    return 0.5 * x * (1.0 + jnp.tanh(0.7978845608 * (x + 0.044715 * x * x * x)))
+
+
+def _attention(x: jax.Array, p: dict[str, jax.Array], num_heads: int) -> jax.Array:
+    batch, seq, d_model = x.shape
+    head = d_model // num_heads
+
+    def heads(t):
+        return t.reshape(batch, seq, num_heads, head).transpose(0, 2, 1, 3)
+
+    q, k, v = heads(x @ p["wq"]), heads(x @ p["wk"]), heads(x @ p["wv"])
+    scores = jnp.matmul(q, k.transpose(0, 1, 3, 2)) / math.sqrt(head)
+    mixed = jnp.matmul(_softmax(scores), v)
+    return mixed.transpose(0, 2, 1, 3).reshape(batch, seq, d_model) @ p["wo"]
+
+
+def _transformer_block(x: jax.Array, p: dict[str, jax.Array], num_heads: int) -> jax.Array:
+    x = x + _attention(_layer_norm(x, p["ln1_scale"], p["ln1_bias"]), p, num_heads)
+    hidden = _gelu(_layer_norm(x, p["ln2_scale"], p["ln2_bias"]) @ p["w1"] + p["b1"])
+    return x + hidden @ p["w2"] + p["b2"]
+
+
+def transformer(
+    num_layers: int = 2,
+    d_model: int = 16,
+    num_heads: int = 2,
+    seq: int = 8,
+    batch: int = 2,
+    *,
+    markers: str | None = "startend",
+    seed: int = 0,
+) -> Example:
+    """A stack of ``num_layers`` pre-layer-norm transformer blocks (self-attention and a
+    GELU MLP of width ``4 * d_model``, each with a residual connection).
+
+    ``params`` is a list of dicts, one per block; ``batch`` is ``(x, y)`` with both of
+    shape ``(batch, seq, d_model)``; the loss is the mean squared error. Block ``i`` is
+    marked ``block{i}``. ``transformer(num_layers=1)`` is a single transformer block.
+
+    >>> ex = transformer(num_layers=1)
+    >>> sorted(ex.params[0])[:3]
+    ['b1', 'b2', 'ln1_bias']
+    """
+    _check_markers(markers)
+    _check_positive(num_layers=num_layers, d_model=d_model, num_heads=num_heads, seq=seq)
+    _check_positive(batch=batch)
+    if d_model % num_heads:
+        raise PipemarkError(f"d_model ({d_model}) must be a multiple of num_heads ({num_heads}).")
+    rng = np.random.default_rng(seed)
+    scale = 1.0 / math.sqrt(d_model)
+    hidden = 4 * d_model
+
+    def block_params():
+        return {
+            "ln1_scale": jnp.ones((d_model,), jnp.float32),
+            "ln1_bias": jnp.zeros((d_model,), jnp.float32),
+            "wq": _normal(rng, (d_model, d_model), scale),
+            "wk": _normal(rng, (d_model, d_model), scale),
+            "wv": _normal(rng, (d_model, d_model), scale),
+            "wo": _normal(rng, (d_model, d_model), scale),
+            "ln2_scale": jnp.ones((d_model,), jnp.float32),
+            "ln2_bias": jnp.zeros((d_model,), jnp.float32),
+            "w1": _normal(rng, (d_model, hidden), scale),
+            "b1": jnp.zeros((hidden,), jnp.float32),
+            "w2": _normal(rng, (hidden, d_model), 1.0 / math.sqrt(hidden)),
+            "b2": jnp.zeros((d_model,), jnp.float32),
+        }
+
+    params = [block_params() for _ in range(num_layers)]
+    shape = (batch, seq, d_model)
+    data = (_normal(rng, shape, 1.0), _normal(rng, shape, 1.0))
+
+    def loss_fn(params, batch):
+        x, y = batch
+        for i, p in enumerate(params):
+            name = f"block{i}"
+            x, p = _layer_begin(markers, name, i, (x, p))
+            x = _transformer_block(x, p, num_heads)
+            if i == len(params) - 1:
+                x = _mse(x, y)
+            x = _layer_finish(markers, name, x)
+        return x
+
+    return Example(loss_fn, params, data)
+
+
+# ------------------------------------------------------------------ sized for benchmarks
+
+_SIZED_BUILDERS: dict[str, Callable[..., Example]] = {
+    "mlp": lambda n, markers, seed: mlp(n, width=8, batch=4, markers=markers, seed=seed),
+    "resnet": lambda n, markers, seed: resnet(n, width=8, batch=4, markers=markers, seed=seed),
+    "transformer": lambda n, markers, seed: transformer(
+        n, d_model=8, num_heads=2, seq=4, batch=2, markers=markers, seed=seed
+    ),
+}
+
+
+def sized(
+    kind: str,
+    num_eqns: int,
+    *,
+    grad: bool = True,
+    markers: str | None = "startend",
+    seed: int = 0,
+) -> Example:
+    """A model of family ``kind`` (``"mlp"``, ``"resnet"`` or ``"transformer"``) whose
+    traced program has about ``num_eqns`` top-level equations.
+
+    With ``grad`` the count is that of ``jax.value_and_grad(loss_fn)``; otherwise that
+    of ``loss_fn``. The layers are small (width 8), so tracing time is dominated by the
+    number of equations, not by array sizes. The count is exact up to one layer's worth
+    of equations.
+
+    >>> ex = sized("mlp", 500, grad=False)
+    >>> abs(len(ex.trace().eqns) - 500) <= 10
+    True
+    """
+    builder = _SIZED_BUILDERS.get(kind)
+    if builder is None:
+        raise PipemarkError(
+            f"Unknown model kind {kind!r}; choose one of {', '.join(_SIZED_BUILDERS)}."
+        )
+    _check_positive(num_eqns=num_eqns)
+    # Equations grow linearly in the number of layers, apart from the first and last
+    # layers (input handling, the loss): measure the slope between 3 and 4 layers.
+    counts = [len(builder(n, markers, seed).trace(grad).eqns) for n in (3, 4)]
+    per_layer = counts[1] - counts[0]
+    base = counts[0] - 3 * per_layer
+    num_layers = max(1, round((num_eqns - base) / per_layer))
+    return builder(num_layers, markers, seed)
+
+
+# --------------------------------------------------------------------------- training
+
+
+def train_step(
+    loss_fn: Callable[[Any, Any], jax.Array],
+    *,
+    optimizer: str = "sgd",
+    learning_rate: float = 1e-2,
+) -> tuple[Callable[[Any, Any, Any], tuple[Any, Any, jax.Array]], Callable[[Any], Any]]:
+    """A training step with the gradients marked by :func:`pipemark.mark_gradient`.
+
+    Returns ``(step, init_state)``: ``step(params, state, batch)`` returns
+    ``(new_params, new_state, loss)``, and ``init_state(params)`` makes the optimizer
+    state (``()`` for ``"sgd"``; first and second moments and a step count for
+    ``"adam"``). :func:`pipemark.passes.split_at_gradient` cuts the traced step at the
+    marker.
+
+    >>> import jax
+    >>> ex = mlp(num_layers=2)
+    >>> step, init_state = train_step(ex.loss_fn, optimizer="adam")
+    >>> params, state, loss = step(ex.params, init_state(ex.params), ex.batch)
+    >>> int(state[2])
+    1
+    """
+    if optimizer not in ("sgd", "adam"):
+        raise PipemarkError(f"Unknown optimizer {optimizer!r}; choose 'sgd' or 'adam'.")
+    tree_map = jax.tree_util.tree_map
+
+    def gradients(params, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        return loss, mark_gradient(grads)
+
+    if optimizer == "sgd":
+
+        def init_state(params):
+            return ()
+
+        def step(params, state, batch):
+            loss, grads = gradients(params, batch)
+            new_params = tree_map(lambda p, g: p - learning_rate * g, params, grads)
+            return new_params, state, loss
+
+        return step, init_state
+
+    beta1, beta2, eps = 0.9, 0.999, 1e-8
+
+    def init_state(params):
+        zeros = tree_map(jnp.zeros_like, params)
+        return (zeros, zeros, jnp.zeros((), jnp.int32))
+
+    def step(params, state, batch):
+        loss, grads = gradients(params, batch)
+        m, v, count = state
+        count = count + 1
+        m = tree_map(lambda m, g: beta1 * m + (1 - beta1) * g, m, grads)
+        v = tree_map(lambda v, g: beta2 * v + (1 - beta2) * g * g, v, grads)
+        t = count.astype(jnp.float32)
+        correction = jnp.sqrt(1 - beta2**t) / (1 - beta1**t)
+        new_params = tree_map(
+            lambda p, m, v: p - learning_rate * correction * m / (jnp.sqrt(v) + eps),
+            params,
+            m,
+            v,
+        )
+        return new_params, (m, v, count), loss
+
+    return step, init_state

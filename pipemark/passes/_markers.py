@@ -1,0 +1,349 @@
+"""Find and validate the stage structure that markers give a jaxpr.
+
+A *stage* is the run of equations from the marker that opens it to the marker that
+closes it, both included. ``start`` and ``jvp_start`` open a stage, ``end`` and
+``jvp_end`` close it; markers are matched by name. Under :func:`jax.jvp` a primal marker
+and its tangent marker share a name, so ``start a``, ``jvp_start a`` … ``end a``,
+``jvp_end a`` is one stage ``a`` that closes when every opener has its closer.
+
+This module is private to :mod:`pipemark.passes`; other passes import
+:func:`find_stage_spans` and :func:`stage_index_of_equations` from here. Their
+signatures are stable.
+
+Two shapes that JAX makes are accepted on purpose:
+
+* A mirrored ``<name>_backward`` stage left open at the end of the program, when stage
+  ``<name>`` exists. ``grad`` makes no backward ``end`` marker when the first stage's
+  inputs are not differentiated (their cotangent is a symbolic zero), so the last
+  backward stage runs to the end of the program. Its span has ``closers == ()``.
+* A ``jvp_end`` right after the stage of the same name closed, with
+  no other stage opened in between: the tangent marker of a ``start`` whose tangents
+  were all symbolic zeros is missing, so the tangent ``jvp_end`` follows the primal
+  ``end``. The stage is extended to that marker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, jaxprs_in_params
+
+from pipemark.errors import MarkerError, describe_eqn
+from pipemark.primitive import MARK_TYPES, pipeline_p
+
+__all__ = [
+    "CLOSERS",
+    "OPENERS",
+    "STAGE_MARK_TYPES",
+    "StageSpan",
+    "check_no_markers_in_bodies",
+    "find_stage_spans",
+    "stage_index_of_equations",
+]
+
+#: Opening mark type -> the closing mark type that pairs with it.
+OPENERS = {"start": "end", "jvp_start": "jvp_end"}
+#: Closing mark type -> the opening mark type it pairs with.
+CLOSERS = {"end": "start", "jvp_end": "jvp_start"}
+#: Mark types that delimit stages or layers; a pass cannot cut inside a sub-jaxpr, so
+#: these may not appear in a ``scan``/``cond``/``while``/``pjit``/``remat`` body.
+STAGE_MARK_TYPES = frozenset(("start", "end", "jvp_start", "jvp_end", "boundary"))
+
+_BACKWARD_SUFFIX = "_backward"
+
+
+@dataclass(frozen=True)
+class StageSpan:
+    """One stage of a marked program: equations ``first`` to ``last``, both included.
+
+    Attributes
+    ----------
+    name:
+        The stage name (the markers' ``name`` parameter).
+    first, last:
+        Equation indices of the first opening marker and the last closing marker (or of
+        the program's last equation when the stage is closed implicitly).
+    openers, closers:
+        Indices of the ``start``/``jvp_start`` and ``end``/``jvp_end`` markers of this
+        stage, in program order. ``closers`` is empty for a mirrored backward stage that
+        JAX left open at the end of the program.
+    """
+
+    name: str
+    first: int
+    last: int
+    openers: tuple[int, ...]
+    closers: tuple[int, ...]
+
+    @property
+    def implicit_end(self) -> bool:
+        """Whether the stage runs to the end of the program without an end marker."""
+        return not self.closers
+
+
+def _as_jaxpr(jaxpr: Jaxpr | ClosedJaxpr) -> Jaxpr:
+    return jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
+
+
+def _marker_params(eqn: JaxprEqn, index: int) -> tuple[str, str]:
+    """The (name, mark_type) of a marker equation, validated."""
+    mark_type = eqn.params.get("mark_type")
+    name = eqn.params.get("name")
+    if mark_type not in MARK_TYPES:
+        raise MarkerError(
+            f"{describe_eqn(eqn, index)}: unknown mark type {mark_type!r}. A pipeline "
+            f"marker's mark_type must be one of {', '.join(MARK_TYPES)}; rebuild the "
+            "marker with pm.mark or pm.mark_pipeline_jaxpreqn."
+        )
+    if not isinstance(name, str):
+        raise MarkerError(
+            f"{describe_eqn(eqn, index)}: marker name {name!r} is not a str; give every "
+            "marker a string name."
+        )
+    return name, mark_type
+
+
+def _markers_in(jaxpr: Jaxpr, seen: dict[int, JaxprEqn | None]) -> JaxprEqn | None:
+    """The first stage-delimiting marker anywhere inside ``jaxpr`` (recursively)."""
+    key = id(jaxpr)
+    if key in seen:
+        return seen[key]
+    seen[key] = None  # guards against a body that (indirectly) contains itself
+    found = None
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is pipeline_p and eqn.params.get("mark_type") in STAGE_MARK_TYPES:
+            found = eqn
+            break
+        for sub in jaxprs_in_params(eqn.params):
+            found = _markers_in(sub, seen)
+            if found is not None:
+                break
+        if found is not None:
+            break
+    seen[key] = found
+    return found
+
+
+def _iter_bodies(eqn: JaxprEqn) -> Iterator[tuple[str, Jaxpr]]:
+    for key, value in eqn.params.items():
+        if isinstance(value, ClosedJaxpr):
+            yield key, value.jaxpr
+        elif isinstance(value, Jaxpr):
+            yield key, value
+        elif isinstance(value, (tuple, list)):
+            for item in value:
+                if isinstance(item, ClosedJaxpr):
+                    yield key, item.jaxpr
+                elif isinstance(item, Jaxpr):
+                    yield key, item
+
+
+def check_no_markers_in_bodies(jaxpr: Jaxpr | ClosedJaxpr) -> None:
+    """Raise :class:`MarkerError` if a stage marker sits inside a sub-jaxpr.
+
+    Passes cut only the top level of a program; a ``start``/``end``/``jvp_*``/
+    ``boundary`` marker inside a ``scan``, ``cond``, ``while``, ``pjit`` or ``remat``
+    body cannot be cut there. Linear in the total number of equations (each distinct
+    body is scanned once).
+    """
+    jaxpr = _as_jaxpr(jaxpr)
+    seen: dict[int, JaxprEqn | None] = {}
+    for index, eqn in enumerate(jaxpr.eqns):
+        if not eqn.params:
+            continue
+        for param, body in _iter_bodies(eqn):
+            inner = _markers_in(body, seen)
+            if inner is None:
+                continue
+            hint = (
+                " (jax.checkpoint: checkpoint each stage's computation inside its "
+                "markers, not the whole marked function)"
+                if "remat" in eqn.primitive.name or "checkpoint" in eqn.primitive.name
+                else ""
+            )
+            raise MarkerError(
+                f"{describe_eqn(eqn, index)} holds a {inner.params['mark_type']} marker "
+                f"{inner.params.get('name')!r} inside its {param!r} body; stages are cut "
+                "only at the top level of a program. Hoist the marker out of the "
+                f"{eqn.primitive.name}, or slice the body jaxpr itself{hint}."
+            )
+
+
+@dataclass
+class _Open:
+    name: str
+    first: int
+    openers: list[int]
+    closers: list[int]
+    pending: set[str]  # closing mark types still expected
+
+
+def find_stage_spans(
+    jaxpr: Jaxpr | ClosedJaxpr, *, allow_boundaries: bool = False
+) -> tuple[StageSpan, ...]:
+    """Find the stages of a marked program and check that its markers are well formed.
+
+    Parameters
+    ----------
+    jaxpr:
+        A ``Jaxpr`` or ``ClosedJaxpr``; only its top level is cut.
+    allow_boundaries:
+        When ``False`` (the default), zero-operand ``boundary`` markers are refused with
+        a message that points to :func:`pipemark.passes.layers_from_boundaries`; when
+        ``True`` they are ignored.
+
+    Returns
+    -------
+    tuple of StageSpan
+        One span per stage, in program order. Spans never overlap. Equations outside
+        every span are *unmarked*.
+
+    Raises
+    ------
+    MarkerError
+        For an end without a start, a start without an end, mismatched names, a start
+        inside another stage, two stages with the same name, an unknown mark type, a
+        stage marker inside a sub-jaxpr body, or (unless allowed) a boundary marker.
+        Every message names the equation index, primitive and source line.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp, pipemark as pm
+    >>> def f(x):
+    ...     x = pm.mark(x, name="a", mark_type="start")
+    ...     x = pm.mark(jnp.sin(x), name="a", mark_type="end")
+    ...     return jnp.cos(x)
+    >>> find_stage_spans(jax.make_jaxpr(f)(1.0))
+    (StageSpan(name='a', first=0, last=2, openers=(0,), closers=(2,)),)
+    """
+    jaxpr = _as_jaxpr(jaxpr)
+    check_no_markers_in_bodies(jaxpr)
+    eqns = jaxpr.eqns
+    spans: list[StageSpan] = []
+    where_named: dict[str, int] = {}  # stage name -> opening eqn index, for duplicates
+    current: _Open | None = None
+    # The span closed last, while no other stage has opened since: a tangent marker of
+    # the same name may still extend it (see the module docstring).
+    just_closed: _Open | None = None
+
+    def close(stage: _Open, last: int) -> None:
+        spans.append(
+            StageSpan(stage.name, stage.first, last, tuple(stage.openers), tuple(stage.closers))
+        )
+
+    for index, eqn in enumerate(eqns):
+        if eqn.primitive is not pipeline_p:
+            continue
+        name, mark_type = _marker_params(eqn, index)
+        if mark_type == "boundary":
+            if allow_boundaries:
+                continue
+            raise MarkerError(
+                f"{describe_eqn(eqn, index)}: this program marks layers with boundary "
+                "markers, which do not delimit stages by themselves. Call "
+                "pm.passes.layers_from_boundaries(cj) first to wrap each layer in "
+                "start/end markers (pm.split does this for you)."
+            )
+        if mark_type in OPENERS:
+            if current is not None:
+                if current.name == name and OPENERS[mark_type] not in current.pending:
+                    # The tangent opener of a stage whose primal start is open.
+                    current.openers.append(index)
+                    current.pending.add(OPENERS[mark_type])
+                    continue
+                raise MarkerError(
+                    f"{describe_eqn(eqn, index)} opens stage {name!r} inside stage "
+                    f"{current.name!r}, opened at "
+                    f"{describe_eqn(eqns[current.first], current.first)}; stages cannot "
+                    f"nest. Close {current.name!r} with an end marker first."
+                )
+            if name in where_named:
+                first = where_named[name]
+                raise MarkerError(
+                    f"{describe_eqn(eqn, index)} opens a second stage named {name!r}; the "
+                    f"first one opened at {describe_eqn(eqns[first], first)}. Stage names "
+                    "must be unique: rename one of them (jax.checkpoint over a marked "
+                    "function duplicates its markers; checkpoint inside each stage "
+                    "instead)."
+                )
+            where_named[name] = index
+            current = _Open(name, index, [index], [], {OPENERS[mark_type]})
+            just_closed = None
+            continue
+        if mark_type in CLOSERS:
+            if current is None:
+                if (
+                    just_closed is not None
+                    and just_closed.name == name
+                    and mark_type == "jvp_end"
+                    and "jvp_end" not in {eqns[i].params["mark_type"] for i in just_closed.closers}
+                ):
+                    just_closed.closers.append(index)
+                    spans[-1] = StageSpan(
+                        name,
+                        just_closed.first,
+                        index,
+                        tuple(just_closed.openers),
+                        tuple(just_closed.closers),
+                    )
+                    continue
+                raise MarkerError(
+                    f"{describe_eqn(eqn, index)} closes stage {name!r}, but no stage is "
+                    f"open there. Add a start marker named {name!r} before it, or remove "
+                    "this end marker."
+                )
+            if current.name != name:
+                raise MarkerError(
+                    f"{describe_eqn(eqn, index)} closes stage {name!r}, but the open stage "
+                    f"is {current.name!r}, opened at "
+                    f"{describe_eqn(eqns[current.first], current.first)}. Give the start "
+                    "and end markers of a stage the same name."
+                )
+            if mark_type not in current.pending:
+                raise MarkerError(
+                    f"{describe_eqn(eqn, index)} closes stage {name!r}, but stage {name!r} "
+                    f"has no open {CLOSERS[mark_type]} marker (opened at "
+                    f"{describe_eqn(eqns[current.first], current.first)}). Pair start with "
+                    "end and jvp_start with jvp_end."
+                )
+            current.pending.discard(mark_type)
+            current.closers.append(index)
+            if not current.pending:
+                close(current, index)
+                just_closed, current = current, None
+            continue
+        # hook and grad markers are ordinary equations for stage structure.
+
+    if current is not None:
+        forward = current.name[: -len(_BACKWARD_SUFFIX)]
+        mirrored = (
+            current.name.endswith(_BACKWARD_SUFFIX)
+            and forward in where_named
+            and not current.closers
+            and all(eqns[i].params["mark_type"] == "start" for i in current.openers)
+        )
+        if mirrored:
+            close(current, len(eqns) - 1)
+        else:
+            raise MarkerError(
+                f"{describe_eqn(eqns[current.first], current.first)} opens stage "
+                f"{current.name!r}, which is never closed. Add an end marker named "
+                f"{current.name!r} after the stage's last equation."
+            )
+    return tuple(spans)
+
+
+def stage_index_of_equations(spans: tuple[StageSpan, ...], num_eqns: int) -> list[int | None]:
+    """For each equation index, the index of the span holding it, or ``None`` when the
+    equation is outside every span (unmarked).
+
+    >>> spans = (StageSpan("a", 1, 2, (1,), (2,)),)
+    >>> stage_index_of_equations(spans, 4)
+    [None, 0, 0, None]
+    """
+    stage: list[int | None] = [None] * num_eqns
+    for k, span in enumerate(spans):
+        for i in range(span.first, span.last + 1):
+            stage[i] = k
+    return stage

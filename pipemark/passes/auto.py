@@ -1,0 +1,547 @@
+"""Automatic layers: cut a program into contiguous layers of balanced cost.
+
+:func:`auto_layers` puts start/end markers into an unmarked program so that its
+equations, in program order, form ``num_layers`` contiguous layers whose largest cost is
+as small as possible, and among such cuts, the bytes crossing them are as few as
+possible.
+
+How it works (linear in the number of equations up to a logarithm):
+
+1. Cost per equation (:func:`equation_costs`) and the bytes live across each possible
+   cut (:func:`crossing_bytes`), both in one pass over the program.
+2. The optimal bottleneck ``B*`` by binary search over integers, each probe a greedy
+   check that jumps over prefix sums with ``bisect`` (``O(K log n)`` a probe). The
+   greedy partition at a feasible bound never exceeds the bound and is itself feasible,
+   so the search snaps down to the exact optimum.
+3. Among partitions whose largest layer is at most ``B* * (1 + tolerance)``, the one
+   with the fewest bytes crossing its cuts (then, the cuts nearest the even split), by
+   a dynamic program over cut positions whose sliding-window minima come from a sparse
+   table: ``O(K n log n)`` NumPy work, no Python loop over pairs of equations.
+
+A ``value_and_grad`` (or ``grad``) program is recognised by the equations JAX made by
+transposition. Its forward part (the equations before the first transposed one) is
+balanced as above, and its backward part is cut into mirrored stages
+``<name>_backward`` in reverse order, the names :func:`jax.grad` gives the transposed
+markers of a marked function. The backward cuts are chosen by a second dynamic program
+that keeps every backward equation next to the forward values (residuals, parameters)
+it reads: it minimises the bytes of forward values a backward stage would have to fetch
+from another forward stage plus the bytes of cotangents crossing the backward cuts.
+This works on the jaxpr alone; re-tracing ``value_and_grad`` of the marked forward
+function would give the same stage structure through the marker's transpose rule, but
+needs the Python function, which a jaxpr pass does not have.
+
+Costs are per top-level equation, so a ``scan`` over layers (or a ``jit``, ``cond`` or
+``while``) is one indivisible, heavy equation: its whole body lands in one layer.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var
+
+from pipemark._compat import name_stack_scopes
+from pipemark.cost import Cost, _nbytes, eqn_costs, estimate_cost
+from pipemark.errors import MarkerError, PipemarkError, describe_eqn
+from pipemark.passes.insert import insert_markers
+from pipemark.primitive import pipeline_p
+
+__all__ = ["AUTO_COSTS", "auto_layers", "balanced_cuts", "crossing_bytes", "equation_costs"]
+
+AUTO_COSTS: tuple[str, ...] = ("flops", "bytes", "equations", "xla")
+
+_STAGE_MARK_TYPES = frozenset(("start", "end", "jvp_start", "jvp_end", "boundary"))
+
+
+# ----------------------------------------------------------------------- costs, bytes
+
+
+def _xla_costs(eqns: Sequence[JaxprEqn]) -> list[int]:
+    # Compiling one program per equation is slow; equations that differ only in their
+    # variables (the same layer repeated) share one compilation.
+    cache: dict[tuple, int] = {}
+    out = []
+    for eqn in eqns:
+        key = (
+            eqn.primitive.name,
+            tuple(str(v.aval) for v in eqn.invars),
+            tuple(sorted((k, repr(v)) for k, v in eqn.params.items())),
+        )
+        if key not in cache:
+            if eqn.primitive is pipeline_p:
+                cache[key] = 0
+            else:
+                cache[key] = estimate_cost(eqn, cost="xla").total_flops
+        out.append(cache[key])
+    return out
+
+
+def equation_costs(
+    program: ClosedJaxpr | Jaxpr, cost: str | Callable[[JaxprEqn], float] = "flops"
+) -> np.ndarray:
+    """The cost of each top-level equation as an ``int64`` array.
+
+    ``cost`` is ``"flops"`` (FLOPs plus transcendentals, :mod:`pipemark.cost`),
+    ``"bytes"`` (bytes read and written), ``"equations"`` (1 each), ``"xla"`` (XLA's
+    cost analysis of each equation compiled alone; slow) or a function of one
+    equation returning a non-negative number.
+
+    >>> import jax, jax.numpy as jnp
+    >>> cj = jax.make_jaxpr(lambda a: jnp.sin(a @ a))(jnp.ones((4, 4)))
+    >>> equation_costs(cj)
+    array([128,  16])
+    """
+    jaxpr = program.jaxpr if isinstance(program, ClosedJaxpr) else program
+    if callable(cost):
+        values = np.asarray([float(cost(e)) for e in jaxpr.eqns], dtype=np.float64)
+        if values.size and (not np.all(np.isfinite(values)) or values.min() < 0):
+            raise PipemarkError(
+                "The cost function returned a negative, infinite or NaN cost; it must "
+                "return a finite number >= 0 for every equation."
+            )
+        # Integers keep the bottleneck search exact; scale fractional costs first.
+        if values.size and np.any(values != np.round(values)):
+            values = values * (2.0**40 / max(values.max(), 1e-300))
+        return np.round(values).astype(np.int64)
+    if cost not in AUTO_COSTS:
+        raise PipemarkError(
+            f"Unknown cost {cost!r}; auto_layers balances one of "
+            f"{', '.join(map(repr, AUTO_COSTS))}, or a function eqn -> number."
+        )
+    if cost == "equations":
+        return np.ones(len(jaxpr.eqns), dtype=np.int64)
+    if cost == "xla":
+        return np.asarray(_xla_costs(jaxpr.eqns), dtype=np.int64).reshape(-1)
+    field: Callable[[Cost], int] = (
+        (lambda c: c.total_flops) if cost == "flops" else (lambda c: c.bytes_accessed)
+    )
+    return np.asarray([field(c) for c in eqn_costs(jaxpr)], dtype=np.int64).reshape(-1)
+
+
+def crossing_bytes(
+    program: ClosedJaxpr | Jaxpr, start: int = 0, stop: int | None = None
+) -> np.ndarray:
+    """Bytes that a cut before each equation of ``eqns[start:stop]`` would move.
+
+    Entry ``i`` (for ``0 <= i <= stop - start``) is the total size of the values made
+    by equations ``start .. start+i-1`` and read by equations ``start+i .. stop-1``.
+    Program inputs and constants are not counted (every stage can read them), nor are
+    reads after ``stop``. Linear in the number of equations.
+
+    >>> import jax, jax.numpy as jnp
+    >>> cj = jax.make_jaxpr(lambda x: jnp.cos(jnp.sin(x)) + x)(jnp.ones(8))
+    >>> crossing_bytes(cj)
+    array([ 0, 32, 32,  0])
+    """
+    jaxpr = program.jaxpr if isinstance(program, ClosedJaxpr) else program
+    eqns = jaxpr.eqns
+    stop = len(eqns) if stop is None else stop
+    count = stop - start
+    defined: dict[Var, int] = {}
+    last_use: dict[Var, int] = {}
+    for i in range(count):
+        eqn = eqns[start + i]
+        for v in eqn.invars:
+            if isinstance(v, Var) and v in defined:
+                last_use[v] = i
+        for v in eqn.outvars:
+            defined[v] = i
+    delta = np.zeros(count + 2, dtype=np.int64)
+    for v, use in last_use.items():
+        size = _nbytes(v.aval)
+        delta[defined[v] + 1] += size
+        delta[use + 1] -= size
+    return np.cumsum(delta)[: count + 1]
+
+
+# ------------------------------------------------------------------- the bottleneck
+
+
+def _greedy(prefix: list[int], parts: int, bound: int) -> int | None:
+    """The largest part of the greedy partition into at most ``parts`` parts of cost at
+    most ``bound``, or None when there is none."""
+    n = len(prefix) - 1
+    begin, used, largest = 0, 0, 0
+    while begin < n:
+        end = bisect.bisect_right(prefix, prefix[begin] + bound, lo=begin) - 1
+        if end == begin:  # a single equation costs more than the bound
+            return None
+        used += 1
+        if used > parts:
+            return None
+        largest = max(largest, prefix[end] - prefix[begin])
+        begin = end
+    return largest
+
+
+def _optimal_bottleneck(prefix: list[int], parts: int) -> int:
+    n = len(prefix) - 1
+    total = prefix[-1]
+    heaviest = max(prefix[i + 1] - prefix[i] for i in range(n))
+    low = max(heaviest, -(-total // parts)) - 1  # every bound <= low is infeasible
+    high = total
+    while high - low > 1:
+        middle = (low + high) // 2
+        largest = _greedy(prefix, parts, middle)
+        if largest is None:
+            low = middle
+        else:
+            high = largest  # a feasible bound no larger than middle
+    return high
+
+
+# --------------------------------------------------------------- min-bytes partition
+
+
+class _RangeMin:
+    """Sparse table for lexicographic (primary, secondary, index) range minima."""
+
+    def __init__(self, primary: np.ndarray, secondary: np.ndarray):
+        self.levels = [(primary, secondary, np.arange(primary.size))]
+        width = 1
+        while 2 * width <= primary.size:
+            p, s, i = self.levels[-1]
+            count = p.size - width
+            left = (p[:count], s[:count], i[:count])
+            right = (p[width:], s[width:], i[width:])
+            self.levels.append(_pick(left, right))
+            width *= 2
+
+    def query(self, lo: np.ndarray, hi: np.ndarray):
+        """Minima over the inclusive ranges ``[lo, hi]`` (each non-empty)."""
+        length = hi - lo + 1
+        level = np.floor(np.log2(np.maximum(length, 1))).astype(np.int64)
+        result_p = np.empty(lo.size)
+        result_s = np.empty(lo.size)
+        result_i = np.empty(lo.size, dtype=np.int64)
+        for k in np.unique(level):
+            rows = np.nonzero(level == k)[0]
+            p, s, i = self.levels[k]
+            a = lo[rows]
+            b = hi[rows] - (1 << int(k)) + 1
+            best = _pick((p[a], s[a], i[a]), (p[b], s[b], i[b]))
+            result_p[rows], result_s[rows], result_i[rows] = best
+        return result_p, result_s, result_i
+
+
+def _pick(left, right):
+    lp, ls, li = left
+    rp, rs, ri = right
+    take_right = (rp < lp) | ((rp == lp) & ((rs < ls) | ((rs == ls) & (ri < li))))
+    return (
+        np.where(take_right, rp, lp),
+        np.where(take_right, rs, ls),
+        np.where(take_right, ri, li),
+    )
+
+
+def _min_bytes_cuts(prefix: np.ndarray, parts: int, bound: int, cut_bytes: np.ndarray) -> list[int]:
+    """Cuts into exactly ``parts`` non-empty parts of cost <= ``bound`` that minimise
+    the crossing bytes, then the distance of the cuts from the even split."""
+    n = prefix.size - 1
+    total = int(prefix[-1])
+    index = np.arange(n + 1)
+    # The earliest begin j of a last part ending at i: prefix[i] - prefix[j] <= bound.
+    earliest = np.searchsorted(prefix, prefix - bound, side="left")
+    inf = np.inf
+    cost = np.where((index >= 1) & (prefix <= bound), 0.0, inf)
+    spread = np.zeros(n + 1)
+    choices: list[np.ndarray] = []
+    for k in range(2, parts + 1):
+        # Extend a partition of [0, j) into k-1 parts by the part [j, i); the cut at j
+        # is the (k-1)-th, whose even-split position is total * (k-1) / parts.
+        ideal = total * (k - 1) / parts
+        primary = cost + np.where((index >= 1) & (index < n), cut_bytes, inf)
+        secondary = spread + np.abs(prefix - ideal)
+        table = _RangeMin(primary, secondary)
+        lo = np.maximum(earliest, k - 1)
+        hi = index - 1
+        ok = (index >= k) & (lo <= hi)
+        new_cost = np.full(n + 1, inf)
+        new_spread = np.zeros(n + 1)
+        choice = np.full(n + 1, -1, dtype=np.int64)
+        rows = np.nonzero(ok)[0]
+        if rows.size:
+            p, s, i = table.query(lo[rows], hi[rows])
+            new_cost[rows], new_spread[rows], choice[rows] = p, s, i
+        cost, spread = new_cost, new_spread
+        choices.append(choice)
+    if not np.isfinite(cost[n]):  # cannot happen for bound >= the optimum
+        raise PipemarkError("auto_layers: no partition fits the bound; please report this.")
+    cuts = []
+    end = n
+    for choice in reversed(choices):
+        end = int(choice[end])
+        cuts.append(end)
+    return cuts[::-1]
+
+
+def balanced_cuts(
+    costs: Sequence[int] | np.ndarray,
+    num_parts: int,
+    *,
+    cut_bytes: Sequence[int] | np.ndarray | None = None,
+    tolerance: float = 0.0,
+) -> list[int]:
+    """Split ``costs`` into ``num_parts`` contiguous non-empty parts with the smallest
+    largest-part sum; among those within ``(1 + tolerance)`` of it, the fewest bytes
+    across the cuts.
+
+    Parameters
+    ----------
+    costs:
+        Non-negative integer cost per item.
+    num_parts:
+        Number of parts, at most ``len(costs)``.
+    cut_bytes:
+        ``len(costs) + 1`` entries: the price of a cut before item ``i`` (only entries
+        ``1 .. len(costs) - 1`` are used). Default: all zero.
+    tolerance:
+        How far above the optimal bottleneck the largest part may go to find cheaper
+        cuts. ``0`` keeps the bottleneck exactly optimal.
+
+    Returns
+    -------
+    list of int
+        The ``num_parts - 1`` indices where parts 2, 3, … begin, increasing.
+
+    >>> balanced_cuts([5, 1, 1, 1, 5, 1, 1, 1], 2)
+    [4]
+    >>> balanced_cuts([1, 1, 1, 1], 2, cut_bytes=[0, 9, 9, 1, 0], tolerance=0.5)
+    [3]
+    """
+    values = np.asarray(costs, dtype=np.int64).reshape(-1)
+    n = values.size
+    if isinstance(num_parts, bool) or not isinstance(num_parts, (int, np.integer)) or num_parts < 1:
+        raise PipemarkError(f"The number of layers must be a positive int, got {num_parts!r}.")
+    if n < num_parts:
+        raise PipemarkError(
+            f"Cannot cut {n} equations into {num_parts} non-empty layers; ask for at "
+            f"most {n} layers."
+        )
+    if n and values.min() < 0:
+        raise PipemarkError("Costs must be >= 0.")
+    if tolerance < 0 or not math.isfinite(tolerance):
+        raise PipemarkError(f"tolerance must be a finite number >= 0, got {tolerance!r}.")
+    if cut_bytes is None:
+        cut_bytes = np.zeros(n + 1, dtype=np.int64)
+    cut_bytes = np.asarray(cut_bytes, dtype=np.float64).reshape(-1)
+    if cut_bytes.size != n + 1:
+        raise PipemarkError(f"cut_bytes needs {n + 1} entries, got {cut_bytes.size}.")
+    if num_parts == 1:
+        return []
+    prefix = np.concatenate(([0], np.cumsum(values)))
+    best = _optimal_bottleneck(prefix.tolist(), int(num_parts))
+    bound = math.floor(best * (1.0 + tolerance))
+    return _min_bytes_cuts(prefix, int(num_parts), max(bound, best), cut_bytes)
+
+
+# --------------------------------------------------------------------- the backward
+
+
+def _mirror_cuts(jaxpr: Jaxpr, forward_end: int, forward_cuts: list[int], layers: int) -> list[int]:
+    """Cut the backward part ``eqns[forward_end:]`` into ``layers`` stages, mirroring
+    forward layers ``layers-1 .. 0``; returns absolute equation indices where backward
+    stages 2, 3, … begin."""
+    eqns = jaxpr.eqns
+    bounds = [0, *forward_cuts, forward_end]
+    # Which forward layers hold each value: the layer that makes it and every layer
+    # that reads it. Program inputs belong to the layers that read them.
+    holders: dict[Var, set[int]] = {}
+    for layer in range(layers):
+        for index in range(bounds[layer], bounds[layer + 1]):
+            eqn = eqns[index]
+            for v in eqn.invars:
+                if isinstance(v, Var):
+                    holders.setdefault(v, set()).add(layer)
+            for v in eqn.outvars:
+                holders.setdefault(v, set()).add(layer)
+    count = len(eqns) - forward_end
+    # misplaced[b, t]: bytes backward equation b must fetch from other forward layers
+    # if it runs in the mirror of forward layer t.
+    misplaced = np.zeros((count, layers))
+    for b in range(count):
+        seen: set[Var] = set()
+        for v in eqns[forward_end + b].invars:
+            if not isinstance(v, Var) or v in seen or v not in holders:
+                continue
+            seen.add(v)
+            size = _nbytes(v.aval)
+            misplaced[b] += size
+            for layer in holders[v]:
+                misplaced[b, layer] -= size
+    cut_bytes = crossing_bytes(jaxpr, forward_end).astype(np.float64)
+    index = np.arange(count + 1)
+    inf = np.inf
+    # Stage s of the backward mirrors forward layer layers-1-s.
+    totals = np.concatenate(([0.0], np.cumsum(misplaced[:, layers - 1])))
+    best = np.where(index >= 1, totals, inf)
+    choices = []
+    for s in range(1, layers):
+        totals = np.concatenate(([0.0], np.cumsum(misplaced[:, layers - 1 - s])))
+        candidate = best + cut_bytes - totals
+        candidate[:s] = inf
+        candidate[count] = inf
+        running = np.minimum.accumulate(candidate)
+        # The latest position that attains the running minimum (ties: later cuts).
+        argmin = np.maximum.accumulate(np.where(candidate == running, index, 0))
+        new_best = np.full(count + 1, inf)
+        new_best[1:] = totals[1:] + running[:-1]
+        new_best[: s + 1] = inf
+        best = new_best
+        choices.append(np.concatenate(([-1], argmin[:-1])))
+    cuts = []
+    end = count
+    for choice in reversed(choices):
+        end = int(choice[end])
+        cuts.append(end)
+    return [forward_end + c for c in cuts[::-1]]
+
+
+def _forward_end(jaxpr: Jaxpr) -> int | None:
+    """Index of the first equation JAX made by transposition (the backward pass)."""
+    for index, eqn in enumerate(jaxpr.eqns):
+        _, transforms = name_stack_scopes(eqn.source_info)
+        if "transpose" in transforms:
+            return index
+    return None
+
+
+# ------------------------------------------------------------------------- the pass
+
+
+def _check_unmarked(jaxpr: Jaxpr) -> None:
+    for index, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive is pipeline_p and eqn.params.get("mark_type") in _STAGE_MARK_TYPES:
+            raise MarkerError(
+                f"{describe_eqn(eqn, index)}: auto_layers inserts its own markers, but "
+                "the program already has stage markers. Remove them first with "
+                "pm.passes.remove_markers(cj), or slice the program at its own markers "
+                "with pm.passes.slice_stages(cj)."
+            )
+
+
+def auto_layers(
+    cj: ClosedJaxpr,
+    num_layers: int,
+    cost: str | Callable[[JaxprEqn], float] = "flops",
+    *,
+    tolerance: float = 0.01,
+    names: Sequence[str] | None = None,
+    mirror_backward: bool = True,
+) -> ClosedJaxpr:
+    """Insert start/end markers that cut ``cj`` into ``num_layers`` balanced layers.
+
+    Parameters
+    ----------
+    cj:
+        An unmarked program (``jax.make_jaxpr(f)(...)``), forward only or a
+        ``value_and_grad``/``grad`` program.
+    num_layers:
+        How many forward layers to make.
+    cost:
+        What to balance: ``"flops"`` (default), ``"bytes"``, ``"equations"``, ``"xla"``
+        or a function of one equation (see :func:`equation_costs`).
+    tolerance:
+        The largest layer may cost up to ``(1 + tolerance)`` times the smallest
+        possible largest layer, if that lets the cuts move to where fewer bytes cross
+        (on a transformer: between blocks rather than inside one). ``0`` gives a
+        bottleneck-optimal split, ties broken by crossing bytes.
+    names:
+        ``num_layers`` names for the forward layers; default ``layer0``, ``layer1``, ….
+    mirror_backward:
+        For a program with a backward pass (equations JAX made by transposition): cut
+        only the forward part into balanced layers and cut the backward part into
+        mirrored stages ``<name>_backward`` (in reverse order). With ``False`` every
+        equation is balanced as one forward sequence.
+
+    Returns
+    -------
+    ClosedJaxpr
+        The program with markers inserted by :func:`pipemark.passes.insert_markers`.
+
+    Raises
+    ------
+    PipemarkError
+        For an unknown cost, more layers than equations, or a program whose every
+        equation costs 0 under ``cost`` (pick another ``cost``).
+    MarkerError
+        If the program already has stage markers.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp, pipemark as pm
+    >>> def f(x, w):
+    ...     for _ in range(4):
+    ...         x = jnp.tanh(x @ w)
+    ...     return x
+    >>> cj = jax.make_jaxpr(f)(jnp.ones((2, 8)), jnp.ones((8, 8)))
+    >>> [e.primitive.name for e in cj.eqns][:4]
+    ['dot_general', 'tanh', 'dot_general', 'tanh']
+    >>> marked = pm.passes.auto_layers(cj, 2)
+    >>> [(e.params["name"], e.params["mark_type"]) for e in marked.eqns
+    ...  if e.primitive is pm.pipeline_p]  # doctest: +NORMALIZE_WHITESPACE
+    [('layer0', 'start'), ('layer0', 'end'), ('layer1', 'start'), ('layer1', 'end')]
+    >>> [e.primitive.name for e in marked.eqns][:6]
+    ['pipeline_marker', 'dot_general', 'tanh', 'dot_general', 'tanh', 'pipeline_marker']
+    """
+    if not isinstance(cj, ClosedJaxpr):
+        raise PipemarkError(
+            f"auto_layers takes a ClosedJaxpr (from jax.make_jaxpr), got {type(cj).__name__}."
+        )
+    if isinstance(num_layers, bool) or not isinstance(num_layers, (int, np.integer)):
+        raise PipemarkError(f"num_layers must be a positive int, got {num_layers!r}.")
+    if num_layers < 1:
+        raise PipemarkError(f"num_layers must be a positive int, got {num_layers!r}.")
+    if not isinstance(tolerance, (int, float)) or tolerance < 0 or not math.isfinite(tolerance):
+        raise PipemarkError(f"tolerance must be a finite number >= 0, got {tolerance!r}.")
+    jaxpr = cj.jaxpr
+    _check_unmarked(jaxpr)
+    costs = equation_costs(jaxpr, cost)
+    forward_end = _forward_end(jaxpr) if mirror_backward else None
+    if forward_end is None:
+        forward_end = len(jaxpr.eqns)
+    backward = forward_end < len(jaxpr.eqns)
+    what = "forward equations" if backward else "equations"
+    if forward_end < num_layers:
+        raise PipemarkError(
+            f"auto_layers: the program has {forward_end} {what}, too few for "
+            f"{num_layers} non-empty layers. Ask for at most {forward_end} layers."
+        )
+    if backward and len(jaxpr.eqns) - forward_end < num_layers:
+        raise PipemarkError(
+            f"auto_layers: the backward part has {len(jaxpr.eqns) - forward_end} "
+            f"equations, too few for {num_layers} mirrored layers. Ask for fewer "
+            "layers, or pass mirror_backward=False."
+        )
+    forward_costs = costs[:forward_end]
+    if not forward_costs.any():
+        label = cost if isinstance(cost, str) else "the cost function"
+        raise PipemarkError(
+            f"auto_layers: every one of the {forward_end} {what} costs 0 under "
+            f"cost={label!r}, so any split is as good as another. Balance another "
+            "measure, e.g. cost='equations' or cost='bytes'."
+        )
+    if names is None:
+        names = [f"layer{i}" for i in range(num_layers)]
+    names = list(names)
+    if len(names) != num_layers:
+        raise PipemarkError(
+            f"names has {len(names)} entries for {num_layers} layers; give one per layer."
+        )
+    cuts = balanced_cuts(
+        forward_costs,
+        int(num_layers),
+        cut_bytes=crossing_bytes(jaxpr, 0, forward_end),
+        tolerance=float(tolerance),
+    )
+    if not backward:
+        return insert_markers(cj, cuts, names)
+    mirrored = _mirror_cuts(jaxpr, forward_end, cuts, int(num_layers))
+    backward_names = [
+        (name + "_backward") if isinstance(name, str) else name for name in reversed(names)
+    ]
+    return insert_markers(cj, [*cuts, forward_end, *mirrored], [*names, *backward_names])

@@ -1,0 +1,388 @@
+"""Passes that put start/end markers into an unmarked (or boundary-marked) program.
+
+All three passes share one builder: the equations are split into consecutive segments,
+and each segment is wrapped in a ``start``/``end`` marker pair. Every value a segment
+reads from outside (a program input, a constant, a value from an earlier segment)
+enters through its start marker; every value it defines that a later segment or the
+program's result reads leaves through its end marker. Literals stay inline. A value
+defined in segment 0 and read in segment 3 leaves segment 0 through its end marker and
+enters segment 3 through its start marker; segments 1 and 2 never see it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
+
+from pipemark._compat import name_stack_scopes
+from pipemark.errors import MarkerError, PipemarkError, describe_eqn
+from pipemark.passes._markers import STAGE_MARK_TYPES, check_no_markers_in_bodies
+from pipemark.primitive import mark_pipeline_jaxpreqn, pipeline_p
+
+__all__ = ["insert_markers", "insert_markers_by_scope", "layers_from_boundaries"]
+
+
+def _check_closed_jaxpr(cj: object, pass_name: str) -> ClosedJaxpr:
+    if not isinstance(cj, ClosedJaxpr):
+        raise PipemarkError(
+            f"{pass_name} takes a ClosedJaxpr (from jax.make_jaxpr), got {type(cj).__name__}."
+        )
+    return cj
+
+
+def _refuse_stage_markers(jaxpr: Jaxpr, pass_name: str, allowed: frozenset[str]) -> None:
+    for index, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive is pipeline_p and eqn.params.get("mark_type") in STAGE_MARK_TYPES:
+            if eqn.params["mark_type"] in allowed:
+                continue
+            raise MarkerError(
+                f"{describe_eqn(eqn, index)}: {pass_name} inserts stage markers into a "
+                "program that has none, but this program already has one. Remove them "
+                "first with pm.passes.remove_markers(cj), or slice the program as it is "
+                "with pm.passes.slice_stages(cj)."
+            )
+
+
+def _wrap_segments(
+    cj: ClosedJaxpr,
+    segment_of: Sequence[int | None],
+    names: Sequence[str],
+) -> ClosedJaxpr:
+    """Wrap each segment of equations in a start/end marker pair.
+
+    ``segment_of[i]`` is the segment of equation ``i`` (non-decreasing over the kept
+    equations), or ``None`` to drop equation ``i``; a dropped equation must be an
+    identity (a marker), and its results are replaced by its operands.
+    """
+    jaxpr = cj.jaxpr
+    eqns = jaxpr.eqns
+
+    # Results of dropped markers stand for their operands.
+    alias: dict[Var, object] = {}
+
+    def resolve(atom):
+        if isinstance(atom, Literal):
+            return atom
+        return alias.get(atom, atom)
+
+    defined_in: dict[Var, int] = {}
+    for eqn, segment in zip(eqns, segment_of):
+        if segment is None:
+            for inner, outer in zip(eqn.invars, eqn.outvars):
+                alias[outer] = resolve(inner)
+        else:
+            for v in eqn.outvars:
+                defined_in[v] = segment
+
+    # Values each segment must export: read by another segment or by the program.
+    exported: set[Var] = set()
+    for eqn, segment in zip(eqns, segment_of):
+        if segment is None:
+            continue
+        for atom in eqn.invars:
+            atom = resolve(atom)
+            if isinstance(atom, Var) and defined_in.get(atom, segment) != segment:
+                exported.add(atom)
+    for atom in jaxpr.outvars:
+        atom = resolve(atom)
+        if isinstance(atom, Var) and atom in defined_in:
+            exported.add(atom)
+
+    # Group equation indices by segment, in order.
+    members: list[list[int]] = [[] for _ in names]
+    for index, segment in enumerate(segment_of):
+        if segment is not None:
+            members[segment].append(index)
+
+    outside: dict[Var, Var] = {}  # value -> the end-marker result later segments read
+    new_eqns: list[JaxprEqn] = []
+    for segment, indices in enumerate(members):
+        if not indices:
+            continue
+        name = names[segment]
+        entering: dict[Var, Var] = {}  # outside value -> start-marker result
+        for index in indices:
+            for atom in eqns[index].invars:
+                atom = resolve(atom)
+                if (
+                    isinstance(atom, Var)
+                    and defined_in.get(atom) != segment
+                    and atom not in entering
+                ):
+                    entering[atom] = Var(atom.aval)
+        start = mark_pipeline_jaxpreqn(
+            [outside.get(v, v) for v in entering], list(entering.values()), name, "start"
+        ).replace(source_info=eqns[indices[0]].source_info)
+        new_eqns.append(start)
+        leaving: list[Var] = []
+        for index in indices:
+            eqn = eqns[index]
+            new_invars = list(eqn.invars)
+            changed = False
+            for position, atom in enumerate(new_invars):
+                if isinstance(atom, Literal):
+                    continue
+                resolved = alias.get(atom, atom)
+                if isinstance(resolved, Var):
+                    resolved = entering.get(resolved, resolved)
+                if resolved is not atom:
+                    new_invars[position] = resolved
+                    changed = True
+            new_eqns.append(eqn.replace(invars=new_invars) if changed else eqn)
+            leaving.extend(v for v in eqn.outvars if v in exported)
+        results = [Var(v.aval) for v in leaving]
+        end = mark_pipeline_jaxpreqn(leaving, results, name, "end").replace(
+            source_info=eqns[indices[-1]].source_info
+        )
+        new_eqns.append(end)
+        outside.update(zip(leaving, results))
+
+    outvars = []
+    for atom in jaxpr.outvars:
+        atom = resolve(atom)
+        outvars.append(outside.get(atom, atom) if isinstance(atom, Var) else atom)
+    new_jaxpr = Jaxpr(
+        jaxpr.constvars,
+        jaxpr.invars,
+        outvars,
+        new_eqns,
+        jaxpr.effects,
+        jaxpr.debug_info,
+    )
+    return ClosedJaxpr(new_jaxpr, cj.consts)
+
+
+def _check_names(names: Sequence[str] | None, count: int, default: str) -> list[str]:
+    if names is None:
+        return [f"{default}{i}" for i in range(count)]
+    if isinstance(names, str):
+        raise PipemarkError(f"names must be a sequence of str, one per stage, got {names!r}.")
+    names = list(names)
+    if len(names) != count:
+        raise PipemarkError(
+            f"names has {len(names)} entries but the cuts make {count} stages; give one "
+            "name per stage."
+        )
+    seen: set[str] = set()
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise PipemarkError(f"Stage name {name!r} is not a non-empty str.")
+        if name in seen:
+            raise PipemarkError(f"Stage name {name!r} appears twice; stage names are unique.")
+        seen.add(name)
+    return names
+
+
+def insert_markers(
+    cj: ClosedJaxpr, cuts: Sequence[int], names: Sequence[str] | None = None
+) -> ClosedJaxpr:
+    """Wrap consecutive runs of equations in start/end markers: a stage begins at each
+    equation index in ``cuts``.
+
+    The first stage always begins at equation 0 (a cut at 0 is allowed and changes
+    nothing), so ``cuts=[k]`` makes two stages: equations ``0..k-1`` and ``k..``.
+    Every value a stage reads from outside enters through its start marker and every
+    value a later stage or the result reads leaves through its end marker.
+
+    Parameters
+    ----------
+    cj:
+        A program without start/end or boundary markers.
+    cuts:
+        Sorted, unique equation indices in ``range(len(cj.eqns))``.
+    names:
+        One name per stage; default ``stage0``, ``stage1``, ….
+
+    Raises
+    ------
+    PipemarkError
+        For unsorted, duplicate or out-of-range cuts, or a wrong number of names.
+    MarkerError
+        If the program already has stage markers.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp, pipemark as pm
+    >>> cj = jax.make_jaxpr(lambda x: jnp.cos(jnp.sin(x)))(1.0)
+    >>> print(cj)
+    { lambda ; a:f32[]. let b:f32[] = sin a; c:f32[] = cos b in (c,) }
+    >>> print(insert_markers(cj, [1], names=["s0", "s1"]))  # doctest: +NORMALIZE_WHITESPACE
+    { lambda ; a:f32[]. let
+        b:f32[] = pipeline_marker[mark_type=start name=s0] a
+        c:f32[] = sin b
+        d:f32[] = pipeline_marker[mark_type=end name=s0] c
+        e:f32[] = pipeline_marker[mark_type=start name=s1] d
+        f:f32[] = cos e
+        g:f32[] = pipeline_marker[mark_type=end name=s1] f
+      in (g,) }
+    """
+    cj = _check_closed_jaxpr(cj, "insert_markers")
+    num_eqns = len(cj.jaxpr.eqns)
+    if num_eqns == 0:
+        raise PipemarkError("insert_markers: the program has no equations to put in stages.")
+    try:
+        raw_cuts = list(cuts)
+        cut_list = [int(c) for c in raw_cuts]
+        if any(isinstance(c, bool) or int(c) != c for c in raw_cuts):
+            raise TypeError
+    except (TypeError, ValueError):
+        raise PipemarkError(f"cuts must be a sequence of equation indices, got {cuts!r}.") from None
+    for previous, cut in itertools.pairwise(cut_list):
+        if cut == previous:
+            raise PipemarkError(f"cuts has equation index {cut} twice; give each cut once.")
+        if cut < previous:
+            raise PipemarkError(f"cuts must be sorted: {cut} comes after {previous}.")
+    for cut in cut_list:
+        if not 0 <= cut < num_eqns:
+            raise PipemarkError(
+                f"Cut {cut} is out of range: the program has {num_eqns} equations, so a "
+                f"stage can begin at an index from 0 to {num_eqns - 1}."
+            )
+    _refuse_stage_markers(cj.jaxpr, "insert_markers", frozenset())
+    check_no_markers_in_bodies(cj.jaxpr)
+    starts = sorted({0, *cut_list})
+    names = _check_names(names, len(starts), "stage")
+    segment_of: list[int | None] = []
+    segment = -1
+    next_starts = iter(starts)
+    upcoming = next(next_starts, None)
+    for index in range(num_eqns):
+        if index == upcoming:
+            segment += 1
+            upcoming = next(next_starts, None)
+        segment_of.append(segment)
+    return _wrap_segments(cj, segment_of, names)
+
+
+def layers_from_boundaries(cj: ClosedJaxpr) -> ClosedJaxpr:
+    """Turn zero-operand boundary markers into start/end markers around each layer.
+
+    The equations between two boundary markers (and before the first, and after the
+    last) form a layer named ``layer0``, ``layer1``, …; empty layers are skipped and
+    the boundary markers are removed. Values crossing a layer boundary flow through the
+    markers; program inputs and constants read by several layers enter each of them
+    through its start marker; literals stay inline. A program without boundary markers
+    becomes a single layer.
+
+    Raises :class:`MarkerError` if the program also has start/end markers or a boundary
+    marker inside a sub-jaxpr.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp, pipemark as pm
+    >>> def f(x):
+    ...     x = jnp.sin(x)
+    ...     pm.mark_pipeline_boundary()
+    ...     return jnp.cos(x)
+    >>> print(jax.make_jaxpr(f)(1.0))  # doctest: +NORMALIZE_WHITESPACE
+    { lambda ; a:f32[]. let
+        b:f32[] = sin a
+        pipeline_marker[mark_type=boundary name=boundary]
+        c:f32[] = cos b
+      in (c,) }
+    >>> print(layers_from_boundaries(jax.make_jaxpr(f)(1.0)))
+    ... # doctest: +NORMALIZE_WHITESPACE
+    { lambda ; a:f32[]. let
+        b:f32[] = pipeline_marker[mark_type=start name=layer0] a
+        c:f32[] = sin b
+        d:f32[] = pipeline_marker[mark_type=end name=layer0] c
+        e:f32[] = pipeline_marker[mark_type=start name=layer1] d
+        f:f32[] = cos e
+        g:f32[] = pipeline_marker[mark_type=end name=layer1] f
+      in (g,) }
+    """
+    cj = _check_closed_jaxpr(cj, "layers_from_boundaries")
+    _refuse_stage_markers(cj.jaxpr, "layers_from_boundaries", frozenset(("boundary",)))
+    check_no_markers_in_bodies(cj.jaxpr)
+    segment_of: list[int | None] = []
+    segment = 0
+    open_segment_has_eqns = False
+    for eqn in cj.jaxpr.eqns:
+        if eqn.primitive is pipeline_p and eqn.params.get("mark_type") == "boundary":
+            segment_of.append(None)
+            if open_segment_has_eqns:
+                segment += 1
+                open_segment_has_eqns = False
+        else:
+            segment_of.append(segment)
+            open_segment_has_eqns = True
+    count = segment + 1 if open_segment_has_eqns else segment
+    return _wrap_segments(cj, segment_of, [f"layer{i}" for i in range(count)])
+
+
+def insert_markers_by_scope(cj: ClosedJaxpr, depth: int = 1) -> ClosedJaxpr:
+    """Insert markers where the ``jax.named_scope`` / ``jax.named_call`` name changes.
+
+    Each equation's key is its first ``depth`` scope names; a new stage begins wherever
+    the key changes. The stage is named after the scopes (``"block1"``, or
+    ``"block1/attn"`` for ``depth=2``), with ``_backward`` appended for equations that
+    ``grad`` made by transposition, so ``value_and_grad`` of a scoped model splits into
+    forward stages and mirrored backward stages. Equations with no scope at all (a
+    loss, the seed of the backward pass) join the stage before them, or the first stage
+    when they come first. A scope that comes back after another one gets a numbered
+    name (``block1_2``).
+
+    Blocks created in a loop need distinct scope names (``f"block{i}"``): consecutive
+    equations with the same key are one stage.
+
+    Raises
+    ------
+    PipemarkError
+        If ``depth`` is not a positive int or no equation has a name scope.
+    MarkerError
+        If the program already has stage markers.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp, pipemark as pm
+    >>> def f(x):
+    ...     with jax.named_scope("embed"):
+    ...         x = jnp.sin(x)
+    ...     with jax.named_scope("head"):
+    ...         return jnp.cos(x)
+    >>> marked = insert_markers_by_scope(jax.make_jaxpr(f)(1.0))
+    >>> [e.params["name"] for e in marked.eqns if e.primitive is pm.pipeline_p]
+    ['embed', 'embed', 'head', 'head']
+    """
+    cj = _check_closed_jaxpr(cj, "insert_markers_by_scope")
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise PipemarkError(f"depth must be a positive int, got {depth!r}.")
+    eqns = cj.jaxpr.eqns
+    keys: list[tuple[tuple[str, ...], bool] | None] = []
+    for eqn in eqns:
+        scopes, transforms = name_stack_scopes(eqn.source_info)
+        keys.append((scopes[:depth], "transpose" in transforms) if scopes else None)
+    first_key = next((k for k in keys if k is not None), None)
+    if first_key is None:
+        raise PipemarkError(
+            "insert_markers_by_scope: no equation has a name scope. Wrap the model's "
+            "blocks in jax.named_scope(...) or jax.named_call, or cut by index with "
+            "pm.passes.insert_markers(cj, cuts)."
+        )
+    cuts: list[int] = []
+    names: list[str] = []
+    uses: dict[str, int] = {}
+    current = None
+    for index, key in enumerate(keys):
+        if key is None:
+            if current is not None:
+                continue
+            key = first_key  # unscoped equations before the first scope join it
+        if key == current:
+            continue
+        current = key
+        scopes, transposed = key
+        base = "/".join(scopes) + ("_backward" if transposed else "")
+        uses[base] = uses.get(base, 0) + 1
+        cuts.append(index)
+        names.append(base if uses[base] == 1 else f"{base}_{uses[base]}")
+    # A numbered name may still collide with a scope literally called e.g. "block1_2".
+    taken: set[str] = set()
+    for i, name in enumerate(names):
+        while name in taken:
+            name += "_"
+        taken.add(name)
+        names[i] = name
+    return insert_markers(cj, cuts, names)

@@ -1,0 +1,448 @@
+"""Rewrite the markers of a program: remove them, route bypassing values through them,
+and eliminate dead code around them.
+
+Each pass takes a ``ClosedJaxpr`` and returns a new one that passes
+``jax.extend.core.check_jaxpr``; the input is never modified. Equations a pass does not
+change are shared between input and output (they are immutable), which keeps every pass
+linear in the size of the program with a small constant.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
+from jax.interpreters import partial_eval as pe
+
+from pipemark.errors import PipemarkError
+from pipemark.passes._markers import find_stage_spans
+from pipemark.primitive import pipeline_p
+
+__all__ = ["remove_markers", "mark_missing_vars", "dce"]
+
+
+def _check_closed_jaxpr(cj: Any, pass_name: str) -> None:
+    if not isinstance(cj, ClosedJaxpr):
+        raise PipemarkError(
+            f"{pass_name} takes a jax.extend.core.ClosedJaxpr, got {type(cj).__name__}; "
+            "trace your function with jax.make_jaxpr(fn)(*args) first."
+        )
+
+
+# ------------------------------------------------------------------------ remove_markers
+
+
+def _contains_marker(jaxpr: Jaxpr, memo: dict[int, bool]) -> bool:
+    key = id(jaxpr)
+    if key not in memo:
+        memo[key] = False  # a body that (indirectly) holds itself has no marker of its own
+        memo[key] = any(
+            eqn.primitive is pipeline_p
+            or any(_contains_marker(sub, memo) for sub in _bodies(eqn.params))
+            for eqn in jaxpr.eqns
+        )
+    return memo[key]
+
+
+def _bodies(params: dict[str, Any]):
+    for value in params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, ClosedJaxpr):
+                yield item.jaxpr
+            elif isinstance(item, Jaxpr):
+                yield item
+
+
+def _without_markers_in_param(value: Any, memo: dict[int, bool]) -> Any:
+    if isinstance(value, ClosedJaxpr):
+        if not _contains_marker(value.jaxpr, memo):
+            return value
+        return ClosedJaxpr(_remove_markers(value.jaxpr, memo), value.consts)
+    if isinstance(value, Jaxpr):
+        return _remove_markers(value, memo) if _contains_marker(value, memo) else value
+    if isinstance(value, tuple):
+        return tuple(_without_markers_in_param(v, memo) for v in value)
+    if isinstance(value, list):
+        return [_without_markers_in_param(v, memo) for v in value]
+    return value
+
+
+def _remove_markers(jaxpr: Jaxpr, memo: dict[int, bool]) -> Jaxpr:
+    # A marker is the identity, so its results are replaced by its operands everywhere
+    # they are read; a sub-jaxpr keeps its signature and only loses its own markers.
+    env: dict[Var, Any] = {}
+    new_eqns: list[JaxprEqn] = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is pipeline_p:
+            for operand, result in zip(eqn.invars, eqn.outvars):
+                env[result] = env.get(operand, operand) if isinstance(operand, Var) else operand
+            continue
+        new_invars = [env.get(v, v) if isinstance(v, Var) else v for v in eqn.invars]
+        changed = any(a is not b for a, b in zip(new_invars, eqn.invars))
+        params = eqn.params
+        if any(True for _ in _bodies(params)):
+            new_params = {k: _without_markers_in_param(v, memo) for k, v in params.items()}
+            if any(new_params[k] is not params[k] for k in params):
+                params, changed = new_params, True
+        new_eqns.append(eqn.replace(invars=new_invars, params=params) if changed else eqn)
+    outvars = [env.get(v, v) if isinstance(v, Var) else v for v in jaxpr.outvars]
+    return jaxpr.replace(eqns=new_eqns, outvars=outvars)
+
+
+def remove_markers(cj: ClosedJaxpr) -> ClosedJaxpr:
+    """Drop every pipeline marker, in the program and in its sub-jaxprs.
+
+    A marker is the identity, so every read of a marker's result reads the marker's
+    operand instead. The program computes exactly what it computed before. Idempotent.
+
+    Parameters
+    ----------
+    cj:
+        A closed jaxpr, e.g. from ``jax.make_jaxpr``.
+
+    Returns
+    -------
+    ClosedJaxpr
+        The program without ``pipeline_marker`` equations; same inputs, outputs and
+        constants.
+
+    Raises
+    ------
+    PipemarkError
+        When ``cj`` is not a ``ClosedJaxpr``.
+
+    Examples
+    --------
+    Before::
+
+        { lambda ; a:f32[]. let
+            b:f32[] = pipeline_marker[mark_type=start name=s] a
+            c:f32[] = sin b
+            d:f32[] = pipeline_marker[mark_type=end name=s] c
+          in (d,) }
+
+    After::
+
+        { lambda ; a:f32[]. let b:f32[] = sin a in (b,) }
+
+    >>> import jax, jax.numpy as jnp, pipemark as pm
+    >>> def f(x):
+    ...     x = pm.mark(x, name="s", mark_type="start")
+    ...     return pm.mark(jnp.sin(x), name="s", mark_type="end")
+    >>> cj = jax.make_jaxpr(f)(1.0)
+    >>> [e.primitive.name for e in remove_markers(cj).eqns]
+    ['sin']
+    """
+    _check_closed_jaxpr(cj, "remove_markers")
+    return ClosedJaxpr(_remove_markers(cj.jaxpr, {}), cj.consts)
+
+
+# --------------------------------------------------------------------- mark_missing_vars
+
+
+def mark_missing_vars(cj: ClosedJaxpr) -> ClosedJaxpr:
+    """Route every value that crosses a stage boundary through the stage's markers.
+
+    After this pass, an equation of a stage reads only values defined in the same stage
+    (by its start marker or its own equations); everything else enters through the
+    stage's start marker, and every value a stage defines and something later reads
+    leaves through the stage's end marker. Concretely, for a value ``v`` read by an
+    equation of stage ``j`` and not defined in stage ``j``:
+
+    * if ``v`` is defined inside an earlier stage ``i`` and not an output of its end
+      marker, ``v`` is added to stage ``i``'s end marker (a new operand/result pair);
+    * that result (or ``v`` itself when it is a program input, a constant, an output of
+      an end marker, or the result of an equation outside every stage) is added to stage
+      ``j``'s start marker, and stage ``j`` reads the new result.
+
+    Values that stage ``i`` defines inside and that the program returns, or that an
+    equation outside every stage reads, also leave through stage ``i``'s end marker.
+    This covers skip connections (stage 0 feeding stage 3) and the forward values
+    (weights, activations) that a mirrored ``_backward`` stage reuses. Each value is
+    added at most once per marker, and a value a marker already carries is reused.
+    A mirrored backward stage that JAX left without an end marker (it runs to the end
+    of the program) gets no end marker. Idempotent.
+
+    Parameters
+    ----------
+    cj:
+        A closed jaxpr with start/end markers (call
+        :func:`pipemark.passes.layers_from_boundaries` first for boundary markers).
+
+    Returns
+    -------
+    ClosedJaxpr
+        The same computation with the crossing values routed through the markers.
+
+    Raises
+    ------
+    MarkerError
+        When the markers are malformed (see :func:`pipemark.passes.slice_stages`).
+    PipemarkError
+        When ``cj`` is not a ``ClosedJaxpr``.
+
+    Examples
+    --------
+    Before (stage ``b`` reads the program input ``a`` and stage ``a``'s start result
+    ``b``, bypassing its start marker)::
+
+        { lambda ; a:f32[]. let
+            b:f32[] = pipeline_marker[mark_type=start name=a] a
+            c:f32[] = sin b
+            d:f32[] = pipeline_marker[mark_type=end name=a] c
+            e:f32[] = pipeline_marker[mark_type=start name=b] d
+            f:f32[] = mul e a
+            g:f32[] = add f b
+            h:f32[] = pipeline_marker[mark_type=end name=b] g
+          in (h,) }
+
+    After::
+
+        { lambda ; a:f32[]. let
+            b:f32[] = pipeline_marker[mark_type=start name=a] a
+            c:f32[] = sin b
+            d:f32[] e:f32[] = pipeline_marker[mark_type=end name=a] c b
+            f:f32[] g:f32[] h:f32[] = pipeline_marker[mark_type=start name=b] d a e
+            i:f32[] = mul f g
+            j:f32[] = add i h
+            k:f32[] = pipeline_marker[mark_type=end name=b] j
+          in (k,) }
+
+    >>> import jax, jax.numpy as jnp, pipemark as pm
+    >>> def f(x):
+    ...     y = pm.mark(x, name="a", mark_type="start")
+    ...     d = pm.mark(jnp.sin(y), name="a", mark_type="end")
+    ...     e = pm.mark(d, name="b", mark_type="start")
+    ...     return pm.mark(e * x + y, name="b", mark_type="end")
+    >>> cj = mark_missing_vars(jax.make_jaxpr(f)(1.0))
+    >>> [len(e.invars) for e in cj.eqns if e.primitive is pm.pipeline_p]
+    [1, 2, 3, 1]
+    """
+    _check_closed_jaxpr(cj, "mark_missing_vars")
+    jaxpr = cj.jaxpr
+    eqns = jaxpr.eqns
+    spans = find_stage_spans(jaxpr)
+    if not spans:
+        return ClosedJaxpr(jaxpr.replace(eqns=list(eqns)), cj.consts)
+
+    # For every value defined in a stage, one int: twice the stage index, plus one when
+    # the value is already published (a result of one of the stage's end markers). One
+    # dict lookup per operand then answers both questions.
+    home: dict[Var, int] = {}
+    opener_of: list[int] = []
+    closer_of: list[int | None] = []
+    for k, span in enumerate(spans):
+        opener_of.append(span.openers[0])
+        # The last closer comes after every equation of the stage, so any value of the
+        # stage can be added there.
+        closer_of.append(span.closers[-1] if span.closers else None)
+        closers = span.closers
+        inner, published = 2 * k, 2 * k + 1
+        for i in range(span.first, span.last + 1):
+            code = published if i in closers else inner
+            for v in eqns[i].outvars:
+                home[v] = code
+
+    # The operand/result pairs added to each stage's start and end markers, and maps
+    # from a value to the marker result that carries it. They start from the pairs the
+    # markers already have, so an existing pair is reused rather than duplicated.
+    added_in: dict[int, tuple[list[Any], list[Var]]] = {}
+    added_out: dict[int, tuple[list[Any], list[Var]]] = {}
+    carried_in: list[dict[Var, Var] | None] = [None] * len(spans)
+    carried_out: list[dict[Var, Var] | None] = [None] * len(spans)
+
+    def existing_pairs(eqn: JaxprEqn) -> dict[Var, Var]:
+        pairs: dict[Var, Var] = {}
+        for operand, result in zip(eqn.invars, eqn.outvars):
+            if type(operand) is not Literal and operand not in pairs:
+                pairs[operand] = result
+        return pairs
+
+    def published(v: Any) -> Any:
+        """``v``, or the end-marker result that carries it out of its stage."""
+        if type(v) is Literal:
+            return v
+        code = home.get(v, 1)
+        if code & 1:  # not defined in a stage, or already published
+            return v
+        k = code >> 1
+        closer = closer_of[k]
+        if closer is None:  # a backward stage left open by JAX: nothing can follow it
+            return v
+        carried = carried_out[k]
+        if carried is None:
+            carried = carried_out[k] = existing_pairs(eqns[closer])
+        result = carried.get(v)
+        if result is None:
+            result = carried[v] = Var(v.aval)
+            operands, results = added_out.setdefault(k, ([], []))
+            operands.append(v)
+            results.append(result)
+        return result
+
+    def entering(j: int, v: Any) -> Any:
+        """The start-marker result of stage ``j`` that carries ``v`` into it."""
+        if type(v) is Literal or home.get(v, -2) >> 1 == j:
+            return v
+        v = published(v)
+        carried = carried_in[j]
+        if carried is None:
+            carried = carried_in[j] = existing_pairs(eqns[opener_of[j]])
+        result = carried.get(v)
+        if result is None:
+            result = carried[v] = Var(v.aval)
+            operands, results = added_in.setdefault(j, ([], []))
+            operands.append(v)
+            results.append(result)
+        return result
+
+    def from_another_stage(j: int, v: Any) -> Any:
+        """For a marker through which values enter stage ``j``: ``v``, published when
+        it is another stage's inner value."""
+        if type(v) is Literal or home.get(v, -2) >> 1 == j:
+            return v
+        return published(v)
+
+    new_eqns = list(eqns)
+    home_get = home.get
+
+    def rewrite(i: int, eqn: JaxprEqn, route) -> None:
+        new_invars = [route(v) for v in eqn.invars]
+        if any(a is not b for a, b in zip(new_invars, eqn.invars)):
+            new_eqns[i] = eqn.replace(invars=new_invars)
+
+    # Equations outside every stage: reads of a stage's inner values go through that
+    # stage's end marker. (A value no stage defines has no entry: code 1.)
+    start = 0
+    for stop, resume in [*((span.first, span.last + 1) for span in spans), (len(eqns), 0)]:
+        for i in range(start, stop):
+            eqn = eqns[i]
+            for v in eqn.invars:
+                if type(v) is not Literal and not home_get(v, 1) & 1:
+                    rewrite(i, eqn, published)
+                    break
+        start = resume
+    for j, span in enumerate(spans):
+        openers = span.openers
+        for i in range(span.first, span.last + 1):
+            eqn = eqns[i]
+            for v in eqn.invars:
+                if type(v) is not Literal and home_get(v, -2) >> 1 != j:
+                    if i in openers:
+                        rewrite(i, eqn, lambda v, j=j: from_another_stage(j, v))
+                    else:
+                        rewrite(i, eqn, lambda v, j=j: entering(j, v))
+                    break
+    outvars = [published(v) for v in jaxpr.outvars]
+
+    for j, (operands, results) in added_in.items():
+        eqn = new_eqns[opener_of[j]]
+        new_eqns[opener_of[j]] = eqn.replace(
+            invars=[*eqn.invars, *operands], outvars=[*eqn.outvars, *results]
+        )
+    for k, (operands, results) in added_out.items():
+        closer = closer_of[k]
+        eqn = new_eqns[closer]
+        new_eqns[closer] = eqn.replace(
+            invars=[*eqn.invars, *operands], outvars=[*eqn.outvars, *results]
+        )
+    return ClosedJaxpr(jaxpr.replace(eqns=new_eqns, outvars=outvars), cj.consts)
+
+
+# ---------------------------------------------------------------------------------- dce
+
+
+def dce(cj: ClosedJaxpr) -> ClosedJaxpr:
+    """Marker-aware dead-code elimination.
+
+    Equations whose results nobody reads are dropped, except effectful ones. A marker
+    loses the operand/result pairs whose results nobody reads, but a marker that
+    delimits a stage (``start``, ``end``, ``jvp_start``, ``jvp_end``, ``boundary``,
+    ``grad``) stays even when no pair is left, so the stage structure survives; an unread
+    ``hook`` marker goes. The program keeps all its inputs; constants nobody reads are
+    dropped. Idempotent.
+
+    It follows ``jax.interpreters.partial_eval.dce_jaxpr`` (one backward sweep) and
+    uses JAX's DCE rules, the marker's from :mod:`pipemark.primitive` among them; the
+    bodies of ``scan``, ``cond``, ``pjit``… are cleaned by JAX's rules for those
+    primitives. An equation of a primitive without a rule stays when it has any effect.
+
+    Parameters
+    ----------
+    cj:
+        A closed jaxpr.
+
+    Returns
+    -------
+    ClosedJaxpr
+        The program without dead code; same inputs and outputs.
+
+    Raises
+    ------
+    PipemarkError
+        When ``cj`` is not a ``ClosedJaxpr``.
+
+    Examples
+    --------
+    Before (``w`` goes through the start marker but its only reader is dead)::
+
+        { lambda ; a:f32[] b:f32[]. let
+            c:f32[] d:f32[] = pipeline_marker[mark_type=start name=a] a b
+            _:f32[] = cos d
+            e:f32[] = sin c
+            f:f32[] = pipeline_marker[mark_type=end name=a] e
+          in (f,) }
+
+    After::
+
+        { lambda ; a:f32[] b:f32[]. let
+            c:f32[] = pipeline_marker[mark_type=start name=a] a
+            d:f32[] = sin c
+            e:f32[] = pipeline_marker[mark_type=end name=a] d
+          in (e,) }
+
+    >>> import jax, jax.numpy as jnp, pipemark as pm
+    >>> def f(x, w):
+    ...     x, w = pm.mark((x, w), name="a", mark_type="start")
+    ...     _ = jnp.cos(w)
+    ...     return pm.mark(jnp.sin(x), name="a", mark_type="end")
+    >>> cj = dce(jax.make_jaxpr(f)(1.0, 2.0))
+    >>> [(e.primitive.name, len(e.invars)) for e in cj.eqns]
+    [('pipeline_marker', 1), ('sin', 1), ('pipeline_marker', 1)]
+    """
+    _check_closed_jaxpr(cj, "dce")
+    jaxpr = cj.jaxpr
+    # One backward sweep, like jax.interpreters.partial_eval.dce_jaxpr, but with a fast
+    # path for the common case of a primitive without a DCE rule of its own: such an
+    # equation stays when a result is read or it has effects. Primitives with rules
+    # (pipeline markers, pjit, scan, cond, while, custom_jvp…) use them.
+    rules = pe.dce_rules
+    read: set[Var] = {v for v in jaxpr.outvars if type(v) is not Literal}
+    kept: list[JaxprEqn] = []
+    for eqn in reversed(jaxpr.eqns):
+        rule = rules.get(eqn.primitive)
+        if rule is None:
+            for v in eqn.outvars:
+                if v in read:
+                    break
+            else:
+                if not eqn.effects:
+                    continue
+            kept.append(eqn)
+            for v in eqn.invars:
+                if type(v) is not Literal:
+                    read.add(v)
+            continue
+        used_inputs, new_eqn = rule([v in read for v in eqn.outvars], eqn)
+        if new_eqn is None:
+            continue
+        kept.append(new_eqn)
+        for v, used in zip(eqn.invars, used_inputs):
+            if used and type(v) is not Literal:
+                read.add(v)
+    kept.reverse()
+    constants = [(v, c) for v, c in zip(jaxpr.constvars, cj.consts) if v in read]
+    # Removing equations never adds effects, so the program's effects still cover every
+    # equation's.
+    new_jaxpr = jaxpr.replace(constvars=[v for v, _ in constants], eqns=kept)
+    return ClosedJaxpr(new_jaxpr, [c for _, c in constants])

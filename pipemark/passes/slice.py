@@ -1,0 +1,259 @@
+"""Cut a marked program into stages: :func:`slice_stages`."""
+
+from __future__ import annotations
+
+import bisect
+
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
+
+from pipemark.errors import MarkerError, PipemarkError, StageGraphError, describe_eqn
+from pipemark.passes._markers import find_stage_spans, stage_index_of_equations
+from pipemark.staged import Stage, StagedJaxpr, ValueRef, stage_debug_info
+
+__all__ = ["slice_stages"]
+
+_UNMARKED_MODES = ("assign", "error")
+
+
+def _assign_unmarked(jaxpr: Jaxpr, stage_of: list[int | None], spans) -> list[int]:
+    """Give every unmarked equation a stage (the rule is in :func:`slice_stages`)."""
+    eqns = jaxpr.eqns
+    defined_by_stage: dict[Var, int] = {}
+    deferred: list[int] = []
+    assigned = list(stage_of)
+    for index, eqn in enumerate(eqns):
+        stage = assigned[index]
+        if stage is None:
+            operand_stages = [
+                defined_by_stage[a]
+                for a in eqn.invars
+                if not isinstance(a, Literal) and a in defined_by_stage
+            ]
+            if operand_stages:
+                stage = max(operand_stages)
+                assigned[index] = stage
+            else:
+                deferred.append(index)
+                continue
+        for v in eqn.outvars:
+            defined_by_stage[v] = stage
+    if deferred:
+        # Equations that read only program inputs, constants, literals and each other
+        # go to the earliest stage reading their results. Walking backwards, every
+        # reader of such an equation already has its stage.
+        first_use: dict[Var, int] = {}
+        starts = [span.first for span in spans]
+        pending = set(deferred)
+        for index in range(len(eqns) - 1, -1, -1):
+            eqn = eqns[index]
+            if index in pending:
+                uses = [first_use[v] for v in eqn.outvars if v in first_use]
+                if uses:
+                    assigned[index] = min(uses)
+                else:
+                    # Nothing in a stage reads it: the first stage after it, else the last.
+                    assigned[index] = min(bisect.bisect_right(starts, index), len(spans) - 1)
+            stage = assigned[index]
+            for a in eqn.invars:
+                if isinstance(a, Var) and not isinstance(a, Literal):
+                    previous = first_use.get(a)
+                    if previous is None or stage < previous:
+                        first_use[a] = stage
+    return assigned  # type: ignore[return-value]
+
+
+def slice_stages(cj: ClosedJaxpr, unmarked: str = "assign") -> StagedJaxpr:
+    """Cut a program at its start/end markers into a :class:`~pipemark.StagedJaxpr`.
+
+    One stage per start/end pair (a ``jvp_start``/``jvp_end`` pair of the same name
+    belongs to the same stage), in program order. Each stage is a ``ClosedJaxpr`` whose
+    inputs are the program inputs and earlier-stage values it reads, and whose outputs
+    are the values that later stages or the program's result read. A constant lives in
+    every stage that reads it. A value may skip stages (stage 0 feeding stage 3).
+    ``make_jaxpr(jax.value_and_grad(f))`` of a marked ``f`` gives forward stages
+    followed by mirrored ``<name>_backward`` stages.
+
+    Parameters
+    ----------
+    cj:
+        A program with start/end markers (see :func:`insert_markers`,
+        :func:`layers_from_boundaries`).
+    unmarked:
+        What to do with equations outside every start/end pair (such as a loss after
+        the last ``end`` marker, or the seed of the backward pass):
+
+        ``"assign"`` (default)
+            An equation that reads a value computed in some stage joins the *latest*
+            such stage. An equation that reads only program inputs, constants, literals
+            and other such equations joins the *earliest* stage that reads its result;
+            if no stage does, the first stage after it, or the last stage. Stages
+            therefore still run in order, and an unmarked equation between two stages
+            stays with the computation it continues.
+        ``"error"``
+            Refuse the program with a :class:`MarkerError` naming the first such
+            equation.
+
+    Returns
+    -------
+    StagedJaxpr
+        Calling it runs the stages in order and returns the original's flat results;
+        :meth:`~pipemark.StagedJaxpr.as_closed_jaxpr` stitches them back.
+
+    Raises
+    ------
+    MarkerError
+        For malformed markers (see :func:`pipemark.passes._markers.find_stage_spans`),
+        a program without start/end markers, boundary markers (call
+        :func:`layers_from_boundaries` first) or, with ``unmarked="error"``, an equation
+        outside every stage.
+
+    Examples
+    --------
+    Before::
+
+        { lambda ; a:f32[]. let
+            b:f32[] = pipeline_marker[mark_type=start name=s0] a
+            c:f32[] = sin b
+            d:f32[] = pipeline_marker[mark_type=end name=s0] c
+            e:f32[] = pipeline_marker[mark_type=start name=s1] d
+            f:f32[] = cos e
+            g:f32[] = pipeline_marker[mark_type=end name=s1] f
+          in (g,) }
+
+    After: stage ``s0`` is ``{ lambda ; a. let b = start a; c = sin b; d = end c in
+    (d,) }`` and stage ``s1`` takes ``d`` and returns ``g``.
+
+    >>> import jax, jax.numpy as jnp, pipemark as pm
+    >>> cj = pm.passes.insert_markers(jax.make_jaxpr(lambda x: jnp.cos(jnp.sin(x)))(1.0),
+    ...                               [1], names=["s0", "s1"])
+    >>> staged = slice_stages(cj)
+    >>> print(staged.stages[1].closed_jaxpr)  # doctest: +NORMALIZE_WHITESPACE
+    { lambda ; a:f32[]. let
+        b:f32[] = pipeline_marker[mark_type=start name=s1] a
+        c:f32[] = cos b
+        d:f32[] = pipeline_marker[mark_type=end name=s1] c
+      in (d,) }
+    >>> staged.stages[1].inputs
+    (ValueRef(kind='stage', index=0, stage=0, value=None),)
+    """
+    if not isinstance(cj, ClosedJaxpr):
+        raise PipemarkError(
+            f"slice_stages takes a ClosedJaxpr (from jax.make_jaxpr), got {type(cj).__name__}."
+        )
+    if unmarked not in _UNMARKED_MODES:
+        raise PipemarkError(
+            f"unmarked must be one of {', '.join(map(repr, _UNMARKED_MODES))}, got {unmarked!r}."
+        )
+    jaxpr = cj.jaxpr
+    eqns = jaxpr.eqns
+    spans = find_stage_spans(jaxpr)
+    if not spans:
+        raise MarkerError(
+            "slice_stages: the program has no start/end markers, so there is nothing to cut. "
+            "Mark the model's layers with pm.mark(..., mark_type='start'/'end') or "
+            "pm.mark_pipeline_boundary(), or insert markers with "
+            "pm.passes.insert_markers(cj, cuts) or pm.passes.insert_markers_by_scope(cj)."
+        )
+    stage_of = stage_index_of_equations(spans, len(eqns))
+    if unmarked == "error":
+        stray = [i for i, s in enumerate(stage_of) if s is None]
+        if stray:
+            first = stray[0]
+            raise MarkerError(
+                f"{describe_eqn(eqns[first], first)} lies outside every start/end pair "
+                f"({len(stray)} such equation{'s' if len(stray) > 1 else ''} in all). Move "
+                "it between a stage's markers, or slice with unmarked='assign' to let it "
+                "join a stage by its operands."
+            )
+        assigned = stage_of
+    else:
+        assigned = _assign_unmarked(jaxpr, stage_of, spans)
+
+    num_stages = len(spans)
+    members: list[list[int]] = [[] for _ in range(num_stages)]
+    defined_in: dict[Var, int] = {}
+    for index, eqn in enumerate(eqns):
+        stage = assigned[index]
+        members[stage].append(index)
+        for v in eqn.outvars:
+            defined_in[v] = stage
+
+    input_position = {v: i for i, v in enumerate(jaxpr.invars)}
+    const_value = dict(zip(jaxpr.constvars, cj.consts))
+
+    # Which values each stage exports, in the order they are defined.
+    exported: set[Var] = set()
+    for index, eqn in enumerate(eqns):
+        stage = assigned[index]
+        for a in eqn.invars:
+            if isinstance(a, Literal) or not isinstance(a, Var):
+                continue
+            producer = defined_in.get(a)
+            if producer is not None and producer != stage:
+                if producer > stage:
+                    raise StageGraphError(
+                        f"{describe_eqn(eqn, index)} in stage {spans[stage].name!r} reads a "
+                        f"value computed later, in stage {spans[producer].name!r}; move "
+                        "the markers so that every stage reads only earlier stages."
+                    )
+                exported.add(a)
+    for a in jaxpr.outvars:
+        if isinstance(a, Var) and not isinstance(a, Literal) and a in defined_in:
+            exported.add(a)
+
+    output_position: dict[Var, tuple[int, int]] = {}
+    stages: list[Stage] = []
+    for k, indices in enumerate(members):
+        stage_eqns = [eqns[i] for i in indices]
+        invars: dict[Var, ValueRef] = {}
+        constvars: dict[Var, None] = {}
+        outvars: list[Var] = []
+        for eqn in stage_eqns:
+            for a in eqn.invars:
+                if isinstance(a, Literal) or not isinstance(a, Var) or a in invars:
+                    continue
+                producer = defined_in.get(a)
+                if producer == k:
+                    continue
+                if producer is not None:
+                    invars[a] = ValueRef.stage_output(*output_position[a])
+                elif a in input_position:
+                    invars[a] = ValueRef.input(input_position[a])
+                elif a in const_value:
+                    constvars[a] = None
+                else:
+                    raise StageGraphError(
+                        f"{describe_eqn(eqn)} reads {a}, which no equation, input or "
+                        "constant of the program defines; the program is malformed "
+                        "(check it with jax.extend.core.check_jaxpr)."
+                    )
+            for v in eqn.outvars:
+                if v in exported:
+                    output_position[v] = (k, len(outvars))
+                    outvars.append(v)
+        effects = set()
+        for eqn in stage_eqns:
+            effects |= set(eqn.effects)
+        name = spans[k].name
+        stage_jaxpr = Jaxpr(
+            list(constvars),
+            list(invars),
+            outvars,
+            stage_eqns,
+            effects,
+            stage_debug_info(name, list(invars.values()), len(outvars)),
+        )
+        closed = ClosedJaxpr(stage_jaxpr, [const_value[c] for c in constvars])
+        stages.append(Stage(name, closed, tuple(invars.values()), tuple(indices)))
+
+    outputs = []
+    for a in jaxpr.outvars:
+        if isinstance(a, Literal) or not isinstance(a, Var):
+            outputs.append(ValueRef.const(a))
+        elif a in output_position:
+            outputs.append(ValueRef.stage_output(*output_position[a]))
+        elif a in input_position:
+            outputs.append(ValueRef.input(input_position[a]))
+        else:
+            outputs.append(ValueRef.const(const_value[a]))
+    return StagedJaxpr(stages, jaxpr.invars, outputs, jaxpr.debug_info)

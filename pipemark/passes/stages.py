@@ -1,0 +1,314 @@
+"""Passes over staged programs: :func:`merge_stages` and :func:`rename_stages`."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping, Sequence
+
+from jax.extend.core import ClosedJaxpr, Jaxpr, Var
+
+from pipemark.errors import PipemarkError, StageGraphError
+from pipemark.primitive import pipeline_p
+from pipemark.staged import Stage, StagedJaxpr, ValueRef, _substitute, stage_debug_info
+
+__all__ = ["merge_stages", "rename_stages"]
+
+_RENAMED_MARK_TYPES = frozenset(("start", "end", "jvp_start", "jvp_end"))
+
+
+def _stage_index(staged: StagedJaxpr, key: object, where: str) -> int:
+    if isinstance(key, str):
+        for k, stage in enumerate(staged.stages):
+            if stage.name == key:
+                return k
+    elif isinstance(key, int) and not isinstance(key, bool) and 0 <= key < len(staged.stages):
+        return key
+    names = ", ".join(repr(s.name) for s in staged.stages)
+    raise PipemarkError(f"{where}: no stage {key!r}; the stages are {names}.")
+
+
+def _find_cycle(deps: list[set[int]], nodes: list[int]) -> list[int]:
+    """A cycle among ``nodes`` (each with ``deps[n]`` its predecessors), as a list."""
+    inside = set(nodes)
+    color: dict[int, int] = {}
+    parent: dict[int, int] = {}
+    for root in nodes:
+        if root in color:
+            continue
+        stack = [(root, iter(sorted(deps[root] & inside)))]
+        color[root] = 1
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                color[node] = 2
+                stack.pop()
+            elif color.get(child) == 1:
+                cycle = [child, node]
+                while node != child:
+                    node = parent[node]
+                    cycle.append(node)
+                return cycle[-2::-1]
+            elif child not in color:
+                color[child] = 1
+                parent[child] = node
+                stack.append((child, iter(sorted(deps[child] & inside))))
+    return []
+
+
+def merge_stages(
+    staged: StagedJaxpr,
+    groups: Sequence[Sequence[str | int]] | Mapping[str, Sequence[str | int]],
+) -> StagedJaxpr:
+    """Merge groups of stages into single stages.
+
+    Parameters
+    ----------
+    staged:
+        A staged program.
+    groups:
+        Either a sequence of groups, each a sequence of stage names or indices (the
+        merged stage is named by joining its members' names with ``+``), or a mapping
+        from the merged stage's name to its group. Stages in no group stay as they are.
+
+    The merged stage holds its members' equations in stage order (markers included, so
+    :meth:`~pipemark.StagedJaxpr.as_closed_jaxpr` still gives the same program). Its
+    inputs are the values its members read from outside the group; its outputs are the
+    values other stages or the result read. Stages run in the original order, a merged
+    stage at the place of its first member, unless a dependency needs another order.
+
+    Raises
+    ------
+    PipemarkError
+        For an unknown stage, or a stage in two groups.
+    StageGraphError
+        If the merge makes stages depend on each other in a cycle (merging stage 0 with
+        stage 2 while stage 1 reads 0 and 2 reads 1); the message names the cycle.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp, pipemark as pm
+    >>> cj = jax.make_jaxpr(lambda x: jnp.tan(jnp.cos(jnp.sin(x))))(1.0)
+    >>> staged = pm.passes.slice_stages(pm.passes.insert_markers(cj, [1, 2]))
+    >>> merged = merge_stages(staged, [["stage0", "stage1"]])
+    >>> [s.name for s in merged.stages], [s.num_eqns for s in merged.stages]
+    (['stage0+stage1', 'stage2'], [6, 3])
+    """
+    if not isinstance(staged, StagedJaxpr):
+        raise PipemarkError(f"merge_stages takes a StagedJaxpr, got {type(staged).__name__}.")
+    if isinstance(groups, Mapping):
+        named = [(name, list(members)) for name, members in groups.items()]
+    else:
+        named = [(None, list(members)) for members in groups]
+    old_stages = staged.stages
+    group_of: dict[int, int] = {}
+    group_members: list[list[int]] = []
+    group_names: list[str] = []
+    for g, (name, members) in enumerate(named):
+        if not members:
+            raise PipemarkError(f"merge_stages: group {g} is empty.")
+        indices = sorted({_stage_index(staged, m, "merge_stages") for m in members})
+        for k in indices:
+            if k in group_of:
+                raise PipemarkError(
+                    f"merge_stages: stage {old_stages[k].name!r} is in two groups; put each "
+                    "stage in at most one group."
+                )
+            group_of[k] = g
+        group_members.append(indices)
+        if name is not None and not isinstance(name, str):
+            raise PipemarkError(f"merge_stages: stage name {name!r} is not a str.")
+        group_names.append(name or "+".join(old_stages[k].name for k in indices))
+
+    # New nodes: each group, and each stage in no group; keyed by first member.
+    node_of: list[int] = []
+    node_members: list[list[int]] = []
+    node_names: list[str] = []
+    group_node: dict[int, int] = {}
+    for k, stage in enumerate(old_stages):
+        g = group_of.get(k)
+        if g is None:
+            node_of.append(len(node_members))
+            node_members.append([k])
+            node_names.append(stage.name)
+        elif g in group_node:
+            node_of.append(group_node[g])
+        else:
+            group_node[g] = len(node_members)
+            node_of.append(group_node[g])
+            node_members.append(group_members[g])
+            node_names.append(group_names[g])
+    seen_names: set[str] = set()
+    for name in node_names:
+        if name in seen_names:
+            raise PipemarkError(f"merge_stages: two stages would be named {name!r}.")
+        seen_names.add(name)
+
+    num_nodes = len(node_members)
+    deps: list[set[int]] = [set() for _ in range(num_nodes)]
+    for k, stage in enumerate(old_stages):
+        for ref in stage.inputs:
+            if ref.kind == "stage" and node_of[ref.stage] != node_of[k]:
+                deps[node_of[k]].add(node_of[ref.stage])
+
+    # Topological order, earliest first member first (Kahn with a heap: deterministic).
+    waiting = [len(d) for d in deps]
+    readers: list[list[int]] = [[] for _ in range(num_nodes)]
+    for node, d in enumerate(deps):
+        for p in d:
+            readers[p].append(node)
+    heap = [n for n in range(num_nodes) if waiting[n] == 0]
+    heapq.heapify(heap)
+    order: list[int] = []
+    while heap:
+        node = heapq.heappop(heap)
+        order.append(node)
+        for reader in readers[node]:
+            waiting[reader] -= 1
+            if waiting[reader] == 0:
+                heapq.heappush(heap, reader)
+    if len(order) != num_nodes:
+        stuck = [n for n in range(num_nodes) if waiting[n] > 0]
+        cycle = _find_cycle(deps, stuck)
+        path = " -> ".join(repr(node_names[n]) for n in [*cycle, cycle[0]]) if cycle else ""
+        raise StageGraphError(
+            f"merge_stages: the merged stages depend on each other in a cycle: {path}. "
+            "Merge only stages with no other stage between them in the data flow."
+        )
+
+    # Where each old stage output lives: the merged node and its position there.
+    new_position: list[int] = [0] * num_nodes
+    for position, node in enumerate(order):
+        new_position[node] = position
+    produced: dict[tuple[int, int], tuple[int, int]] = {}  # (old stage, out) -> (new, out)
+    read_outside: set[tuple[int, int]] = set()  # old outputs read by another node
+    for k, stage in enumerate(old_stages):
+        for ref in stage.inputs:
+            if ref.kind == "stage" and node_of[ref.stage] != node_of[k]:
+                read_outside.add((ref.stage, ref.index))
+    for ref in staged.outputs:
+        if ref.kind == "stage":
+            read_outside.add((ref.stage, ref.index))
+
+    new_stages: list[Stage] = []
+    for node in order:
+        members = node_members[node]
+        if len(members) == 1:
+            old = old_stages[members[0]]
+            inputs = tuple(_remap(ref, produced) for ref in old.inputs)
+            for i in range(len(old.closed_jaxpr.jaxpr.outvars)):
+                produced[(members[0], i)] = (len(new_stages), i)
+            new_stages.append(Stage(old.name, old.closed_jaxpr, inputs, old.eqn_indices))
+            continue
+        invars: dict[Var, ValueRef] = {}
+        outside_key: dict[tuple, Var] = {}  # one invar per outside value
+        local: dict[tuple[int, int], object] = {}  # member output -> atom in merged body
+        constvars: dict[Var, object] = {}
+        eqns = []
+        outvars: list[object] = []
+        indices: list[int] = []
+        for k in members:
+            jaxpr = old_stages[k].closed_jaxpr.jaxpr
+            sub: dict[Var, object] = {}
+            for var, ref in zip(jaxpr.invars, old_stages[k].inputs):
+                if ref.kind == "stage" and (ref.stage, ref.index) in local:
+                    atom = local[(ref.stage, ref.index)]
+                else:
+                    new_ref = _remap(ref, produced)
+                    key = (new_ref.kind, new_ref.stage, new_ref.index)
+                    if key not in outside_key:
+                        outside_key[key] = var
+                        invars[var] = new_ref
+                    atom = outside_key[key]
+                if atom is not var:
+                    sub[var] = atom
+            for var, value in zip(jaxpr.constvars, old_stages[k].closed_jaxpr.consts):
+                constvars.setdefault(var, value)
+            eqns.extend(_substitute(jaxpr.eqns, sub))
+            for i, v in enumerate(jaxpr.outvars):
+                atom = sub.get(v, v) if isinstance(v, Var) else v
+                local[(k, i)] = atom
+                if (k, i) in read_outside:
+                    produced[(k, i)] = (len(new_stages), len(outvars))
+                    outvars.append(atom)
+            indices.extend(old_stages[k].eqn_indices)
+        effects = set()
+        for eqn in eqns:
+            effects |= set(eqn.effects)
+        merged = Jaxpr(
+            list(constvars),
+            list(invars),
+            outvars,
+            eqns,
+            effects,
+            stage_debug_info(node_names[node], list(invars.values()), len(outvars)),
+        )
+        closed = ClosedJaxpr(merged, list(constvars.values()))
+        new_stages.append(Stage(node_names[node], closed, tuple(invars.values()), tuple(indices)))
+    outputs = [_remap(ref, produced) for ref in staged.outputs]
+    return StagedJaxpr(new_stages, staged.invars, outputs, staged._debug_info)
+
+
+def _remap(ref: ValueRef, produced: dict[tuple[int, int], tuple[int, int]]) -> ValueRef:
+    if ref.kind != "stage":
+        return ref
+    return ValueRef.stage_output(*produced[(ref.stage, ref.index)])
+
+
+def rename_stages(staged: StagedJaxpr, mapping: Mapping[str, str]) -> StagedJaxpr:
+    """Rename stages, and the start/end (and ``jvp_*``) markers that carry their names.
+
+    ``mapping`` maps old stage names to new ones; stages not in it keep their names.
+    Only the markers whose name is the stage's own name change, so renaming ``layer0``
+    leaves ``layer0_backward`` alone unless it is in ``mapping`` too.
+
+    Raises :class:`PipemarkError` for an unknown stage name, a new name that is not a
+    non-empty str, or two stages ending up with the same name.
+
+    >>> import jax, jax.numpy as jnp, pipemark as pm
+    >>> cj = jax.make_jaxpr(lambda x: jnp.cos(jnp.sin(x)))(1.0)
+    >>> staged = pm.passes.slice_stages(pm.passes.insert_markers(cj, [1]))
+    >>> [s.name for s in rename_stages(staged, {"stage0": "embed"}).stages]
+    ['embed', 'stage1']
+    """
+    if not isinstance(staged, StagedJaxpr):
+        raise PipemarkError(f"rename_stages takes a StagedJaxpr, got {type(staged).__name__}.")
+    if not isinstance(mapping, Mapping):
+        raise PipemarkError(
+            f"rename_stages: mapping must map old stage names to new ones, got {mapping!r}."
+        )
+    names = {stage.name for stage in staged.stages}
+    for old, new in mapping.items():
+        if old not in names:
+            known = ", ".join(repr(s.name) for s in staged.stages)
+            raise PipemarkError(f"rename_stages: no stage named {old!r}; the stages are {known}.")
+        if not isinstance(new, str) or not new:
+            raise PipemarkError(f"rename_stages: new name {new!r} is not a non-empty str.")
+    final = [mapping.get(stage.name, stage.name) for stage in staged.stages]
+    seen: set[str] = set()
+    for name in final:
+        if name in seen:
+            raise PipemarkError(
+                f"rename_stages: two stages would be named {name!r}; stage names are unique."
+            )
+        seen.add(name)
+    stages = []
+    for stage, name in zip(staged.stages, final):
+        if name == stage.name:
+            stages.append(stage)
+            continue
+        jaxpr = stage.closed_jaxpr.jaxpr
+        eqns = [
+            eqn.replace(params={**eqn.params, "name": name})
+            if eqn.primitive is pipeline_p
+            and eqn.params.get("mark_type") in _RENAMED_MARK_TYPES
+            and eqn.params.get("name") == stage.name
+            else eqn
+            for eqn in jaxpr.eqns
+        ]
+        new_jaxpr = jaxpr.replace(
+            eqns=eqns, debug_info=stage_debug_info(name, stage.inputs, len(jaxpr.outvars))
+        )
+        closed = ClosedJaxpr(new_jaxpr, stage.closed_jaxpr.consts)
+        stages.append(Stage(name, closed, stage.inputs, stage.eqn_indices))
+    return StagedJaxpr(stages, staged.invars, staged.outputs, staged._debug_info)

@@ -1,0 +1,489 @@
+"""Staged programs: a program cut into stages that run one after another.
+
+A :class:`StagedJaxpr` holds a tuple of :class:`Stage` objects, each a ``ClosedJaxpr``
+with explicit inputs and outputs. A stage input comes from a program input or from an
+earlier stage's output (a :class:`ValueRef` says which); constants live inside the stage
+that uses them. The program's results are references too.
+
+Stage jaxprs share the variables of the program they were sliced from, so stitching the
+stages back together (:meth:`StagedJaxpr.as_closed_jaxpr`) gives the original equations,
+the very same equation objects, in stage order.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import (
+    ClosedJaxpr,
+    DebugInfo,
+    Jaxpr,
+    JaxprEqn,
+    Literal,
+    Var,
+    jaxpr_as_fun,
+)
+
+from pipemark.errors import PipemarkError, StageGraphError
+from pipemark.primitive import flatten_shape_byte_sizes
+
+__all__ = ["Stage", "StagedJaxpr", "ValueRef"]
+
+
+@dataclass(frozen=True)
+class ValueRef:
+    """Where a value comes from.
+
+    ``kind`` is ``"input"`` (program input ``index``), ``"stage"`` (output ``index`` of
+    stage ``stage``) or ``"const"`` (the constant or literal ``value``; only for program
+    results).
+    """
+
+    kind: str
+    index: int = 0
+    stage: int = -1
+    value: Any = None
+
+    @staticmethod
+    def input(index: int) -> ValueRef:
+        return ValueRef("input", index)
+
+    @staticmethod
+    def stage_output(stage: int, index: int) -> ValueRef:
+        return ValueRef("stage", index, stage)
+
+    @staticmethod
+    def const(value: Any) -> ValueRef:
+        return ValueRef("const", value=value)
+
+    def __str__(self) -> str:
+        if self.kind == "input":
+            return f"input[{self.index}]"
+        if self.kind == "stage":
+            return f"stage{self.stage}[{self.index}]"
+        return f"const({self.value!r})"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage: a name, its program, and where each of its inputs comes from.
+
+    Attributes
+    ----------
+    name:
+        The stage name (from the markers).
+    closed_jaxpr:
+        The stage's program. Its invars are the stage inputs, in the order of
+        ``inputs``; its outvars are the values later stages or the result read.
+    inputs:
+        One :class:`ValueRef` per invar of ``closed_jaxpr``.
+    eqn_indices:
+        The indices, in the sliced program, of the equations this stage holds.
+    """
+
+    name: str
+    closed_jaxpr: ClosedJaxpr
+    inputs: tuple[ValueRef, ...]
+    eqn_indices: tuple[int, ...] = ()
+
+    @property
+    def jaxpr(self) -> Jaxpr:
+        return self.closed_jaxpr.jaxpr
+
+    @property
+    def num_eqns(self) -> int:
+        return len(self.closed_jaxpr.jaxpr.eqns)
+
+    @property
+    def in_avals(self) -> tuple[Any, ...]:
+        return tuple(v.aval for v in self.closed_jaxpr.jaxpr.invars)
+
+    @property
+    def out_avals(self) -> tuple[Any, ...]:
+        return tuple(v.aval for v in self.closed_jaxpr.jaxpr.outvars)
+
+    @property
+    def bytes_in(self) -> int:
+        """Bytes of the values this stage receives (program inputs and earlier stages)."""
+        return int(flatten_shape_byte_sizes(list(self.in_avals)).sum())
+
+    @property
+    def bytes_out(self) -> int:
+        """Bytes of the values this stage hands to later stages or the result."""
+        return int(flatten_shape_byte_sizes(list(self.out_avals)).sum())
+
+
+def _substitute(eqns: Sequence[JaxprEqn], sub: dict[Var, Any]) -> list[JaxprEqn]:
+    """``eqns`` with operands renamed through ``sub``; untouched equations are reused."""
+    if not sub:
+        return list(eqns)
+    out = []
+    for eqn in eqns:
+        new_invars = [
+            sub.get(a, a) if isinstance(a, Var) and not isinstance(a, Literal) else a
+            for a in eqn.invars
+        ]
+        changed = any(a is not b for a, b in zip(new_invars, eqn.invars))
+        out.append(eqn.replace(invars=new_invars) if changed else eqn)
+    return out
+
+
+def stage_debug_info(name: str, inputs: Sequence[ValueRef], num_outputs: int) -> DebugInfo:
+    """Debug info for a stage jaxpr: its inputs are named after where they come from."""
+    return DebugInfo(
+        "pipemark stage",
+        f"stage {name}",
+        tuple(str(ref) for ref in inputs),
+        tuple(f"result[{i}]" for i in range(num_outputs)),
+    )
+
+
+def _flat_args(args: Sequence[Any]) -> list[Any]:
+    return jax.tree_util.tree_leaves(list(args))
+
+
+class StagedJaxpr:
+    """A program cut into stages; see :func:`pipemark.passes.slice_stages`.
+
+    Parameters
+    ----------
+    stages:
+        The stages, in an order in which they can run.
+    invars:
+        The program's input variables (their avals give the inputs' types).
+    outputs:
+        One :class:`ValueRef` per program result.
+    debug_info:
+        The sliced program's ``debug_info``, kept for :meth:`as_closed_jaxpr`.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp, pipemark as pm
+    >>> def f(x):
+    ...     x = pm.mark(x, name="a", mark_type="start")
+    ...     x = pm.mark(jnp.sin(x), name="a", mark_type="end")
+    ...     x = pm.mark(x, name="b", mark_type="start")
+    ...     return pm.mark(jnp.cos(x), name="b", mark_type="end")
+    >>> staged = pm.passes.slice_stages(jax.make_jaxpr(f)(1.0))
+    >>> [s.name for s in staged.stages]
+    ['a', 'b']
+    >>> staged.verify(f, 0.5)
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[Stage],
+        invars: Sequence[Var],
+        outputs: Sequence[ValueRef],
+        debug_info: Any = None,
+    ) -> None:
+        self._stages = tuple(stages)
+        self._invars = tuple(invars)
+        self._outputs = tuple(outputs)
+        self._debug_info = debug_info
+        self._check()
+
+    # ------------------------------------------------------------------- structure
+
+    def _check_ref(self, ref: ValueRef, before: int, what: str) -> None:
+        if ref.kind == "input":
+            if not 0 <= ref.index < len(self._invars):
+                raise StageGraphError(
+                    f"{what} reads program input {ref.index}, but the program has "
+                    f"{len(self._invars)} inputs."
+                )
+        elif ref.kind == "stage":
+            if not 0 <= ref.stage < before:
+                raise StageGraphError(
+                    f"{what} reads stage {ref.stage}, which does not run before it; stages "
+                    "may read only earlier stages."
+                )
+            num_out = len(self._stages[ref.stage].closed_jaxpr.jaxpr.outvars)
+            if not 0 <= ref.index < num_out:
+                raise StageGraphError(
+                    f"{what} reads output {ref.index} of stage "
+                    f"{self._stages[ref.stage].name!r}, which has {num_out} outputs."
+                )
+        elif ref.kind != "const" or before < len(self._stages):
+            raise StageGraphError(f"{what}: {ref} is not a valid value reference.")
+
+    def _check(self) -> None:
+        names: set[str] = set()
+        for k, stage in enumerate(self._stages):
+            if stage.name in names:
+                raise StageGraphError(f"Two stages are named {stage.name!r}; names are unique.")
+            names.add(stage.name)
+            what = f"Stage {k} ({stage.name!r})"
+            if len(stage.inputs) != len(stage.closed_jaxpr.jaxpr.invars):
+                raise StageGraphError(
+                    f"{what} has {len(stage.closed_jaxpr.jaxpr.invars)} inputs but "
+                    f"{len(stage.inputs)} input references."
+                )
+            for ref in stage.inputs:
+                self._check_ref(ref, k, what)
+        for i, ref in enumerate(self._outputs):
+            self._check_ref(ref, len(self._stages), f"Program result {i}")
+
+    @property
+    def stages(self) -> tuple[Stage, ...]:
+        """The stages, in the order they run."""
+        return self._stages
+
+    @property
+    def invars(self) -> tuple[Var, ...]:
+        """The program's input variables."""
+        return self._invars
+
+    @property
+    def outputs(self) -> tuple[ValueRef, ...]:
+        """Where each program result comes from."""
+        return self._outputs
+
+    @property
+    def in_avals(self) -> tuple[Any, ...]:
+        return tuple(v.aval for v in self._invars)
+
+    def __len__(self) -> int:
+        return len(self._stages)
+
+    def __getitem__(self, key: int | str) -> Stage:
+        """A stage by position or by name."""
+        if isinstance(key, str):
+            for stage in self._stages:
+                if stage.name == key:
+                    return stage
+            raise PipemarkError(
+                f"No stage named {key!r}; the stages are "
+                f"{', '.join(repr(s.name) for s in self._stages)}."
+            )
+        try:
+            return self._stages[key]
+        except (IndexError, TypeError):
+            raise PipemarkError(
+                f"No stage {key!r}: this program has {len(self._stages)} stages."
+            ) from None
+
+    def __repr__(self) -> str:
+        names = ", ".join(s.name for s in self._stages)
+        return f"StagedJaxpr({len(self._stages)} stages: {names})"
+
+    # ------------------------------------------------------------------------ run
+
+    def __call__(self, *args: Any) -> list[Any]:
+        """Run the stages one after another and return the program's flat results.
+
+        ``args`` are the program's inputs, flat or as the pytrees the traced function
+        took (they are flattened). Each stage runs eagerly, equation by equation, as
+        ``jax.extend.core.jaxpr_as_fun`` does, so results match the unsplit program bit
+        for bit; wrap the call in ``jax.jit`` to compile it instead.
+        """
+        flat = _flat_args(args)
+        if len(flat) != len(self._invars):
+            raise PipemarkError(
+                f"The staged program takes {len(self._invars)} inputs (after flattening), "
+                f"got {len(flat)}."
+            )
+        for i, (value, var) in enumerate(zip(flat, self._invars)):
+            shape = tuple(np.shape(value))
+            if shape != tuple(var.aval.shape):
+                raise PipemarkError(
+                    f"Input {i} has shape {shape}, but the program was traced with "
+                    f"{var.aval.str_short()}."
+                )
+        results: list[list[Any]] = []
+        for stage in self._stages:
+            inputs = [self._fetch(ref, flat, results) for ref in stage.inputs]
+            results.append(list(jaxpr_as_fun(stage.closed_jaxpr)(*inputs)))
+        return [self._fetch(ref, flat, results) for ref in self._outputs]
+
+    @staticmethod
+    def _fetch(ref: ValueRef, flat: list[Any], results: list[list[Any]]) -> Any:
+        if ref.kind == "input":
+            return flat[ref.index]
+        if ref.kind == "stage":
+            return results[ref.stage][ref.index]
+        return ref.value.val if isinstance(ref.value, Literal) else ref.value
+
+    def as_closed_jaxpr(self) -> ClosedJaxpr:
+        """Stitch the stages back into one program with the original inputs and results.
+
+        The equations are the stages' equations in stage order; for a program sliced by
+        :func:`~pipemark.passes.slice_stages` from a fully marked program they are the
+        original equation objects in the original order.
+        """
+        produced: list[list[Any]] = []
+        eqns: list[JaxprEqn] = []
+        constvars: list[Var] = []
+        consts: list[Any] = []
+        seen_consts: set[Var] = set()
+        for stage in self._stages:
+            jaxpr = stage.closed_jaxpr.jaxpr
+            sub: dict[Var, Any] = {}
+            for var, ref in zip(jaxpr.invars, stage.inputs):
+                atom = self._atom(ref, produced)
+                if atom is not var:
+                    sub[var] = atom
+            for var, value in zip(jaxpr.constvars, stage.closed_jaxpr.consts):
+                if var not in seen_consts:
+                    seen_consts.add(var)
+                    constvars.append(var)
+                    consts.append(value)
+            eqns.extend(_substitute(jaxpr.eqns, sub))
+            produced.append([sub.get(v, v) if isinstance(v, Var) else v for v in jaxpr.outvars])
+        outvars = []
+        for ref in self._outputs:
+            if ref.kind == "const":
+                value = ref.value
+                if isinstance(value, Literal):
+                    outvars.append(value)
+                else:
+                    # A constant returned as-is becomes a constvar of the stitched program.
+                    var = Var(jax.typeof(value))
+                    constvars.append(var)
+                    consts.append(value)
+                    outvars.append(var)
+            else:
+                outvars.append(self._atom(ref, produced))
+        effects = set()
+        for eqn in eqns:
+            effects |= set(eqn.effects)
+        debug_info = self._debug_info or DebugInfo(
+            "pipemark",
+            "stitched stages",
+            tuple(f"input[{i}]" for i in range(len(self._invars))),
+            tuple(f"result[{i}]" for i in range(len(outvars))),
+        )
+        jaxpr = Jaxpr(constvars, self._invars, outvars, eqns, effects, debug_info)
+        return ClosedJaxpr(jaxpr, consts)
+
+    def _atom(self, ref: ValueRef, produced: list[list[Any]]) -> Any:
+        if ref.kind == "input":
+            return self._invars[ref.index]
+        if ref.kind == "stage":
+            return produced[ref.stage][ref.index]
+        raise StageGraphError(f"A stage input cannot be {ref}.")
+
+    def verify(
+        self,
+        reference: Callable[..., Any] | ClosedJaxpr,
+        *args: Any,
+        rtol: float = 0.0,
+        atol: float = 0.0,
+    ) -> None:
+        """Run the staged program and ``reference`` on ``args`` and compare the results.
+
+        ``reference`` is the unsplit program: a ``ClosedJaxpr`` (called with the flat
+        arguments), or a callable, which is traced with ``jax.make_jaxpr(reference)(*args)``
+        and evaluated equation by equation like the stages. By default results must be equal bit for bit (NaNs in the same
+        places); pass ``rtol``/``atol`` to allow a tolerance, e.g. after ``jax.jit``.
+
+        Raises :class:`PipemarkError` naming the first result that differs.
+        """
+        got = self(*args)
+        if isinstance(reference, ClosedJaxpr):
+            want = list(jaxpr_as_fun(reference)(*_flat_args(args)))
+        elif callable(reference):
+            # Evaluate the reference's program the way the stages run (equation by
+            # equation): calling it directly may run jitted pieces that XLA fuses and
+            # rounds differently, which no bit-for-bit comparison could survive.
+            traced = jax.make_jaxpr(reference)(*args)
+            want = list(jaxpr_as_fun(traced)(*_flat_args(args)))
+        else:
+            raise PipemarkError(
+                f"verify: reference must be a ClosedJaxpr or a callable, got "
+                f"{type(reference).__name__}."
+            )
+        if len(got) != len(want):
+            raise PipemarkError(
+                f"The staged program returns {len(got)} results, the reference {len(want)}."
+            )
+        for i, (a, b) in enumerate(zip(got, want)):
+            a, b = np.asarray(a), np.asarray(b)
+            where = self._describe_output(i)
+            if a.shape != b.shape or a.dtype != b.dtype:
+                raise PipemarkError(
+                    f"Result {i} ({where}) is {a.dtype}{list(a.shape)}, the reference's "
+                    f"is {b.dtype}{list(b.shape)}."
+                )
+            if rtol == 0 and atol == 0:
+                same = np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
+            else:
+                same = bool(np.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True))
+            if not same:
+                diff = np.abs(a.astype(np.float64) - b.astype(np.float64))
+                raise PipemarkError(
+                    f"Result {i} ({where}) differs from the reference: largest difference "
+                    f"{np.nanmax(diff) if diff.size else 0!r} over {a.size} elements "
+                    f"({int(np.sum(~np.isclose(a, b, rtol=rtol, atol=atol, equal_nan=True)))} "
+                    "differ)."
+                )
+
+    def _describe_output(self, i: int) -> str:
+        ref = self._outputs[i]
+        if ref.kind == "stage":
+            return f"output {ref.index} of stage {self._stages[ref.stage].name!r}"
+        if ref.kind == "input":
+            return f"program input {ref.index}"
+        return "a constant"
+
+    # ----------------------------------------------------------------- inspection
+
+    @property
+    def graph(self):
+        """The stage graph: a ``networkx.DiGraph`` with one node per stage name (node
+        attributes ``index`` and ``num_eqns``) and an edge from each stage to every stage
+        that reads its outputs (attributes ``bytes`` and ``num_values``)."""
+        import networkx as nx
+
+        graph = nx.DiGraph()
+        for k, stage in enumerate(self._stages):
+            graph.add_node(stage.name, index=k, num_eqns=stage.num_eqns)
+        for stage in self._stages:
+            for ref, var in zip(stage.inputs, stage.closed_jaxpr.jaxpr.invars):
+                if ref.kind != "stage":
+                    continue
+                source = self._stages[ref.stage].name
+                size = int(flatten_shape_byte_sizes([var.aval])[0])
+                if graph.has_edge(source, stage.name):
+                    graph[source][stage.name]["bytes"] += size
+                    graph[source][stage.name]["num_values"] += 1
+                else:
+                    graph.add_edge(source, stage.name, bytes=size, num_values=1)
+        return graph
+
+    def summary(self) -> str:
+        """A text table: one row per stage with its equation count, number of inputs and
+        outputs, and the bytes it receives and hands on.
+
+        >>> import jax, jax.numpy as jnp, pipemark as pm
+        >>> cj = jax.make_jaxpr(lambda x: jnp.cos(jnp.sin(x)))(jnp.ones(4))
+        >>> print(pm.passes.slice_stages(pm.passes.insert_markers(cj, [1])).summary())
+        stage  name    equations  inputs  outputs  bytes in  bytes out
+        0      stage0  3          1       1        16        16
+        1      stage1  3          1       1        16        16
+        """
+        header = ("stage", "name", "equations", "inputs", "outputs", "bytes in", "bytes out")
+        rows = [header]
+        for k, stage in enumerate(self._stages):
+            rows.append(
+                (
+                    str(k),
+                    stage.name,
+                    str(stage.num_eqns),
+                    str(len(stage.inputs)),
+                    str(len(stage.out_avals)),
+                    str(stage.bytes_in),
+                    str(stage.bytes_out),
+                )
+            )
+        widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        return f"<pre>{html.escape(self.summary())}</pre>"

@@ -1,0 +1,153 @@
+"""StagedJaxpr: run, stitch, verify, summary, graph."""
+
+from __future__ import annotations
+
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend.core import jaxpr_as_fun
+
+import pipemark as pm
+from pipemark import examples
+from pipemark.staged import Stage, StagedJaxpr, ValueRef
+
+P = pm.passes
+X = jnp.linspace(-1.0, 1.0, 4, dtype=jnp.float32)
+
+
+def two_stages():
+    cj = jax.make_jaxpr(lambda x, y: (jnp.cos(jnp.sin(x) * y), x))(X, X)
+    return cj, P.slice_stages(P.insert_markers(cj, [2], names=["front", "back"]))
+
+
+def test_call_accepts_pytrees_and_flat_arguments():
+    ex = examples.mlp(num_layers=2)
+    staged = pm.split(ex.loss_fn, *ex.args)
+    flat = jax.tree_util.tree_leaves(ex.args)
+    a = staged(*ex.args)
+    b = staged(*flat)
+    assert len(a) == 1
+    np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
+    np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(jaxpr_as_fun(ex.trace())(*flat)[0]))
+
+
+def test_call_under_jit_matches_closely():
+    ex = examples.transformer(num_layers=1)
+    staged = pm.split(jax.value_and_grad(ex.loss_fn), *ex.args)
+    got = jax.jit(lambda *a: staged(*a))(*ex.args)
+    want = jax.tree_util.tree_leaves(jax.value_and_grad(ex.loss_fn)(*ex.args))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+def test_call_rejects_wrong_arguments():
+    _, staged = two_stages()
+    with pytest.raises(pm.PipemarkError, match=r"takes 2 inputs \(after flattening\), got 1"):
+        staged(X)
+    with pytest.raises(pm.PipemarkError, match=r"Input 1 has shape \(3,\).*float32\[4\]"):
+        staged(X, jnp.ones(3))
+
+
+def test_verify_against_jaxpr_and_callable():
+    cj, staged = two_stages()
+    assert staged.verify(cj, X, X) is None
+    staged.verify(lambda x, y: (jnp.cos(jnp.sin(x) * y), x), X, X)
+
+
+def test_verify_names_the_first_differing_result():
+    _, staged = two_stages()
+    with pytest.raises(pm.PipemarkError, match=r"Result 0 \(output 0 of stage 'back'\) differs"):
+        staged.verify(lambda x, y: (jnp.cos(jnp.sin(x) * y) + 1e-3, x), X, X)
+    with pytest.raises(pm.PipemarkError, match=r"Result 1 \(program input 0\) differs"):
+        staged.verify(lambda x, y: (jnp.cos(jnp.sin(x) * y), x + 1), X, X)
+    with pytest.raises(pm.PipemarkError, match="returns 2 results, the reference 1"):
+        staged.verify(lambda x, y: x, X, X)
+    with pytest.raises(pm.PipemarkError, match=r"is float32\[4\], the reference's is int32"):
+        staged.verify(lambda x, y: (jnp.zeros(4, jnp.int32), x), X, X)
+    with pytest.raises(pm.PipemarkError, match="reference must be a ClosedJaxpr or a callable"):
+        staged.verify(3, X, X)
+
+
+def test_verify_with_tolerance():
+    _, staged = two_stages()
+    near = lambda x, y: (jnp.cos(jnp.sin(x) * y) + 1e-7, x)  # noqa: E731
+    with pytest.raises(pm.PipemarkError):
+        staged.verify(near, X, X)
+    staged.verify(near, X, X, rtol=0, atol=1e-5)
+
+
+def skip(x):
+    a = jnp.sin(x)
+    return jnp.cos(a) + a
+
+
+def test_summary_table():
+    cj = jax.make_jaxpr(skip)(jnp.ones(4))
+    staged = P.slice_stages(P.insert_markers(cj, [1, 2]))
+    expected = textwrap.dedent(
+        """\
+        stage  name    equations  inputs  outputs  bytes in  bytes out
+        0      stage0  3          1       1        16        16
+        1      stage1  3          1       1        16        16
+        2      stage2  3          2       1        32        16"""
+    )
+    assert staged.summary() == expected
+    assert staged._repr_html_() == f"<pre>{expected}</pre>"
+    assert repr(staged) == "StagedJaxpr(3 stages: stage0, stage1, stage2)"
+
+
+def test_graph_has_bytes_per_edge():
+    cj = jax.make_jaxpr(skip)(jnp.ones(4))
+    staged = P.slice_stages(P.insert_markers(cj, [1, 2]))
+    graph = staged.graph
+    assert sorted(graph.nodes) == ["stage0", "stage1", "stage2"]
+    assert graph.nodes["stage1"] == {"index": 1, "num_eqns": 3}
+    assert dict(graph.edges) == {
+        ("stage0", "stage1"): {"bytes": 16, "num_values": 1},
+        ("stage0", "stage2"): {"bytes": 16, "num_values": 1},
+        ("stage1", "stage2"): {"bytes": 16, "num_values": 1},
+    }
+
+
+def test_stage_properties():
+    _, staged = two_stages()
+    front = staged["front"]
+    assert staged[0] is front and len(staged) == 2
+    assert front.num_eqns == 4 and front.bytes_in == 32 and front.bytes_out == 16
+    assert [str(a) for a in front.in_avals] == ["float32[4]", "float32[4]"]
+    with pytest.raises(pm.PipemarkError, match="No stage named 'zz'"):
+        staged["zz"]
+    with pytest.raises(pm.PipemarkError, match="No stage 5: this program has 2 stages"):
+        staged[5]
+
+
+def test_constructor_checks_references():
+    _, staged = two_stages()
+    front, back = staged.stages
+    bad_back = Stage(back.name, back.closed_jaxpr, (ValueRef.stage_output(1, 0),))
+    with pytest.raises(pm.StageGraphError, match="reads stage 1, which does not run before it"):
+        StagedJaxpr([front, bad_back], staged.invars, staged.outputs)
+    with pytest.raises(pm.StageGraphError, match="reads output 5 of stage 'front'"):
+        StagedJaxpr(
+            [front, Stage("b", back.closed_jaxpr, (ValueRef.stage_output(0, 5),))],
+            staged.invars,
+            staged.outputs,
+        )
+    with pytest.raises(pm.StageGraphError, match="has 1 inputs but 0 input references"):
+        StagedJaxpr([front, Stage("b", back.closed_jaxpr, ())], staged.invars, staged.outputs)
+    with pytest.raises(pm.StageGraphError, match="Two stages are named 'front'"):
+        StagedJaxpr([front, front], staged.invars, staged.outputs)
+    with pytest.raises(pm.StageGraphError, match="reads program input 7"):
+        StagedJaxpr(staged.stages, staged.invars, [ValueRef.input(7)])
+
+
+def test_as_closed_jaxpr_keeps_debug_info_and_effects():
+    cj, staged = two_stages()
+    stitched = staged.as_closed_jaxpr()
+    assert stitched.jaxpr.debug_info.arg_names == cj.jaxpr.debug_info.arg_names
+    assert stitched.jaxpr.effects == set()
+    # Stage programs name their inputs after where they come from.
+    assert staged["back"].jaxpr.debug_info.arg_names == ("stage0[0]",)
