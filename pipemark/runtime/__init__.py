@@ -1,0 +1,21 @@
+"""Run staged programs on several devices: pipeline schedules as data
+(:mod:`pipemark.runtime.schedules`), their plots (:mod:`pipemark.runtime.plot`) and
+the executor behind :func:`pipeline_value_and_grad` (:mod:`pipemark.runtime.executor`).
+"""
+
+from pipemark.runtime.executor import LOSS_REDUCTIONS as LOSS_REDUCTIONS
+from pipemark.runtime.executor import Pipeline as Pipeline
+from pipemark.runtime.executor import PipelinePlan as PipelinePlan
+from pipemark.runtime.executor import pipeline_value_and_grad as pipeline_value_and_grad
+from pipemark.runtime.plot import plot_schedule as plot_schedule
+from pipemark.runtime.schedules import BACKWARD as BACKWARD
+from pipemark.runtime.schedules import FORWARD as FORWARD
+from pipemark.runtime.schedules import SCHEDULES as SCHEDULES
+from pipemark.runtime.schedules import Action as Action
+from pipemark.runtime.schedules import Schedule as Schedule
+from pipemark.runtime.schedules import gpipe_schedule as gpipe_schedule
+from pipemark.runtime.schedules import ideal_bubble_fraction as ideal_bubble_fraction
+from pipemark.runtime.schedules import interleaved_schedule as interleaved_schedule
+from pipemark.runtime.schedules import make_schedule as make_schedule
+from pipemark.runtime.schedules import one_f_one_b_schedule as one_f_one_b_schedule
+from pipemark.runtime.schedules import schedule_from_orders as schedule_from_orders

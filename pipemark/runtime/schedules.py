@@ -1,0 +1,651 @@
+"""Pipeline schedules as data: which device runs which stage for which microbatch, tick
+by tick.
+
+A :class:`Schedule` is a grid of ticks × devices. Each cell holds one :class:`Action`
+(the forward or the backward of one stage for one microbatch) or ``None`` (the device
+idles: a *bubble*). Every tick lasts one unit of time, whatever the action; the grid is
+the order in which the runtime dispatches work, and a plot of it is the usual picture of
+a pipeline.
+
+Stages need not form a chain. The *stage graph* lists, for each forward stage, the
+stages whose outputs it reads (a skip connection is an edge that jumps over stages).
+A schedule is valid when every action runs after everything it needs:
+
+* the forward of stage ``j`` for microbatch ``m`` after the forward of every
+  predecessor of ``j`` for ``m``;
+* the backward of stage ``j`` for ``m`` after the forward of ``j`` for ``m`` and after
+  the backward of every successor of ``j`` for ``m``.
+
+The builders (:func:`gpipe_schedule`, :func:`one_f_one_b_schedule`,
+:func:`interleaved_schedule`) give each device an *order* of actions and let
+:func:`schedule_from_orders` place each action at the first tick where its inputs are
+ready, so the same builders are correct for any stage graph.
+
+>>> s = one_f_one_b_schedule(num_stages=2, num_microbatches=3)
+>>> print(s)
+1f1b: 2 stages, 3 microbatches, 2 devices, 8 ticks, bubble 25.0%
+tick      0   1   2   3   4   5   6   7
+device 0  F0  F1  .   B0  F2  B1  .   B2
+device 1  .   F0  B0  F1  B1  F2  B2  .
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from pipemark.errors import PipemarkError, StageGraphError
+
+__all__ = [
+    "FORWARD",
+    "BACKWARD",
+    "SCHEDULES",
+    "Action",
+    "Schedule",
+    "schedule_from_orders",
+    "gpipe_schedule",
+    "one_f_one_b_schedule",
+    "interleaved_schedule",
+    "make_schedule",
+    "ideal_bubble_fraction",
+]
+
+FORWARD = "forward"
+BACKWARD = "backward"
+_KINDS = (FORWARD, BACKWARD)
+
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
+
+
+class Action(NamedTuple):
+    """The forward or backward of one stage for one microbatch.
+
+    >>> Action(stage=1, microbatch=0, kind="backward")
+    Action(stage=1, microbatch=0, kind='backward')
+    >>> Action(1, 0, "backward").label(one_stage_per_device=True)
+    'B0'
+    """
+
+    stage: int
+    microbatch: int
+    kind: str
+
+    def label(self, one_stage_per_device: bool = False) -> str:
+        """``F3`` / ``B3`` (``F3s1`` when a device holds several stages)."""
+        text = f"{self.kind[0].upper()}{self.microbatch}"
+        return text if one_stage_per_device else f"{text}s{self.stage}"
+
+    def describe(self) -> str:
+        return f"{self.kind} of stage {self.stage} for microbatch {self.microbatch}"
+
+
+# ---------------------------------------------------------------------- stage graph
+
+
+def _chain(num_stages: int) -> tuple[tuple[int, ...], ...]:
+    return tuple(() if j == 0 else (j - 1,) for j in range(num_stages))
+
+
+def _check_count(value: Any, what: str, advice: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PipemarkError(f"{what} must be a positive int, got {value!r}. {advice}")
+    return value
+
+
+def normalize_stage_graph(stage_graph: Any, num_stages: int) -> tuple[tuple[int, ...], ...]:
+    """The predecessors of each forward stage, from one of:
+
+    ``None``
+        A chain: stage ``j`` reads stage ``j - 1``.
+    a ``networkx.DiGraph``
+        With nodes ``0 .. num_stages - 1`` (isolated nodes allowed).
+    a mapping ``{stage: predecessors}``
+        Stages that are not keys have no predecessors.
+    an iterable of ``(source, target)`` edges.
+
+    Raises :class:`StageGraphError` for a node outside ``0 .. num_stages - 1``, a
+    self-loop or a cycle (naming it).
+
+    >>> normalize_stage_graph([(0, 1), (1, 2), (0, 2)], 3)
+    ((), (0,), (0, 1))
+    """
+    num_stages = _check_count(num_stages, "num_stages", "Give the number of pipeline stages.")
+    if stage_graph is None:
+        return _chain(num_stages)
+    if hasattr(stage_graph, "edges") and hasattr(stage_graph, "nodes"):
+        nodes = list(stage_graph.nodes)
+        edges = list(stage_graph.edges)
+    elif isinstance(stage_graph, Mapping):
+        nodes = list(stage_graph)
+        edges = [(p, j) for j, preds in stage_graph.items() for p in preds]
+    else:
+        try:
+            edges = [tuple(e) for e in stage_graph]
+        except TypeError:
+            raise StageGraphError(
+                f"Cannot read a stage graph from {type(stage_graph).__name__}; pass None "
+                "(a chain), a networkx.DiGraph, a {stage: predecessors} mapping or a list "
+                "of (source, target) edges between stage indices."
+            ) from None
+        nodes = []
+    preds: list[set[int]] = [set() for _ in range(num_stages)]
+    for node in nodes:
+        _check_stage_node(node, num_stages)
+    for edge in edges:
+        if len(edge) != 2:
+            raise StageGraphError(f"Stage graph edge {edge!r} is not a (source, target) pair.")
+        source, target = (_check_stage_node(n, num_stages) for n in edge)
+        if source == target:
+            raise StageGraphError(
+                f"Stage graph edge {edge!r} is a self-loop; a stage cannot read its own "
+                "outputs across a pipeline boundary. Remove the edge."
+            )
+        preds[target].add(source)
+    result = tuple(tuple(sorted(p)) for p in preds)
+    _check_acyclic(result)
+    return result
+
+
+def _check_stage_node(node: Any, num_stages: int) -> int:
+    if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < num_stages:
+        raise StageGraphError(
+            f"Stage graph node {node!r} is not a stage index in 0..{num_stages - 1}. "
+            "Number the forward stages 0, 1, ... in program order (StagedJaxpr.graph "
+            "names them; map names to indices first)."
+        )
+    return node
+
+
+def _check_acyclic(preds: Sequence[Sequence[int]]) -> None:
+    import networkx as nx
+
+    graph = nx.DiGraph()
+    graph.add_nodes_from(range(len(preds)))
+    graph.add_edges_from((p, j) for j, ps in enumerate(preds) for p in ps)
+    try:
+        cycle = nx.find_cycle(graph)
+    except nx.NetworkXNoCycle:
+        return
+    path = " -> ".join(str(u) for u, _ in cycle) + f" -> {cycle[0][0]}"
+    raise StageGraphError(
+        f"The stage graph has a cycle: {path}. Pipeline stages must depend on each other "
+        "without cycles; merge the stages on the cycle into one stage."
+    )
+
+
+def _successors(preds: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    succ: list[list[int]] = [[] for _ in preds]
+    for j, ps in enumerate(preds):
+        for p in ps:
+            succ[p].append(j)
+    return tuple(tuple(s) for s in succ)
+
+
+def _depth_to_sink(preds: Sequence[Sequence[int]]) -> list[int]:
+    """For each stage, the number of edges on the longest path to a stage that nothing
+    reads (S - 1 - j on a chain): how many forwards must be in flight before the
+    stage's first backward can arrive."""
+    import networkx as nx
+
+    succ = _successors(preds)
+    graph = nx.DiGraph()
+    graph.add_nodes_from(range(len(preds)))
+    graph.add_edges_from((p, j) for j, ps in enumerate(preds) for p in ps)
+    depth = [0] * len(preds)
+    for j in reversed(list(nx.topological_sort(graph))):
+        depth[j] = max((depth[s] + 1 for s in succ[j]), default=0)
+    return depth
+
+
+def dependencies(
+    action: Action, preds: Sequence[Sequence[int]], succ: Sequence[Sequence[int]]
+) -> list[Action]:
+    """What ``action`` needs to have run before it (see the module docstring)."""
+    j, m = action.stage, action.microbatch
+    if action.kind == FORWARD:
+        return [Action(p, m, FORWARD) for p in preds[j]]
+    return [Action(j, m, FORWARD)] + [Action(s, m, BACKWARD) for s in succ[j]]
+
+
+# ------------------------------------------------------------------------- Schedule
+
+
+def ideal_bubble_fraction(num_stages: int, num_microbatches: int) -> float:
+    """The idle fraction of a GPipe or 1F1B pipeline of equal stages on a chain,
+    ``(S - 1) / (M + S - 1)``.
+
+    >>> ideal_bubble_fraction(4, 8)
+    0.2727272727272727
+    """
+    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A validated pipeline schedule.
+
+    Attributes
+    ----------
+    name:
+        ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or a name of your own.
+    num_microbatches:
+        How many microbatches go through the pipeline.
+    stage_devices:
+        The device index of each forward stage (its backward runs on the same device,
+        next to the residuals it reads).
+    predecessors:
+        The stage graph: the stages each forward stage reads from.
+    ticks:
+        ``ticks[t][d]`` is the :class:`Action` device ``d`` runs at tick ``t``, or
+        ``None``.
+
+    Building one checks it; :class:`StageGraphError` says which action runs too early
+    (or twice, or never, or on the wrong device) and what to move.
+
+    >>> F, B = "forward", "backward"
+    >>> Schedule("mine", 1, (0, 1), ((), (0,)),
+    ...          ((Action(0, 0, F), None), (None, Action(1, 0, F)),
+    ...           (None, Action(1, 0, B)), (Action(0, 0, B), None))).num_ticks
+    4
+    """
+
+    name: str
+    num_microbatches: int
+    stage_devices: tuple[int, ...]
+    predecessors: tuple[tuple[int, ...], ...]
+    ticks: tuple[tuple[Action | None, ...], ...]
+    _finish: dict[Action, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stage_devices", tuple(self.stage_devices))
+        object.__setattr__(self, "predecessors", tuple(tuple(p) for p in self.predecessors))
+        object.__setattr__(self, "ticks", tuple(tuple(t) for t in self.ticks))
+        object.__setattr__(self, "_finish", _validate(self))
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_devices)
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.ticks[0]) if self.ticks else max(self.stage_devices) + 1
+
+    @property
+    def num_ticks(self) -> int:
+        return len(self.ticks)
+
+    @property
+    def successors(self) -> tuple[tuple[int, ...], ...]:
+        return _successors(self.predecessors)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The fraction of device × tick cells that are idle."""
+        cells = self.num_ticks * self.num_devices
+        busy = sum(a is not None for tick in self.ticks for a in tick)
+        return (cells - busy) / cells
+
+    def actions(self) -> list[tuple[int, int, Action]]:
+        """Every action as ``(tick, device, action)``, in dispatch order (tick by tick,
+        device by device)."""
+        return [(t, d, a) for t, tick in enumerate(self.ticks) for d, a in enumerate(tick) if a]
+
+    def device_orders(self) -> list[list[Action]]:
+        """The actions of each device in the order it runs them."""
+        orders: list[list[Action]] = [[] for _ in range(self.num_devices)]
+        for _, d, a in self.actions():
+            orders[d].append(a)
+        return orders
+
+    def to_text(self) -> str:
+        """A text grid: one row per device, one column per tick, ``.`` for idle."""
+        single = len(set(self.stage_devices)) == self.num_stages
+        header = (
+            f"{self.name}: {self.num_stages} stages, {self.num_microbatches} microbatches, "
+            f"{self.num_devices} devices, {self.num_ticks} ticks, "
+            f"bubble {100 * self.bubble_fraction:.1f}%"
+        )
+        rows = [["tick", *map(str, range(self.num_ticks))]]
+        for d in range(self.num_devices):
+            cells = [a.label(single) if a else "." for a in (t[d] for t in self.ticks)]
+            rows.append([f"device {d}", *cells])
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+        return "\n".join([header, *lines])
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+
+def _validate(schedule: Schedule) -> dict[Action, int]:
+    """Check a schedule; return the tick at which each action runs."""
+    m_count = _check_count(
+        schedule.num_microbatches, "num_microbatches", "Split the batch into at least one."
+    )
+    stage_devices = schedule.stage_devices
+    num_stages = len(stage_devices)
+    if num_stages == 0:
+        raise StageGraphError("A schedule needs at least one stage.")
+    if len(schedule.predecessors) != num_stages:
+        raise StageGraphError(
+            f"The schedule has {num_stages} stage devices but a stage graph of "
+            f"{len(schedule.predecessors)} stages; give one predecessor list per stage."
+        )
+    preds = normalize_stage_graph(dict(enumerate(schedule.predecessors)), num_stages)
+    succ = _successors(preds)
+    if not schedule.ticks:
+        raise StageGraphError("The schedule has no ticks; every action must run once.")
+    num_devices = len(schedule.ticks[0])
+    for j, d in enumerate(stage_devices):
+        if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < num_devices:
+            raise StageGraphError(
+                f"Stage {j} is placed on device {d!r}, but the schedule has "
+                f"{num_devices} devices (0..{num_devices - 1})."
+            )
+    when: dict[Action, int] = {}
+    for t, tick in enumerate(schedule.ticks):
+        if len(tick) != num_devices:
+            raise StageGraphError(
+                f"Tick {t} has {len(tick)} cells but tick 0 has {num_devices}; give every "
+                "tick one cell (an Action or None) per device."
+            )
+        for d, action in enumerate(tick):
+            if action is None:
+                continue
+            if not isinstance(action, Action):
+                raise StageGraphError(
+                    f"Tick {t}, device {d} holds {action!r}; a cell is an Action or None."
+                )
+            if action.kind not in _KINDS or not (
+                0 <= action.stage < num_stages and 0 <= action.microbatch < m_count
+            ):
+                raise StageGraphError(
+                    f"Tick {t}, device {d}: {action!r} is not an action of this pipeline "
+                    f"(stages 0..{num_stages - 1}, microbatches 0..{m_count - 1}, kind "
+                    "'forward' or 'backward')."
+                )
+            if stage_devices[action.stage] != d:
+                raise StageGraphError(
+                    f"Tick {t}: the {action.describe()} runs on device {d}, but stage "
+                    f"{action.stage} lives on device {stage_devices[action.stage]}. Move it "
+                    "to that device's row."
+                )
+            if action in when:
+                raise StageGraphError(
+                    f"The {action.describe()} runs twice, at ticks {when[action]} and {t}; "
+                    "remove one."
+                )
+            when[action] = t
+    missing = [
+        Action(j, m, k)
+        for j in range(num_stages)
+        for m in range(m_count)
+        for k in _KINDS
+        if Action(j, m, k) not in when
+    ]
+    if missing:
+        shown = "; ".join(a.describe() for a in missing[:3])
+        raise StageGraphError(
+            f"{len(missing)} action(s) never run, e.g. the {shown}. Every stage runs "
+            "its forward and its backward once per microbatch."
+        )
+    for action, t in when.items():
+        for need in dependencies(action, preds, succ):
+            if when[need] >= t:
+                raise StageGraphError(
+                    f"Tick {t}: the {action.describe()} runs before the {need.describe()} "
+                    f"(tick {when[need]}) has finished, but reads its results. Move it to "
+                    f"tick {when[need] + 1} or later (or build the schedule with "
+                    "schedule_from_orders, which places each action once its inputs are "
+                    "ready)."
+                )
+    return when
+
+
+# ------------------------------------------------------------------------- builders
+
+
+def schedule_from_orders(
+    orders: Sequence[Sequence[Action]],
+    *,
+    stage_devices: Sequence[int],
+    num_microbatches: int,
+    stage_graph: Any = None,
+    name: str = "custom",
+) -> Schedule:
+    """Place each device's actions, in the given order, at the first tick where
+    everything they need has run.
+
+    Raises :class:`StageGraphError` when the orders deadlock (each blocked device waits
+    for an action queued behind another blocked one), naming the blocked actions.
+
+    >>> F, B = "forward", "backward"
+    >>> s = schedule_from_orders(
+    ...     [[Action(0, 0, F), Action(0, 0, B)], [Action(1, 0, F), Action(1, 0, B)]],
+    ...     stage_devices=(0, 1), num_microbatches=1)
+    >>> s.num_ticks, s.bubble_fraction
+    (4, 0.5)
+    """
+    num_stages = len(stage_devices)
+    preds = normalize_stage_graph(stage_graph, num_stages)
+    succ = _successors(preds)
+    queues = [list(o) for o in orders]
+    position = [0] * len(queues)
+    finished: dict[Action, int] = {}
+    ticks: list[tuple[Action | None, ...]] = []
+    remaining = sum(len(q) for q in queues)
+    while remaining:
+        t = len(ticks)
+        tick: list[Action | None] = [None] * len(queues)
+        for d, queue in enumerate(queues):
+            if position[d] == len(queue):
+                continue
+            action = queue[position[d]]
+            if all(finished.get(n, t) < t for n in dependencies(action, preds, succ)):
+                tick[d] = action
+        if not any(tick):
+            blocked = [
+                f"device {d} waits to run the {q[position[d]].describe()}"
+                for d, q in enumerate(queues)
+                if position[d] < len(q)
+            ]
+            raise StageGraphError(
+                f"The device orders deadlock at tick {t}: {'; '.join(blocked)}. Reorder "
+                "the actions so that each one's inputs are produced earlier in some "
+                "device's order."
+            )
+        for d, action in enumerate(tick):
+            if action is not None:
+                finished[action] = t
+                position[d] += 1
+                remaining -= 1
+        ticks.append(tuple(tick))
+    return Schedule(name, num_microbatches, tuple(stage_devices), preds, tuple(ticks))
+
+
+def _check_sizes(num_stages: int, num_microbatches: int) -> None:
+    _check_count(num_stages, "num_stages", "Give the number of pipeline stages.")
+    _check_count(
+        num_microbatches, "num_microbatches", "Split the batch into at least one microbatch."
+    )
+
+
+def gpipe_schedule(num_stages: int, num_microbatches: int, *, stage_graph: Any = None) -> Schedule:
+    """GPipe: every device runs all its forwards, then all its backwards. Stage ``j`` on
+    device ``j``. Peak memory: every microbatch's residuals live at once.
+
+    >>> print(gpipe_schedule(2, 2))
+    gpipe: 2 stages, 2 microbatches, 2 devices, 6 ticks, bubble 33.3%
+    tick      0   1   2   3   4   5
+    device 0  F0  F1  .   .   B0  B1
+    device 1  .   F0  F1  B0  B1  .
+    """
+    _check_sizes(num_stages, num_microbatches)
+    m = range(num_microbatches)
+    orders = [
+        [Action(j, i, FORWARD) for i in m] + [Action(j, i, BACKWARD) for i in m]
+        for j in range(num_stages)
+    ]
+    return schedule_from_orders(
+        orders,
+        stage_devices=tuple(range(num_stages)),
+        num_microbatches=num_microbatches,
+        stage_graph=stage_graph,
+        name="gpipe",
+    )
+
+
+def one_f_one_b_schedule(
+    num_stages: int, num_microbatches: int, *, stage_graph: Any = None
+) -> Schedule:
+    """1F1B: after a warm-up of forwards, each device alternates one forward and one
+    backward, so at most ``depth + 1`` microbatches' residuals are alive on it (``depth``
+    is the longest path from the stage to the last one: ``S - 1 - j`` on a chain). Same
+    bubble as GPipe, far less memory. Stage ``j`` on device ``j``.
+
+    >>> print(one_f_one_b_schedule(3, 4))
+    1f1b: 3 stages, 4 microbatches, 3 devices, 12 ticks, bubble 33.3%
+    tick      0   1   2   3   4   5   6   7   8   9   10  11
+    device 0  F0  F1  F2  .   .   B0  F3  B1  .   B2  .   B3
+    device 1  .   F0  F1  .   B0  F2  B1  F3  B2  .   B3  .
+    device 2  .   .   F0  B0  F1  B1  F2  B2  F3  B3  .   .
+    """
+    _check_sizes(num_stages, num_microbatches)
+    preds = normalize_stage_graph(stage_graph, num_stages)
+    depth = _depth_to_sink(preds)
+    orders = []
+    for j in range(num_stages):
+        warmup = min(depth[j], num_microbatches)
+        order = [Action(j, i, FORWARD) for i in range(warmup)]
+        for i in range(num_microbatches - warmup):
+            order += [Action(j, warmup + i, FORWARD), Action(j, i, BACKWARD)]
+        order += [
+            Action(j, i, BACKWARD) for i in range(num_microbatches - warmup, num_microbatches)
+        ]
+        orders.append(order)
+    return schedule_from_orders(
+        orders,
+        stage_devices=tuple(range(num_stages)),
+        num_microbatches=num_microbatches,
+        stage_graph=dict(enumerate(preds)),
+        name="1f1b",
+    )
+
+
+def interleaved_schedule(
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    num_devices: int,
+    stage_graph: Any = None,
+) -> Schedule:
+    """Interleaved 1F1B: ``num_stages = v * num_devices`` stages, stage ``j`` on device
+    ``j % num_devices``, so each device holds ``v`` non-adjacent stages (model chunks)
+    and the bubble shrinks by about ``v``. Microbatches enter in groups of
+    ``num_devices``; each device runs a group through one chunk, then through the next.
+
+    ``num_microbatches`` must be a multiple of ``num_devices`` (else the groups cannot
+    rotate through the chunks without stalling).
+
+    >>> s = interleaved_schedule(4, 4, num_devices=2)
+    >>> s.num_ticks, s.stage_devices
+    (18, (0, 1, 0, 1))
+    """
+    _check_sizes(num_stages, num_microbatches)
+    _check_count(num_devices, "num_devices", "Give the number of devices.")
+    if num_stages % num_devices:
+        raise PipemarkError(
+            f"An interleaved schedule puts the same number of stages on every device, but "
+            f"{num_stages} stages do not divide over {num_devices} devices. Use a multiple "
+            f"of {num_devices} stages (num_stages={num_devices * -(-num_stages // num_devices)})."
+        )
+    if num_microbatches % num_devices:
+        raise PipemarkError(
+            f"An interleaved schedule sends microbatches in groups of num_devices "
+            f"({num_devices}), but num_microbatches={num_microbatches} is not a multiple of "
+            f"it. Use {num_devices * -(-num_microbatches // num_devices)} microbatches, or "
+            "the '1f1b' schedule."
+        )
+    chunks = num_stages // num_devices
+    total = chunks * num_microbatches
+
+    def forward(d: int, k: int) -> Action:
+        group, within = divmod(k, num_devices * chunks)
+        chunk, lane = divmod(within, num_devices)
+        return Action(chunk * num_devices + d, group * num_devices + lane, FORWARD)
+
+    def backward(d: int, k: int) -> Action:
+        group, within = divmod(k, num_devices * chunks)
+        chunk, lane = divmod(within, num_devices)
+        return Action((chunks - 1 - chunk) * num_devices + d, group * num_devices + lane, BACKWARD)
+
+    orders = []
+    for d in range(num_devices):
+        warmup = min((num_devices - d - 1) * 2 + (chunks - 1) * num_devices, total)
+        order = [forward(d, k) for k in range(warmup)]
+        for k in range(total - warmup):
+            order += [forward(d, warmup + k), backward(d, k)]
+        order += [backward(d, k) for k in range(total - warmup, total)]
+        orders.append(order)
+    return schedule_from_orders(
+        orders,
+        stage_devices=tuple(j % num_devices for j in range(num_stages)),
+        num_microbatches=num_microbatches,
+        stage_graph=stage_graph,
+        name="interleaved",
+    )
+
+
+def make_schedule(
+    kind: str | Schedule,
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    stage_graph: Any = None,
+    num_devices: int | None = None,
+) -> Schedule:
+    """Build a schedule by name: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (which
+    needs ``num_devices``). A :class:`Schedule` is checked against the sizes and
+    returned as is.
+
+    >>> make_schedule("gpipe", 2, 4).name
+    'gpipe'
+    """
+    if isinstance(kind, Schedule):
+        if kind.num_stages != num_stages or kind.num_microbatches != num_microbatches:
+            raise PipemarkError(
+                f"The schedule {kind.name!r} is for {kind.num_stages} stages and "
+                f"{kind.num_microbatches} microbatches, but the pipeline has {num_stages} "
+                f"stages and {num_microbatches} microbatches. Build it for these sizes."
+            )
+        preds = normalize_stage_graph(stage_graph, num_stages)
+        if kind.predecessors != preds:
+            raise StageGraphError(
+                f"The schedule {kind.name!r} was built for the stage graph "
+                f"{_edges_text(kind.predecessors)}, but the pipeline's is "
+                f"{_edges_text(preds)}. Build it with stage_graph= the pipeline's graph."
+            )
+        return kind
+    if kind == "gpipe":
+        return gpipe_schedule(num_stages, num_microbatches, stage_graph=stage_graph)
+    if kind == "1f1b":
+        return one_f_one_b_schedule(num_stages, num_microbatches, stage_graph=stage_graph)
+    if kind == "interleaved":
+        if num_devices is None:
+            raise PipemarkError(
+                "The interleaved schedule needs num_devices (it puts several stages on "
+                "each device); pass num_devices= or devices=."
+            )
+        return interleaved_schedule(
+            num_stages, num_microbatches, num_devices=num_devices, stage_graph=stage_graph
+        )
+    raise PipemarkError(
+        f"Unknown schedule {kind!r}; choose one of {', '.join(map(repr, SCHEDULES))} or "
+        "pass a Schedule."
+    )
+
+
+def _edges_text(preds: Iterable[Iterable[int]]) -> str:
+    edges = [f"{p}->{j}" for j, ps in enumerate(preds) for p in ps]
+    return "{" + ", ".join(edges) + "}"

@@ -1,0 +1,199 @@
+"""Tests for pipemark.runtime.executor: pipeline_value_and_grad.
+
+The multi-device cases run in one subprocess (``_multidevice.py``) with 4 host CPU
+devices, because XLA reads ``--xla_force_host_platform_device_count`` only when JAX
+starts; this process has already started JAX with one device. The subprocess runs once
+per test session, shared by pytest-xdist workers through a file lock, and prints one JSON
+line per case; each case is then its own test here.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pipemark as pm
+from pipemark import examples
+from pipemark.errors import PipemarkError
+from tests.runtime._multidevice import cases
+
+_SCRIPT = Path(__file__).with_name("_multidevice.py")
+_CASE_NAMES = [name for name, _, _ in cases()]
+
+
+@pytest.fixture(scope="session")
+def multidevice(tmp_path_factory) -> dict[str, dict]:
+    # Under pytest-xdist every worker has its own basetemp under one shared parent.
+    shared = tmp_path_factory.getbasetemp().parent
+    results = shared / "pipemark-runtime-multidevice.json"
+    with open(shared / "pipemark-runtime-multidevice.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not results.exists():
+            env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+            env["PYTHONPATH"] = os.pathsep.join(
+                [str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")]
+            )
+            proc = subprocess.run(
+                [sys.executable, str(_SCRIPT)],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            if proc.returncode != 0:
+                pytest.fail(f"the multi-device run failed:\n{proc.stdout}\n{proc.stderr}")
+            results.write_text(proc.stdout)
+    lines = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    return {line["case"]: line for line in lines}
+
+
+def test_subprocess_has_four_devices_and_import_skips_matplotlib(multidevice):
+    assert multidevice["devices"]["count"] == 4
+    # `import pipemark` must not import matplotlib (plotting loads it lazily).
+    assert multidevice["import"]["matplotlib"] is False
+
+
+@pytest.mark.parametrize("name", _CASE_NAMES)
+def test_loss_and_every_gradient_equal_value_and_grad(multidevice, name):
+    result = multidevice.get(name)
+    assert result is not None, f"case {name} did not run"
+    assert result["same_structure"]
+    # worst = max |got - want| / (1e-6 + 1e-5 |want|) per leaf: float32 tolerance.
+    assert len(result["worst"]) > 1
+    assert max(result["worst"]) < 1.0, result["worst"]
+    assert result["repeat_worst"] < 1.0
+    stages = result["num_stages"]
+    if name.endswith("interleaved2"):
+        assert result["stage_devices"] == [0, 1, 0, 1]
+    else:
+        # stage i on device i, and each gradient stays on its stage's device
+        assert result["stage_devices"] == list(range(stages))
+        assert result["grad_devices"] == list(range(stages))
+    expected_stages = int(name.split("-S")[1].split("-")[0])
+    assert stages == expected_stages
+    assert result["schedule"] == name.rsplit("-", 1)[1].rstrip("2")
+
+
+def test_skip_connections_enter_the_stage_graph(multidevice):
+    # resnet(skip=2): block i reads block i - 2, so stage 2 reads 0 and 3 reads 1.
+    for name in ("resnet_skip-S4-M4-1f1b", "resnet_bypass-S4-M4-1f1b"):
+        assert multidevice[name]["predecessors"] == [[], [0], [0, 1], [1, 2]]
+
+
+# ----------------------------------------------------------- single device, in process
+
+
+def test_one_stage_pipeline_equals_value_and_grad():
+    ex = examples.mlp(num_layers=2, width=4, batch=6)
+    pipeline = pm.pipeline_value_and_grad(ex.loss_fn, num_stages=1, num_microbatches=3)
+    loss, grads = pipeline(*ex.args)
+    want_loss, want_grads = jax.value_and_grad(ex.loss_fn)(*ex.args)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-6)
+    for got, want in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    plan = pipeline.plan(*ex.args)
+    assert plan.num_stages == 1
+    assert plan.microbatch_size == 2
+    assert [s.name for s in plan.staged.stages] == ["stage0", "stage0_backward"]
+    assert plan.schedule.num_ticks == 6
+
+
+def test_num_stages_merges_consecutive_marked_stages():
+    # An interleaved schedule over one device runs every stage there, so this needs no
+    # extra devices.
+    ex = examples.mlp(num_layers=4, width=4, batch=4)
+    pipeline = pm.pipeline_value_and_grad(
+        ex.loss_fn, num_stages=2, num_microbatches=2, schedule="interleaved"
+    )
+    plan = pipeline.plan(*ex.args)
+    assert plan.num_stages == 2
+    assert plan.schedule.stage_devices == (0, 0)
+
+    def layers(index):
+        stage = plan.staged.stages[index]
+        return sorted({e.params["name"] for e in stage.jaxpr.eqns if e.primitive is pm.pipeline_p})
+
+    forward = [layers(k) for k in plan.forward_stages]
+    backward = [layers(k) for k in plan.backward_stages]
+    # consecutive layers, each in exactly one stage, mirrored by the backward stages
+    assert [name for group in forward for name in group] == [f"layer{i}" for i in range(4)]
+    assert all(forward) and len(forward) == 2
+    assert backward == [[f"{name}_backward" for name in group] for group in forward]
+    loss, grads = pipeline(*ex.args)
+    want_loss, want_grads = jax.value_and_grad(ex.loss_fn)(*ex.args)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-6)
+    for got, want in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _mlp():
+    return examples.mlp(num_layers=2, width=4, batch=6)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(num_microbatches=4), r"batch of 6 does not split into 4 .* \[1, 2, 3, 6\]"),
+        (dict(num_microbatches=2), r"2 stages but only 1 device.*xla_force_host_platform"),
+        (dict(num_stages=3, num_microbatches=1), r"num_stages=3, but loss_fn marks only 2"),
+        (dict(num_microbatches=0), r"num_microbatches must be a positive int"),
+        (dict(num_microbatches=1, loss_reduction="max"), r"Unknown loss_reduction 'max'"),
+        (dict(num_microbatches=1, schedule="zigzag"), r"Unknown schedule 'zigzag'"),
+    ],
+)
+def test_errors_with_advice(options, message):
+    ex = _mlp()
+    with pytest.raises(PipemarkError, match=message):
+        pm.pipeline_value_and_grad(ex.loss_fn, **options)(*ex.args)
+
+
+def test_non_scalar_loss_is_refused():
+    ex = _mlp()
+
+    def per_row(params, batch):
+        return jnp.sum(batch[0] @ params[0][0], axis=1)
+
+    with pytest.raises(PipemarkError, match=r"float32\[6\].*scalar floating-point loss"):
+        pm.pipeline_value_and_grad(per_row, num_stages=1, num_microbatches=1)(*ex.args)
+
+    def with_aux(params, batch):
+        return ex.loss_fn(params, batch), 0.0
+
+    with pytest.raises(PipemarkError, match="not one array"):
+        pm.pipeline_value_and_grad(with_aux, num_stages=1, num_microbatches=1)(*ex.args)
+
+
+def test_unmarked_loss_needs_num_stages():
+    ex = examples.mlp(num_layers=2, width=4, batch=2, markers=None)
+    with pytest.raises(PipemarkError, match="Pass num_stages="):
+        pm.pipeline_value_and_grad(ex.loss_fn, num_microbatches=1)(*ex.args)
+
+
+def test_batch_leaves_must_share_a_batch_axis():
+    ex = _mlp()
+    x, y = ex.batch
+    with pytest.raises(PipemarkError, match=r"different leading sizes \[3, 6\]"):
+        pm.pipeline_value_and_grad(ex.loss_fn, num_stages=1, num_microbatches=1)(
+            ex.params, (x, y[:3])
+        )
+    with pytest.raises(PipemarkError, match="is a scalar"):
+        pm.pipeline_value_and_grad(ex.loss_fn, num_stages=1, num_microbatches=1)(
+            ex.params, (x, jnp.float32(1.0))
+        )
+
+
+def test_more_stages_than_devices_with_explicit_devices():
+    ex = _mlp()
+    with pytest.raises(PipemarkError, match="schedule='interleaved'"):
+        pm.pipeline_value_and_grad(ex.loss_fn, num_microbatches=1, devices=jax.devices()[:1])(
+            *ex.args
+        )

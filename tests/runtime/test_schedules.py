@@ -1,0 +1,287 @@
+"""Tests for pipemark.runtime.schedules and pipemark.runtime.plot: schedules as data."""
+
+from __future__ import annotations
+
+import textwrap
+
+import networkx as nx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pipemark as pm
+from pipemark.errors import PipemarkError, StageGraphError
+from pipemark.runtime.schedules import BACKWARD, FORWARD, Action, normalize_stage_graph
+
+F, B = FORWARD, BACKWARD
+
+
+def _independent_check(schedule: pm.Schedule) -> None:
+    """Re-derive validity from the ticks alone, without the module's own checker."""
+    when = {}
+    for t, tick in enumerate(schedule.ticks):
+        for d, action in enumerate(tick):
+            if action is not None:
+                assert action not in when
+                assert schedule.stage_devices[action.stage] == d
+                when[action] = t
+    S, M = schedule.num_stages, schedule.num_microbatches
+    assert len(when) == 2 * S * M
+    succ = {j: [k for k in range(S) if j in schedule.predecessors[k]] for j in range(S)}
+    for (j, m, kind), t in when.items():
+        if kind == F:
+            needs = [(p, m, F) for p in schedule.predecessors[j]]
+        else:
+            needs = [(j, m, F)] + [(s, m, B) for s in succ[j]]
+        for need in needs:
+            assert when[Action(*need)] < t, ((j, m, kind), need)
+
+
+def test_gpipe_text_grid():
+    expected = textwrap.dedent(
+        """\
+        gpipe: 3 stages, 2 microbatches, 3 devices, 8 ticks, bubble 50.0%
+        tick      0   1   2   3   4   5   6   7
+        device 0  F0  F1  .   .   .   .   B0  B1
+        device 1  .   F0  F1  .   .   B0  B1  .
+        device 2  .   .   F0  F1  B0  B1  .   ."""
+    )
+    assert str(pm.gpipe_schedule(3, 2)) == expected
+
+
+def test_one_f_one_b_text_grid_alternates_after_warmup():
+    expected = textwrap.dedent(
+        """\
+        1f1b: 2 stages, 4 microbatches, 2 devices, 10 ticks, bubble 20.0%
+        tick      0   1   2   3   4   5   6   7   8   9
+        device 0  F0  F1  .   B0  F2  B1  F3  B2  .   B3
+        device 1  .   F0  B0  F1  B1  F2  B2  F3  B3  ."""
+    )
+    assert pm.one_f_one_b_schedule(2, 4).to_text() == expected
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("micro", [1, 2, 4, 8, 16])
+def test_chain_bubble_is_the_ideal(kind, stages, micro):
+    schedule = pm.make_schedule(kind, stages, micro)
+    _independent_check(schedule)
+    assert schedule.num_ticks == 2 * (micro + stages - 1)
+    assert schedule.bubble_fraction == pytest.approx(pm.ideal_bubble_fraction(stages, micro))
+
+
+@pytest.mark.parametrize("stages", [2, 4, 6])
+@pytest.mark.parametrize("micro", [1, 3, 8])
+def test_one_f_one_b_bounds_microbatches_in_flight(stages, micro):
+    # On a chain, stage j holds the residuals of at most S - j microbatches at once
+    # (GPipe: all M of them).
+    for kind, bound in (("1f1b", lambda j: min(stages - j, micro)), ("gpipe", lambda j: micro)):
+        schedule = pm.make_schedule(kind, stages, micro)
+        for j, order in enumerate(schedule.device_orders()):
+            alive = peak = 0
+            for action in order:
+                alive += 1 if action.kind == F else -1
+                peak = max(peak, alive)
+            assert peak == bound(j), (kind, j)
+
+
+@st.composite
+def _dags(draw):
+    stages = draw(st.integers(1, 6))
+    edges = [
+        (i, j)
+        for j in range(1, stages)
+        for i in range(j)
+        if draw(st.booleans()) or (i == j - 1 and draw(st.booleans()))
+    ]
+    return stages, edges
+
+
+@settings(max_examples=60, deadline=None)
+@given(_dags(), st.integers(1, 6), st.sampled_from(["gpipe", "1f1b"]))
+def test_any_stage_graph_gets_a_valid_schedule(dag, micro, kind):
+    stages, edges = dag
+    schedule = pm.make_schedule(kind, stages, micro, stage_graph=edges)
+    _independent_check(schedule)
+    # The same graph given as a networkx graph or a mapping gives the same schedule.
+    graph = nx.DiGraph(edges)
+    graph.add_nodes_from(range(stages))
+    assert pm.make_schedule(kind, stages, micro, stage_graph=graph).ticks == schedule.ticks
+
+
+def test_skip_connection_waits_for_the_skipped_stage():
+    # Stage 3 reads stage 0 directly; stage 1's backward needs nothing from stage 3, but
+    # stage 0's backward needs stage 3's.
+    edges = [(0, 1), (1, 2), (2, 3), (0, 3)]
+    schedule = pm.one_f_one_b_schedule(4, 2, stage_graph=edges)
+    _independent_check(schedule)
+    assert schedule.predecessors == ((), (0,), (1,), (0, 2))
+    when = {a: t for t, _, a in schedule.actions()}
+    assert when[Action(0, 0, B)] > when[Action(3, 0, B)]
+
+
+def test_parallel_branches_run_at_the_same_tick():
+    # 0 feeds 1 and 2, which both feed 3: 1 and 2 run side by side.
+    schedule = pm.gpipe_schedule(4, 1, stage_graph=[(0, 1), (0, 2), (1, 3), (2, 3)])
+    when = {a: t for t, _, a in schedule.actions()}
+    assert when[Action(1, 0, F)] == when[Action(2, 0, F)] == 1
+    assert schedule.num_ticks == 6
+
+
+@pytest.mark.parametrize("devices,chunks,micro", [(2, 2, 4), (2, 3, 8), (4, 2, 8), (3, 2, 3)])
+def test_interleaved_schedule_is_valid_and_shrinks_the_bubble(devices, chunks, micro):
+    schedule = pm.interleaved_schedule(devices * chunks, micro, num_devices=devices)
+    _independent_check(schedule)
+    assert schedule.num_devices == devices
+    assert schedule.stage_devices == tuple(j % devices for j in range(devices * chunks))
+    plain = pm.one_f_one_b_schedule(devices, micro)
+    assert schedule.bubble_fraction < plain.bubble_fraction
+    assert "F0s1" in schedule.to_text()
+
+
+def test_schedule_from_custom_orders_and_dataclass_checks():
+    orders = [
+        [Action(0, 0, F), Action(0, 1, F), Action(0, 1, B), Action(0, 0, B)],
+        [Action(1, 1, F), Action(1, 0, F), Action(1, 1, B), Action(1, 0, B)],
+    ]
+    schedule = pm.schedule_from_orders(orders, stage_devices=(0, 1), num_microbatches=2)
+    _independent_check(schedule)
+    assert schedule.device_orders() == orders
+    rebuilt = pm.Schedule("again", 2, (0, 1), ((), (0,)), schedule.ticks)
+    assert rebuilt.ticks == schedule.ticks
+
+
+# ------------------------------------------------------------------------- errors
+
+
+def _two_stage_ticks():
+    return [
+        [Action(0, 0, F), None],
+        [None, Action(1, 0, F)],
+        [None, Action(1, 0, B)],
+        [Action(0, 0, B), None],
+    ]
+
+
+def _build(ticks, devices=(0, 1), preds=((), (0,)), micro=1):
+    return pm.Schedule("bad", micro, devices, preds, ticks)
+
+
+def test_valid_hand_built_schedule():
+    assert _build(_two_stage_ticks()).bubble_fraction == 0.5
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (
+            lambda t: [t[1], t[0], t[2], t[3]],
+            r"Tick 0: the forward of stage 1 for microbatch 0 runs before the forward of "
+            r"stage 0 for microbatch 0 \(tick 1\).*Move it to tick 2 or later",
+        ),
+        (
+            lambda t: [t[0], t[1], t[3], t[2]],
+            r"backward of stage 0 .* runs before the backward of stage 1",
+        ),
+        (lambda t: [*t, [Action(0, 0, F), None]], r"runs twice, at ticks 0 and 4"),
+        (lambda t: t[:3], r"1 action\(s\) never run, e\.g\. the backward of stage 0"),
+        (lambda t: [[None, Action(0, 0, F)], *t[1:]], r"runs on device 1, but stage 0 lives"),
+        (lambda t: [t[0], [Action(1, 0, F)], *t[2:]], r"Tick 1 has 1 cells but tick 0 has 2"),
+        (lambda t: [[Action(0, 5, F), None], *t[1:]], r"not an action of this pipeline"),
+        (lambda t: [["F0", None], *t[1:]], r"a cell is an Action or None"),
+        (lambda t: [], r"no ticks"),
+    ],
+)
+def test_invalid_schedules_raise_stage_graph_error(mutate, message):
+    with pytest.raises(StageGraphError, match=message):
+        _build(mutate(_two_stage_ticks()))
+
+
+def test_stage_on_missing_device():
+    with pytest.raises(StageGraphError, match="placed on device 5"):
+        _build(_two_stage_ticks(), devices=(0, 5))
+
+
+@pytest.mark.parametrize(
+    ("graph", "message"),
+    [
+        ([(0, 1), (1, 2), (2, 0)], r"cycle: 0 -> 1 -> 2 -> 0.*merge the stages"),
+        ([(1, 1)], r"self-loop"),
+        ([(0, 7)], r"node 7 is not a stage index in 0\.\.2"),
+        (nx.DiGraph([("a", "b")]), r"node 'a' is not a stage index"),
+        ([(0, 1, 2)], r"not a \(source, target\) pair"),
+        (42, r"Cannot read a stage graph from int"),
+    ],
+)
+def test_bad_stage_graphs(graph, message):
+    with pytest.raises(StageGraphError, match=message):
+        normalize_stage_graph(graph, 3)
+
+
+def test_deadlocking_orders_are_named():
+    orders = [
+        [Action(0, 0, B), Action(0, 0, F)],
+        [Action(1, 0, F), Action(1, 0, B)],
+    ]
+    with pytest.raises(StageGraphError, match=r"deadlock at tick 0: device 0 waits to run the"):
+        pm.schedule_from_orders(orders, stage_devices=(0, 1), num_microbatches=1)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda: pm.make_schedule("zigzag", 2, 2), PipemarkError, "Unknown schedule 'zigzag'"),
+        (lambda: pm.make_schedule("interleaved", 4, 4), PipemarkError, "needs num_devices"),
+        (
+            lambda: pm.interleaved_schedule(3, 4, num_devices=2),
+            PipemarkError,
+            r"3 stages do not divide over 2 devices.*num_stages=4",
+        ),
+        (
+            lambda: pm.interleaved_schedule(4, 3, num_devices=2),
+            PipemarkError,
+            r"num_microbatches=3 is not a multiple.*Use 4 microbatches",
+        ),
+        (lambda: pm.gpipe_schedule(0, 2), PipemarkError, "num_stages must be a positive int"),
+        (lambda: pm.gpipe_schedule(2, 1.5), PipemarkError, "num_microbatches must be"),
+        (
+            lambda: pm.make_schedule(pm.gpipe_schedule(2, 2), 2, 4),
+            PipemarkError,
+            r"for 2 stages and 2 microbatches, but the pipeline has 2 stages and 4",
+        ),
+        (
+            lambda: pm.make_schedule(pm.gpipe_schedule(3, 2), 3, 2, stage_graph=[(0, 2)]),
+            StageGraphError,
+            r"built for the stage graph \{0->1, 1->2\}, but the pipeline's is \{0->2\}",
+        ),
+    ],
+)
+def test_builder_errors(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def test_plot_schedule_draws_one_box_per_action():
+    matplotlib = pytest.importorskip("matplotlib")
+    schedule = pm.make_schedule("1f1b", 3, 4)
+    fig = pm.plot_schedule(schedule)
+    assert isinstance(fig, matplotlib.figure.Figure)
+    ax = fig.axes[0]
+    assert len(ax.patches) == 2 * 3 * 4
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["device 0", "device 1", "device 2"]
+    labels = sorted(t.get_text() for t in ax.texts)
+    assert labels.count("F0") == 3 and labels.count("B3") == 3
+    assert "bubble 33.3%" in ax.get_title()
+    # drawing onto given axes returns that figure
+    fig2 = matplotlib.figure.Figure()
+    ax2 = fig2.add_subplot(1, 1, 1)
+    assert pm.plot_schedule(pm.make_schedule("gpipe", 2, 2), ax=ax2, title="x") is fig2
+    assert ax2.get_title() == "x"
+
+
+def test_plot_schedule_refuses_other_objects():
+    with pytest.raises(PipemarkError, match="takes a Schedule, got str"):
+        pm.plot_schedule("1f1b")
