@@ -41,11 +41,11 @@ import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
-from pipemark._compat import name_stack_scopes
-from pipemark.cost import Cost, _nbytes, eqn_costs, estimate_cost
+from pipemark.cost import Cost, eqn_costs, estimate_cost
 from pipemark.errors import MarkerError, PipemarkError, describe_eqn
+from pipemark.passes._backward import crossing_bytes, forward_end, mirror_cuts
 from pipemark.passes.insert import insert_markers
 from pipemark.primitive import pipeline_p
 
@@ -119,42 +119,6 @@ def equation_costs(
         (lambda c: c.total_flops) if cost == "flops" else (lambda c: c.bytes_accessed)
     )
     return np.asarray([field(c) for c in eqn_costs(jaxpr)], dtype=np.int64).reshape(-1)
-
-
-def crossing_bytes(
-    program: ClosedJaxpr | Jaxpr, start: int = 0, stop: int | None = None
-) -> np.ndarray:
-    """Bytes that a cut before each equation of ``eqns[start:stop]`` would move.
-
-    Entry ``i`` (for ``0 <= i <= stop - start``) is the total size of the values made
-    by equations ``start .. start+i-1`` and read by equations ``start+i .. stop-1``.
-    Program inputs and constants are not counted (every stage can read them), nor are
-    reads after ``stop``. Linear in the number of equations.
-
-    >>> import jax, jax.numpy as jnp
-    >>> cj = jax.make_jaxpr(lambda x: jnp.cos(jnp.sin(x)) + x)(jnp.ones(8))
-    >>> crossing_bytes(cj)
-    array([ 0, 32, 32,  0])
-    """
-    jaxpr = program.jaxpr if isinstance(program, ClosedJaxpr) else program
-    eqns = jaxpr.eqns
-    stop = len(eqns) if stop is None else stop
-    count = stop - start
-    defined: dict[Var, int] = {}
-    last_use: dict[Var, int] = {}
-    for i in range(count):
-        eqn = eqns[start + i]
-        for v in eqn.invars:
-            if isinstance(v, Var) and v in defined:
-                last_use[v] = i
-        for v in eqn.outvars:
-            defined[v] = i
-    delta = np.zeros(count + 2, dtype=np.int64)
-    for v, use in last_use.items():
-        size = _nbytes(v.aval)
-        delta[defined[v] + 1] += size
-        delta[use + 1] -= size
-    return np.cumsum(delta)[: count + 1]
 
 
 # ------------------------------------------------------------------- the bottleneck
@@ -339,77 +303,6 @@ def balanced_cuts(
     return _min_bytes_cuts(prefix, int(num_parts), max(bound, best), cut_bytes)
 
 
-# --------------------------------------------------------------------- the backward
-
-
-def _mirror_cuts(jaxpr: Jaxpr, forward_end: int, forward_cuts: list[int], layers: int) -> list[int]:
-    """Cut the backward part ``eqns[forward_end:]`` into ``layers`` stages, mirroring
-    forward layers ``layers-1 .. 0``; returns absolute equation indices where backward
-    stages 2, 3, … begin."""
-    eqns = jaxpr.eqns
-    bounds = [0, *forward_cuts, forward_end]
-    # Which forward layers hold each value: the layer that makes it and every layer
-    # that reads it. Program inputs belong to the layers that read them.
-    holders: dict[Var, set[int]] = {}
-    for layer in range(layers):
-        for index in range(bounds[layer], bounds[layer + 1]):
-            eqn = eqns[index]
-            for v in eqn.invars:
-                if isinstance(v, Var):
-                    holders.setdefault(v, set()).add(layer)
-            for v in eqn.outvars:
-                holders.setdefault(v, set()).add(layer)
-    count = len(eqns) - forward_end
-    # misplaced[b, t]: bytes backward equation b must fetch from other forward layers
-    # if it runs in the mirror of forward layer t.
-    misplaced = np.zeros((count, layers))
-    for b in range(count):
-        seen: set[Var] = set()
-        for v in eqns[forward_end + b].invars:
-            if not isinstance(v, Var) or v in seen or v not in holders:
-                continue
-            seen.add(v)
-            size = _nbytes(v.aval)
-            misplaced[b] += size
-            for layer in holders[v]:
-                misplaced[b, layer] -= size
-    cut_bytes = crossing_bytes(jaxpr, forward_end).astype(np.float64)
-    index = np.arange(count + 1)
-    inf = np.inf
-    # Stage s of the backward mirrors forward layer layers-1-s.
-    totals = np.concatenate(([0.0], np.cumsum(misplaced[:, layers - 1])))
-    best = np.where(index >= 1, totals, inf)
-    choices = []
-    for s in range(1, layers):
-        totals = np.concatenate(([0.0], np.cumsum(misplaced[:, layers - 1 - s])))
-        candidate = best + cut_bytes - totals
-        candidate[:s] = inf
-        candidate[count] = inf
-        running = np.minimum.accumulate(candidate)
-        # The latest position that attains the running minimum (ties: later cuts).
-        argmin = np.maximum.accumulate(np.where(candidate == running, index, 0))
-        new_best = np.full(count + 1, inf)
-        new_best[1:] = totals[1:] + running[:-1]
-        new_best[: s + 1] = inf
-        best = new_best
-        choices.append(np.concatenate(([-1], argmin[:-1])))
-    cuts = []
-    end = count
-    for choice in reversed(choices):
-        end = int(choice[end])
-        cuts.append(end)
-    return [forward_end + c for c in cuts[::-1]]
-
-
-def _forward_end(jaxpr: Jaxpr) -> int | None:
-    """Index of the first equation JAX made by transposition (the backward pass)."""
-    for index, eqn in enumerate(jaxpr.eqns):
-        _, transforms = name_stack_scopes(eqn.source_info)
-        if "transpose" in transforms:
-            return index
-    return None
-
-
 # ------------------------------------------------------------------------- the pass
 
 
@@ -501,27 +394,27 @@ def auto_layers(
     jaxpr = cj.jaxpr
     _check_unmarked(jaxpr)
     costs = equation_costs(jaxpr, cost)
-    forward_end = _forward_end(jaxpr) if mirror_backward else None
-    if forward_end is None:
-        forward_end = len(jaxpr.eqns)
-    backward = forward_end < len(jaxpr.eqns)
+    split_at = forward_end(jaxpr) if mirror_backward else None
+    if split_at is None:
+        split_at = len(jaxpr.eqns)
+    backward = split_at < len(jaxpr.eqns)
     what = "forward equations" if backward else "equations"
-    if forward_end < num_layers:
+    if split_at < num_layers:
         raise PipemarkError(
-            f"auto_layers: the program has {forward_end} {what}, too few for "
-            f"{num_layers} non-empty layers. Ask for at most {forward_end} layers."
+            f"auto_layers: the program has {split_at} {what}, too few for "
+            f"{num_layers} non-empty layers. Ask for at most {split_at} layers."
         )
-    if backward and len(jaxpr.eqns) - forward_end < num_layers:
+    if backward and len(jaxpr.eqns) - split_at < num_layers:
         raise PipemarkError(
-            f"auto_layers: the backward part has {len(jaxpr.eqns) - forward_end} "
+            f"auto_layers: the backward part has {len(jaxpr.eqns) - split_at} "
             f"equations, too few for {num_layers} mirrored layers. Ask for fewer "
             "layers, or pass mirror_backward=False."
         )
-    forward_costs = costs[:forward_end]
+    forward_costs = costs[:split_at]
     if not forward_costs.any():
         label = cost if isinstance(cost, str) else "the cost function"
         raise PipemarkError(
-            f"auto_layers: every one of the {forward_end} {what} costs 0 under "
+            f"auto_layers: every one of the {split_at} {what} costs 0 under "
             f"cost={label!r}, so any split is as good as another. Balance another "
             "measure, e.g. cost='equations' or cost='bytes'."
         )
@@ -535,13 +428,13 @@ def auto_layers(
     cuts = balanced_cuts(
         forward_costs,
         int(num_layers),
-        cut_bytes=crossing_bytes(jaxpr, 0, forward_end),
+        cut_bytes=crossing_bytes(jaxpr, 0, split_at),
         tolerance=float(tolerance),
     )
     if not backward:
         return insert_markers(cj, cuts, names)
-    mirrored = _mirror_cuts(jaxpr, forward_end, cuts, int(num_layers))
+    mirrored = mirror_cuts(jaxpr, split_at, cuts, int(num_layers))
     backward_names = [
         (name + "_backward") if isinstance(name, str) else name for name in reversed(names)
     ]
-    return insert_markers(cj, [*cuts, forward_end, *mirrored], [*names, *backward_names])
+    return insert_markers(cj, [*cuts, split_at, *mirrored], [*names, *backward_names])

@@ -18,6 +18,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 
 from pipemark._compat import name_stack_scopes
 from pipemark.errors import MarkerError, PipemarkError, describe_eqn
+from pipemark.passes._backward import forward_end, mirror_cuts
 from pipemark.passes._markers import STAGE_MARK_TYPES, check_no_markers_in_bodies
 from pipemark.primitive import mark_pipeline_jaxpreqn, pipeline_p
 
@@ -55,6 +56,12 @@ def _wrap_segments(
     ``segment_of[i]`` is the segment of equation ``i`` (non-decreasing over the kept
     equations), or ``None`` to drop equation ``i``; a dropped equation must be an
     identity (a marker), and its results are replaced by its operands.
+
+    A value read from outside a segment comes from the segment that defines it, with
+    one exception: a mirrored segment ``<name>_backward`` takes a value that also
+    entered segment ``<name>`` from there. In a pipeline the two run on one device, so
+    the backward stage reuses what its forward stage received (for instance the layer
+    input it needs for the weight gradient) instead of fetching it again.
     """
     jaxpr = cj.jaxpr
     eqns = jaxpr.eqns
@@ -76,47 +83,67 @@ def _wrap_segments(
             for v in eqn.outvars:
                 defined_in[v] = segment
 
-    # Values each segment must export: read by another segment or by the program.
-    exported: set[Var] = set()
-    for eqn, segment in zip(eqns, segment_of):
-        if segment is None:
-            continue
-        for atom in eqn.invars:
-            atom = resolve(atom)
-            if isinstance(atom, Var) and defined_in.get(atom, segment) != segment:
-                exported.add(atom)
-    for atom in jaxpr.outvars:
-        atom = resolve(atom)
-        if isinstance(atom, Var) and atom in defined_in:
-            exported.add(atom)
-
     # Group equation indices by segment, in order.
     members: list[list[int]] = [[] for _ in names]
     for index, segment in enumerate(segment_of):
         if segment is not None:
             members[segment].append(index)
 
+    segment_named = {name: k for k, name in enumerate(names)}
+    mirror_of: dict[int, int] = {}
+    for k, name in enumerate(names):
+        forward = (
+            segment_named.get(name[: -len("_backward")], k) if name.endswith("_backward") else k
+        )
+        if forward < k:
+            mirror_of[k] = forward
+
+    # What enters each segment, and from where: None for the defining segment's end
+    # marker (or no marker, for program inputs and constants), else the segment whose
+    # entered copy it is.
+    entering_from: list[dict[Var, int | None]] = [{} for _ in names]
+    exported: set[Var] = set()  # defined values leaving their defining segment
+    reexported: list[dict[Var, None]] = [{} for _ in names]  # entered copies leaving
+    for segment, indices in enumerate(members):
+        mirror = mirror_of.get(segment)
+        entering = entering_from[segment]
+        for index in indices:
+            for atom in eqns[index].invars:
+                atom = resolve(atom)
+                if not isinstance(atom, Var) or atom in entering:
+                    continue
+                home = defined_in.get(atom)
+                if home == segment:
+                    continue
+                if mirror is not None and atom in entering_from[mirror]:
+                    entering[atom] = mirror
+                    reexported[mirror][atom] = None
+                else:
+                    entering[atom] = None
+                    if home is not None:
+                        exported.add(atom)
+    for atom in jaxpr.outvars:
+        atom = resolve(atom)
+        if isinstance(atom, Var) and atom in defined_in:
+            exported.add(atom)
+
     outside: dict[Var, Var] = {}  # value -> the end-marker result later segments read
+    passed_on: list[dict[Var, Var]] = [{} for _ in names]  # entered copy -> end result
     new_eqns: list[JaxprEqn] = []
     for segment, indices in enumerate(members):
         if not indices:
             continue
         name = names[segment]
-        entering: dict[Var, Var] = {}  # outside value -> start-marker result
-        for index in indices:
-            for atom in eqns[index].invars:
-                atom = resolve(atom)
-                if (
-                    isinstance(atom, Var)
-                    and defined_in.get(atom) != segment
-                    and atom not in entering
-                ):
-                    entering[atom] = Var(atom.aval)
+        entering_vars = {v: Var(v.aval) for v in entering_from[segment]}
+        sources = [
+            outside.get(v, v) if source is None else passed_on[source][v]
+            for v, source in entering_from[segment].items()
+        ]
         start = mark_pipeline_jaxpreqn(
-            [outside.get(v, v) for v in entering], list(entering.values()), name, "start"
+            sources, list(entering_vars.values()), name, "start"
         ).replace(source_info=eqns[indices[0]].source_info)
         new_eqns.append(start)
-        leaving: list[Var] = []
+        leaving: list[Var] = [entering_vars[v] for v in reexported[segment]]
         for index in indices:
             eqn = eqns[index]
             new_invars = list(eqn.invars)
@@ -126,7 +153,7 @@ def _wrap_segments(
                     continue
                 resolved = alias.get(atom, atom)
                 if isinstance(resolved, Var):
-                    resolved = entering.get(resolved, resolved)
+                    resolved = entering_vars.get(resolved, resolved)
                 if resolved is not atom:
                     new_invars[position] = resolved
                     changed = True
@@ -137,7 +164,9 @@ def _wrap_segments(
             source_info=eqns[indices[-1]].source_info
         )
         new_eqns.append(end)
-        outside.update(zip(leaving, results))
+        count = len(reexported[segment])
+        passed_on[segment] = dict(zip(reexported[segment], results[:count]))
+        outside.update(zip(leaving[count:], results[count:]))
 
     outvars = []
     for atom in jaxpr.outvars:
@@ -269,6 +298,13 @@ def layers_from_boundaries(cj: ClosedJaxpr) -> ClosedJaxpr:
     Raises :class:`MarkerError` if the program also has start/end markers or a boundary
     marker inside a sub-jaxpr.
 
+    A gradient program (``make_jaxpr(jax.value_and_grad(f))`` of a boundary-marked
+    ``f``) has boundaries in its forward part only: a marker without operands has no
+    tangent, so ``jax.grad`` leaves none in the backward pass. Its backward part is cut
+    into mirrored layers ``layerN_backward … layer0_backward`` (last forward layer
+    first), each holding the backward equations that read the forward values of its
+    layer, as :func:`pipemark.passes.auto_layers` does.
+
     Examples
     --------
     >>> import jax, jax.numpy as jnp, pipemark as pm
@@ -296,20 +332,47 @@ def layers_from_boundaries(cj: ClosedJaxpr) -> ClosedJaxpr:
     cj = _check_closed_jaxpr(cj, "layers_from_boundaries")
     _refuse_stage_markers(cj.jaxpr, "layers_from_boundaries", frozenset(("boundary",)))
     check_no_markers_in_bodies(cj.jaxpr)
+    eqns = cj.jaxpr.eqns
+    backward_from = forward_end(cj.jaxpr)
+    forward_count = len(eqns) if backward_from is None else backward_from
+    if any(_is_boundary(eqn) for eqn in eqns[forward_count:]):
+        forward_count = len(eqns)  # boundaries in the backward part: cut it as marked
     segment_of: list[int | None] = []
-    segment = 0
+    layer_starts: list[int] = []
     open_segment_has_eqns = False
-    for eqn in cj.jaxpr.eqns:
-        if eqn.primitive is pipeline_p and eqn.params.get("mark_type") == "boundary":
+    for index, eqn in enumerate(eqns[:forward_count]):
+        if _is_boundary(eqn):
             segment_of.append(None)
-            if open_segment_has_eqns:
-                segment += 1
-                open_segment_has_eqns = False
+            open_segment_has_eqns = False
         else:
-            segment_of.append(segment)
-            open_segment_has_eqns = True
-    count = segment + 1 if open_segment_has_eqns else segment
-    return _wrap_segments(cj, segment_of, [f"layer{i}" for i in range(count)])
+            if not open_segment_has_eqns:
+                layer_starts.append(index)
+                open_segment_has_eqns = True
+            segment_of.append(len(layer_starts) - 1)
+    layers = len(layer_starts)
+    names = [f"layer{i}" for i in range(layers)]
+    backward_count = len(eqns) - forward_count
+    if backward_count >= layers > 1:
+        # jax.grad leaves no boundary in the backward pass (a marker without operands
+        # has no tangent), so cut it in mirror of the forward layers, as auto_layers does.
+        mirrored = mirror_cuts(cj.jaxpr, forward_count, layer_starts[1:], layers)
+        begins = [forward_count, *mirrored]
+        stage = -1
+        for index in range(forward_count, len(eqns)):
+            while stage + 1 < layers and index == begins[stage + 1]:
+                stage += 1
+            segment_of.append(layers + stage)
+        names += [f"layer{i}_backward" for i in reversed(range(layers))]
+    else:
+        # No backward pass, or one too short to mirror: it joins the last layer.
+        segment_of.extend([max(layers - 1, 0)] * backward_count)
+        if not names and backward_count:
+            names = ["layer0"]
+    return _wrap_segments(cj, segment_of, names)
+
+
+def _is_boundary(eqn: JaxprEqn) -> bool:
+    return eqn.primitive is pipeline_p and eqn.params.get("mark_type") == "boundary"
 
 
 def insert_markers_by_scope(cj: ClosedJaxpr, depth: int = 1) -> ClosedJaxpr:

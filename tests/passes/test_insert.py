@@ -207,12 +207,30 @@ def test_layers_from_boundaries_model_zoo(kind):
     assert len(find_stage_spans(layers)) == len(find_stage_spans(reference))
 
 
-def test_layers_from_boundaries_value_and_grad():
-    ex = examples.mlp(markers="boundary")
+@pytest.mark.parametrize("kind", ["mlp", "transformer"])
+def test_layers_from_boundaries_value_and_grad_mirrors_backward(kind):
+    ex = getattr(examples, kind)(markers="boundary")
     cj = ex.trace(grad=True)
-    layers = P.layers_from_boundaries(cj)
+    layers = assert_pure(cj, P.layers_from_boundaries)
     check_jaxpr(layers.jaxpr)
-    P.slice_stages(layers).verify(cj, *ex.args)
+    forward = [n for n in marker_names(layers, "start") if not n.endswith("_backward")]
+    backward = [n for n in marker_names(layers, "start") if n.endswith("_backward")]
+    assert len(forward) > 1
+    # The same stage names, in the same order, as jax.grad of a start/end-marked model.
+    assert backward == [f"{n}_backward" for n in reversed(forward)]
+    assert_values_cross_through_markers(layers)
+    staged = P.slice_stages(layers, unmarked="error")
+    staged.verify(cj, *ex.args)
+    # Each backward stage reads forward values only from its own mirror (and program
+    # inputs): nothing is fetched across the pipeline from another forward layer.
+    index = {s.name: k for k, s in enumerate(staged.stages)}
+    for name in backward:
+        mirror = index[name[: -len("_backward")]]
+        stage = staged.stages[index[name]]
+        forward_sources = {
+            ref.stage for ref in stage.inputs if ref.kind == "stage" and ref.stage < len(forward)
+        }
+        assert forward_sources <= {mirror}, (name, forward_sources)
 
 
 def test_layers_from_boundaries_skips_empty_layers_and_handles_shared_inputs():
