@@ -39,6 +39,7 @@ from pipemark.runtime import ideal_bubble_fraction as ideal_bubble_fraction
 from pipemark.runtime import interleaved_schedule as interleaved_schedule
 from pipemark.runtime import make_schedule as make_schedule
 from pipemark.runtime import one_f_one_b_schedule as one_f_one_b_schedule
+from pipemark.runtime import pipeline_train_step as pipeline_train_step
 from pipemark.runtime import pipeline_value_and_grad as pipeline_value_and_grad
 from pipemark.runtime import plot_schedule as plot_schedule
 from pipemark.runtime import schedule_from_orders as schedule_from_orders

@@ -338,6 +338,139 @@ def transformer(
     return Example(loss_fn, params, data)
 
 
+# ---------------------------------------------------------------------- Language model
+
+
+def _causal_attention(x: jax.Array, p: dict[str, jax.Array], num_heads: int) -> jax.Array:
+    batch, seq, d_model = x.shape
+    head = d_model // num_heads
+
+    def heads(t):
+        return t.reshape(batch, seq, num_heads, head).transpose(0, 2, 1, 3)
+
+    q, k, v = heads(x @ p["wq"]), heads(x @ p["wk"]), heads(x @ p["wv"])
+    scores = jnp.matmul(q, k.transpose(0, 1, 3, 2)) / math.sqrt(head)
+    # A token attends to itself and the tokens before it, never to later ones.
+    allowed = lax.broadcasted_iota(jnp.int32, (seq, seq), 0) >= lax.broadcasted_iota(
+        jnp.int32, (seq, seq), 1
+    )
+    scores = jnp.where(allowed, scores, jnp.float32(-1e9))
+    mixed = jnp.matmul(_softmax(scores), v)
+    return mixed.transpose(0, 2, 1, 3).reshape(batch, seq, d_model) @ p["wo"]
+
+
+def _decoder_block(x: jax.Array, p: dict[str, jax.Array], num_heads: int) -> jax.Array:
+    x = x + _causal_attention(_layer_norm(x, p["ln1_scale"], p["ln1_bias"]), p, num_heads)
+    hidden = _gelu(_layer_norm(x, p["ln2_scale"], p["ln2_bias"]) @ p["w1"] + p["b1"])
+    return x + hidden @ p["w2"] + p["b2"]
+
+
+def _cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    # log-softmax and one-hot written out, like _softmax, so that every equation stays
+    # at the top level of the jaxpr.
+    shifted = logits - jnp.max(lax.stop_gradient(logits), axis=-1, keepdims=True)
+    log_probs = shifted - jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
+    vocab = logits.shape[-1]
+    one_hot = (targets[..., None] == lax.broadcasted_iota(jnp.int32, (1, 1, vocab), 2)).astype(
+        logits.dtype
+    )
+    return -jnp.sum(log_probs * one_hot) / targets.size
+
+
+def language_model(
+    num_layers: int = 4,
+    vocab: int = 64,
+    d_model: int = 32,
+    num_heads: int = 4,
+    seq: int = 16,
+    batch: int = 4,
+    *,
+    markers: str | None = "startend",
+    seed: int = 0,
+) -> Example:
+    """A small decoder-only transformer language model: token and position embeddings,
+    ``num_layers`` pre-layer-norm blocks with causal self-attention and a GELU MLP, a
+    final layer norm, an output projection to ``vocab`` logits and the next-token
+    cross-entropy.
+
+    ``params`` is a dict with ``"embed"`` ``(vocab, d_model)``, ``"position"``
+    ``(seq, d_model)``, ``"blocks"`` (a list of dicts, one per block), ``"final_scale"``,
+    ``"final_bias"`` and ``"unembed"`` ``(d_model, vocab)``. ``batch`` is ``(tokens,
+    targets)``, both ``int32`` of shape ``(batch, seq)``; ``targets`` is ``tokens``
+    shifted by one position. Block ``i`` is marked ``block{i}``; the embedding lookup
+    lies in the first block and the output projection and loss in the last.
+
+    >>> ex = language_model(num_layers=2, vocab=16, d_model=8, num_heads=2, seq=4, batch=2)
+    >>> ex.batch[0].shape, ex.batch[0].dtype, len(ex.params["blocks"])
+    ((2, 4), dtype('int32'), 2)
+    >>> float(ex.loss_fn(*ex.args)) > 0
+    True
+    """
+    _check_markers(markers)
+    _check_positive(num_layers=num_layers, vocab=vocab, d_model=d_model, num_heads=num_heads)
+    _check_positive(seq=seq, batch=batch)
+    if d_model % num_heads:
+        raise PipemarkError(f"d_model ({d_model}) must be a multiple of num_heads ({num_heads}).")
+    rng = np.random.default_rng(seed)
+    scale = 1.0 / math.sqrt(d_model)
+    hidden = 4 * d_model
+
+    def block_params():
+        return {
+            "ln1_scale": jnp.ones((d_model,), jnp.float32),
+            "ln1_bias": jnp.zeros((d_model,), jnp.float32),
+            "wq": _normal(rng, (d_model, d_model), scale),
+            "wk": _normal(rng, (d_model, d_model), scale),
+            "wv": _normal(rng, (d_model, d_model), scale),
+            "wo": _normal(rng, (d_model, d_model), scale),
+            "ln2_scale": jnp.ones((d_model,), jnp.float32),
+            "ln2_bias": jnp.zeros((d_model,), jnp.float32),
+            "w1": _normal(rng, (d_model, hidden), scale),
+            "b1": jnp.zeros((hidden,), jnp.float32),
+            "w2": _normal(rng, (hidden, d_model), 1.0 / math.sqrt(hidden)),
+            "b2": jnp.zeros((d_model,), jnp.float32),
+        }
+
+    params = {
+        "embed": _normal(rng, (vocab, d_model), 1.0),
+        "position": _normal(rng, (seq, d_model), 0.1),
+        "blocks": [block_params() for _ in range(num_layers)],
+        "final_scale": jnp.ones((d_model,), jnp.float32),
+        "final_bias": jnp.zeros((d_model,), jnp.float32),
+        "unembed": _normal(rng, (d_model, vocab), scale),
+    }
+    stream = rng.integers(0, vocab, size=(batch, seq + 1))
+    tokens = jnp.asarray(stream[:, :-1], jnp.int32)
+    targets = jnp.asarray(stream[:, 1:], jnp.int32)
+
+    def loss_fn(params, batch):
+        tokens, targets = batch
+        blocks = params["blocks"]
+        last = len(blocks) - 1
+        x = tokens
+        for i, p in enumerate(blocks):
+            name = f"block{i}"
+            # Each block's start marker carries every parameter the block reads, so
+            # the gradient gets complete mirrored backward markers.
+            extra = {}
+            if i == 0:
+                extra["embed"], extra["position"] = params["embed"], params["position"]
+            if i == last:
+                for key in ("final_scale", "final_bias", "unembed"):
+                    extra[key] = params[key]
+            x, p, extra = _layer_begin(markers, name, i, (x, p, extra))
+            if i == 0:
+                x = jnp.take(extra["embed"], x, axis=0) + extra["position"]
+            x = _decoder_block(x, p, num_heads)
+            if i == last:
+                normed = _layer_norm(x, extra["final_scale"], extra["final_bias"])
+                x = _cross_entropy(normed @ extra["unembed"], targets)
+            x = _layer_finish(markers, name, x)
+        return x
+
+    return Example(loss_fn, params, (tokens, targets))
+
+
 # ------------------------------------------------------------------ sized for benchmarks
 
 _SIZED_BUILDERS: dict[str, Callable[..., Example]] = {

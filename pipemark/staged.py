@@ -437,23 +437,24 @@ class StagedJaxpr:
     def graph(self):
         """The stage graph: a ``networkx.DiGraph`` with one node per stage name (node
         attributes ``index`` and ``num_eqns``) and an edge from each stage to every stage
-        that reads its outputs (attributes ``bytes`` and ``num_values``)."""
-        import networkx as nx
+        that reads its outputs (attributes ``bytes``, ``num_values``, ``variables`` and
+        ``skip``, True for a skip connection that jumps over stages in between).
 
-        graph = nx.DiGraph()
-        for k, stage in enumerate(self._stages):
-            graph.add_node(stage.name, index=k, num_eqns=stage.num_eqns)
+        Raises :class:`~pipemark.StageGraphError` naming the stages on a cycle, should
+        the stages depend on each other in one.
+        """
+        from pipemark.graph import stage_graph
+
+        names = [stage.name for stage in self._stages]
+        crossings = [
+            (names[ref.stage], stage.name, var)
+            for stage in self._stages
+            for ref, var in zip(stage.inputs, stage.closed_jaxpr.jaxpr.invars)
+            if ref.kind == "stage"
+        ]
+        graph = stage_graph(names, crossings)
         for stage in self._stages:
-            for ref, var in zip(stage.inputs, stage.closed_jaxpr.jaxpr.invars):
-                if ref.kind != "stage":
-                    continue
-                source = self._stages[ref.stage].name
-                size = int(flatten_shape_byte_sizes([var.aval])[0])
-                if graph.has_edge(source, stage.name):
-                    graph[source][stage.name]["bytes"] += size
-                    graph[source][stage.name]["num_values"] += 1
-                else:
-                    graph.add_edge(source, stage.name, bytes=size, num_values=1)
+            graph.nodes[stage.name]["num_eqns"] = stage.num_eqns
         return graph
 
     def summary(self) -> str:

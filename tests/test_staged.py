@@ -104,12 +104,18 @@ def test_graph_has_bytes_per_edge():
     staged = P.slice_stages(P.insert_markers(cj, [1, 2]))
     graph = staged.graph
     assert sorted(graph.nodes) == ["stage0", "stage1", "stage2"]
-    assert graph.nodes["stage1"] == {"index": 1, "num_eqns": 3}
-    assert dict(graph.edges) == {
-        ("stage0", "stage1"): {"bytes": 16, "num_values": 1},
-        ("stage0", "stage2"): {"bytes": 16, "num_values": 1},
-        ("stage1", "stage2"): {"bytes": 16, "num_values": 1},
+    assert graph.nodes["stage1"] == {"kind": "stage", "index": 1, "num_eqns": 3}
+    edges = {
+        edge: (data["bytes"], data["num_values"], data["skip"])
+        for edge, data in graph.edges.items()
     }
+    assert edges == {
+        ("stage0", "stage1"): (16, 1, False),
+        ("stage0", "stage2"): (16, 1, True),  # the skip connection is its own edge
+        ("stage1", "stage2"): (16, 1, False),
+    }
+    crossing = staged.stages[2].closed_jaxpr.jaxpr.invars
+    assert set(graph.edges["stage0", "stage2"]["variables"]) <= set(crossing)
 
 
 def test_stage_properties():

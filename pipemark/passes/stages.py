@@ -198,7 +198,10 @@ def merge_stages(
             inputs = tuple(_remap(ref, produced) for ref in old.inputs)
             for i in range(len(old.closed_jaxpr.jaxpr.outvars)):
                 produced[(members[0], i)] = (len(new_stages), i)
-            new_stages.append(Stage(old.name, old.closed_jaxpr, inputs, old.eqn_indices))
+            # A group of one given a name in a mapping takes that name.
+            new_stages.append(
+                Stage(node_names[node], old.closed_jaxpr, inputs, old.eqn_indices)
+            )
             continue
         invars: dict[Var, ValueRef] = {}
         outside_key: dict[tuple, Var] = {}  # one invar per outside value

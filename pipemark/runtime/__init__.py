@@ -5,7 +5,9 @@ the executor behind :func:`pipeline_value_and_grad` (:mod:`pipemark.runtime.exec
 
 from pipemark.runtime.executor import LOSS_REDUCTIONS as LOSS_REDUCTIONS
 from pipemark.runtime.executor import Pipeline as Pipeline
+from pipemark.runtime.executor import PipelinedStep as PipelinedStep
 from pipemark.runtime.executor import PipelinePlan as PipelinePlan
+from pipemark.runtime.executor import pipeline_train_step as pipeline_train_step
 from pipemark.runtime.executor import pipeline_value_and_grad as pipeline_value_and_grad
 from pipemark.runtime.plot import plot_schedule as plot_schedule
 from pipemark.runtime.schedules import BACKWARD as BACKWARD

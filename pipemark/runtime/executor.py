@@ -47,7 +47,14 @@ from pipemark.primitive import pipeline_p
 from pipemark.runtime.schedules import FORWARD, Schedule, make_schedule
 from pipemark.staged import StagedJaxpr
 
-__all__ = ["LOSS_REDUCTIONS", "Pipeline", "PipelinePlan", "pipeline_value_and_grad"]
+__all__ = [
+    "LOSS_REDUCTIONS",
+    "Pipeline",
+    "PipelinePlan",
+    "PipelinedStep",
+    "pipeline_value_and_grad",
+    "pipeline_train_step",
+]
 
 LOSS_REDUCTIONS = ("mean", "sum")
 _BACKWARD_SUFFIX = "_backward"
@@ -382,6 +389,33 @@ def _build_plan(
     batch_structs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(batch), structs)
     _check_loss(loss_fn, params, batch_structs)
     staged, out_tree = _trace_staged(loss_fn, params, batch_structs, num_stages)
+    return _plan_from_staged(
+        staged,
+        out_tree,
+        num_param_leaves=len(jax.tree_util.tree_leaves(params)),
+        microbatch_size=micro,
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        devices=devices,
+        loss_reduction=loss_reduction,
+    )
+
+
+def _plan_from_staged(
+    staged: StagedJaxpr,
+    out_tree: Any,
+    *,
+    num_param_leaves: int,
+    microbatch_size: int,
+    num_stages: int | None,
+    num_microbatches: int,
+    schedule: str | Schedule,
+    devices: Sequence[Any] | None,
+    loss_reduction: str,
+) -> PipelinePlan:
+    """Schedule and compile a staged program whose inputs are ``num_param_leaves``
+    replicated leaves followed by the batch leaves (split into microbatches)."""
     if num_stages is not None:
         staged = _merge_into(staged, _check_positive(num_stages, "num_stages"))
     forward, backward = _pair_stages(staged)
@@ -440,8 +474,8 @@ def _build_plan(
         devices=stage_devices,
         forward_stages=tuple(forward),
         backward_stages=tuple(backward),
-        microbatch_size=micro,
-        num_param_leaves=len(jax.tree_util.tree_leaves(params)),
+        microbatch_size=microbatch_size,
+        num_param_leaves=num_param_leaves,
         out_tree=out_tree,
         units=units,
         readers=readers,
@@ -702,4 +736,146 @@ def pipeline_value_and_grad(
         schedule=schedule,
         devices=devices,
         loss_reduction=loss_reduction,
+    )
+
+
+# ------------------------------------------------------------------ training step
+
+
+class PipelinedStep:
+    """A training step whose gradient part runs as a pipeline; made by
+    :func:`pipeline_train_step`."""
+
+    def __init__(self, step_fn: Callable, **options: Any) -> None:
+        self.step_fn = step_fn
+        self.options = options
+        self._prepared: dict[Any, tuple[PipelinePlan, Callable, Any]] = {}
+
+    def plan(self, *args: Any) -> PipelinePlan:
+        """The pipeline plan of the gradient part, for arguments shaped like these."""
+        return self._prepare(args)[0]
+
+    def _prepare(self, args: tuple[Any, ...]) -> tuple[PipelinePlan, Callable, Any]:
+        from pipemark.passes import slice_stages, split_at_gradient
+
+        if not args:
+            raise PipemarkError(
+                "A pipelined training step needs at least the batch argument (the last one)."
+            )
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        key = (tree, tuple((np.shape(x), str(jnp.result_type(x))) for x in leaves))
+        prepared = self._prepared.get(key)
+        if prepared is not None:
+            return prepared
+        *replicated, batch = args
+        num_micro = self.options["num_microbatches"]
+        structs, micro = _microbatch_structs(batch, num_micro)
+        batch_structs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(batch), structs)
+        # The gradient part is traced for one microbatch (it runs per microbatch); the
+        # update is traced for the whole batch (it runs once, and may read the batch).
+        compute, _ = split_at_gradient(jax.make_jaxpr(self.step_fn)(*replicated, batch_structs))
+        full, out_shape = jax.make_jaxpr(self.step_fn, return_shape=True)(*args)
+        compute_full, apply = split_at_gradient(full)
+        micro_avals = [v.aval for v in compute.jaxpr.outvars]
+        full_avals = [v.aval for v in compute_full.jaxpr.outvars]
+        for i, (a, b) in enumerate(zip(micro_avals, full_avals)):
+            if a.shape != b.shape:
+                raise PipemarkError(
+                    f"Value {i} that the update after pm.mark_gradient reads from the "
+                    f"gradient part has shape {a.shape} for one microbatch but {b.shape} for "
+                    "the whole batch; only values that do not depend on the batch size "
+                    "(gradients, a mean loss) can be accumulated over microbatches. Reduce "
+                    "it over the batch before the grad marker."
+                )
+        num_stages = self.options["num_stages"]
+        if not _has_markers(compute, _STAGE_MARK_TYPES):
+            if num_stages is None:
+                raise PipemarkError(
+                    "The gradient part of the step has no start/end stage markers; mark the "
+                    "loss's layers with pm.mark(..., mark_type='start'/'end') or pass "
+                    "num_stages= to cut it automatically."
+                )
+            from pipemark.passes.auto import auto_layers
+
+            compute = auto_layers(compute, num_stages)
+        plan = _plan_from_staged(
+            slice_stages(compute),
+            jax.tree_util.tree_structure([0] * len(micro_avals)),
+            num_param_leaves=len(jax.tree_util.tree_leaves(tuple(replicated))),
+            microbatch_size=micro,
+            num_stages=num_stages,
+            num_microbatches=num_micro,
+            schedule=self.options["schedule"],
+            devices=self.options["devices"],
+            loss_reduction=self.options["loss_reduction"],
+        )
+        prepared = (
+            plan,
+            jax.jit(jaxpr_as_fun(apply)),
+            jax.tree_util.tree_structure(out_shape),
+        )
+        self._prepared[key] = prepared
+        return prepared
+
+    def __call__(self, *args: Any) -> Any:
+        plan, apply, out_tree = self._prepare(args)
+        *replicated, batch = args
+        accumulated = _run_plan(plan, tuple(replicated), batch, None)
+        # The update runs once, on the first stage's device, over the whole inputs and
+        # the accumulated gradients.
+        inputs = jax.device_put([*jax.tree_util.tree_leaves(args), *accumulated], plan.devices[0])
+        return jax.tree_util.tree_unflatten(out_tree, apply(*inputs))
+
+
+def pipeline_train_step(
+    step_fn: Callable[..., Any],
+    *,
+    num_stages: int | None = None,
+    num_microbatches: int,
+    schedule: str | Schedule = "1f1b",
+    devices: Sequence[Any] | None = None,
+    loss_reduction: str = "mean",
+) -> PipelinedStep:
+    """A training step ``step_fn(*state, batch)`` whose gradients are computed as a
+    pipeline and then applied once.
+
+    ``step_fn`` computes gradients with ``jax.grad``/``jax.value_and_grad`` of a loss
+    whose layers are marked, marks them with :func:`pipemark.mark_gradient`, and updates
+    (see :func:`pipemark.examples.train_step`). It is cut at the grad marker with
+    :func:`pipemark.passes.split_at_gradient`: the part before runs as a pipeline over
+    ``num_microbatches`` microbatches of ``batch`` (its last argument), every value it
+    hands to the update (the gradients, the loss) averaged over microbatches (or added,
+    with ``loss_reduction="sum"``); the part after runs once, on the first stage's
+    device, with those values. The other options are those of
+    :func:`pipeline_value_and_grad`.
+
+    >>> import jax, numpy as np, pipemark as pm
+    >>> from pipemark import examples
+    >>> ex = examples.mlp(num_layers=2, batch=4)
+    >>> step, init_state = examples.train_step(ex.loss_fn, optimizer="adam")
+    >>> state = init_state(ex.params)
+    >>> pipelined = pm.pipeline_train_step(step, num_stages=1, num_microbatches=2)
+    >>> new_params, new_state, loss = pipelined(ex.params, state, ex.batch)
+    >>> bool(np.allclose(loss, step(ex.params, state, ex.batch)[2], rtol=1e-5))
+    True
+    """
+    if not callable(step_fn):
+        raise PipemarkError(
+            f"pipeline_train_step: step_fn must be callable, got {type(step_fn).__name__}."
+        )
+    checked = pipeline_value_and_grad(
+        step_fn,
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        devices=devices,
+        loss_reduction=loss_reduction,
+    )
+    return PipelinedStep(
+        step_fn,
+        num_stages=checked.num_stages,
+        num_microbatches=checked.num_microbatches,
+        schedule=checked.schedule,
+        devices=checked.devices,
+        loss_reduction=checked.loss_reduction,
     )

@@ -54,6 +54,13 @@ def test_merge_with_names_and_indices():
     assert len(merged.graph.edges) == 1
 
 
+def test_group_of_one_in_a_mapping_takes_its_name():
+    cj, staged = staged_chain()
+    merged = P.merge_stages(staged, {"front": [0, 1], "middle": [2]})
+    assert [s.name for s in merged.stages] == ["front", "middle", "d"]
+    merged.verify(cj, X)
+
+
 def test_merge_everything_is_one_stage():
     ex = examples.resnet(num_blocks=4, skip=2)
     cj = ex.trace(grad=True)

@@ -84,6 +84,45 @@ def cases():
     return out
 
 
+def train_cases():
+    """``(name, optimizer, options)`` for the pipelined training steps."""
+    return [
+        ("train_sgd-S2-M4-1f1b", "sgd", dict(num_stages=2, num_microbatches=4)),
+        ("train_adam-S4-M4-gpipe", "adam", dict(num_microbatches=4, schedule="gpipe")),
+    ]
+
+
+def _run_train_cases(jax, pm) -> None:
+    from pipemark import examples
+
+    for name, optimizer, options in train_cases():
+        ex = examples.mlp(num_layers=4, width=8, batch=8)
+        step, init_state = examples.train_step(ex.loss_fn, optimizer=optimizer)
+        state = init_state(ex.params)
+        pipelined = pm.pipeline_train_step(step, **options)
+        got = pipelined(ex.params, state, ex.batch)
+        want = jax.jit(step)(ex.params, state, ex.batch)
+        plan = pipelined.plan(ex.params, state, ex.batch)
+        print(
+            json.dumps(
+                {
+                    "case": name,
+                    "same_structure": jax.tree_util.tree_structure(got)
+                    == jax.tree_util.tree_structure(want),
+                    "worst": [
+                        _worst(g, w)
+                        for g, w in zip(
+                            jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)
+                        )
+                    ],
+                    "num_stages": plan.num_stages,
+                    "schedule": plan.schedule.name,
+                }
+            ),
+            flush=True,
+        )
+
+
 def _worst(got, want, rtol=1e-5, atol=1e-6):
     import numpy as np
 
@@ -136,6 +175,8 @@ def main() -> None:
             ),
             flush=True,
         )
+
+    _run_train_cases(jax, pm)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import pytest
 import pipemark as pm
 from pipemark import examples
 from pipemark.errors import PipemarkError
-from tests.runtime._multidevice import cases
+from tests.runtime._multidevice import cases, train_cases
 
 _SCRIPT = Path(__file__).with_name("_multidevice.py")
 _CASE_NAMES = [name for name, _, _ in cases()]
@@ -81,6 +81,18 @@ def test_loss_and_every_gradient_equal_value_and_grad(multidevice, name):
     expected_stages = int(name.split("-S")[1].split("-")[0])
     assert stages == expected_stages
     assert result["schedule"] == name.rsplit("-", 1)[1].rstrip("2")
+
+
+@pytest.mark.parametrize("name", [name for name, _, _ in train_cases()])
+def test_pipelined_training_step_equals_the_step(multidevice, name):
+    result = multidevice.get(name)
+    assert result is not None, f"case {name} did not run"
+    assert result["same_structure"]
+    # new params, new optimizer state and loss, all to float32 tolerance
+    assert len(result["worst"]) > 3
+    assert max(result["worst"]) < 1.0, result["worst"]
+    assert result["num_stages"] == int(name.split("-S")[1].split("-")[0])
+    assert result["schedule"] == name.rsplit("-", 1)[1]
 
 
 def test_skip_connections_enter_the_stage_graph(multidevice):
@@ -197,3 +209,34 @@ def test_more_stages_than_devices_with_explicit_devices():
         pm.pipeline_value_and_grad(ex.loss_fn, num_microbatches=1, devices=jax.devices()[:1])(
             *ex.args
         )
+
+
+def test_training_step_on_one_device_and_its_errors():
+    ex = examples.mlp(num_layers=2, width=4, batch=4)
+    step, _ = examples.train_step(ex.loss_fn, optimizer="sgd")
+    pipelined = pm.pipeline_train_step(step, num_stages=1, num_microbatches=2)
+    new_params, _, loss = pipelined(ex.params, (), ex.batch)
+    want_params, _, want_loss = step(ex.params, (), ex.batch)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-6)
+    for got, want in zip(
+        jax.tree_util.tree_leaves(new_params), jax.tree_util.tree_leaves(want_params)
+    ):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+    def unmarked(params, batch):
+        return jax.grad(ex.loss_fn)(params, batch)
+
+    with pytest.raises(pm.MarkerError, match="no grad marker"):
+        pm.pipeline_train_step(unmarked, num_stages=1, num_microbatches=2)(ex.params, ex.batch)
+
+    def per_row_residual(params, batch):
+        doubled = batch[0] * 2.0  # computed before the grad marker, read after it
+        grads = pm.mark_gradient(jax.grad(ex.loss_fn)(params, batch))
+        return grads, doubled + 1.0
+
+    with pytest.raises(PipemarkError, match=r"shape \(2, 4\) for one microbatch but \(4, 4\)"):
+        pm.pipeline_train_step(per_row_residual, num_stages=1, num_microbatches=2)(
+            ex.params, ex.batch
+        )
+    with pytest.raises(PipemarkError, match="step_fn must be callable"):
+        pm.pipeline_train_step(3, num_microbatches=2)
