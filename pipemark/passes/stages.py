@@ -199,9 +199,7 @@ def merge_stages(
             for i in range(len(old.closed_jaxpr.jaxpr.outvars)):
                 produced[(members[0], i)] = (len(new_stages), i)
             # A group of one given a name in a mapping takes that name.
-            new_stages.append(
-                Stage(node_names[node], old.closed_jaxpr, inputs, old.eqn_indices)
-            )
+            new_stages.append(Stage(node_names[node], old.closed_jaxpr, inputs, old.eqn_indices))
             continue
         invars: dict[Var, ValueRef] = {}
         outside_key: dict[tuple, Var] = {}  # one invar per outside value
