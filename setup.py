@@ -28,12 +28,16 @@ setup(
     extras_require={
         # The GPU image runs CUDA 13; on CUDA 12 install cupy-cuda12x instead.
         "gpu": ["cupy-cuda13x>=13"],
-        "viz": ["matplotlib>=3.7"],
+        "viz": ["matplotlib>=3.7", "rich>=13"],
         "test": [
             "pytest>=8",
             "pytest-xdist>=3.5",
             "hypothesis>=6.100",
             "ruff>=0.6",
+            # docs/tutorial.ipynb is executed by tests/test_tutorial.py.
+            "nbclient>=0.10",
+            "nbformat>=5.10",
+            "ipykernel>=6.29",
         ],
         "docs": ["mkdocs>=1.6"],
     },

@@ -18,10 +18,14 @@ from pipemark.graph import critical_path as critical_path
 from pipemark.graph import eqn_graph as eqn_graph
 from pipemark.graph import stage_graph as stage_graph
 from pipemark.graph import topological_order as topological_order
+from pipemark.inspect import show as show
+from pipemark.inspect import summary as summary
+from pipemark.inspect import write_report as write_report
 from pipemark.lowering import LOWERING_MODES as LOWERING_MODES
 from pipemark.lowering import get_lowering as get_lowering
 from pipemark.lowering import lowering as lowering
 from pipemark.lowering import set_lowering as set_lowering
+from pipemark.plot import plot as plot
 from pipemark.primitive import MARK_TYPES as MARK_TYPES
 from pipemark.primitive import flatten_shape_byte_sizes as flatten_shape_byte_sizes
 from pipemark.primitive import is_marker as is_marker

@@ -1,11 +1,22 @@
-"""The demo behind ``pipemark demo``: a small MLP with boundary markers, its jaxpr, and
-a table showing that every transformation of the marked function equals the unmarked
-one."""
+"""The demo behind ``pipemark demo``.
+
+1. A small transformer language model in plain JAX (:func:`pipemark.examples.language_model`,
+   no markers), its training step ``jax.value_and_grad(loss)`` traced to a jaxpr.
+2. :func:`pipemark.passes.auto_layers` cuts it into 4 balanced forward stages and their
+   4 mirrored backward stages; the stage table is printed.
+3. The staged program runs stage after stage and is compared, bit for bit, with the
+   unsplit program.
+4. ``report.html`` (the HTML view, with the plot) and ``stages.png`` are written.
+5. A marked MLP is checked under every JAX transformation against the unmarked one.
+"""
 
 from __future__ import annotations
 
+import io
+import textwrap
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TextIO
 
 import jax
@@ -13,9 +24,18 @@ import jax.numpy as jnp
 import numpy as np
 
 import pipemark as pm
+from pipemark import examples
+from pipemark.cli import Progress
+
+NUM_STAGES = 4
+#: The language model's sizes: 8 blocks, so each of the 4 stages holds about two.
+MODEL = {"num_layers": 8, "vocab": 256, "d_model": 64, "num_heads": 4, "seq": 32, "batch": 8}
 
 WIDTH = 16
 LAYERS = 3
+
+
+# ------------------------------------------------- markers under JAX transformations
 
 
 def _init(seed: int = 0):
@@ -51,8 +71,9 @@ def _max_difference(a, b) -> float:
     return max(jax.tree_util.tree_leaves(diffs), default=0.0)
 
 
-def run(out: TextIO) -> bool:
-    """Print the demo to ``out``; return whether every check matched."""
+def transform_checks() -> tuple[str, bool]:
+    """The table of each transformation of a marked MLP against the unmarked one, and
+    whether every row matched and every boundary marker survived ``grad``."""
     params = _init()
     x = jnp.linspace(-1.0, 1.0, 4 * WIDTH).reshape(4, WIDTH)
 
@@ -62,24 +83,107 @@ def run(out: TextIO) -> bool:
     def plain(p, x):
         return _loss(p, x, marked=False)
 
-    print(f"A {LAYERS}-layer MLP with a boundary marker before each layer:\n", file=out)
-    print(jax.make_jaxpr(marked)(params, x), file=out)
-
     rows = []
     for name, apply in _checks(params, x):
         start = time.perf_counter()
         difference = _max_difference(apply(marked), apply(plain))
         seconds = time.perf_counter() - start
         rows.append((name, difference, difference <= 1e-5, seconds))
-
-    print("\nEach transformation of the marked function vs. the unmarked one:\n", file=out)
-    print(f"{'transform':<12} {'max |difference|':>17}  {'equal':<5} {'seconds':>8}", file=out)
+    lines = [
+        f"A {LAYERS}-layer MLP with a boundary marker before each layer, each "
+        "transformation of it vs. the unmarked MLP:",
+        "",
+        f"{'transform':<12} {'max |difference|':>17}  {'equal':<5} {'seconds':>8}",
+    ]
     for name, difference, ok, seconds in rows:
-        print(
-            f"{name:<12} {difference:>17.2e}  {'yes' if ok else 'NO':<5} {seconds:>8.2f}", file=out
-        )
+        lines.append(f"{name:<12} {difference:>17.2e}  {'yes' if ok else 'NO':<5} {seconds:>8.2f}")
     boundaries = sum(
         pm.is_marker(e, "boundary") for e in jax.make_jaxpr(jax.grad(marked))(params, x).eqns
     )
-    print(f"\nboundary markers kept in make_jaxpr(grad(f)): {boundaries} of {LAYERS}", file=out)
-    return all(ok for _, _, ok, _ in rows) and boundaries == LAYERS
+    lines += ["", f"boundary markers kept in make_jaxpr(grad(f)): {boundaries} of {LAYERS}"]
+    return "\n".join(lines), all(ok for _, _, ok, _ in rows) and boundaries == LAYERS
+
+
+# ------------------------------------------------------------------------- the demo
+
+
+def run(
+    out: TextIO,
+    out_dir: Path | str = "pipemark-demo",
+    *,
+    progress: TextIO | None = None,
+    model: dict[str, int] | None = None,
+    num_stages: int = NUM_STAGES,
+) -> bool:
+    """Run the demo: print to ``out``, write ``report.html`` and ``stages.png`` into
+    ``out_dir`` (made if missing), report steps on ``progress``. Returns whether the
+    staged program matched the unsplit one and every transformation check passed.
+
+    ``model`` overrides :data:`MODEL` (tests use a smaller model).
+    """
+    from pipemark.inspect import print_summary, write_report
+    from pipemark.plot import plot
+
+    sizes = {**MODEL, **(model or {})}
+    out_dir = Path(out_dir)
+    steps = Progress(6, progress)
+    with steps.step("building a transformer language model"):
+        ex = examples.language_model(markers=None, **sizes)
+        train_step = jax.value_and_grad(ex.loss_fn)
+    with steps.step("tracing jax.value_and_grad(loss)"):
+        cj = jax.make_jaxpr(train_step)(*ex.args)
+    with steps.step(f"auto-slicing into {num_stages} stages"):
+        staged = pm.passes.slice_stages(pm.passes.auto_layers(cj, num_stages))
+
+    markers = sum(s.num_eqns for s in staged.stages) - len(cj.jaxpr.eqns)
+    description = (
+        f"A transformer language model ({sizes['num_layers']} blocks, d_model "
+        f"{sizes['d_model']}, {sizes['num_heads']} heads, vocabulary {sizes['vocab']}, "
+        f"sequence {sizes['seq']}, batch {sizes['batch']}). Its training step "
+        f"jax.value_and_grad(loss) has {len(cj.jaxpr.eqns)} equations; "
+        f"pm.passes.auto_layers marks {num_stages} balanced forward layers ({markers} marker "
+        f"equations) and the program is cut into {num_stages} forward stages and "
+        f"{num_stages} mirrored backward stages."
+    )
+    print(textwrap.fill(description, width=88), file=out)
+    print(file=out)
+    print_summary(staged, out)
+
+    with steps.step("running the stages and the unsplit program"):
+        try:
+            staged.verify(train_step, *ex.args)
+            verified = None
+        except pm.PipemarkError as err:
+            verified = str(err)
+    if verified is None:
+        verdict = (
+            f"staged program == unsplit program: yes, all {len(staged.outputs)} results "
+            "(the loss and every gradient) equal bit for bit"
+        )
+    else:
+        verdict = f"staged program == unsplit program: NO: {verified}"
+    print(f"\n{verdict}\n", file=out)
+
+    with steps.step("checking markers under jit, grad, vmap, hessian"):
+        checks_text, checks_ok = transform_checks()
+    print(checks_text, file=out)
+
+    with steps.step(f"writing {out_dir / 'report.html'} and stages.png"):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        figure = plot(staged, title=f"{num_stages}-stage split of a transformer LM training step")
+        png = io.BytesIO()
+        figure.savefig(png, format="png", dpi=110)
+        (out_dir / "stages.png").write_bytes(png.getvalue())
+        write_report(
+            staged,
+            out_dir / "report.html",
+            title=f"pipemark demo: a transformer language model in {len(staged)} stages",
+            description=description,
+            png=png.getvalue(),
+            sections=[
+                ("Check against the unsplit program", verdict),
+                ("Markers under JAX transformations", checks_text),
+            ],
+        )
+    print(f"\nwrote {out_dir / 'report.html'} and {out_dir / 'stages.png'}", file=out)
+    return verified is None and checks_ok

@@ -1,31 +1,313 @@
-"""The ``pipemark`` command line (also ``python -m pipemark``)."""
+"""The ``pipemark`` command line (also ``python -m pipemark``).
+
+``pipemark demo [--out DIR]``
+    Split a small transformer language model's training step into 4 stages, print the
+    stage table, check the stages against the unsplit program and write ``report.html``
+    and ``stages.png`` into ``DIR``.
+``pipemark inspect MODULE:FUNCTION --arg f32[8,128] ... [--num-stages K] [--html FILE]``
+    Trace any importable function with abstract arguments of the given shapes, cut it
+    at its markers (or into ``K`` balanced stages) and print the stage table.
+
+Progress goes to standard error, tables to standard output. Bad input ends the command
+with one line, ``pipemark: error: ...``, and a nonzero exit status: 2 for a malformed
+command line, 1 for everything else. No traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
+import importlib.util
+import os
+import re
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+__all__ = ["main", "build_parser", "parse_arg_spec", "Progress", "CommandError"]
+
+
+class CommandError(Exception):
+    """Bad input on the command line: printed as one line, then exit with ``status``."""
+
+    def __init__(self, message: str, status: int = 1) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _one_line(text: str, limit: int = 400) -> str:
+    """``text`` squeezed onto one line, cut at ``limit`` characters."""
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+class Progress:
+    """Numbered steps on a stream (standard error): ``[2/5] tracing ... 0.4 s``."""
+
+    def __init__(self, total: int, stream: TextIO | None = None) -> None:
+        self.total = total
+        self.done = 0
+        self.stream = stream
+
+    @contextlib.contextmanager
+    def step(self, what: str) -> Iterator[None]:
+        self.done += 1
+        stream = self.stream
+        if stream is not None:
+            print(f"[{self.done}/{self.total}] {what} ...", end="", file=stream, flush=True)
+        start = time.perf_counter()
+        try:
+            yield
+        except BaseException:
+            if stream is not None:
+                print(" failed", file=stream, flush=True)
+            raise
+        if stream is not None:
+            print(f" {time.perf_counter() - start:.1f} s", file=stream, flush=True)
+
+
+# ------------------------------------------------------------------------ arg specs
+
+_DTYPES = {
+    "bool": "bool",
+    "f16": "float16",
+    "bf16": "bfloat16",
+    "f32": "float32",
+    "f64": "float64",
+    "i8": "int8",
+    "i16": "int16",
+    "i32": "int32",
+    "i64": "int64",
+    "u8": "uint8",
+    "u16": "uint16",
+    "u32": "uint32",
+    "u64": "uint64",
+}
+_SPEC = re.compile(r"^\s*([A-Za-z0-9]+)\s*\[([^\]]*)\]\s*$")
+
+
+def parse_arg_spec(spec: str) -> Any:
+    """``"f32[8,128]"`` → ``jax.ShapeDtypeStruct((8, 128), float32)``.
+
+    The dtype is a short name (``f32``, ``bf16``, ``i32``, ``u8``, ``bool`` …) or a full
+    one (``float32``); ``f32[]`` is a scalar.
+
+    >>> parse_arg_spec("i32[8]")
+    ShapeDtypeStruct(shape=(8,), dtype=int32)
+    >>> parse_arg_spec("f32[8,")
+    Traceback (most recent call last):
+    ...
+    pipemark.cli.CommandError: bad --arg 'f32[8,': expected DTYPE[DIM,...] such as f32[8,128] or i32[8]
+    """
+    import jax
+    import jax.numpy as jnp
+
+    usage = f"bad --arg {spec!r}: expected DTYPE[DIM,...] such as f32[8,128] or i32[8]"
+    match = _SPEC.match(spec)
+    if match is None:
+        raise CommandError(usage, status=2)
+    name, dims = match.groups()
+    dtype_name = _DTYPES.get(name.lower(), name.lower())
+    if dtype_name not in _DTYPES.values():
+        known = ", ".join(_DTYPES)
+        raise CommandError(
+            f"bad --arg {spec!r}: unknown dtype {name!r}; use one of {known}", status=2
+        )
+    shape = []
+    for dim in dims.split(",") if dims.strip() else []:
+        dim = dim.strip()
+        if not dim.isdigit():
+            raise CommandError(
+                f"bad --arg {spec!r}: dimension {dim!r} is not a non-negative integer", status=2
+            )
+        shape.append(int(dim))
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype_name))
+
+
+# -------------------------------------------------------------------------- targets
+
+
+def _import_target(target: str) -> Any:
+    """``MODULE:FUNCTION`` (a dotted module or a ``.py`` file) → the function."""
+    module_name, sep, attribute = target.rpartition(":")
+    if not sep or not module_name or not attribute:
+        raise CommandError(
+            f"bad target {target!r}: expected MODULE:FUNCTION, e.g. mymodel:loss", status=2
+        )
+    # Like `python -m`, look in the current directory first.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                raise CommandError(f"cannot import {module_name!r}: no such file")
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            if spec is None or spec.loader is None:
+                raise CommandError(f"cannot import {module_name!r}: not a Python file")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except CommandError:
+        raise
+    except Exception as err:  # whatever the module raises while it is imported
+        raise CommandError(
+            f"cannot import module {module_name!r}: {type(err).__name__}: {_one_line(err)}"
+        ) from None
+    value = module
+    for part in attribute.split("."):
+        if not hasattr(value, part):
+            raise CommandError(f"module {module_name!r} has no attribute {attribute!r}")
+        value = getattr(value, part)
+    if not callable(value):
+        raise CommandError(
+            f"{target} is a {type(value).__name__}, not a function; name a function to trace"
+        )
+    return value
+
+
+# ------------------------------------------------------------------------- commands
 
 
 def _demo(args: argparse.Namespace) -> int:
     from pipemark import _demo
 
-    return 0 if _demo.run(sys.stdout) else 1
+    out_dir = Path(args.out)
+    return 0 if _demo.run(sys.stdout, out_dir, progress=sys.stderr) else 1
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    specs = [parse_arg_spec(spec) for spec in args.arg]
+    steps = 3 + bool(args.html)
+    progress = Progress(steps, sys.stderr)
+    with progress.step(f"importing {args.target}"):
+        import jax
+
+        import pipemark as pm
+        from pipemark.inspect import print_summary
+
+        fn = _import_target(args.target)
+    shown = ", ".join(args.arg)
+    traced_fn = jax.value_and_grad(fn) if args.grad else fn
+    label = f"value_and_grad({args.target})" if args.grad else args.target
+    with progress.step(f"tracing {label}({shown})"):
+        try:
+            cj = jax.make_jaxpr(traced_fn)(*specs)
+        except Exception as err:  # any error of the user's function
+            raise CommandError(
+                f"tracing {label}({shown}) failed: {type(err).__name__}: {_one_line(err)}"
+            ) from None
+    has_markers = any(eqn.primitive is pm.pipeline_p for eqn in cj.jaxpr.eqns)
+    what = f"cutting into {args.num_stages} balanced stages" if args.num_stages else "slicing"
+    with progress.step(what):
+        if args.num_stages is not None:
+            staged = pm.passes.slice_stages(pm.passes.auto_layers(cj, args.num_stages))
+        elif not has_markers:
+            raise CommandError(
+                f"{args.target} has no stage markers; pass --num-stages K to cut it into "
+                "K balanced stages"
+            )
+        else:
+            if any(pm.is_marker(eqn, "boundary") for eqn in cj.jaxpr.eqns):
+                cj = pm.passes.layers_from_boundaries(cj)
+            staged = pm.passes.slice_stages(cj)
+    if args.html:
+        with progress.step(f"writing {args.html}"):
+            from pipemark.inspect import write_report
+
+            try:
+                write_report(
+                    staged,
+                    args.html,
+                    title=f"pipemark: {label}",
+                    description=f"{label} traced with arguments {shown}.",
+                )
+            except OSError as err:
+                raise CommandError(f"cannot write {args.html}: {err.strerror or err}") from None
+    print_summary(staged, sys.stdout)
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (and exit status 2)."""
+
+    def error(self, message: str) -> Any:
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="pipemark", description="Pipeline-stage markers for JAX jaxprs."
+    parser = _Parser(prog="pipemark", description="Pipeline-stage markers for JAX jaxprs.")
+    commands = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=_Parser
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = commands.add_parser(
-        "demo", help="trace a small marked MLP and check it under every transformation"
+        "demo",
+        help="split a small transformer language model into 4 stages, check it and "
+        "write report.html and stages.png",
+        description="Build a small transformer language model in plain JAX, trace "
+        "jax.value_and_grad of its loss, cut it into 4 balanced stages, print the stage "
+        "table, check the stages against the unsplit program, and write report.html and "
+        "stages.png into DIR; then check the markers under every JAX transformation.",
+    )
+    demo.add_argument(
+        "--out", metavar="DIR", default="pipemark-demo", help="where to write (./pipemark-demo)"
     )
     demo.set_defaults(run=_demo)
+    inspect = commands.add_parser(
+        "inspect",
+        help="trace a function with abstract arguments and print its stage table",
+        description="Trace MODULE:FUNCTION with abstract arguments of the given shapes, "
+        "cut it at its markers (or into K balanced stages) and print the stage table.",
+    )
+    inspect.add_argument("target", metavar="MODULE:FUNCTION", help="e.g. mymodel:loss")
+    inspect.add_argument(
+        "--arg",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="one per positional argument, DTYPE[DIM,...], e.g. f32[8,128] or i32[8]",
+    )
+    inspect.add_argument(
+        "--num-stages",
+        type=_positive,
+        metavar="K",
+        help="cut into K balanced stages (the function must have no markers)",
+    )
+    inspect.add_argument(
+        "--grad", action="store_true", help="trace jax.value_and_grad(FUNCTION) instead"
+    )
+    inspect.add_argument("--html", metavar="FILE", help="also write an HTML report")
+    inspect.set_defaults(run=_inspect)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the process exit status."""
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except CommandError as err:
+        print(f"pipemark: error: {err}", file=sys.stderr)
+        return err.status
+    except Exception as err:
+        from pipemark.errors import PipemarkError
+
+        if not isinstance(err, PipemarkError):
+            raise
+        print(f"pipemark: error: {_one_line(err, limit=1000)}", file=sys.stderr)
+        return 1

@@ -12,7 +12,6 @@ the very same equation objects, in stage order.
 
 from __future__ import annotations
 
-import html
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -457,34 +456,32 @@ class StagedJaxpr:
             graph.nodes[stage.name]["num_eqns"] = stage.num_eqns
         return graph
 
-    def summary(self) -> str:
-        """A text table: one row per stage with its equation count, number of inputs and
-        outputs, and the bytes it receives and hands on.
+    def summary(self, *, style: str = "auto") -> str:
+        """The stage table: one row per stage with its equations, FLOPs, parameter
+        bytes, bytes in and out and share of the program's FLOPs, then the totals.
+
+        ``style`` is ``"plain"``, ``"rich"`` or ``"auto"`` (``rich`` when installed);
+        see :func:`pipemark.inspect.summary`.
 
         >>> import jax, jax.numpy as jnp, pipemark as pm
         >>> cj = jax.make_jaxpr(lambda x: jnp.cos(jnp.sin(x)))(jnp.ones(4))
-        >>> print(pm.passes.slice_stages(pm.passes.insert_markers(cj, [1])).summary())
-        stage  name    equations  inputs  outputs  bytes in  bytes out
-        0      stage0  3          1       1        16        16
-        1      stage1  3          1       1        16        16
+        >>> print(pm.passes.slice_stages(pm.passes.insert_markers(cj, [1])).summary(style="plain"))
+        #  stage   equations  FLOPs  param bytes  bytes in  bytes out  cost share
+        -  ------  ---------  -----  -----------  --------  ---------  ----------
+        0  stage0          3      4         16 B       0 B       16 B      50.0 %
+        1  stage1          3      4          0 B      16 B       16 B      50.0 %
+        -  ------  ---------  -----  -----------  --------  ---------  ----------
+           total           6      8         16 B      16 B       32 B     100.0 %
         """
-        header = ("stage", "name", "equations", "inputs", "outputs", "bytes in", "bytes out")
-        rows = [header]
-        for k, stage in enumerate(self._stages):
-            rows.append(
-                (
-                    str(k),
-                    stage.name,
-                    str(stage.num_eqns),
-                    str(len(stage.inputs)),
-                    str(len(stage.out_avals)),
-                    str(stage.bytes_in),
-                    str(stage.bytes_out),
-                )
-            )
-        widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-        return "\n".join(lines)
+        from pipemark.inspect import summary
+
+        return summary(self, style=style)
+
+    def __str__(self) -> str:
+        return self.summary()
 
     def _repr_html_(self) -> str:
-        return f"<pre>{html.escape(self.summary())}</pre>"
+        """The notebook view: :func:`pipemark.inspect.to_html`."""
+        from pipemark.inspect import to_html
+
+        return to_html(self)

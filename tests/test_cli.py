@@ -1,36 +1,108 @@
-"""The command line: ``pipemark demo``."""
+"""The command line: ``pipemark demo`` and ``pipemark inspect``."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 
+import pipemark as pm
 from pipemark import _demo
-from pipemark.cli import main
+from pipemark.cli import CommandError, main, parse_arg_spec
+
+# A smaller language model than the demo's default, for the tests that only need the
+# demo's plumbing; one test runs the default.
+SMALL = {"num_layers": 4, "vocab": 32, "d_model": 16, "num_heads": 2, "seq": 8, "batch": 2}
 
 
-def test_demo_checks_every_transformation(capsys):
-    assert main(["demo"]) == 0
-    out = capsys.readouterr().out
-    assert "pipeline_marker[mark_type=boundary name=boundary]" in out
-    rows = {line.split()[0]: line.split() for line in out.splitlines() if line[:1].isalpha()}
+_ROW = re.compile(r"^\s*(\d+)\s+(\S+)\s+(\d+)\s.*\s([\d.]+) %$")
+
+
+def _table_rows(out: str) -> dict[str, str]:
+    """Stage name -> its cost share, read off the stage table in ``out``."""
+    rows = {}
+    for line in out.splitlines():
+        match = _ROW.match(line.rstrip())
+        if match:
+            rows[match.group(2)] = match.group(4)
+    return rows
+
+
+def _error_lines(err: str) -> list[str]:
+    # Progress lines start with "[k/n]"; everything else on stderr is an error.
+    return [line for line in err.splitlines() if line and not line.startswith("[")]
+
+
+# ------------------------------------------------------------------------------ demo
+
+
+def test_demo_prints_the_table_verifies_and_writes_files(tmp_path, capsys):
+    out_dir = tmp_path / "out"
+    assert main(["demo", "--out", str(out_dir)]) == 0
+    captured = capsys.readouterr()
+    rows = _table_rows(captured.out)
+    names = ["layer0", "layer1", "layer2", "layer3"]
+    assert list(rows) == names + [f"{n}_backward" for n in reversed(names)]
+    assert "total" in captured.out
+    assert "staged program == unsplit program: yes" in captured.out
+    transforms = {line.split()[0]: line.split() for line in captured.out.splitlines() if line}
     for name in ("eager", "jit", "grad", "jit(grad)", "vmap", "vmap(grad)", "hessian"):
-        assert rows[name][2] == "yes", rows[name]
-    assert "boundary markers kept in make_jaxpr(grad(f)): 3 of 3" in out
+        assert transforms[name][2] == "yes", transforms[name]
+    assert "boundary markers kept in make_jaxpr(grad(f)): 3 of 3" in captured.out
+    # Progress went to stderr, one line per step, each ending in its time.
+    progress = captured.err.splitlines()
+    assert [line[:5] for line in progress] == [f"[{k}/6]" for k in range(1, 7)]
+    assert all(line.endswith(" s") for line in progress)
+    png = (out_dir / "stages.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    report = (out_dir / "report.html").read_text(encoding="utf-8")
+    ET.fromstring(report.split("\n", 1)[1])  # well-formed after the doctype line
+    assert report.count('<details class="pm-stage"') == 8
+    assert "data:image/png;base64," in report
+    assert "Markers under JAX transformations" in report
 
 
-def test_demo_reports_a_mismatch(monkeypatch, capsys):
+def test_demo_makes_the_output_directory_with_its_parents(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(_demo, "MODEL", SMALL)
+    out_dir = tmp_path / "a" / "b"
+    assert main(["demo", "--out", str(out_dir)]) == 0
+    assert {p.name for p in out_dir.iterdir()} == {"report.html", "stages.png"}
+
+
+def test_demo_defaults_to_pipemark_demo_in_the_current_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(_demo, "MODEL", SMALL)
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo"]) == 0
+    assert (tmp_path / "pipemark-demo" / "report.html").is_file()
+
+
+def test_demo_reports_a_transform_mismatch(tmp_path, monkeypatch, capsys):
     # A demo that cannot fail proves nothing: break the marked loss and watch it say so.
+    monkeypatch.setattr(_demo, "MODEL", SMALL)
     original = _demo._loss
 
     def broken(params, x, *, marked):
         return original(params, x, marked=marked) + (1.0 if marked else 0.0)
 
     monkeypatch.setattr(_demo, "_loss", broken)
-    assert main(["demo"]) == 1
+    assert main(["demo", "--out", str(tmp_path)]) == 1
     assert " NO " in capsys.readouterr().out
+
+
+def test_demo_reports_a_staged_mismatch(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(_demo, "MODEL", SMALL)
+
+    def failing_verify(self, reference, *args, **kwargs):
+        raise pm.PipemarkError("Result 3 (output 0 of stage 'layer1') differs.")
+
+    monkeypatch.setattr(pm.StagedJaxpr, "verify", failing_verify)
+    assert main(["demo", "--out", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "staged program == unsplit program: NO: Result 3" in out
 
 
 def test_python_dash_m_runs():
@@ -38,10 +110,174 @@ def test_python_dash_m_runs():
         [sys.executable, "-m", "pipemark", "--help"], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0
-    assert "demo" in proc.stdout
+    assert "demo" in proc.stdout and "inspect" in proc.stdout
 
 
-def test_unknown_command_exits_nonzero(capsys):
+def test_unknown_command_is_one_line_and_exit_2(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["frobnicate"])
     assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert err.startswith("pipemark: error: argument COMMAND: invalid choice: 'frobnicate'")
+
+
+# --------------------------------------------------------------------------- inspect
+
+
+def test_inspect_slices_at_markers(capsys):
+    status = main(
+        ["inspect", "tests._cli_targets:marked", "--arg", "f32[4,8]", "--arg", "f32[8,8]"]
+    )
+    assert status == 0
+    captured = capsys.readouterr()
+    assert list(_table_rows(captured.out)) == ["layer0", "layer1"]
+    assert _error_lines(captured.err) == []
+    assert captured.err.splitlines()[1].startswith(
+        "[2/3] tracing tests._cli_targets:marked(f32[4,8], f32[8,8])"
+    )
+
+
+def test_inspect_cuts_balanced_stages(capsys):
+    args = ["inspect", "tests._cli_targets:plain", "--arg", "f32[4,8]", "--arg", "f32[8,8]"]
+    assert main([*args, "--num-stages", "3"]) == 0
+    rows = _table_rows(capsys.readouterr().out)
+    assert list(rows) == ["layer0", "layer1", "layer2"]
+    # Three equal layers (the loss joins the last): each stage has about a third.
+    shares = [float(share) for share in rows.values()]
+    assert all(30 < share < 37 for share in shares), shares
+    assert abs(sum(shares) - 100) < 0.2
+
+
+def test_inspect_grad_gives_backward_stages(capsys):
+    args = ["inspect", "tests._cli_targets:plain", "--arg", "f32[4,8]", "--arg", "f32[8,8]"]
+    assert main([*args, "--num-stages", "2", "--grad"]) == 0
+    rows = _table_rows(capsys.readouterr().out)
+    assert list(rows) == ["layer0", "layer1", "layer1_backward", "layer0_backward"]
+
+
+def test_inspect_int_arguments_and_html(tmp_path, capsys):
+    page = tmp_path / "view.html"
+    args = ["inspect", "tests._cli_targets:with_tokens", "--arg", "i32[8]", "--arg", "f32[16,4]"]
+    assert main([*args, "--num-stages", "2", "--html", str(page)]) == 0
+    text = page.read_text(encoding="utf-8")
+    ET.fromstring(text.split("\n", 1)[1])
+    assert "i32[8]" in text
+    assert "[4/4] writing" in capsys.readouterr().err
+
+
+def test_inspect_a_python_file(tmp_path, capsys):
+    source = Path(__file__).with_name("_cli_targets.py")
+    copy = tmp_path / "model.py"
+    copy.write_text(source.read_text(encoding="utf-8"), encoding="utf-8")
+    assert main(["inspect", f"{copy}:marked", "--arg", "f32[2,3]", "--arg", "f32[3,3]"]) == 0
+    assert list(_table_rows(capsys.readouterr().out)) == ["layer0", "layer1"]
+
+
+MARKED = ["tests._cli_targets:marked", "--arg", "f32[4,8]", "--arg", "f32[8,8]"]
+PLAIN = ["tests._cli_targets:plain", "--arg", "f32[4,8]", "--arg", "f32[8,8]"]
+
+BAD_INPUTS = [
+    (
+        ["inspect", "no_such_module_xyz:f", "--arg", "f32[2]"],
+        1,
+        "pipemark: error: cannot import module 'no_such_module_xyz': ModuleNotFoundError",
+    ),
+    (
+        ["inspect", "tests._cli_targets", "--arg", "f32[2]"],
+        2,
+        "pipemark: error: bad target 'tests._cli_targets': expected MODULE:FUNCTION",
+    ),
+    (
+        ["inspect", "tests._cli_targets:nope", "--arg", "f32[2]"],
+        1,
+        "pipemark: error: module 'tests._cli_targets' has no attribute 'nope'",
+    ),
+    (
+        ["inspect", "tests._cli_targets:NOT_A_FUNCTION"],
+        1,
+        "pipemark: error: tests._cli_targets:NOT_A_FUNCTION is a int, not a function",
+    ),
+    (
+        ["inspect", "tests._cli_targets:marked", "--arg", "f32[4,8", "--arg", "f32[8,8]"],
+        2,
+        "pipemark: error: bad --arg 'f32[4,8': expected DTYPE[DIM,...]",
+    ),
+    (
+        ["inspect", "tests._cli_targets:marked", "--arg", "q7[4]"],
+        2,
+        "pipemark: error: bad --arg 'q7[4]': unknown dtype 'q7'",
+    ),
+    (
+        ["inspect", "tests._cli_targets:marked", "--arg", "f32[4,x]"],
+        2,
+        "pipemark: error: bad --arg 'f32[4,x]': dimension 'x' is not a non-negative integer",
+    ),
+    (
+        ["inspect", "tests._cli_targets:broken", "--arg", "f32[4,8]", "--arg", "f32[8,8]"],
+        1,
+        "pipemark: error: tracing tests._cli_targets:broken(f32[4,8], f32[8,8]) failed: TypeError",
+    ),
+    (
+        ["inspect", "tests._cli_targets:marked", "--arg", "f32[4,8]"],
+        1,
+        "pipemark: error: tracing tests._cli_targets:marked(f32[4,8]) failed: TypeError",
+    ),
+    (
+        ["inspect", *PLAIN],
+        1,
+        "pipemark: error: tests._cli_targets:plain has no stage markers; pass --num-stages K",
+    ),
+    (
+        ["inspect", *PLAIN, "--num-stages", "500"],
+        1,
+        "pipemark: error: auto_layers: the program has 8 equations, too few for 500",
+    ),
+    (
+        ["inspect", "tests._cli_targets:plain", "--num-stages", "0"],
+        2,
+        "pipemark inspect: error: argument --num-stages: '0' is not a positive integer",
+    ),
+    (
+        ["inspect", *MARKED, "--html", "/nonexistent-dir/x/view.html"],
+        1,
+        "pipemark: error: cannot write /nonexistent-dir/x/view.html",
+    ),
+]
+
+
+@pytest.mark.parametrize(("argv", "status", "message"), BAD_INPUTS)
+def test_bad_input_is_one_line_and_nonzero(argv, status, message, capsys):
+    try:
+        got = main(argv)
+    except SystemExit as exit_info:  # argparse's own usage errors
+        got = exit_info.code
+    assert got == status
+    captured = capsys.readouterr()
+    errors = _error_lines(captured.err)
+    assert len(errors) == 1, captured.err
+    assert errors[0].startswith(message), errors[0]
+    assert "Traceback" not in captured.err
+
+
+def test_bad_input_from_the_installed_command_has_no_traceback():
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipemark", "inspect", "tests._cli_targets:broken", *MARKED[1:]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert _error_lines(proc.stderr)[0].startswith("pipemark: error: tracing")
+
+
+def test_parse_arg_spec():
+    spec = parse_arg_spec("bf16[2, 3]")
+    assert spec.shape == (2, 3) and str(spec.dtype) == "bfloat16"
+    assert parse_arg_spec("float32[]").shape == ()
+    assert str(parse_arg_spec("bool[4]").dtype) == "bool"
+    with pytest.raises(CommandError) as info:
+        parse_arg_spec("[4]")
+    assert info.value.status == 2
