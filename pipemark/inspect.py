@@ -13,12 +13,12 @@ in light and dark notebook themes alike.
 >>> cj = jax.make_jaxpr(lambda x: jnp.cos(jnp.sin(x)))(jnp.ones(4))
 >>> staged = pm.passes.slice_stages(pm.passes.insert_markers(cj, [1]))
 >>> print(summary(staged, style="plain"))
-#  stage   equations  FLOPs  param bytes  bytes in  bytes out  cost share
--  ------  ---------  -----  -----------  --------  ---------  ----------
-0  stage0          3      4         16 B       0 B       16 B      50.0 %
-1  stage1          3      4          0 B      16 B       16 B      50.0 %
--  ------  ---------  -----  -----------  --------  ---------  ----------
-   total           6      8         16 B      16 B       32 B     100.0 %
+#  stage   equations  inputs  outputs  FLOPs  param bytes  bytes in  bytes out  cost share
+-  ------  ---------  ------  -------  -----  -----------  --------  ---------  ----------
+0  stage0          3       1        1      4         16 B       0 B       16 B      50.0 %
+1  stage1          3       1        1      4          0 B      16 B       16 B      50.0 %
+-  ------  ---------  ------  -------  -----  -----------  --------  ---------  ----------
+   total           6       2        2      8         16 B      16 B       32 B     100.0 %
 """
 
 from __future__ import annotations
@@ -82,6 +82,9 @@ class StageRow:
         The stage's position and name (``"total"`` and ``-1`` for the totals row).
     equations:
         Top-level equations.
+    inputs, outputs:
+        How many values the stage takes (program inputs, constants it is handed and
+        earlier stages' values) and how many it hands on.
     flops:
         FLOPs plus transcendental calls (:attr:`pipemark.cost.Cost.total_flops`), the
         number :func:`pipemark.passes.auto_layers` balances.
@@ -101,6 +104,8 @@ class StageRow:
     index: int
     name: str
     equations: int
+    inputs: int
+    outputs: int
     flops: int
     param_bytes: int
     bytes_in: int
@@ -152,6 +157,8 @@ def stage_rows(staged: StagedJaxpr) -> tuple[list[StageRow], StageRow]:
                 k,
                 stage.name,
                 stage.num_eqns,
+                len(jaxpr.invars),
+                len(jaxpr.outvars),
                 cost.total_flops,
                 params + consts,
                 received,
@@ -164,6 +171,8 @@ def stage_rows(staged: StagedJaxpr) -> tuple[list[StageRow], StageRow]:
         -1,
         "total",
         sum(r.equations for r in rows),
+        sum(r.inputs for r in rows),
+        sum(r.outputs for r in rows),
         total_flops,
         sum(inputs_read.values()) + const_bytes,
         sum(r.bytes_in for r in rows),
@@ -210,7 +219,18 @@ def format_share(share: float | None) -> str:
     return "-" if share is None else f"{100.0 * share:.1f} %"
 
 
-_HEADER = ("#", "stage", "equations", "FLOPs", "param bytes", "bytes in", "bytes out", "cost share")
+_HEADER = (
+    "#",
+    "stage",
+    "equations",
+    "inputs",
+    "outputs",
+    "FLOPs",
+    "param bytes",
+    "bytes in",
+    "bytes out",
+    "cost share",
+)
 # Left-aligned columns; the others are numbers, aligned right.
 _LEFT = frozenset({0, 1})
 
@@ -220,6 +240,8 @@ def _cells(row: StageRow) -> tuple[str, ...]:
         "" if row.index < 0 else str(row.index),
         row.name,
         str(row.equations),
+        str(row.inputs),
+        str(row.outputs),
         ("~" if row.approximate else "") + format_count(row.flops),
         format_bytes(row.param_bytes),
         format_bytes(row.bytes_in),
@@ -276,7 +298,8 @@ def _have_rich() -> bool:
 def summary(staged: StagedJaxpr, *, style: str = "auto") -> str:
     """The stage table as text: one row per stage, then the totals.
 
-    Columns: position, name, equations, FLOPs (``~`` when approximate), parameter
+    Columns: position, name, equations, number of inputs and outputs, FLOPs (``~``
+    when approximate), parameter
     bytes, bytes in, bytes out and each stage's share of the program's FLOPs (see
     :class:`StageRow`).
 
@@ -291,7 +314,7 @@ def summary(staged: StagedJaxpr, *, style: str = "auto") -> str:
     >>> cj = jax.make_jaxpr(lambda x: jnp.sin(x) * x)(jnp.ones(4))
     >>> staged = pm.passes.slice_stages(pm.passes.insert_markers(cj, [1]))
     >>> print(summary(staged, style="plain").splitlines()[2])
-    0  stage0          3      4         16 B       0 B       16 B      50.0 %
+    0  stage0          3       1        1      4         16 B       0 B       16 B      50.0 %
     """
     if style not in STYLES:
         raise PipemarkError(f"Unknown style {style!r}; choose one of {', '.join(STYLES)}.")
@@ -551,8 +574,8 @@ def _table_html(rows: list[StageRow], total: StageRow, colors: list[str]) -> str
             f'<td class="pm-l"><span class="pm-swatch" style="background: {color}"></span>'
             f"{cells[0]}</td>"
             f'<td class="pm-l">{cells[1]}</td>'
-            + "".join(f"<td>{c}</td>" for c in cells[2:7])
-            + f'<td><span class="pm-share">{bar}{cells[7]}</span></td>'
+            + "".join(f"<td>{c}</td>" for c in cells[2:-1])
+            + f'<td><span class="pm-share">{bar}{cells[-1]}</span></td>'
             "</tr>"
         )
     foot = "".join(

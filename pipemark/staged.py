@@ -457,7 +457,7 @@ class StagedJaxpr:
         return graph
 
     def summary(self, *, style: str = "auto") -> str:
-        """The stage table: one row per stage with its equations, FLOPs, parameter
+        """The stage table: one row per stage with its equations, inputs and outputs, FLOPs, parameter
         bytes, bytes in and out and share of the program's FLOPs, then the totals.
 
         ``style`` is ``"plain"``, ``"rich"`` or ``"auto"`` (``rich`` when installed);
@@ -466,12 +466,12 @@ class StagedJaxpr:
         >>> import jax, jax.numpy as jnp, pipemark as pm
         >>> cj = jax.make_jaxpr(lambda x: jnp.cos(jnp.sin(x)))(jnp.ones(4))
         >>> print(pm.passes.slice_stages(pm.passes.insert_markers(cj, [1])).summary(style="plain"))
-        #  stage   equations  FLOPs  param bytes  bytes in  bytes out  cost share
-        -  ------  ---------  -----  -----------  --------  ---------  ----------
-        0  stage0          3      4         16 B       0 B       16 B      50.0 %
-        1  stage1          3      4          0 B      16 B       16 B      50.0 %
-        -  ------  ---------  -----  -----------  --------  ---------  ----------
-           total           6      8         16 B      16 B       32 B     100.0 %
+        #  stage   equations  inputs  outputs  FLOPs  param bytes  bytes in  bytes out  cost share
+        -  ------  ---------  ------  -------  -----  -----------  --------  ---------  ----------
+        0  stage0          3       1        1      4         16 B       0 B       16 B      50.0 %
+        1  stage1          3       1        1      4          0 B      16 B       16 B      50.0 %
+        -  ------  ---------  ------  -------  -----  -----------  --------  ---------  ----------
+           total           6       2        2      8         16 B      16 B       32 B     100.0 %
         """
         from pipemark.inspect import summary
 

@@ -41,13 +41,13 @@ def _mlp_training_staged():
 def test_plain_table_of_a_fixed_program():
     expected = textwrap.dedent(
         """\
-        #  stage   equations  FLOPs  param bytes  bytes in  bytes out  cost share
-        -  ------  ---------  -----  -----------  --------  ---------  ----------
-        0  stage0          3      4         16 B       0 B       16 B      33.3 %
-        1  stage1          3      4          0 B      16 B       16 B      33.3 %
-        2  stage2          3      4          0 B      32 B       16 B      33.3 %
-        -  ------  ---------  -----  -----------  --------  ---------  ----------
-           total           9     12         16 B      48 B       48 B     100.0 %"""
+        #  stage   equations  inputs  outputs  FLOPs  param bytes  bytes in  bytes out  cost share
+        -  ------  ---------  ------  -------  -----  -----------  --------  ---------  ----------
+        0  stage0          3       1        1      4         16 B       0 B       16 B      33.3 %
+        1  stage1          3       1        1      4          0 B      16 B       16 B      33.3 %
+        2  stage2          3       2        1      4          0 B      32 B       16 B      33.3 %
+        -  ------  ---------  ------  -------  -----  -----------  --------  ---------  ----------
+           total           9       4        3     12         16 B      48 B       48 B     100.0 %"""
     )
     assert pmi.summary(_skip_staged(), style="plain") == expected
 
@@ -57,14 +57,14 @@ def test_plain_table_of_a_training_step():
     # its forward stage: backward stages read no program input.
     expected = textwrap.dedent(
         """\
-        #  stage            equations  FLOPs  param bytes  bytes in  bytes out  cost share
-        -  ---------------  ---------  -----  -----------  --------  ---------  ----------
-        0  layer0                   7     88        112 B       0 B      128 B      18.9 %
-        1  layer1                  12    120        112 B      32 B      196 B      25.8 %
-        2  layer1_backward         14    165          0 B     192 B      112 B      35.5 %
-        3  layer0_backward         10     92          0 B     128 B       80 B      19.8 %
-        -  ---------------  ---------  -----  -----------  --------  ---------  ----------
-           total                   43    465        224 B     352 B      516 B     100.0 %"""
+        #  stage            equations  inputs  outputs  FLOPs  param bytes  bytes in  bytes out  cost share
+        -  ---------------  ---------  ------  -------  -----  -----------  --------  ---------  ----------
+        0  layer0                   7       3        4     88        112 B       0 B      128 B      18.9 %
+        1  layer1                  12       4        6    120        112 B      32 B      196 B      25.8 %
+        2  layer1_backward         14       5        3    165          0 B     192 B      112 B      35.5 %
+        3  layer0_backward         10       4        2     92          0 B     128 B       80 B      19.8 %
+        -  ---------------  ---------  ------  -------  -----  -----------  --------  ---------  ----------
+           total                   43      16       15    465        224 B     352 B      516 B     100.0 %"""
     )
     assert pmi.summary(_mlp_training_staged(), style="plain") == expected
 

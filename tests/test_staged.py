@@ -89,13 +89,13 @@ def test_summary_table():
     staged = P.slice_stages(P.insert_markers(cj, [1, 2]))
     expected = textwrap.dedent(
         """\
-        #  stage   equations  FLOPs  param bytes  bytes in  bytes out  cost share
-        -  ------  ---------  -----  -----------  --------  ---------  ----------
-        0  stage0          3      4         16 B       0 B       16 B      33.3 %
-        1  stage1          3      4          0 B      16 B       16 B      33.3 %
-        2  stage2          3      4          0 B      32 B       16 B      33.3 %
-        -  ------  ---------  -----  -----------  --------  ---------  ----------
-           total           9     12         16 B      48 B       48 B     100.0 %"""
+        #  stage   equations  inputs  outputs  FLOPs  param bytes  bytes in  bytes out  cost share
+        -  ------  ---------  ------  -------  -----  -----------  --------  ---------  ----------
+        0  stage0          3       1        1      4         16 B       0 B       16 B      33.3 %
+        1  stage1          3       1        1      4          0 B      16 B       16 B      33.3 %
+        2  stage2          3       2        1      4          0 B      32 B       16 B      33.3 %
+        -  ------  ---------  ------  -------  -----  -----------  --------  ---------  ----------
+           total           9       4        3     12         16 B      48 B       48 B     100.0 %"""
     )
     assert staged.summary(style="plain") == expected
     # print(staged) shows the same table (drawn by rich when it is installed).
