@@ -9,16 +9,18 @@ and divide by the time ``jax.make_jaxpr`` takes to trace the same program (a fre
 function each time: ``make_jaxpr`` caches on the function object). Print a markdown
 table with the ratio and the microseconds per equation of each pass.
 
-Timing follows ``timeit``: the best of ``--repeat`` runs, with the garbage collector
-collected before and paused during each timed call, for tracing and passes alike (a
-full collection over a heap holding a 200k-equation jaxpr lands in whichever call
-happens to trigger it). The last column repeats the ratio with the collector running.
+Timing: the best of ``--repeat`` runs, with the garbage collector
+collected before each timed call and the heap that existed before it frozen
+(``gc.freeze``), for tracing and passes alike: otherwise a full collection over a heap
+holding a 200k-equation jaxpr lands in whichever call happens to trigger it. The last
+column repeats the ratio with the collector left as it is.
 
 Targets (issue 3): ratio <= 0.05 at 2k equations; microseconds per equation flat
 within 2x from 2k to 200k.
 
     python benchmarks/passes.py                      # 2k, 20k, 200k
     python benchmarks/passes.py --sizes 2000 20000 --repeat 5
+    python benchmarks/passes.py --markers startend   # hand-marked models, no insert
 """
 
 from __future__ import annotations
@@ -41,24 +43,30 @@ PASSES: tuple[tuple[str, Callable[[Any], Any]], ...] = (
 
 
 def _timed(fn: Callable[[], Any], collector: bool) -> tuple[float, Any]:
+    """Seconds ``fn()`` takes. Without ``collector``, the heap that exists before the
+    call is frozen (``gc.freeze``): the collector still runs, but only over objects the
+    call makes, so a full collection over an unrelated big heap (the input jaxpr,
+    earlier results) does not land in whichever call happens to trigger it."""
     gc.collect()
     if not collector:
-        gc.disable()
+        gc.freeze()
     try:
         start = time.perf_counter()
         result = fn()
         return time.perf_counter() - start, result
     finally:
-        gc.enable()
+        gc.unfreeze()
 
 
-def _pipeline(cj: Any, collector: bool) -> dict[str, float]:
+def _pipeline(cj: Any, collector: bool, insert: bool = True) -> dict[str, float]:
     """Seconds per pass. slice_stages reads the inserted program; the rewrite passes
-    continue from it, each from the previous one's result."""
+    continue from it, each from the previous one's result. Without ``insert`` the
+    program already has start/end markers and the insert pass is skipped."""
     times: dict[str, float] = {}
-    inserted = None
-    current = cj
+    inserted = current = cj
     for name, fn in PASSES:
+        if name == "insert" and not insert:
+            continue
         source = inserted if name == "slice" else current
         seconds, result = _timed(lambda fn=fn, source=source: fn(source), collector)
         times[name] = seconds
@@ -69,15 +77,16 @@ def _pipeline(cj: Any, collector: bool) -> dict[str, float]:
     return times
 
 
-def measure(kind: str, num_eqns: int, repeat: int) -> dict[str, Any]:
-    example = examples.sized(kind, num_eqns, markers="boundary")
+def measure(kind: str, num_eqns: int, repeat: int, markers: str = "boundary") -> dict[str, Any]:
+    insert = markers == "boundary"
+    example = examples.sized(kind, num_eqns, markers=markers)
     trace_times, cj = [], None
     for _ in range(repeat):
         seconds, cj = _timed(lambda: example.trace(grad=True), collector=False)
         trace_times.append(seconds)
-    pass_times = [_pipeline(cj, collector=False) for _ in range(repeat)]
-    best = {name: min(t[name] for t in pass_times) for name, _ in PASSES}
-    with_collector = _pipeline(cj, collector=True)
+    pass_times = [_pipeline(cj, collector=False, insert=insert) for _ in range(repeat)]
+    best = {name: min(t[name] for t in pass_times) for name in pass_times[0]}
+    with_collector = _pipeline(cj, collector=True, insert=insert)
     trace_with_collector, _ = _timed(lambda: example.trace(grad=True), collector=True)
     count = len(cj.jaxpr.eqns)
     total = sum(best.values())
@@ -103,7 +112,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        per_pass = " | ".join(f"{r['passes'][n] / r['eqns'] * 1e6:.2f}" for n in names)
+        per_pass = " | ".join(
+            f"{r['passes'][n] / r['eqns'] * 1e6:.2f}" if n in r["passes"] else "—" for n in names
+        )
         lines.append(
             f"| {r['kind']} | {r['eqns']:,} | {r['trace']:.2f} | {per_pass} | "
             f"{r['us_per_eqn']:.2f} | {r['ratio']:.3f} | {r['ratio_gc']:.3f} |"
@@ -130,16 +141,28 @@ def verdict(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kinds", nargs="+", default=["mlp", "transformer"])
+    parser.add_argument(
+        "--markers",
+        choices=["boundary", "startend"],
+        default="boundary",
+        help="boundary: time insert (layers_from_boundaries) too; startend: the model "
+        "is marked by hand, time slice and the rewrite passes only",
+    )
     parser.add_argument("--sizes", nargs="+", type=int, default=[2_000, 20_000, 200_000])
     parser.add_argument(
         "--repeat", type=int, default=3, help="timed runs per size (the largest size runs once)"
     )
     args = parser.parse_args(argv)
+    # The first call of each pass pays for lazy imports and caches; keep it out of the
+    # table.
+    for kind in args.kinds:
+        warm = examples.sized(kind, 500, markers=args.markers).trace(grad=True)
+        _pipeline(warm, False, insert=args.markers == "boundary")
     rows = []
     for kind in args.kinds:
         for size in args.sizes:
             repeat = 1 if size >= 100_000 else args.repeat
-            row = measure(kind, size, repeat)
+            row = measure(kind, size, repeat, args.markers)
             rows.append(row)
             print(
                 f"{kind} {row['eqns']:,} equations: ratio {row['ratio']:.3f}, "
