@@ -255,7 +255,9 @@ def _gelu(x: jax.Array) -> jax.Array:
     return 0.5 * x * (1.0 + jnp.tanh(0.7978845608 * (x + 0.044715 * x * x * x)))
 
 
-def _attention(x: jax.Array, p: dict[str, jax.Array], num_heads: int) -> jax.Array:
+def _attention(
+    x: jax.Array, p: dict[str, jax.Array], num_heads: int, causal: bool = False
+) -> jax.Array:
     batch, seq, d_model = x.shape
     head = d_model // num_heads
 
@@ -264,14 +266,42 @@ def _attention(x: jax.Array, p: dict[str, jax.Array], num_heads: int) -> jax.Arr
 
     q, k, v = heads(x @ p["wq"]), heads(x @ p["wk"]), heads(x @ p["wv"])
     scores = jnp.matmul(q, k.transpose(0, 1, 3, 2)) / math.sqrt(head)
+    if causal:
+        # A token attends to itself and the tokens before it, never to later ones.
+        allowed = lax.broadcasted_iota(jnp.int32, (seq, seq), 0) >= lax.broadcasted_iota(
+            jnp.int32, (seq, seq), 1
+        )
+        scores = jnp.where(allowed, scores, jnp.float32(-1e9))
     mixed = jnp.matmul(_softmax(scores), v)
     return mixed.transpose(0, 2, 1, 3).reshape(batch, seq, d_model) @ p["wo"]
 
 
-def _transformer_block(x: jax.Array, p: dict[str, jax.Array], num_heads: int) -> jax.Array:
-    x = x + _attention(_layer_norm(x, p["ln1_scale"], p["ln1_bias"]), p, num_heads)
+def _transformer_block(
+    x: jax.Array, p: dict[str, jax.Array], num_heads: int, causal: bool = False
+) -> jax.Array:
+    x = x + _attention(_layer_norm(x, p["ln1_scale"], p["ln1_bias"]), p, num_heads, causal)
     hidden = _gelu(_layer_norm(x, p["ln2_scale"], p["ln2_bias"]) @ p["w1"] + p["b1"])
     return x + hidden @ p["w2"] + p["b2"]
+
+
+def _block_params(rng: np.random.Generator, d_model: int) -> dict[str, jax.Array]:
+    """One transformer block's parameters (the MLP is ``4 * d_model`` wide)."""
+    scale = 1.0 / math.sqrt(d_model)
+    hidden = 4 * d_model
+    return {
+        "ln1_scale": jnp.ones((d_model,), jnp.float32),
+        "ln1_bias": jnp.zeros((d_model,), jnp.float32),
+        "wq": _normal(rng, (d_model, d_model), scale),
+        "wk": _normal(rng, (d_model, d_model), scale),
+        "wv": _normal(rng, (d_model, d_model), scale),
+        "wo": _normal(rng, (d_model, d_model), scale),
+        "ln2_scale": jnp.ones((d_model,), jnp.float32),
+        "ln2_bias": jnp.zeros((d_model,), jnp.float32),
+        "w1": _normal(rng, (d_model, hidden), scale),
+        "b1": jnp.zeros((hidden,), jnp.float32),
+        "w2": _normal(rng, (hidden, d_model), 1.0 / math.sqrt(hidden)),
+        "b2": jnp.zeros((d_model,), jnp.float32),
+    }
 
 
 def transformer(
@@ -301,26 +331,7 @@ def transformer(
     if d_model % num_heads:
         raise PipemarkError(f"d_model ({d_model}) must be a multiple of num_heads ({num_heads}).")
     rng = np.random.default_rng(seed)
-    scale = 1.0 / math.sqrt(d_model)
-    hidden = 4 * d_model
-
-    def block_params():
-        return {
-            "ln1_scale": jnp.ones((d_model,), jnp.float32),
-            "ln1_bias": jnp.zeros((d_model,), jnp.float32),
-            "wq": _normal(rng, (d_model, d_model), scale),
-            "wk": _normal(rng, (d_model, d_model), scale),
-            "wv": _normal(rng, (d_model, d_model), scale),
-            "wo": _normal(rng, (d_model, d_model), scale),
-            "ln2_scale": jnp.ones((d_model,), jnp.float32),
-            "ln2_bias": jnp.zeros((d_model,), jnp.float32),
-            "w1": _normal(rng, (d_model, hidden), scale),
-            "b1": jnp.zeros((hidden,), jnp.float32),
-            "w2": _normal(rng, (hidden, d_model), 1.0 / math.sqrt(hidden)),
-            "b2": jnp.zeros((d_model,), jnp.float32),
-        }
-
-    params = [block_params() for _ in range(num_layers)]
+    params = [_block_params(rng, d_model) for _ in range(num_layers)]
     shape = (batch, seq, d_model)
     data = (_normal(rng, shape, 1.0), _normal(rng, shape, 1.0))
 
@@ -339,30 +350,6 @@ def transformer(
 
 
 # ---------------------------------------------------------------------- Language model
-
-
-def _causal_attention(x: jax.Array, p: dict[str, jax.Array], num_heads: int) -> jax.Array:
-    batch, seq, d_model = x.shape
-    head = d_model // num_heads
-
-    def heads(t):
-        return t.reshape(batch, seq, num_heads, head).transpose(0, 2, 1, 3)
-
-    q, k, v = heads(x @ p["wq"]), heads(x @ p["wk"]), heads(x @ p["wv"])
-    scores = jnp.matmul(q, k.transpose(0, 1, 3, 2)) / math.sqrt(head)
-    # A token attends to itself and the tokens before it, never to later ones.
-    allowed = lax.broadcasted_iota(jnp.int32, (seq, seq), 0) >= lax.broadcasted_iota(
-        jnp.int32, (seq, seq), 1
-    )
-    scores = jnp.where(allowed, scores, jnp.float32(-1e9))
-    mixed = jnp.matmul(_softmax(scores), v)
-    return mixed.transpose(0, 2, 1, 3).reshape(batch, seq, d_model) @ p["wo"]
-
-
-def _decoder_block(x: jax.Array, p: dict[str, jax.Array], num_heads: int) -> jax.Array:
-    x = x + _causal_attention(_layer_norm(x, p["ln1_scale"], p["ln1_bias"]), p, num_heads)
-    hidden = _gelu(_layer_norm(x, p["ln2_scale"], p["ln2_bias"]) @ p["w1"] + p["b1"])
-    return x + hidden @ p["w2"] + p["b2"]
 
 
 def _cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -412,32 +399,13 @@ def language_model(
     if d_model % num_heads:
         raise PipemarkError(f"d_model ({d_model}) must be a multiple of num_heads ({num_heads}).")
     rng = np.random.default_rng(seed)
-    scale = 1.0 / math.sqrt(d_model)
-    hidden = 4 * d_model
-
-    def block_params():
-        return {
-            "ln1_scale": jnp.ones((d_model,), jnp.float32),
-            "ln1_bias": jnp.zeros((d_model,), jnp.float32),
-            "wq": _normal(rng, (d_model, d_model), scale),
-            "wk": _normal(rng, (d_model, d_model), scale),
-            "wv": _normal(rng, (d_model, d_model), scale),
-            "wo": _normal(rng, (d_model, d_model), scale),
-            "ln2_scale": jnp.ones((d_model,), jnp.float32),
-            "ln2_bias": jnp.zeros((d_model,), jnp.float32),
-            "w1": _normal(rng, (d_model, hidden), scale),
-            "b1": jnp.zeros((hidden,), jnp.float32),
-            "w2": _normal(rng, (hidden, d_model), 1.0 / math.sqrt(hidden)),
-            "b2": jnp.zeros((d_model,), jnp.float32),
-        }
-
     params = {
         "embed": _normal(rng, (vocab, d_model), 1.0),
         "position": _normal(rng, (seq, d_model), 0.1),
-        "blocks": [block_params() for _ in range(num_layers)],
+        "blocks": [_block_params(rng, d_model) for _ in range(num_layers)],
         "final_scale": jnp.ones((d_model,), jnp.float32),
         "final_bias": jnp.zeros((d_model,), jnp.float32),
-        "unembed": _normal(rng, (d_model, vocab), scale),
+        "unembed": _normal(rng, (d_model, vocab), 1.0 / math.sqrt(d_model)),
     }
     stream = rng.integers(0, vocab, size=(batch, seq + 1))
     tokens = jnp.asarray(stream[:, :-1], jnp.int32)
@@ -461,7 +429,7 @@ def language_model(
             x, p, extra = _layer_begin(markers, name, i, (x, p, extra))
             if i == 0:
                 x = jnp.take(extra["embed"], x, axis=0) + extra["position"]
-            x = _decoder_block(x, p, num_heads)
+            x = _transformer_block(x, p, num_heads, causal=True)
             if i == last:
                 normed = _layer_norm(x, extra["final_scale"], extra["final_bias"])
                 x = _cross_entropy(normed @ extra["unembed"], targets)
