@@ -1,0 +1,450 @@
+"""How a pipeline is planned: trace ``value_and_grad`` of a loss for one microbatch,
+slice it into forward and mirrored backward stages, pair them into pipeline stages,
+schedule them, and compile each stage program once for its device.
+:mod:`pipemark.runtime.executor` runs the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+from jax.sharding import SingleDeviceSharding
+
+from pipemark.errors import PipemarkError, StageGraphError
+from pipemark.primitive import pipeline_p
+from pipemark.runtime.schedules import Schedule, make_schedule
+from pipemark.staged import StagedJaxpr
+
+__all__ = ["LOSS_REDUCTIONS", "PipelinePlan"]
+
+LOSS_REDUCTIONS = ("mean", "sum")
+_BACKWARD_SUFFIX = "_backward"
+_STAGE_MARK_TYPES = frozenset(("start", "end", "jvp_start", "jvp_end"))
+
+
+# ------------------------------------------------------------------------ checks
+
+
+def _check_positive(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PipemarkError(f"{what} must be a positive int, got {value!r}.")
+    return value
+
+
+def _microbatch_structs(batch: Any, num_microbatches: int) -> tuple[list[Any], int]:
+    """The ShapeDtypeStruct of one microbatch of each batch leaf, and the microbatch
+    size."""
+    leaves = jax.tree_util.tree_leaves(batch)
+    if not leaves:
+        raise PipemarkError(
+            "The batch has no arrays to split into microbatches; pass the data as the "
+            "second argument, loss_fn(params, batch)."
+        )
+    sizes = set()
+    for i, leaf in enumerate(leaves):
+        shape = np.shape(leaf)
+        if len(shape) == 0:
+            raise PipemarkError(
+                f"Batch leaf {i} is a scalar; every batch array needs a leading batch axis "
+                "to split into microbatches. Move scalars into params or close over them "
+                "in loss_fn."
+            )
+        sizes.add(shape[0])
+    if len(sizes) != 1:
+        raise PipemarkError(
+            f"The batch arrays have different leading sizes {sorted(sizes)}; all of them "
+            "must share the batch axis (axis 0) that is split into microbatches."
+        )
+    (size,) = sizes
+    if size % num_microbatches:
+        divisors = [d for d in range(1, size + 1) if size % d == 0]
+        raise PipemarkError(
+            f"A batch of {size} does not split into {num_microbatches} equal microbatches. "
+            f"Use num_microbatches in {divisors}, or pad the batch to a multiple of "
+            f"{num_microbatches}."
+        )
+    micro = size // num_microbatches
+    structs = [jax.ShapeDtypeStruct((micro, *np.shape(x)[1:]), jnp.result_type(x)) for x in leaves]
+    return structs, micro
+
+
+def _check_loss(loss_fn: Callable, params: Any, batch_structs: Any) -> None:
+    out = jax.eval_shape(loss_fn, params, batch_structs)
+    leaves = jax.tree_util.tree_leaves(out)
+    if len(leaves) != 1 or not hasattr(out, "shape"):
+        raise PipemarkError(
+            f"loss_fn returns {jax.tree_util.tree_structure(out)}, not one array. "
+            "pipeline_value_and_grad differentiates a scalar loss: return only the loss "
+            "(auxiliary outputs are not supported)."
+        )
+    if out.shape != () or not jnp.issubdtype(out.dtype, jnp.inexact):
+        raise PipemarkError(
+            f"loss_fn returns {out.dtype}{list(out.shape)}; pipeline_value_and_grad needs a "
+            "scalar floating-point loss. Reduce it over the batch (jnp.mean or jnp.sum, "
+            "and pass loss_reduction= accordingly)."
+        )
+
+
+# ------------------------------------------------------------------- stage plan
+
+
+def _has_markers(cj: ClosedJaxpr, mark_types: frozenset[str]) -> bool:
+    return any(
+        e.primitive is pipeline_p and e.params["mark_type"] in mark_types for e in cj.jaxpr.eqns
+    )
+
+
+def _trace_staged(
+    loss_fn: Callable,
+    params: Any,
+    batch_structs: Any,
+    num_stages: int | None,
+) -> tuple[StagedJaxpr, Any]:
+    """Trace value_and_grad for one microbatch and cut it into forward and mirrored
+    backward stages. Returns the staged program and the output tree."""
+    from pipemark.passes import layers_from_boundaries, slice_stages
+
+    vag = jax.value_and_grad(loss_fn)
+    forward = jax.make_jaxpr(loss_fn)(params, batch_structs)
+    if _has_markers(forward, _STAGE_MARK_TYPES):
+        cj, out_shape = jax.make_jaxpr(vag, return_shape=True)(params, batch_structs)
+    elif _has_markers(forward, frozenset(("boundary",))):
+        # Boundary markers have no operands, so their transpose delimits nothing. Turn
+        # them into start/end layers in the forward program, then differentiate that:
+        # the start/end markers' transpose rule gives the mirrored backward stages.
+        layered = jaxpr_as_fun(layers_from_boundaries(forward))
+        param_leaves, param_tree = jax.tree_util.tree_flatten(params)
+        batch_leaves = jax.tree_util.tree_leaves(batch_structs)
+
+        def flat_loss(p, b):
+            return layered(*p, *b)[0]
+
+        cj = jax.make_jaxpr(jax.value_and_grad(flat_loss))(param_leaves, batch_leaves)
+        _, out_shape = jax.make_jaxpr(vag, return_shape=True)(params, batch_structs)
+        del param_tree
+    else:
+        if num_stages is None:
+            raise PipemarkError(
+                "loss_fn has no pipeline markers, so pipeline_value_and_grad cannot tell "
+                "where to cut it. Pass num_stages= to cut it automatically into balanced "
+                "stages, or mark the layers with pm.mark(..., mark_type='start'/'end') or "
+                "pm.mark_pipeline_boundary()."
+            )
+        from pipemark.passes.auto import auto_layers
+
+        cj, out_shape = jax.make_jaxpr(vag, return_shape=True)(params, batch_structs)
+        cj = auto_layers(cj, num_stages)
+    return slice_stages(cj), jax.tree_util.tree_structure(out_shape)
+
+
+def _pair_stages(staged: StagedJaxpr) -> tuple[list[int], list[int | None]]:
+    """Sliced-stage indices of each pipeline stage's forward and backward programs."""
+    names = [s.name for s in staged.stages]
+    forward = [k for k, n in enumerate(names) if not n.endswith(_BACKWARD_SUFFIX)]
+    position = {names[k]: k for k in range(len(names))}
+    backward: list[int | None] = [position.get(names[k] + _BACKWARD_SUFFIX) for k in forward]
+    paired = {b for b in backward if b is not None}
+    for k, name in enumerate(names):
+        if name.endswith(_BACKWARD_SUFFIX) and k not in paired:
+            raise StageGraphError(
+                f"Stage {name!r} has no forward stage named "
+                f"{name[: -len(_BACKWARD_SUFFIX)]!r} to pair with; the runtime runs each "
+                "backward stage on the device of its forward stage. Do not name a forward "
+                "stage with a '_backward' suffix."
+            )
+    return forward, backward
+
+
+def _merge_into(staged: StagedJaxpr, num_stages: int) -> StagedJaxpr:
+    """Merge consecutive marked stages (and their mirrored backward stages) into
+    ``num_stages`` pipeline stages of about equal equation counts."""
+    from pipemark.passes import merge_stages
+
+    forward, backward = _pair_stages(staged)
+    if num_stages == len(forward):
+        return staged
+    if num_stages > len(forward):
+        raise PipemarkError(
+            f"num_stages={num_stages}, but loss_fn marks only {len(forward)} stages. Mark "
+            f"more layers, or pass num_stages <= {len(forward)}."
+        )
+    weights = [
+        staged.stages[f].num_eqns + (staged.stages[b].num_eqns if b is not None else 0)
+        for f, b in zip(forward, backward)
+    ]
+    prefix = np.cumsum([0, *weights])
+    cuts = [0]
+    for g in range(1, num_stages):
+        # The first cut after the g-th share of the work, leaving a layer per group.
+        target = prefix[-1] * g / num_stages
+        cut = int(np.searchsorted(prefix, target))
+        cut = min(max(cut, cuts[-1] + 1), len(forward) - (num_stages - g))
+        cuts.append(cut)
+    cuts.append(len(forward))
+    groups: dict[str, list[int]] = {}
+    for g in range(num_stages):
+        members = range(cuts[g], cuts[g + 1])
+        groups[f"stage{g}"] = [forward[i] for i in members]
+        back = [backward[i] for i in members if backward[i] is not None]
+        if back:
+            groups[f"stage{g}{_BACKWARD_SUFFIX}"] = back
+    return merge_stages(staged, groups)
+
+
+@dataclasses.dataclass
+class _Unit:
+    """One compiled stage program on its device."""
+
+    index: int  # sliced stage index
+    device: Any
+    run: Callable[[list[Any], list[Any]], tuple[list[Any], list[Any]]]
+    zeros: Callable[[], list[Any]] | None
+    accumulated: list[tuple[int, int]]  # (program result index, stage output index)
+    passed: list[int]  # stage outputs other stages read
+
+
+@dataclasses.dataclass
+class PipelinePlan:
+    """What :class:`Pipeline` built for one input shape: the staged program, the
+    schedule and where each stage runs.
+
+    Attributes
+    ----------
+    staged:
+        The sliced ``value_and_grad`` program for one microbatch.
+    schedule:
+        The validated schedule (pipeline stage ``k`` = forward stage ``k`` and its
+        mirrored backward stage).
+    devices:
+        The device of each pipeline stage.
+    forward_stages, backward_stages:
+        For each pipeline stage, the index in ``staged.stages`` of its forward and
+        backward programs (``None`` when a stage has no backward).
+    microbatch_size:
+        Rows of the batch per microbatch.
+    """
+
+    staged: StagedJaxpr
+    schedule: Schedule
+    devices: tuple[Any, ...]
+    forward_stages: tuple[int, ...]
+    backward_stages: tuple[int | None, ...]
+    microbatch_size: int
+    num_param_leaves: int
+    out_tree: Any
+    units: dict[int, _Unit] = dataclasses.field(repr=False)
+    readers: dict[tuple[int, int], int] = dataclasses.field(repr=False)
+    loss_reduction: str = "mean"
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.forward_stages)
+
+
+def _stage_edges(
+    staged: StagedJaxpr, pipeline_stage: dict[int, int], is_backward: set[int]
+) -> set[tuple[int, int]]:
+    """Edges of the pipeline-stage graph that make every cross-stage read safe: a value
+    read from another pipeline stage orders the two stages (see the module docstring of
+    :mod:`pipemark.runtime.schedules`)."""
+    edges: set[tuple[int, int]] = set()
+    for c, stage in enumerate(staged.stages):
+        for ref in stage.inputs:
+            if ref.kind != "stage":
+                continue
+            p = ref.stage
+            if c not in is_backward and p in is_backward:
+                raise StageGraphError(
+                    f"Forward stage {stage.name!r} reads a value of backward stage "
+                    f"{staged.stages[p].name!r}; a pipeline runs every forward before the "
+                    "matching backward. Keep gradient computations out of the forward "
+                    "stages."
+                )
+            a, b = pipeline_stage[p], pipeline_stage[c]
+            if a != b:
+                edges.add((min(a, b), max(a, b)))
+    return edges
+
+
+# Stage programs compiled in this process, keyed by their text, types and device: the same
+# stage program reappears whenever a pipeline is rebuilt for the same microbatch shape
+# (another schedule, another number of microbatches), and XLA compilation dominates the
+# cost of building a pipeline. Programs with constants are not cached (their text does not
+# show the constants' values).
+_UNIT_CACHE: dict[Any, tuple[Callable, Callable | None]] = {}
+_UNIT_CACHE_SIZE = 256
+
+
+def _unit_key(closed: ClosedJaxpr, accumulated: list[int], passed: list[int], device: Any) -> Any:
+    if closed.consts:
+        return None
+    jaxpr = closed.jaxpr
+    types = tuple(repr(v.aval) for v in (*jaxpr.invars, *jaxpr.outvars))
+    return (str(jaxpr), types, tuple(accumulated), tuple(passed), device.platform, device.id)
+
+
+def _compile_unit(
+    staged: StagedJaxpr, index: int, device: Any, readers: dict[tuple[int, int], int]
+) -> _Unit:
+    stage = staged.stages[index]
+    accumulated = [
+        (r, ref.index)
+        for r, ref in enumerate(staged.outputs)
+        if ref.kind == "stage" and ref.stage == index
+    ]
+    passed = [o for o in range(len(stage.out_avals)) if readers.get((index, o), 0)]
+    key = _unit_key(stage.closed_jaxpr, [o for _, o in accumulated], passed, device)
+    cached = _UNIT_CACHE.get(key) if key is not None else None
+    if cached is None:
+        cached = _jit_unit(stage.closed_jaxpr, [o for _, o in accumulated], passed, device)
+        if key is not None:
+            if len(_UNIT_CACHE) >= _UNIT_CACHE_SIZE:
+                del _UNIT_CACHE[next(iter(_UNIT_CACHE))]
+            _UNIT_CACHE[key] = cached
+    run, zeros = cached
+    return _Unit(index, device, run, zeros, accumulated, passed)
+
+
+def _jit_unit(
+    closed: ClosedJaxpr, accumulated: list[int], passed: list[int], device: Any
+) -> tuple[Callable, Callable | None]:
+    fun = jaxpr_as_fun(closed)
+    avals = [v.aval for v in closed.jaxpr.outvars]
+
+    def contribution(value: Any, scale: Any) -> Any:
+        if jnp.issubdtype(value.dtype, jnp.inexact):
+            return value * scale.astype(value.dtype)
+        return value
+
+    def run(accs: list[Any], inputs: list[Any], scale: Any) -> tuple[list[Any], list[Any]]:
+        # scale is 1/M for a mean, 1 for a sum: an argument, so the same compiled program
+        # serves every number of microbatches.
+        outs = fun(*inputs)
+        new = [acc + contribution(outs[o], scale) for acc, o in zip(accs, accumulated)]
+        return new, [outs[o] for o in passed]
+
+    sharding = SingleDeviceSharding(device)
+    zeros = None
+    if accumulated:
+        shapes = [(avals[o].shape, avals[o].dtype) for o in accumulated]
+
+        def make_zeros() -> list[Any]:
+            return [jnp.zeros(s, d) for s, d in shapes]
+
+        zeros = jax.jit(make_zeros, out_shardings=sharding)
+    return jax.jit(run, out_shardings=sharding), zeros
+
+
+def _build_plan(
+    loss_fn: Callable,
+    params: Any,
+    batch: Any,
+    *,
+    num_stages: int | None,
+    num_microbatches: int,
+    schedule: str | Schedule,
+    devices: Sequence[Any] | None,
+    loss_reduction: str,
+) -> PipelinePlan:
+    structs, micro = _microbatch_structs(batch, num_microbatches)
+    batch_structs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(batch), structs)
+    _check_loss(loss_fn, params, batch_structs)
+    staged, out_tree = _trace_staged(loss_fn, params, batch_structs, num_stages)
+    return _plan_from_staged(
+        staged,
+        out_tree,
+        num_param_leaves=len(jax.tree_util.tree_leaves(params)),
+        microbatch_size=micro,
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        devices=devices,
+        loss_reduction=loss_reduction,
+    )
+
+
+def _plan_from_staged(
+    staged: StagedJaxpr,
+    out_tree: Any,
+    *,
+    num_param_leaves: int,
+    microbatch_size: int,
+    num_stages: int | None,
+    num_microbatches: int,
+    schedule: str | Schedule,
+    devices: Sequence[Any] | None,
+    loss_reduction: str,
+) -> PipelinePlan:
+    """Schedule and compile a staged program whose inputs are ``num_param_leaves``
+    replicated leaves followed by the batch leaves (split into microbatches)."""
+    if num_stages is not None:
+        staged = _merge_into(staged, _check_positive(num_stages, "num_stages"))
+    forward, backward = _pair_stages(staged)
+    count = len(forward)
+    pipeline_stage: dict[int, int] = {}
+    for k, (f, b) in enumerate(zip(forward, backward)):
+        pipeline_stage[f] = k
+        if b is not None:
+            pipeline_stage[b] = k
+    is_backward = {b for b in backward if b is not None}
+    edges = _stage_edges(staged, pipeline_stage, is_backward)
+
+    available = list(jax.devices() if devices is None else devices)
+    if len({id(d) for d in available}) != len(available):
+        raise PipemarkError("devices lists a device twice; give each pipeline device once.")
+    kind = schedule.name if isinstance(schedule, Schedule) else schedule
+    if kind == "interleaved":
+        num_devices = len(available)
+    else:
+        num_devices = count
+        if count > len(available):
+            raise PipemarkError(
+                f"The pipeline has {count} stages but only {len(available)} device(s) "
+                f"({', '.join(str(d) for d in available)}); each stage needs its own "
+                f"device. Pass num_stages={len(available)} (consecutive marked stages are "
+                "merged), give more devices (on CPU, set XLA_FLAGS="
+                f"--xla_force_host_platform_device_count={count} before JAX starts), or use "
+                "schedule='interleaved' to put several stages on each device."
+            )
+    plan_schedule = make_schedule(
+        schedule,
+        count,
+        num_microbatches,
+        stage_graph=sorted(edges),
+        num_devices=num_devices,
+    )
+    if plan_schedule.num_devices > len(available):
+        raise PipemarkError(
+            f"The schedule {plan_schedule.name!r} uses {plan_schedule.num_devices} devices "
+            f"but only {len(available)} are available; pass devices= with enough devices."
+        )
+    stage_devices = tuple(available[d] for d in plan_schedule.stage_devices)
+
+    readers: dict[tuple[int, int], int] = {}
+    for stage in staged.stages:
+        for ref in stage.inputs:
+            if ref.kind == "stage":
+                readers[(ref.stage, ref.index)] = readers.get((ref.stage, ref.index), 0) + 1
+    units = {
+        index: _compile_unit(staged, index, stage_devices[k], readers)
+        for index, k in pipeline_stage.items()
+    }
+    return PipelinePlan(
+        staged=staged,
+        schedule=plan_schedule,
+        devices=stage_devices,
+        forward_stages=tuple(forward),
+        backward_stages=tuple(backward),
+        microbatch_size=microbatch_size,
+        num_param_leaves=num_param_leaves,
+        out_tree=out_tree,
+        units=units,
+        readers=readers,
+        loss_reduction=loss_reduction,
+    )
