@@ -39,6 +39,7 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 
+from pipemark._compat import CLOSED_CALL_NAMES
 from pipemark.errors import PipemarkError, describe_eqn
 
 __all__ = ["COST_MODELS", "Cost", "cost_rules", "estimate_cost", "eqn_costs"]
@@ -543,7 +544,7 @@ cost_rules["cond"] = _cond
 cost_rules["while"] = _while
 # Call-like primitives run their body once. Names differ across JAX versions.
 _register(_call("jaxpr"), ["jit", "pjit", "remat2", "checkpoint", "shard_map"])
-_register(_call("call_jaxpr"), ["custom_jvp_call", "custom_vjp_call", "closed_call", "core_call"])
+_register(_call("call_jaxpr"), ["custom_jvp_call", "custom_vjp_call", *CLOSED_CALL_NAMES])
 cost_rules["custom_vjp_call_jaxpr"] = _call("fun_jaxpr")
 
 

@@ -363,6 +363,15 @@ def _make_handler(execute: Callable[[_Api, _CallFrame, _CopyRequest], None], tra
                 metadata = ctypes.cast(extension, ctypes.POINTER(_MetadataExtension))
                 metadata = metadata.contents.metadata.contents
                 api = _Api.from_address(frame.api)
+                if api.api_version.major_version != 0:
+                    # The structs above are those of FFI API 0.x; a new major version
+                    # may lay them out differently, so refuse rather than misread them.
+                    raise _FfiError(
+                        "this XLA speaks FFI API "
+                        f"{api.api_version.major_version}.{api.api_version.minor_version}; "
+                        "pipemark's targets know 0.x. Use pm.lowering('barrier') or "
+                        "update pipemark."
+                    )
                 # The handler uses only ABI-stable parts of API 0.x, so it speaks the
                 # version of the XLA that loaded it.
                 metadata.api_version = _ApiVersion(

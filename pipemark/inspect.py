@@ -32,6 +32,7 @@ from typing import Any
 
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 
+from pipemark._compat import jaxpr_type_name
 from pipemark.cost import _nbytes, estimate_cost
 from pipemark.errors import PipemarkError
 from pipemark.staged import StagedJaxpr
@@ -117,7 +118,7 @@ class StageRow:
 def _check_staged(staged: Any, what: str) -> StagedJaxpr:
     if not isinstance(staged, StagedJaxpr):
         raise PipemarkError(
-            f"{what} takes a StagedJaxpr, got {type(staged).__name__}; make one with "
+            f"{what} takes a StagedJaxpr, got {jaxpr_type_name(staged)}; make one with "
             "pm.split(fn, *args) or pm.passes.slice_stages(cj)."
         )
     return staged
