@@ -9,6 +9,13 @@ and divide by the time ``jax.make_jaxpr`` takes to trace the same program (a fre
 function each time: ``make_jaxpr`` caches on the function object). Print a markdown
 table with the ratio and the microseconds per equation of each pass.
 
+The insert pass is :func:`~pipemark.passes.layers_from_boundaries`: it is what
+``pm.split`` runs on a boundary-marked model, and on a gradient program it also cuts the
+backward part into mirrored ``<name>_backward`` stages (the most expensive insert). This
+is the main table. ``--markers startend`` times hand-marked models (``pm.mark``
+start/end pairs) instead, without an insert pass; there ``mark_missing_vars`` has real
+work, since the backward stages JAX makes read forward values past their markers.
+
 Timing: the best of ``--repeat`` runs, with the garbage collector
 collected before each timed call and the heap that existed before it frozen
 (``gc.freeze``), for tracing and passes alike: otherwise a full collection over a heap

@@ -213,18 +213,30 @@ class StagedJaxpr:
 
     def _check(self) -> None:
         names: set[str] = set()
+        num_inputs = len(self._invars)
+        # The common references, checked inline (a big program has one per value
+        # crossing a stage boundary); anything else goes to _check_ref, which says
+        # what is wrong.
+        num_outputs: list[int] = []
         for k, stage in enumerate(self._stages):
             if stage.name in names:
                 raise StageGraphError(f"Two stages are named {stage.name!r}; names are unique.")
             names.add(stage.name)
-            what = f"Stage {k} ({stage.name!r})"
-            if len(stage.inputs) != len(stage.closed_jaxpr.jaxpr.invars):
+            jaxpr = stage.closed_jaxpr.jaxpr
+            if len(stage.inputs) != len(jaxpr.invars):
                 raise StageGraphError(
-                    f"{what} has {len(stage.closed_jaxpr.jaxpr.invars)} inputs but "
+                    f"Stage {k} ({stage.name!r}) has {len(jaxpr.invars)} inputs but "
                     f"{len(stage.inputs)} input references."
                 )
             for ref in stage.inputs:
-                self._check_ref(ref, k, what)
+                kind = ref.kind
+                if kind == "stage":
+                    if 0 <= ref.stage < k and 0 <= ref.index < num_outputs[ref.stage]:
+                        continue
+                elif kind == "input" and 0 <= ref.index < num_inputs:
+                    continue
+                self._check_ref(ref, k, f"Stage {k} ({stage.name!r})")
+            num_outputs.append(len(jaxpr.outvars))
         for i, ref in enumerate(self._outputs):
             self._check_ref(ref, len(self._stages), f"Program result {i}")
 

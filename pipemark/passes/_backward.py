@@ -11,13 +11,18 @@ gets the ``<name>_backward`` stages that ``jax.grad`` gives a hand-marked functi
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr, Var
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from pipemark._compat import name_stack_scopes
 from pipemark.cost import _nbytes
 
 __all__ = ["crossing_bytes", "forward_end", "mirror_cuts"]
+
+# Largest (equations x stages) gap that mirror_cuts places by a dynamic program.
+_DENSE_LIMIT = 4_000_000
 
 
 def crossing_bytes(
@@ -59,60 +64,289 @@ def crossing_bytes(
 def mirror_cuts(jaxpr: Jaxpr, forward_end: int, forward_cuts: list[int], layers: int) -> list[int]:
     """Cut the backward part ``eqns[forward_end:]`` into ``layers`` stages, mirroring
     forward layers ``layers-1 .. 0``; returns absolute equation indices where backward
-    stages 2, 3, … begin."""
+    stages 2, 3, … begin.
+
+    Every stage gets at least one equation (the caller makes sure the backward part has
+    ``layers`` of them). Each backward equation stays with the forward layer holding the
+    values it reads where possible, and the cuts move few bytes.
+
+    Each backward equation that reads forward values has an *anchor*: the forward layer
+    holding the most bytes of what it reads (ties: the later layer). In a gradient
+    program the anchors descend layer by layer almost everywhere, so the heaviest
+    non-increasing subsequence of them (leaving out, say, an equation that reads a
+    program input of layer 0 in the middle of layer 5's backward) gives each layer a
+    run of equations that goes to its mirror. Each cut is then placed in the gap
+    between two such runs where it costs least: the bytes crossing the cut plus the
+    bytes the equations of the gap read from a forward layer other than their mirror.
+    Time ``O(n log layers)`` for ``n`` equations when the anchors descend (as
+    ``jax.grad`` makes them), memory ``O(n)``.
+    """
     eqns = jaxpr.eqns
-    bounds = [0, *forward_cuts, forward_end]
-    # Which forward layers hold each value: the layer that makes it and every layer
-    # that reads it. Program inputs belong to the layers that read them.
-    holders: dict[Var, set[int]] = {}
-    for layer in range(layers):
-        for index in range(bounds[layer], bounds[layer + 1]):
-            eqn = eqns[index]
-            for v in eqn.invars:
-                if isinstance(v, Var):
-                    holders.setdefault(v, set()).add(layer)
-            for v in eqn.outvars:
-                holders.setdefault(v, set()).add(layer)
     count = len(eqns) - forward_end
-    # misplaced[b, t]: bytes backward equation b must fetch from other forward layers
-    # if it runs in the mirror of forward layer t.
-    misplaced = np.zeros((count, layers))
-    for b in range(count):
-        seen: set[Var] = set()
-        for v in eqns[forward_end + b].invars:
-            if not isinstance(v, Var) or v in seen or v not in holders:
+    bounds = [0, *forward_cuts, forward_end]
+    # Which forward layers hold each value, in increasing order: the layer that makes
+    # it and every layer that reads it. Program inputs belong to the layers reading them.
+    holders: dict[Var, list[int]] = {}
+    holders_get = holders.get
+    for layer in range(layers):
+        for eqn in eqns[bounds[layer] : bounds[layer + 1]]:
+            for v in eqn.invars:
+                if type(v) is Literal:
+                    continue
+                held = holders_get(v)
+                if held is None:
+                    holders[v] = [layer]
+                elif held[-1] != layer:
+                    held.append(layer)
+            for v in eqn.outvars:
+                holders[v] = [layer]
+
+    # gains[b]: the bytes backward equation b reads from each forward layer (None when
+    # it reads no forward value).
+    gains: list[dict[int, int] | None] = [None] * count
+    positions: list[int] = []
+    anchors: list[int] = []
+    weights: list[int] = []
+    size_of: dict[Var, int] = {}
+    for b, eqn in enumerate(eqns[forward_end:]):
+        gain: dict[int, int] | None = None
+        counted: set[Var] | None = None
+        for v in eqn.invars:
+            if type(v) is Literal:
                 continue
-            seen.add(v)
-            size = _nbytes(v.aval)
-            misplaced[b] += size
-            for layer in holders[v]:
-                misplaced[b, layer] -= size
-    cut_bytes = crossing_bytes(jaxpr, forward_end).astype(np.float64)
-    index = np.arange(count + 1)
-    inf = np.inf
-    # Stage s of the backward mirrors forward layer layers-1-s.
-    totals = np.concatenate(([0.0], np.cumsum(misplaced[:, layers - 1])))
-    best = np.where(index >= 1, totals, inf)
-    choices = []
+            held = holders_get(v)
+            if held is None:
+                continue
+            if gain is None:
+                gain = {}
+                counted = {v}
+            elif v in counted:  # type: ignore[operator]
+                continue  # a value read twice counts once
+            else:
+                counted.add(v)  # type: ignore[union-attr]
+            size = size_of.get(v)
+            if size is None:
+                size = size_of[v] = _nbytes(v.aval)
+            for layer in held:
+                gain[layer] = gain.get(layer, 0) + size
+        if gain is None:
+            continue
+        gains[b] = gain
+        best_layer = best_bytes = -1
+        tied = False
+        for layer, nbytes in gain.items():
+            if nbytes > best_bytes:
+                best_layer, best_bytes, tied = layer, nbytes, False
+            elif nbytes == best_bytes:
+                tied = True
+        if tied:
+            # Equally at home in several layers (say, it reads an activation that one
+            # layer makes and the next reads): the cut placement decides.
+            continue
+        positions.append(b)
+        anchors.append(best_layer)
+        weights.append(best_bytes + 1)  # + 1: a read of a token still counts a little
+
+    # runs[s]: first and last position of the chosen anchors of backward stage s, which
+    # mirrors forward layer layers-1-s; None when no anchor was chosen for it.
+    runs: list[tuple[int, int] | None] = [None] * layers
+    for i in _heaviest_descent(anchors, weights):
+        s = layers - 1 - anchors[i]
+        run = runs[s]
+        b = positions[i]
+        runs[s] = (b, b) if run is None else (min(run[0], b), max(run[1], b))
+    cut_bytes = crossing_bytes(jaxpr, forward_end)
+    # starts[s]: where backward stage s begins (relative to forward_end).
+    starts = [0] * (layers + 1)
+    starts[layers] = count
+    previous, previous_last = 0, -1
+    if runs[0] is None:
+        # Stage 0 has no anchor; it still needs an equation.
+        present = [s for s in range(layers) if runs[s] is not None]
+        first_present = present[0] if present else layers
+        high = count if first_present == layers else runs[first_present][0]  # type: ignore[index]
+        _place_cuts(
+            starts,
+            0,
+            min(first_present, layers - 1),
+            0,
+            high,
+            True,
+            first_present == layers,
+            gains,
+            cut_bytes,
+            layers,
+        )
+        previous = first_present
+        previous_last = -1 if first_present == layers else runs[first_present][1]  # type: ignore[index]
+    else:
+        previous_last = runs[0][1]
+    for s in range(previous + 1, layers):
+        run = runs[s]
+        if run is None and s < layers - 1:
+            continue
+        last_stage = s
+        if run is None:
+            high, last_nonempty = count, True
+        else:
+            high, last_nonempty = run[0], False
+        _place_cuts(
+            starts,
+            previous,
+            last_stage,
+            previous_last + 1,
+            high,
+            False,
+            last_nonempty,
+            gains,
+            cut_bytes,
+            layers,
+        )
+        if run is not None:
+            previous, previous_last = s, run[1]
+    # Every stage non-empty, should a gap have been too short for the stages in it.
     for s in range(1, layers):
-        totals = np.concatenate(([0.0], np.cumsum(misplaced[:, layers - 1 - s])))
-        candidate = best + cut_bytes - totals
-        candidate[:s] = inf
-        candidate[count] = inf
+        starts[s] = max(starts[s], starts[s - 1] + 1)
+    for s in range(layers - 1, 0, -1):
+        starts[s] = min(starts[s], starts[s + 1] - 1)
+    return [forward_end + c for c in starts[1:layers]]
+
+
+def _heaviest_descent(layers: list[int], weights: list[int]) -> list[int]:
+    """Indices of a heaviest subsequence of ``layers`` that never increases.
+
+    A frontier of the best subsequences found so far, one per last layer, keeps only
+    those that no other beats (ends at a later layer with at least the weight): sorted
+    by decreasing last layer, their weights increase. Each element looks up the best
+    subsequence it can extend by bisection; when layers descend, the frontier changes
+    at its end only.
+    """
+    keys: list[int] = []  # minus the last layer, increasing
+    totals: list[int] = []  # increasing
+    ends: list[int] = []  # index of the subsequence's last element
+    previous = [-1] * len(layers)
+    for i, (layer, weight) in enumerate(zip(layers, weights)):
+        key = -layer
+        # The best subsequence ending at a layer >= this one.
+        at = bisect.bisect_right(keys, key) - 1
+        total = weight
+        if at >= 0:
+            total += totals[at]
+            previous[i] = ends[at]
+        # Drop what the new subsequence beats: ends at this layer or an earlier one,
+        # with no more weight.
+        start = at + 1
+        while start > 0 and keys[start - 1] == key:
+            start -= 1
+        stop = at + 1
+        while stop < len(keys) and totals[stop] <= total:
+            stop += 1
+        keys[start:stop] = [key]
+        totals[start:stop] = [total]
+        ends[start:stop] = [i]
+    chosen = []
+    i = ends[-1] if ends else -1
+    while i >= 0:
+        chosen.append(i)
+        i = previous[i]
+    return chosen[::-1]
+
+
+def _place_cuts(
+    starts: list[int],
+    first_stage: int,
+    last_stage: int,
+    low: int,
+    high: int,
+    first_nonempty: bool,
+    last_nonempty: bool,
+    gains: list[dict[int, int] | None],
+    cut_bytes: np.ndarray,
+    layers: int,
+) -> None:
+    """Set ``starts[first_stage+1 .. last_stage]``, the cuts between stages
+    ``first_stage .. last_stage`` that share backward equations ``low .. high-1``,
+    minimising the bytes crossing the cuts minus the bytes each equation reads from its
+    stage's mirror. ``first_nonempty``/``last_nonempty``: the first/last stage needs an
+    equation in this gap (it has no anchor elsewhere). Ties go to later cuts."""
+    cuts = last_stage - first_stage
+    if cuts <= 0:
+        return
+    lowest = low + first_nonempty
+    highest = high - last_nonempty
+    if highest - lowest + 1 < cuts:
+        # Too short: the caller's final sweep makes the stages non-empty.
+        for j in range(1, cuts + 1):
+            starts[first_stage + j] = lowest + j - 1
+        return
+    n = high - low
+    if n * cuts > _DENSE_LIMIT:
+        # Many stages without anchors share a long gap (a backward part that reads
+        # hardly any forward value): the dynamic program below would be O(n * stages),
+        # so split the gap evenly instead.
+        span = highest - lowest + 1
+        for j in range(1, cuts + 1):
+            starts[first_stage + j] = lowest + (j - 1) * span // cuts
+        return
+    if cuts == 1:
+        layer_a = layers - 1 - first_stage
+        layer_b = layer_a - 1
+        # cost(x) = cut_bytes[x] - sum_{e<x} gain_a[e] - sum_{e>=x} gain_b[e]
+        #         = cut_bytes[x] - total_b - sum_{e<x} (gain_a[e] - gain_b[e])
+        running = 0
+        best_cost = None
+        best_cut = lowest
+        for x in range(low, highest + 1):
+            if x >= lowest:
+                cost = int(cut_bytes[x]) - running
+                if best_cost is None or cost <= best_cost:
+                    best_cost, best_cut = cost, x
+            if x < high:
+                gain = gains[x]
+                if gain is not None:
+                    running += gain.get(layer_a, 0) - gain.get(layer_b, 0)
+        starts[first_stage + 1] = best_cut
+        return
+    # Several stages share the gap: a dynamic program over it, O(n * stages).
+    index = np.arange(n + 1)
+    crossing = cut_bytes[low : high + 1].astype(np.float64)
+
+    def prefix(stage: int) -> np.ndarray:
+        layer = layers - 1 - stage
+        column = np.fromiter(
+            ((g.get(layer, 0) if g is not None else 0) for g in gains[low:high]),
+            dtype=np.float64,
+            count=n,
+        )
+        return np.concatenate(([0.0], np.cumsum(column)))
+
+    inf = np.inf
+    # best[x]: least cost of the equations before x, with the current stage starting at x.
+    gained = prefix(first_stage)
+    best = np.full(n + 1, inf)
+    best[0] = 0.0
+    choices = []
+    for j in range(1, cuts + 1):
+        # Cost of the equations before x when stage j-1 starts at y and runs to x - 1.
+        candidate = best + gained
         running = np.minimum.accumulate(candidate)
-        # The latest position that attains the running minimum (ties: later cuts).
         argmin = np.maximum.accumulate(np.where(candidate == running, index, 0))
-        new_best = np.full(count + 1, inf)
-        new_best[1:] = totals[1:] + running[:-1]
-        new_best[: s + 1] = inf
+        new_best = np.full(n + 1, inf)
+        shift = 1 if (j > 1 or first_nonempty) else 0
+        new_best[shift:] = running[: n + 1 - shift]
+        choice = np.full(n + 1, -1)
+        choice[shift:] = argmin[: n + 1 - shift]
+        new_best = new_best + crossing - gained
+        if j == cuts and last_nonempty:
+            new_best[n] = inf
+        choices.append(choice)
         best = new_best
-        choices.append(np.concatenate(([-1], argmin[:-1])))
-    cuts = []
-    end = count
-    for choice in reversed(choices):
-        end = int(choice[end])
-        cuts.append(end)
-    return [forward_end + c for c in cuts[::-1]]
+        gained = prefix(first_stage + j)
+    final = best - gained + gained[n]
+    end = int(np.flatnonzero(final == final.min())[-1])
+    for j in range(cuts, 0, -1):
+        starts[first_stage + j] = low + end
+        end = int(choices[j - 1][end])
 
 
 def forward_end(jaxpr: Jaxpr) -> int | None:

@@ -24,9 +24,12 @@ Two shapes that JAX makes are accepted on purpose:
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, jaxprs_in_params
 
 from pipemark.errors import MarkerError, describe_eqn
@@ -39,6 +42,7 @@ __all__ = [
     "StageSpan",
     "check_no_markers_in_bodies",
     "find_stage_spans",
+    "remember_stage_spans",
     "stage_index_of_equations",
 ]
 
@@ -139,18 +143,77 @@ def _iter_bodies(eqn: JaxprEqn) -> Iterator[tuple[str, Jaxpr]]:
                     yield key, item
 
 
+# Jaxprs found valid before, by identity (a Jaxpr hashes by identity, and passes never
+# change one): check_no_markers_in_bodies and find_stage_spans validate a program once
+# even when a pipeline of passes reads it several times, and a pass that builds a program
+# from a validated one records what it knows about the result (remember_stage_spans).
+# Each entry keeps the equation list it saw and its length, so a program whose list was
+# edited in place is validated again.
+_BODIES_CHECKED: weakref.WeakKeyDictionary[Jaxpr, tuple[list[JaxprEqn], int]] = (
+    weakref.WeakKeyDictionary()
+)
+_SPANS: weakref.WeakKeyDictionary[Jaxpr, tuple[list[JaxprEqn], int, tuple[StageSpan, ...]]] = (
+    weakref.WeakKeyDictionary()
+)
+# Parameter types that never hold a jaxpr: most equations' parameters are these.
+_PLAIN_PARAM_TYPES = frozenset((int, float, bool, str, type(None), np.dtype))
+
+
+def _cached(cache: weakref.WeakKeyDictionary, jaxpr: Jaxpr) -> tuple | None:
+    try:
+        entry = cache.get(jaxpr)
+    except TypeError:  # not weak-referenceable
+        return None
+    if entry is None:
+        return None
+    eqns = jaxpr.eqns
+    if entry[0] is not eqns or entry[1] != len(eqns):
+        return None
+    return entry
+
+
+def _remember(cache: weakref.WeakKeyDictionary, jaxpr: Jaxpr, *value: object) -> None:
+    eqns = jaxpr.eqns
+    # A jaxpr that is not weak-referenceable is validated every time.
+    with contextlib.suppress(TypeError):
+        cache[jaxpr] = (eqns, len(eqns), *value)
+
+
+def _may_hold_body(params: dict) -> bool:
+    """Whether some parameter value is (or is a tuple or list holding) a jaxpr. A fast
+    over-approximation: only values of other types than plain scalars, strings, dtypes
+    and tuples of those are looked at by :func:`_iter_bodies`."""
+    plain = _PLAIN_PARAM_TYPES
+    for value in params.values():
+        kind = type(value)
+        if kind in plain:
+            continue
+        if kind is tuple or kind is list:
+            for item in value:
+                if type(item) not in plain and type(item) is not tuple:
+                    return True
+            continue
+        if issubclass(kind, np.dtype):
+            continue
+        return True
+    return False
+
+
 def check_no_markers_in_bodies(jaxpr: Jaxpr | ClosedJaxpr) -> None:
     """Raise :class:`MarkerError` if a stage marker sits inside a sub-jaxpr.
 
     Passes cut only the top level of a program; a ``start``/``end``/``jvp_*``/
     ``boundary`` marker inside a ``scan``, ``cond``, ``while``, ``pjit`` or ``remat``
     body cannot be cut there. Linear in the total number of equations (each distinct
-    body is scanned once).
+    body is scanned once); a program that passed the check before is not scanned again.
     """
     jaxpr = _as_jaxpr(jaxpr)
+    if _cached(_BODIES_CHECKED, jaxpr) is not None:
+        return
     seen: dict[int, JaxprEqn | None] = {}
     for index, eqn in enumerate(jaxpr.eqns):
-        if not eqn.params:
+        params = eqn.params
+        if not params or not _may_hold_body(params):
             continue
         for param, body in _iter_bodies(eqn):
             inner = _markers_in(body, seen)
@@ -168,6 +231,15 @@ def check_no_markers_in_bodies(jaxpr: Jaxpr | ClosedJaxpr) -> None:
                 "only at the top level of a program. Hoist the marker out of the "
                 f"{eqn.primitive.name}, or slice the body jaxpr itself{hint}."
             )
+    _remember(_BODIES_CHECKED, jaxpr)
+
+
+def remember_stage_spans(jaxpr: Jaxpr, spans: tuple[StageSpan, ...]) -> None:
+    """Record that ``jaxpr`` (built by a pass) has well-formed markers with these
+    ``spans`` and no stage marker in a sub-jaxpr, so that :func:`find_stage_spans` need
+    not validate it again. Only for a program whose bodies come from a checked one."""
+    _remember(_BODIES_CHECKED, jaxpr)
+    _remember(_SPANS, jaxpr, spans)
 
 
 @dataclass
@@ -218,6 +290,10 @@ def find_stage_spans(
     (StageSpan(name='a', first=0, last=2, openers=(0,), closers=(2,)),)
     """
     jaxpr = _as_jaxpr(jaxpr)
+    if not allow_boundaries:
+        known = _cached(_SPANS, jaxpr)
+        if known is not None:
+            return known[2]
     check_no_markers_in_bodies(jaxpr)
     eqns = jaxpr.eqns
     spans: list[StageSpan] = []
@@ -331,7 +407,10 @@ def find_stage_spans(
                 f"{current.name!r}, which is never closed. Add an end marker named "
                 f"{current.name!r} after the stage's last equation."
             )
-    return tuple(spans)
+    result = tuple(spans)
+    if not allow_boundaries:
+        _remember(_SPANS, jaxpr, result)
+    return result
 
 
 def stage_index_of_equations(spans: tuple[StageSpan, ...], num_eqns: int) -> list[int | None]:
@@ -344,6 +423,5 @@ def stage_index_of_equations(spans: tuple[StageSpan, ...], num_eqns: int) -> lis
     """
     stage: list[int | None] = [None] * num_eqns
     for k, span in enumerate(spans):
-        for i in range(span.first, span.last + 1):
-            stage[i] = k
+        stage[span.first : span.last + 1] = [k] * (span.last + 1 - span.first)
     return stage

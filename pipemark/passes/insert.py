@@ -14,13 +14,27 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
+from jax.extend.core import (
+    ClosedJaxpr,
+    Jaxpr,
+    JaxprEqn,
+    Literal,
+    Var,
+    new_jaxpr_eqn,
+    no_effects,
+)
 
 from pipemark._compat import name_stack_scopes
 from pipemark.errors import MarkerError, PipemarkError, describe_eqn
 from pipemark.passes._backward import forward_end, mirror_cuts
-from pipemark.passes._markers import STAGE_MARK_TYPES, check_no_markers_in_bodies
-from pipemark.primitive import mark_pipeline_jaxpreqn, pipeline_p
+from pipemark.passes._collector import paused_collector
+from pipemark.passes._markers import (
+    STAGE_MARK_TYPES,
+    StageSpan,
+    check_no_markers_in_bodies,
+    remember_stage_spans,
+)
+from pipemark.primitive import pipeline_p
 
 __all__ = ["insert_markers", "insert_markers_by_scope", "layers_from_boundaries"]
 
@@ -65,30 +79,6 @@ def _wrap_segments(
     """
     jaxpr = cj.jaxpr
     eqns = jaxpr.eqns
-
-    # Results of dropped markers stand for their operands.
-    alias: dict[Var, object] = {}
-
-    def resolve(atom):
-        if isinstance(atom, Literal):
-            return atom
-        return alias.get(atom, atom)
-
-    defined_in: dict[Var, int] = {}
-    for eqn, segment in zip(eqns, segment_of):
-        if segment is None:
-            for inner, outer in zip(eqn.invars, eqn.outvars):
-                alias[outer] = resolve(inner)
-        else:
-            for v in eqn.outvars:
-                defined_in[v] = segment
-
-    # Group equation indices by segment, in order.
-    members: list[list[int]] = [[] for _ in names]
-    for index, segment in enumerate(segment_of):
-        if segment is not None:
-            members[segment].append(index)
-
     segment_named = {name: k for k, name in enumerate(names)}
     mirror_of: dict[int, int] = {}
     for k, name in enumerate(names):
@@ -98,72 +88,127 @@ def _wrap_segments(
         if forward < k:
             mirror_of[k] = forward
 
-    # What enters each segment, and from where: None for the defining segment's end
+    # One sweep in program order (segments never go back, and a value is defined before
+    # it is read) finds the equations of each segment, the segment defining each value,
+    # and what enters each segment from where: None for the defining segment's end
     # marker (or no marker, for program inputs and constants), else the segment whose
     # entered copy it is.
+    alias: dict[Var, object] = {}  # results of dropped markers stand for their operands
+    defined_in: dict[Var, int] = {}
+    members: list[list[int]] = [[] for _ in names]
     entering_from: list[dict[Var, int | None]] = [{} for _ in names]
     exported: set[Var] = set()  # defined values leaving their defining segment
     reexported: list[dict[Var, None]] = [{} for _ in names]  # entered copies leaving
-    for segment, indices in enumerate(members):
-        mirror = mirror_of.get(segment)
-        entering = entering_from[segment]
-        for index in indices:
-            for atom in eqns[index].invars:
-                atom = resolve(atom)
-                if not isinstance(atom, Var) or atom in entering:
+    has_markers = False  # kept marker equations (hooks, ...) in the program
+    defined_get = defined_in.get
+    current = -1
+    entering: dict[Var, int | None] = {}
+    mirror_entering: dict[Var, int | None] | None = None
+    mirror = None
+    for index, (eqn, segment) in enumerate(zip(eqns, segment_of)):
+        if segment is None:
+            for inner, outer in zip(eqn.invars, eqn.outvars):
+                alias[outer] = inner if type(inner) is Literal else alias.get(inner, inner)
+            continue
+        if segment != current:
+            current = segment
+            entering = entering_from[segment]
+            mirror = mirror_of.get(segment)
+            mirror_entering = None if mirror is None else entering_from[mirror]
+        members[segment].append(index)
+        if eqn.primitive is pipeline_p:
+            has_markers = True
+        for atom in eqn.invars:
+            if type(atom) is Literal:
+                continue
+            if alias:
+                atom = alias.get(atom, atom)
+                if type(atom) is Literal:
                     continue
-                home = defined_in.get(atom)
-                if home == segment:
-                    continue
-                if mirror is not None and atom in entering_from[mirror]:
-                    entering[atom] = mirror
-                    reexported[mirror][atom] = None
-                else:
-                    entering[atom] = None
-                    if home is not None:
-                        exported.add(atom)
+            home = defined_get(atom)
+            if home == segment or atom in entering:
+                continue
+            if mirror_entering is not None and atom in mirror_entering:
+                entering[atom] = mirror
+                reexported[mirror][atom] = None  # type: ignore[index]
+            else:
+                entering[atom] = None
+                if home is not None:
+                    exported.add(atom)
+        for v in eqn.outvars:
+            defined_in[v] = segment
+
+    def resolve(atom):
+        if type(atom) is Literal:
+            return atom
+        return alias.get(atom, atom)
+
     for atom in jaxpr.outvars:
         atom = resolve(atom)
-        if isinstance(atom, Var) and atom in defined_in:
+        if type(atom) is not Literal and atom in defined_in:
             exported.add(atom)
 
     outside: dict[Var, Var] = {}  # value -> the end-marker result later segments read
     passed_on: list[dict[Var, Var]] = [{} for _ in names]  # entered copy -> end result
     new_eqns: list[JaxprEqn] = []
+    append = new_eqns.append
+    spans: list[StageSpan] = []
+    # Every marker is this one with its operands, results, parameters and source
+    # replaced: cheaper than building each from scratch, and the same equation.
+    marker = new_jaxpr_eqn([], [], pipeline_p, {}, no_effects)
     for segment, indices in enumerate(members):
         if not indices:
             continue
         name = names[segment]
-        entering_vars = {v: Var(v.aval) for v in entering_from[segment]}
+        entering = entering_from[segment]
+        # What the segment's equations read instead: the start marker's results, or
+        # (through dropped markers) the operands.
+        remap: dict[Var, object] = {v: Var(v.aval) for v in entering}
         sources = [
             outside.get(v, v) if source is None else passed_on[source][v]
-            for v, source in entering_from[segment].items()
+            for v, source in entering.items()
         ]
-        start = mark_pipeline_jaxpreqn(
-            sources, list(entering_vars.values()), name, "start"
-        ).replace(source_info=eqns[indices[0]].source_info)
-        new_eqns.append(start)
-        leaving: list[Var] = [entering_vars[v] for v in reexported[segment]]
+        first = len(new_eqns)
+        append(
+            marker.replace(
+                invars=sources,
+                outvars=list(remap.values()),
+                params={"name": name, "mark_type": "start"},
+                source_info=eqns[indices[0]].source_info,
+            )
+        )
+        leaving: list[Var] = [remap[v] for v in reexported[segment]]  # type: ignore[misc]
+        if alias:
+            for outer, inner in alias.items():
+                if type(inner) is not Literal:
+                    inner = remap.get(inner, inner)  # type: ignore[arg-type]
+                remap.setdefault(outer, inner)
         for index in indices:
             eqn = eqns[index]
-            new_invars = list(eqn.invars)
-            changed = False
-            for position, atom in enumerate(new_invars):
-                if isinstance(atom, Literal):
-                    continue
-                resolved = alias.get(atom, atom)
-                if isinstance(resolved, Var):
-                    resolved = entering_vars.get(resolved, resolved)
-                if resolved is not atom:
-                    new_invars[position] = resolved
-                    changed = True
-            new_eqns.append(eqn.replace(invars=new_invars) if changed else eqn)
-            leaving.extend(v for v in eqn.outvars if v in exported)
+            invars = eqn.invars
+            for atom in invars:
+                if type(atom) is not Literal and atom in remap:
+                    new_invars = [
+                        a if type(a) is Literal else remap.get(a, a)  # type: ignore[misc]
+                        for a in invars
+                    ]
+                    append(eqn.replace(invars=new_invars))
+                    break
+            else:
+                append(eqn)
+            for v in eqn.outvars:
+                if v in exported:
+                    leaving.append(v)
         results = [Var(v.aval) for v in leaving]
-        end = mark_pipeline_jaxpreqn(leaving, results, name, "end").replace(
-            source_info=eqns[indices[-1]].source_info
+        append(
+            marker.replace(
+                invars=leaving,
+                outvars=results,
+                params={"name": name, "mark_type": "end"},
+                source_info=eqns[indices[-1]].source_info,
+            )
         )
-        new_eqns.append(end)
+        spans.append(StageSpan(name, first, len(new_eqns) - 1, (first,), (len(new_eqns) - 1,)))
         count = len(reexported[segment])
         passed_on[segment] = dict(zip(reexported[segment], results[:count]))
         outside.update(zip(leaving[count:], results[count:]))
@@ -171,7 +216,7 @@ def _wrap_segments(
     outvars = []
     for atom in jaxpr.outvars:
         atom = resolve(atom)
-        outvars.append(outside.get(atom, atom) if isinstance(atom, Var) else atom)
+        outvars.append(outside.get(atom, atom) if type(atom) is not Literal else atom)
     new_jaxpr = Jaxpr(
         jaxpr.constvars,
         jaxpr.invars,
@@ -180,6 +225,10 @@ def _wrap_segments(
         jaxpr.effects,
         jaxpr.debug_info,
     )
+    if not has_markers:
+        # The callers checked the program's bodies, and the stages are exactly the
+        # segments: slice_stages and mark_missing_vars need not validate them again.
+        remember_stage_spans(new_jaxpr, tuple(spans))
     return ClosedJaxpr(new_jaxpr, cj.consts)
 
 
@@ -282,7 +331,8 @@ def insert_markers(
             segment += 1
             upcoming = next(next_starts, None)
         segment_of.append(segment)
-    return _wrap_segments(cj, segment_of, names)
+    with paused_collector():
+        return _wrap_segments(cj, segment_of, names)
 
 
 def layers_from_boundaries(cj: ClosedJaxpr) -> ClosedJaxpr:
@@ -329,6 +379,11 @@ def layers_from_boundaries(cj: ClosedJaxpr) -> ClosedJaxpr:
         g:f32[] = pipeline_marker[mark_type=end name=layer1] f
       in (g,) }
     """
+    with paused_collector():
+        return _layers_from_boundaries(cj)
+
+
+def _layers_from_boundaries(cj: ClosedJaxpr) -> ClosedJaxpr:
     cj = _check_closed_jaxpr(cj, "layers_from_boundaries")
     _refuse_stage_markers(cj.jaxpr, "layers_from_boundaries", frozenset(("boundary",)))
     check_no_markers_in_bodies(cj.jaxpr)

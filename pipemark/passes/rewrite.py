@@ -15,6 +15,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 from jax.interpreters import partial_eval as pe
 
 from pipemark.errors import PipemarkError
+from pipemark.passes._collector import paused_collector
 from pipemark.passes._markers import find_stage_spans
 from pipemark.primitive import pipeline_p
 
@@ -218,6 +219,11 @@ def mark_missing_vars(cj: ClosedJaxpr) -> ClosedJaxpr:
     >>> [len(e.invars) for e in cj.eqns if e.primitive is pm.pipeline_p]
     [1, 2, 3, 1]
     """
+    with paused_collector():
+        return _mark_missing_vars(cj)
+
+
+def _mark_missing_vars(cj: ClosedJaxpr) -> ClosedJaxpr:
     _check_closed_jaxpr(cj, "mark_missing_vars")
     jaxpr = cj.jaxpr
     eqns = jaxpr.eqns
@@ -236,12 +242,13 @@ def mark_missing_vars(cj: ClosedJaxpr) -> ClosedJaxpr:
         # The last closer comes after every equation of the stage, so any value of the
         # stage can be added there.
         closer_of.append(span.closers[-1] if span.closers else None)
-        closers = span.closers
-        inner, published = 2 * k, 2 * k + 1
-        for i in range(span.first, span.last + 1):
-            code = published if i in closers else inner
+        inner = 2 * k
+        for eqn in eqns[span.first : span.last + 1]:
+            for v in eqn.outvars:
+                home[v] = inner
+        for i in span.closers:
             for v in eqns[i].outvars:
-                home[v] = code
+                home[v] = inner + 1
 
     # The operand/result pairs added to each stage's start and end markers, and maps
     # from a value to the marker result that carries it. They start from the pairs the
@@ -410,6 +417,11 @@ def dce(cj: ClosedJaxpr) -> ClosedJaxpr:
     >>> [(e.primitive.name, len(e.invars)) for e in cj.eqns]
     [('pipeline_marker', 1), ('sin', 1), ('pipeline_marker', 1)]
     """
+    with paused_collector():
+        return _dce(cj)
+
+
+def _dce(cj: ClosedJaxpr) -> ClosedJaxpr:
     _check_closed_jaxpr(cj, "dce")
     jaxpr = cj.jaxpr
     # One backward sweep, like jax.interpreters.partial_eval.dce_jaxpr, but with a fast

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import bisect
+from typing import Any
 
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from pipemark.errors import MarkerError, PipemarkError, StageGraphError, describe_eqn
+from pipemark.passes._collector import paused_collector
 from pipemark.passes._markers import find_stage_spans, stage_index_of_equations
 from pipemark.staged import Stage, StagedJaxpr, ValueRef, stage_debug_info
 
@@ -136,6 +138,11 @@ def slice_stages(cj: ClosedJaxpr, unmarked: str = "assign") -> StagedJaxpr:
     >>> staged.stages[1].inputs
     (ValueRef(kind='stage', index=0, stage=0, value=None),)
     """
+    with paused_collector():
+        return _slice_stages(cj, unmarked)
+
+
+def _slice_stages(cj: ClosedJaxpr, unmarked: str = "assign") -> StagedJaxpr:
     if not isinstance(cj, ClosedJaxpr):
         raise PipemarkError(
             f"slice_stages takes a ClosedJaxpr (from jax.make_jaxpr), got {type(cj).__name__}."
@@ -166,30 +173,41 @@ def slice_stages(cj: ClosedJaxpr, unmarked: str = "assign") -> StagedJaxpr:
                 "join a stage by its operands."
             )
         assigned = stage_of
-    else:
+    elif None in stage_of:
         assigned = _assign_unmarked(jaxpr, stage_of, spans)
+    else:
+        assigned = stage_of  # type: ignore[assignment]
 
     num_stages = len(spans)
-    members: list[list[int]] = [[] for _ in range(num_stages)]
-    defined_in: dict[Var, int] = {}
-    for index, eqn in enumerate(eqns):
-        stage = assigned[index]
-        members[stage].append(index)
-        for v in eqn.outvars:
-            defined_in[v] = stage
-
     input_position = {v: i for i, v in enumerate(jaxpr.invars)}
     const_value = dict(zip(jaxpr.constvars, cj.consts))
 
-    # Which values each stage exports, in the order they are defined.
+    # One sweep in program order (a value is defined before it is read): the equations
+    # of each stage, the stage defining each value, the values that leave their stage,
+    # and what each stage reads from outside, in the order it first reads them (None:
+    # a program input or constant).
+    members: list[list[int]] = [[] for _ in range(num_stages)]
+    defined_in: dict[Var, int] = {}
+    defined_get = defined_in.get
     exported: set[Var] = set()
+    reads: list[dict[Var, int | None]] = [{} for _ in range(num_stages)]
+    current = -1
+    stage_reads: dict[Var, int | None] = {}
+    stage_members: list[int] = []
     for index, eqn in enumerate(eqns):
         stage = assigned[index]
+        if stage != current:
+            current = stage
+            stage_reads = reads[stage]
+            stage_members = members[stage]
+        stage_members.append(index)
         for a in eqn.invars:
-            if isinstance(a, Literal) or not isinstance(a, Var):
+            if type(a) is Literal:
                 continue
-            producer = defined_in.get(a)
-            if producer is not None and producer != stage:
+            producer = defined_get(a)
+            if producer == stage or a in stage_reads:
+                continue
+            if producer is not None:
                 if producer > stage:
                     raise StageGraphError(
                         f"{describe_eqn(eqn, index)} in stage {spans[stage].name!r} reads a "
@@ -197,61 +215,62 @@ def slice_stages(cj: ClosedJaxpr, unmarked: str = "assign") -> StagedJaxpr:
                         "the markers so that every stage reads only earlier stages."
                     )
                 exported.add(a)
+            elif a not in input_position and a not in const_value:
+                raise StageGraphError(
+                    f"{describe_eqn(eqn)} reads {a}, which no equation, input or "
+                    "constant of the program defines; the program is malformed "
+                    "(check it with jax.extend.core.check_jaxpr)."
+                )
+            stage_reads[a] = producer
+        for v in eqn.outvars:
+            defined_in[v] = stage
     for a in jaxpr.outvars:
-        if isinstance(a, Var) and not isinstance(a, Literal) and a in defined_in:
+        if type(a) is not Literal and a in defined_in:
             exported.add(a)
 
-    output_position: dict[Var, tuple[int, int]] = {}
+    output_ref: dict[Var, ValueRef] = {}
     stages: list[Stage] = []
     for k, indices in enumerate(members):
         stage_eqns = [eqns[i] for i in indices]
-        invars: dict[Var, ValueRef] = {}
-        constvars: dict[Var, None] = {}
         outvars: list[Var] = []
+        effects: set[Any] = set()
         for eqn in stage_eqns:
-            for a in eqn.invars:
-                if isinstance(a, Literal) or not isinstance(a, Var) or a in invars:
-                    continue
-                producer = defined_in.get(a)
-                if producer == k:
-                    continue
-                if producer is not None:
-                    invars[a] = ValueRef.stage_output(*output_position[a])
-                elif a in input_position:
-                    invars[a] = ValueRef.input(input_position[a])
-                elif a in const_value:
-                    constvars[a] = None
-                else:
-                    raise StageGraphError(
-                        f"{describe_eqn(eqn)} reads {a}, which no equation, input or "
-                        "constant of the program defines; the program is malformed "
-                        "(check it with jax.extend.core.check_jaxpr)."
-                    )
             for v in eqn.outvars:
                 if v in exported:
-                    output_position[v] = (k, len(outvars))
+                    output_ref[v] = ValueRef.stage_output(k, len(outvars))
                     outvars.append(v)
-        effects = set()
-        for eqn in stage_eqns:
-            effects |= set(eqn.effects)
+            if eqn.effects:
+                effects.update(eqn.effects)
+        invars: list[Var] = []
+        refs: list[ValueRef] = []
+        constvars: list[Var] = []
+        for a, producer in reads[k].items():
+            if producer is not None:
+                invars.append(a)
+                refs.append(output_ref[a])
+            elif a in input_position:
+                invars.append(a)
+                refs.append(ValueRef.input(input_position[a]))
+            else:
+                constvars.append(a)
         name = spans[k].name
         stage_jaxpr = Jaxpr(
-            list(constvars),
-            list(invars),
+            constvars,
+            invars,
             outvars,
             stage_eqns,
             effects,
-            stage_debug_info(name, list(invars.values()), len(outvars)),
+            stage_debug_info(name, refs, len(outvars)),
         )
         closed = ClosedJaxpr(stage_jaxpr, [const_value[c] for c in constvars])
-        stages.append(Stage(name, closed, tuple(invars.values()), tuple(indices)))
+        stages.append(Stage(name, closed, tuple(refs), tuple(indices)))
 
     outputs = []
     for a in jaxpr.outvars:
         if isinstance(a, Literal) or not isinstance(a, Var):
             outputs.append(ValueRef.const(a))
-        elif a in output_position:
-            outputs.append(ValueRef.stage_output(*output_position[a]))
+        elif a in output_ref:
+            outputs.append(output_ref[a])
         elif a in input_position:
             outputs.append(ValueRef.input(input_position[a]))
         else:
