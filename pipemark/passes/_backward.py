@@ -71,7 +71,7 @@ def mirror_cuts(jaxpr: Jaxpr, forward_end: int, forward_cuts: list[int], layers:
     values it reads where possible, and the cuts move few bytes.
 
     Each backward equation that reads forward values has an *anchor*: the forward layer
-    holding the most bytes of what it reads (ties: the later layer). In a gradient
+    holding the most bytes of what it reads (none when several layers tie). In a gradient
     program the anchors descend layer by layer almost everywhere, so the heaviest
     non-increasing subsequence of them (leaving out, say, an equation that reads a
     program input of layer 0 in the middle of layer 5's backward) gives each layer a
@@ -342,7 +342,8 @@ def _place_cuts(
         choices.append(choice)
         best = new_best
         gained = prefix(first_stage + j)
-    final = best - gained + gained[n]
+    # The last stage runs from its start to the end of the gap and gains what it reads.
+    final = best + gained - gained[n]
     end = int(np.flatnonzero(final == final.min())[-1])
     for j in range(cuts, 0, -1):
         starts[first_stage + j] = low + end

@@ -147,12 +147,14 @@ def _iter_bodies(eqn: JaxprEqn) -> Iterator[tuple[str, Jaxpr]]:
 # change one): check_no_markers_in_bodies and find_stage_spans validate a program once
 # even when a pipeline of passes reads it several times, and a pass that builds a program
 # from a validated one records what it knows about the result (remember_stage_spans).
-# Each entry keeps the equation list it saw and its length, so a program whose list was
-# edited in place is validated again.
-_BODIES_CHECKED: weakref.WeakKeyDictionary[Jaxpr, tuple[list[JaxprEqn], int]] = (
+# ``Jaxpr.eqns`` is a plain list that a user can edit in place (append, or replace an
+# equation at the same length), so each entry keeps a copy of the equation list it saw
+# and is used only while the program's list still holds the same equations (a list
+# comparison, by identity for JaxprEqn: far cheaper than validating again).
+_BODIES_CHECKED: weakref.WeakKeyDictionary[Jaxpr, tuple[list[JaxprEqn]]] = (
     weakref.WeakKeyDictionary()
 )
-_SPANS: weakref.WeakKeyDictionary[Jaxpr, tuple[list[JaxprEqn], int, tuple[StageSpan, ...]]] = (
+_SPANS: weakref.WeakKeyDictionary[Jaxpr, tuple[list[JaxprEqn], tuple[StageSpan, ...]]] = (
     weakref.WeakKeyDictionary()
 )
 # Parameter types that never hold a jaxpr: most equations' parameters are these.
@@ -166,17 +168,15 @@ def _cached(cache: weakref.WeakKeyDictionary, jaxpr: Jaxpr) -> tuple | None:
         return None
     if entry is None:
         return None
-    eqns = jaxpr.eqns
-    if entry[0] is not eqns or entry[1] != len(eqns):
+    if entry[0] != jaxpr.eqns:
         return None
     return entry
 
 
 def _remember(cache: weakref.WeakKeyDictionary, jaxpr: Jaxpr, *value: object) -> None:
-    eqns = jaxpr.eqns
     # A jaxpr that is not weak-referenceable is validated every time.
     with contextlib.suppress(TypeError):
-        cache[jaxpr] = (eqns, len(eqns), *value)
+        cache[jaxpr] = (list(jaxpr.eqns), *value)
 
 
 def _may_hold_body(params: dict) -> bool:
@@ -226,7 +226,8 @@ def check_no_markers_in_bodies(jaxpr: Jaxpr | ClosedJaxpr) -> None:
                 else ""
             )
             raise MarkerError(
-                f"{describe_eqn(eqn, index)} holds a {inner.params['mark_type']} marker "
+                f"{describe_eqn(eqn, index)} holds {_article(inner.params['mark_type'])} "
+                f"{inner.params['mark_type']} marker "
                 f"{inner.params.get('name')!r} inside its {param!r} body; stages are cut "
                 "only at the top level of a program. Hoist the marker out of the "
                 f"{eqn.primitive.name}, or slice the body jaxpr itself{hint}."
@@ -293,7 +294,7 @@ def find_stage_spans(
     if not allow_boundaries:
         known = _cached(_SPANS, jaxpr)
         if known is not None:
-            return known[2]
+            return known[1]
     check_no_markers_in_bodies(jaxpr)
     eqns = jaxpr.eqns
     spans: list[StageSpan] = []
@@ -328,11 +329,20 @@ def find_stage_spans(
                     current.openers.append(index)
                     current.pending.add(OPENERS[mark_type])
                     continue
+                advice = ""
+                if name.endswith(_BACKWARD_SUFFIX) or current.name.endswith(_BACKWARD_SUFFIX):
+                    advice = (
+                        " In a gradient program this happens when a stage reads values "
+                        "that bypass its start marker, so the backward markers "
+                        "interleave: pass every value the stage reads through its start "
+                        "marker (pm.mark((x, w, ...), ...)), or mark layers with boundary "
+                        "markers and use pm.passes.layers_from_boundaries."
+                    )
                 raise MarkerError(
                     f"{describe_eqn(eqn, index)} opens stage {name!r} inside stage "
                     f"{current.name!r}, opened at "
                     f"{describe_eqn(eqns[current.first], current.first)}; stages cannot "
-                    f"nest. Close {current.name!r} with an end marker first."
+                    f"nest. Close {current.name!r} with an end marker first.{advice}"
                 )
             if name in where_named:
                 first = where_named[name]
@@ -425,3 +435,7 @@ def stage_index_of_equations(spans: tuple[StageSpan, ...], num_eqns: int) -> lis
     for k, span in enumerate(spans):
         stage[span.first : span.last + 1] = [k] * (span.last + 1 - span.first)
     return stage
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1] in ("a", "e", "i", "o", "u") else "a"
