@@ -1,22 +1,26 @@
 """Benchmark of the pipeline runtime (pipemark.pipeline_value_and_grad) on host CPU devices.
 
-Prints two markdown tables:
+Prints three markdown tables:
 
-1. **Bubble fraction** per schedule, measured against the ideal ``(S - 1) / (M + S - 1)``
-   of ``S`` equal stages and ``M`` microbatches. One stage's work for one microbatch is
-   measured on its own (a one-stage pipeline of the same layers, ``M`` microbatches on one
-   device: ``T1``); the pipeline takes ``TS``; the measured bubble is the fraction of
-   ``TS`` that is not work, ``1 - T1 / TS``. Target: within 10% of the ideal.
-2. **Host overhead per tick**: with tiny stages, the host time to walk the schedule and
-   dispatch every action, divided by the number of ticks and of actions.
+1. **Bubble fraction with equal stages of fixed duration**, which isolates the runtime
+   from the number of cores: every stage is tiny, and its forward and its backward each
+   sleep ``t`` in a ``jax.pure_callback`` (wrapped in ``jax.custom_vjp``, since a callback
+   has no derivative). One stage's work per microbatch, ``t_f + t_b``, is measured on its
+   own (a one-stage pipeline, ``M`` microbatches on one device, divided by ``M``); the
+   pipeline of ``S`` stages takes ``TS``; the measured bubble is
+   ``1 - M (t_f + t_b) / TS``, against the ideal ``(S - 1) / (M + S - 1)``. Target: within
+   10% of the ideal.
+2. **Bubble fraction with real compute** (tanh layers), measured the same way. Host CPU
+   devices overlap only when each has a core of its own; with fewer cores than stages the
+   measured bubble says so (the stages take turns on the cores).
+3. **Host overhead**: with tiny stages, the host time to fetch inputs and dispatch, per
+   action, and the wall time per tick.
 
-Each host device needs a core of its own for stages to overlap: the script sets
-``--xla_force_host_platform_device_count`` to the number of stages and makes XLA run each
-device's computation on one thread. With fewer cores than stages the measured bubble
-says so (the stages take turns on the cores).
+The script sets ``--xla_force_host_platform_device_count`` (at least 4) and makes XLA run
+each device's computation on one thread.
 
-Run with ``.venv/bin/python benchmarks/runtime.py`` (``--stages 4 --width 512``; ``--quick``
-for a short run).
+Run with ``.venv/bin/python benchmarks/runtime.py`` (``--stages 4 --width 512
+--sleep-ms 5``; ``--quick`` for a short run).
 """
 
 from __future__ import annotations
@@ -84,6 +88,82 @@ def _median_time(fn, repeat: int) -> float:
     return times[len(times) // 2]
 
 
+def _sleeping_model(num_stages: int, seconds: float):
+    """``num_stages`` tiny marked stages whose forward and backward each sleep ``seconds``
+    in a host callback."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import pipemark as pm
+
+    def wait(x):
+        time.sleep(seconds)
+        return np.asarray(x)
+
+    def call(x):
+        return jax.pure_callback(wait, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    @jax.custom_vjp  # pure_callback has no derivative: give it one that sleeps too
+    def sleep(x):
+        return call(x)
+
+    sleep.defvjp(lambda x: (call(x), None), lambda _, g: (call(g),))
+    params = [jnp.eye(4) * 0.5 for _ in range(num_stages)]
+
+    def loss_fn(params, batch):
+        x = batch
+        for i, w in enumerate(params):
+            x, w = pm.mark((x, w), name=f"stage{i}", mark_type="start")
+            x = sleep(jnp.tanh(x @ w))
+            if i == len(params) - 1:
+                x = jnp.mean(x * x)
+            x = pm.mark(x, name=f"stage{i}", mark_type="end")
+        return x
+
+    return loss_fn, params
+
+
+def sleep_table(stage_counts: list[int], micro: list[int], sleep_ms: float, repeat: int) -> str:
+    import jax
+    import jax.numpy as jnp
+
+    import pipemark as pm
+
+    seconds = sleep_ms / 1e3
+    lines = [
+        f"Equal stages: forward and backward each sleep {sleep_ms:g} ms in a host callback; "
+        f"{os.cpu_count()} CPU cores, median of {repeat}",
+        "",
+        "| schedule | S | M | t_f+t_b ms | TS (pipeline) ms | ideal TS ms | measured bubble | "
+        "ideal (S−1)/(M+S−1) | measured / ideal |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    one_fn, one_params = _sleeping_model(1, seconds)
+    for stages in stage_counts:
+        devices = jax.devices()[:stages]
+        loss_fn, params = _sleeping_model(stages, seconds)
+        for m in micro:
+            batch = jnp.ones((2 * m, 4), jnp.float32)
+            one = pm.pipeline_value_and_grad(one_fn, num_microbatches=m, devices=devices[:1])
+            work = _median_time(lambda one=one, batch=batch: one(one_params, batch), repeat) / m
+            for schedule in ("gpipe", "1f1b"):
+                pipe = pm.pipeline_value_and_grad(
+                    loss_fn, num_microbatches=m, devices=devices, schedule=schedule
+                )
+                ts = _median_time(
+                    lambda pipe=pipe, batch=batch, params=params: pipe(params, batch), repeat
+                )
+                measured = max(0.0, 1.0 - m * work / ts)
+                ideal = pm.ideal_bubble_fraction(stages, m)
+                lines.append(
+                    f"| {schedule} | {stages} | {m} | {1e3 * work:.2f} | {1e3 * ts:.1f} | "
+                    f"{1e3 * (m + stages - 1) * work:.1f} | {measured:.3f} | {ideal:.3f} | "
+                    f"{measured / ideal:.2f} |"
+                )
+    return "\n".join(lines)
+
+
 def bubble_table(stages: int, micro: list[int], width: int, rows: int, repeat: int) -> str:
     import jax
 
@@ -128,11 +208,11 @@ def overhead_table(stages: int, micro: list[int], repeat: int) -> str:
     devices = jax.devices()[:stages]
     loss_fn, params, make_batch = _model(stages, 1, 8, 2)
     lines = [
-        f"Tiny stages (one 8×8 layer, 2 rows), S = {stages}; host time to dispatch one call",
+        f"Tiny stages (one 8×8 layer, 2 rows), S = {stages}; host time to fetch and dispatch, "
+        "summed over the device workers, and wall time of one call",
         "",
-        "| schedule | M | ticks | actions | dispatch ms | µs per tick | µs per action | "
-        "wall ms (with compute) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| schedule | M | ticks | actions | host µs per action | wall ms | wall µs per tick |",
+        "|---|---|---|---|---|---|---|",
     ]
     for m in micro:
         batch = make_batch(m)
@@ -141,18 +221,18 @@ def overhead_table(stages: int, micro: list[int], repeat: int) -> str:
                 loss_fn, num_microbatches=m, devices=devices, schedule=schedule
             )
             jax.block_until_ready(pipe(params, batch))
-            dispatch = []
+            host = []
             for _ in range(repeat):
                 out, timings = pipe.timed_call(params, batch)
                 jax.block_until_ready(out)
-                dispatch.append(timings["dispatch_s"])
-            dispatch.sort()
-            d = dispatch[len(dispatch) // 2]
+                host.append(timings["host_s"])
+            host.sort()
+            h = host[len(host) // 2]
             wall = _median_time(lambda pipe=pipe, batch=batch: pipe(params, batch), repeat)
             ticks, actions = timings["num_ticks"], timings["num_actions"]
             lines.append(
-                f"| {schedule} | {m} | {ticks} | {actions} | {1e3 * d:.2f} | "
-                f"{1e6 * d / ticks:.0f} | {1e6 * d / actions:.0f} | {1e3 * wall:.2f} |"
+                f"| {schedule} | {m} | {ticks} | {actions} | {1e6 * h / actions:.0f} | "
+                f"{1e3 * wall:.2f} | {1e6 * wall / ticks:.0f} |"
             )
     return "\n".join(lines)
 
@@ -164,10 +244,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    parser.add_argument("--sleep-ms", type=float, default=5.0, help="equal-stage duration")
     args = parser.parse_args(argv)
-    _set_flags(args.stages)
+    _set_flags(max(4, args.stages))
     micro = [4, 8] if args.quick else [4, 8, 16, 32]
     repeat = 3 if args.quick else args.repeat
+    print(sleep_table([2, 4], micro, args.sleep_ms, repeat))
+    print()
     print(bubble_table(args.stages, micro, args.width, args.rows, repeat))
     print()
     print(overhead_table(args.stages, micro, repeat))

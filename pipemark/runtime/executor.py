@@ -15,11 +15,19 @@ How a call runs:
 3. **Compile** each stage program once with ``jax.jit`` for its device. The compiled
    program also adds the stage's share of the result (the loss, the gradients) into an
    accumulator that stays on the device.
-4. **Dispatch** the schedule tick by tick. Each action fetches its inputs (parameters
-   placed once per call, the microbatch's slice of the batch, values from other stages
-   moved with ``jax.device_put``), runs, and keeps its outputs per microbatch until
-   every stage that reads them has run. Dispatch is asynchronous, so the devices work in
-   parallel while the host walks the grid.
+4. **Dispatch** on one worker thread per device (the caller's thread is device 0's).
+   Each worker walks its device's column of the schedule in tick order; an action
+   fetches its inputs (parameters placed once per call, the microbatch's slice of the
+   batch, values of other stages moved with ``jax.device_put``), waiting on an event per
+   value for those another device produces, runs its stage program, blocks until its
+   results are computed, and only then publishes them to their readers. XLA's CPU client
+   runs the computations one thread dispatches one after another, so one dispatching
+   thread would serialise the devices; one thread per device lets them overlap. A value
+   is freed once its last reader has taken it. The first error of any worker wakes the
+   others, which stop, and is raised in the caller. With one device the schedule is
+   walked on the caller's thread without waiting (``_run_plan(..., parallel=False)``
+   does that for any number of devices: same programs in the same order per device,
+   hence bit-identical results).
 
 **Sum or mean.** With ``loss_reduction="mean"`` (the default) the microbatch results are
 averaged: a loss that is a mean over the batch (``jnp.mean``) has, for equal microbatches,
@@ -31,6 +39,7 @@ depends on the whole batch, batch statistics) cannot be split into microbatches.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -51,7 +60,7 @@ from pipemark.runtime.plan import (
     _microbatch_structs,
     _plan_from_staged,
 )
-from pipemark.runtime.schedules import FORWARD, Schedule
+from pipemark.runtime.schedules import FORWARD, Action, Schedule
 
 __all__ = [
     "LOSS_REDUCTIONS",
@@ -73,7 +82,85 @@ def _split_leaf(leaf: Any, num_microbatches: int, micro: int) -> list[Any]:
     return [array[m * micro : (m + 1) * micro] for m in range(num_microbatches)]
 
 
-def _run_plan(plan: PipelinePlan, params: Any, batch: Any, timings: dict | None) -> Any:
+class _Cancelled(Exception):
+    """Raised in a worker waiting for a value when another worker has failed."""
+
+
+class _Exchange:
+    """The values stages hand to each other, per microbatch, shared by the device
+    workers: a producer publishes its outputs once they are computed; a reader waits for
+    them (an event per value, so that a publication wakes only its readers), takes a copy
+    on its own device, and the last reader frees every copy."""
+
+    def __init__(self, readers: dict[tuple[int, int], int]) -> None:
+        self._readers = readers
+        self._lock = threading.Lock()
+        self._values: dict[tuple[int, int, int], dict[Any, Any]] = {}  # (mb, stage, out)
+        self._remaining: dict[tuple[int, int, int], int] = {}
+        self._ready: dict[tuple[int, int, int], threading.Event] = {}
+        self.error: BaseException | None = None
+
+    def publish(self, m: int, index: int, passed: list[int], outs: list[Any], device: Any):
+        with self._lock:
+            for o, value in zip(passed, outs):
+                key = (m, index, o)
+                self._values[key] = {device: value}
+                self._remaining[key] = self._readers[(index, o)]
+                self._ready.setdefault(key, threading.Event()).set()
+
+    def take(self, key: tuple[int, int, int], device: Any) -> tuple[Any, float]:
+        """The value on ``device``, and the seconds spent waiting for its producer."""
+        waited = 0.0
+        with self._lock:
+            if self.error is not None:  # checked under the lock that fail() sets it under
+                raise _Cancelled
+            copies = self._values.get(key)
+            ready = self._ready.setdefault(key, threading.Event()) if copies is None else None
+        if ready is not None:
+            start = time.perf_counter()
+            ready.wait()
+            waited = time.perf_counter() - start
+        with self._lock:
+            if self.error is not None:
+                raise _Cancelled
+            copies = self._values[key]
+            value = copies.get(device)
+            source = next(iter(copies.values()))
+            left = self._remaining[key] - 1
+            if left:
+                self._remaining[key] = left
+            else:  # the last reader has it: free every copy
+                del self._values[key], self._remaining[key], self._ready[key]
+        if value is None:
+            value = jax.device_put(source, device)
+            if left:  # only this device's worker reads this copy: no race on the slot
+                with self._lock:
+                    copies[device] = value
+        return value, waited
+
+    def fail(self, error: BaseException) -> None:
+        """Record the first error and wake every waiting worker so that it stops."""
+        with self._lock:
+            if self.error is None:
+                self.error = error
+            for ready in self._ready.values():
+                ready.set()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._values.clear()
+            self._remaining.clear()
+            self._ready.clear()
+
+
+def _run_plan(
+    plan: PipelinePlan,
+    params: Any,
+    batch: Any,
+    timings: dict | None,
+    *,
+    parallel: bool = True,
+) -> Any:
     staged = plan.staged
     schedule = plan.schedule
     num_micro = schedule.num_microbatches
@@ -81,63 +168,84 @@ def _run_plan(plan: PipelinePlan, params: Any, batch: Any, timings: dict | None)
     batch_leaves = jax.tree_util.tree_leaves(batch)
     num_params = plan.num_param_leaves
     slices = [_split_leaf(x, num_micro, plan.microbatch_size) for x in batch_leaves]
-
-    placed_inputs: dict[tuple[int, int, Any], Any] = {}  # (input, microbatch, device)
-    values: dict[tuple[int, int, int], dict[Any, Any]] = {}  # (mb, stage, out) -> copies
-    remaining: dict[tuple[int, int, int], int] = {}
-    accs: dict[int, list[Any]] = {}
-
-    def fetch_input(i: int, m: int, device: Any) -> Any:
-        key = (i, -1 if i < num_params else m, device)
-        value = placed_inputs.get(key)
-        if value is None:
-            source = param_leaves[i] if i < num_params else slices[i - num_params][m]
-            value = placed_inputs[key] = jax.device_put(source, device)
-        return value
-
-    def fetch_stage(stage: int, out: int, m: int, device: Any) -> Any:
-        key = (m, stage, out)
-        copies = values[key]
-        value = copies.get(device)
-        if value is None:
-            value = copies[device] = jax.device_put(next(iter(copies.values())), device)
-        left = remaining[key] - 1
-        if left:
-            remaining[key] = left
-        else:  # the last reader has it: free every copy
-            del values[key], remaining[key]
-        return value
-
+    exchange = _Exchange(plan.readers)
+    accs: dict[int, list[Any]] = {}  # per stage; each stage's worker alone writes its entry
     scale = np.float32(1.0 / num_micro if plan.loss_reduction == "mean" else 1.0)
-    scales: dict[Any, Any] = {}
+    threaded = parallel and schedule.num_devices > 1
+    host_times: list[float] = []
+
+    def walk(actions: list[Action]) -> None:
+        """Run ``actions`` in order on the calling thread. Threaded, each action waits
+        for its inputs and for its own results, so that the device is idle only when the
+        schedule says so and a reader on another device never waits on a queue."""
+        placed: dict[tuple[int, int, Any], Any] = {}  # (input, microbatch, device)
+        scales: dict[Any, Any] = {}
+        host = 0.0
+        for action in actions:
+            k, m = action.stage, action.microbatch
+            index = plan.forward_stages[k] if action.kind == FORWARD else plan.backward_stages[k]
+            if index is None:  # a stage without a backward program
+                continue
+            start = time.perf_counter()
+            unit = plan.units[index]
+            device = unit.device
+            inputs = []
+            for ref in staged.stages[index].inputs:
+                if ref.kind == "input":
+                    i = ref.index
+                    key = (i, -1 if i < num_params else m, device)
+                    value = placed.get(key)
+                    if value is None:
+                        source = param_leaves[i] if i < num_params else slices[i - num_params][m]
+                        value = placed[key] = jax.device_put(source, device)
+                else:
+                    value, waited = exchange.take((m, ref.stage, ref.index), device)
+                    start += waited
+                inputs.append(value)
+            if unit.zeros is not None and index not in accs:
+                accs[index] = unit.zeros()
+            device_scale = scales.get(device)
+            if device_scale is None:
+                device_scale = scales[device] = jax.device_put(scale, device)
+            new_accs, outs = unit.run(accs.get(index, []), inputs, device_scale)
+            host += time.perf_counter() - start
+            if threaded:
+                jax.block_until_ready((new_accs, outs))
+            if unit.accumulated:
+                accs[index] = new_accs
+            exchange.publish(m, index, unit.passed, outs, device)
+        host_times.append(host)
+
+    def guarded(actions: list[Action]) -> None:
+        try:
+            walk(actions)
+        except _Cancelled:
+            pass
+        except BaseException as error:  # handed to the caller, which re-raises it
+            exchange.fail(error)
+
     start = time.perf_counter()
-    for _, _, action in schedule.actions():
-        k, m = action.stage, action.microbatch
-        index = plan.forward_stages[k] if action.kind == FORWARD else plan.backward_stages[k]
-        if index is None:  # a stage without a backward program
-            continue
-        unit = plan.units[index]
-        stage = staged.stages[index]
-        device = unit.device
-        inputs = [
-            fetch_input(ref.index, m, device)
-            if ref.kind == "input"
-            else fetch_stage(ref.stage, ref.index, m, device)
-            for ref in stage.inputs
-        ]
-        if unit.zeros is not None and index not in accs:
-            accs[index] = unit.zeros()
-        device_scale = scales.get(device)
-        if device_scale is None:
-            device_scale = scales[device] = jax.device_put(scale, device)
-        new_accs, outs = unit.run(accs.get(index, []), inputs, device_scale)
-        if unit.accumulated:
-            accs[index] = new_accs
-        for o, value in zip(unit.passed, outs):
-            values[(m, index, o)] = {device: value}
-            remaining[(m, index, o)] = plan.readers[(index, o)]
+    try:
+        if threaded:
+            orders = schedule.device_orders()
+            workers = [
+                threading.Thread(target=guarded, args=(order,), name=f"pipemark-device{d}")
+                for d, order in enumerate(orders[1:], start=1)
+            ]
+            for worker in workers:
+                worker.start()
+            guarded(orders[0])  # the caller is device 0's worker
+            for worker in workers:
+                worker.join()
+            if exchange.error is not None:
+                raise exchange.error
+        else:
+            walk([a for _, _, a in schedule.actions()])
+    finally:
+        exchange.clear()  # defensively: every reader has run, or a worker failed
     if timings is not None:
         timings["dispatch_s"] = time.perf_counter() - start
+        timings["host_s"] = sum(host_times)
         timings["num_actions"] = sum(
             1
             for _, _, a in schedule.actions()
@@ -145,7 +253,6 @@ def _run_plan(plan: PipelinePlan, params: Any, batch: Any, timings: dict | None)
             is not None
         )
         timings["num_ticks"] = schedule.num_ticks
-    values.clear()  # every reader has run: nothing is left but, defensively, free it all
 
     results: list[Any] = [None] * len(staged.outputs)
     for index, unit in plan.units.items():
@@ -224,9 +331,11 @@ class Pipeline:
         return _run_plan(self.plan(params, batch), params, batch, None)
 
     def timed_call(self, params: Any, batch: Any) -> tuple[tuple[Any, Any], dict[str, float]]:
-        """Like calling the pipeline, and also return timings: ``dispatch_s`` (host time
-        to walk the schedule and dispatch every action), ``num_actions`` and
-        ``num_ticks``. The results are not waited for."""
+        """Like calling the pipeline, and also return timings: ``dispatch_s`` (wall time
+        to walk the schedule; with several devices the workers wait for every result, so
+        this includes the computation), ``host_s`` (host time spent fetching inputs and
+        dispatching, summed over the workers, without the waits), ``num_actions`` and
+        ``num_ticks``."""
         timings: dict[str, float] = {}
         out = _run_plan(self.plan(params, batch), params, batch, timings)
         return out, timings

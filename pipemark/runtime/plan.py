@@ -7,6 +7,7 @@ schedule them, and compile each stage program once for its device.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -276,7 +277,11 @@ def _stage_edges(
 # stage program reappears whenever a pipeline is rebuilt for the same microbatch shape
 # (another schedule, another number of microbatches), and XLA compilation dominates the
 # cost of building a pipeline. Programs with constants are not cached (their text does not
-# show the constants' values).
+# show the constants' values), nor programs whose text hides an object's identity: the
+# printer writes ``<function f at 0xXXXXXXXXXXXX>`` for a callback (``jax.pure_callback``,
+# custom derivative rules), so two programs calling different functions of one name print
+# alike.
+_HIDDEN_ADDRESS = re.compile(r"\bat 0xX+>")
 _UNIT_CACHE: dict[Any, tuple[Callable, Callable | None]] = {}
 _UNIT_CACHE_SIZE = 256
 
@@ -285,8 +290,11 @@ def _unit_key(closed: ClosedJaxpr, accumulated: list[int], passed: list[int], de
     if closed.consts:
         return None
     jaxpr = closed.jaxpr
+    text = str(jaxpr)
+    if _HIDDEN_ADDRESS.search(text):
+        return None
     types = tuple(repr(v.aval) for v in (*jaxpr.invars, *jaxpr.outvars))
-    return (str(jaxpr), types, tuple(accumulated), tuple(passed), device.platform, device.id)
+    return (text, types, tuple(accumulated), tuple(passed), device.platform, device.id)
 
 
 def _compile_unit(

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 import pipemark as pm
 from pipemark import examples
@@ -240,3 +241,31 @@ def test_training_step_on_one_device_and_its_errors():
         )
     with pytest.raises(PipemarkError, match="step_fn must be callable"):
         pm.pipeline_train_step(3, num_microbatches=2)
+
+
+def _scaled_callback_loss(factor: float):
+    """A marked one-stage loss whose only difference from another factor's is the
+    callback it calls: every such callback is named ``scale`` and prints alike."""
+
+    def scale(x):
+        return np.asarray(x) * np.float32(factor)
+
+    def loss_fn(params, batch):
+        x, w = pm.mark((batch, params), name="stage0", mark_type="start")
+        h = x @ w
+        # pure_callback has no derivative: call it on a value without one.
+        y = jax.pure_callback(scale, jax.ShapeDtypeStruct(h.shape, h.dtype), lax.stop_gradient(h))
+        return pm.mark(jnp.mean(y + h), name="stage0", mark_type="end")
+
+    return loss_fn
+
+
+def test_stage_programs_calling_different_callbacks_are_not_shared():
+    # The compiled-stage cache is keyed by program text; a callback prints as
+    # <function scale at 0xXXXX>, so two programs calling different functions of one name
+    # would share the first one's compiled code.
+    params, batch = jnp.eye(3), jnp.ones((4, 3))
+    for factor in (1.0, 3.0):
+        loss_fn = _scaled_callback_loss(factor)
+        loss, _ = pm.pipeline_value_and_grad(loss_fn, num_microbatches=2)(params, batch)
+        np.testing.assert_allclose(loss, loss_fn(params, batch), rtol=1e-6)
