@@ -50,11 +50,11 @@ class ValueRef:
 
     @staticmethod
     def input(index: int) -> ValueRef:
-        return ValueRef("input", index)
+        return _new_ref("input", index, -1)
 
     @staticmethod
     def stage_output(stage: int, index: int) -> ValueRef:
-        return ValueRef("stage", index, stage)
+        return _new_ref("stage", index, stage)
 
     @staticmethod
     def const(value: Any) -> ValueRef:
@@ -66,6 +66,22 @@ class ValueRef:
         if self.kind == "stage":
             return f"stage{self.stage}[{self.index}]"
         return f"const({self.value!r})"
+
+
+def _new_ref(kind: str, index: int, stage: int) -> ValueRef:
+    # The frozen dataclass's __init__ sets each field through object.__setattr__; a
+    # sliced program makes one reference per value crossing a stage boundary, and
+    # filling the instance dict directly is twice as fast. Same object, same fields.
+    ref = _object_new(ValueRef)
+    fields = ref.__dict__
+    fields["kind"] = kind
+    fields["index"] = index
+    fields["stage"] = stage
+    fields["value"] = None
+    return ref
+
+
+_object_new = object.__new__
 
 
 @dataclass(frozen=True)
@@ -132,14 +148,34 @@ def _substitute(eqns: Sequence[JaxprEqn], sub: dict[Var, Any]) -> list[JaxprEqn]
     return out
 
 
-def stage_debug_info(name: str, inputs: Sequence[ValueRef], num_outputs: int) -> DebugInfo:
-    """Debug info for a stage jaxpr: its inputs are named after where they come from."""
+def stage_debug_info(
+    name: str,
+    inputs: Sequence[ValueRef],
+    num_outputs: int,
+    arg_names: Sequence[str] | None = None,
+) -> DebugInfo:
+    """Debug info for a stage jaxpr: its inputs are named after where they come from
+    (``arg_names``, when given, must be ``str(ref)`` of each input)."""
     return DebugInfo(
         "pipemark stage",
         f"stage {name}",
-        tuple(str(ref) for ref in inputs),
-        tuple(f"result[{i}]" for i in range(num_outputs)),
+        tuple(str(ref) for ref in inputs) if arg_names is None else tuple(arg_names),
+        _result_paths(num_outputs),
     )
+
+
+_RESULT_PATHS: dict[int, tuple[str, ...]] = {}
+
+
+def _result_paths(count: int) -> tuple[str, ...]:
+    """``("result[0]", …, f"result[{count-1}]")``; the short ones are shared between
+    stages."""
+    paths = _RESULT_PATHS.get(count)
+    if paths is None:
+        paths = tuple(f"result[{i}]" for i in range(count))
+        if count <= 64:
+            _RESULT_PATHS[count] = paths
+    return paths
 
 
 def _flat_args(args: Sequence[Any]) -> list[Any]:
@@ -186,6 +222,24 @@ class StagedJaxpr:
         self._outputs = tuple(outputs)
         self._debug_info = debug_info
         self._check()
+
+    @classmethod
+    def _trusted(
+        cls,
+        stages: list[Stage],
+        invars: Sequence[Var],
+        outputs: list[ValueRef],
+        debug_info: Any,
+    ) -> StagedJaxpr:
+        """Without :meth:`_check`: for a pass whose stages are valid by construction
+        (unique names, every reference to a program input or an earlier stage's
+        output), such as :func:`~pipemark.passes.slice_stages`."""
+        staged = cls.__new__(cls)
+        staged._stages = tuple(stages)
+        staged._invars = tuple(invars)
+        staged._outputs = tuple(outputs)
+        staged._debug_info = debug_info
+        return staged
 
     # ------------------------------------------------------------------- structure
 

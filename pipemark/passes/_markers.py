@@ -44,6 +44,7 @@ __all__ = [
     "find_stage_spans",
     "remember_stage_spans",
     "stage_index_of_equations",
+    "stage_spans_routed",
 ]
 
 #: Opening mark type -> the closing mark type that pairs with it.
@@ -235,12 +236,27 @@ def check_no_markers_in_bodies(jaxpr: Jaxpr | ClosedJaxpr) -> None:
     _remember(_BODIES_CHECKED, jaxpr)
 
 
-def remember_stage_spans(jaxpr: Jaxpr, spans: tuple[StageSpan, ...]) -> None:
+def remember_stage_spans(
+    jaxpr: Jaxpr, spans: tuple[StageSpan, ...], *, routed: bool = False
+) -> None:
     """Record that ``jaxpr`` (built by a pass) has well-formed markers with these
     ``spans`` and no stage marker in a sub-jaxpr, so that :func:`find_stage_spans` need
-    not validate it again. Only for a program whose bodies come from a checked one."""
+    not validate it again. Only for a program whose bodies come from a checked one.
+
+    ``routed``: every equation of a stage reads only values its stage defines (its start
+    marker's results included), every start marker reads only program inputs, constants
+    and end-marker results, and every program result defined in a stage is an end-marker
+    result, so :func:`~pipemark.passes.mark_missing_vars` has nothing to add
+    (:func:`stage_spans_routed`)."""
     _remember(_BODIES_CHECKED, jaxpr)
-    _remember(_SPANS, jaxpr, spans)
+    _remember(_SPANS, jaxpr, spans, routed)
+
+
+def stage_spans_routed(jaxpr: Jaxpr) -> bool:
+    """Whether a pass recorded ``jaxpr`` as routed (see :func:`remember_stage_spans`)
+    and its equations are still the ones it recorded."""
+    entry = _cached(_SPANS, jaxpr)
+    return entry is not None and len(entry) > 2 and bool(entry[2])
 
 
 @dataclass

@@ -192,7 +192,18 @@ def _wrap_segments(
                         a if type(a) is Literal else remap.get(a, a)  # type: ignore[misc]
                         for a in invars
                     ]
-                    append(eqn.replace(invars=new_invars))
+                    # eqn.replace(invars=new_invars), without its extra call.
+                    append(
+                        JaxprEqn(
+                            new_invars,
+                            eqn.outvars,
+                            eqn.primitive,
+                            eqn.params,
+                            eqn.effects,
+                            eqn.source_info,
+                            eqn.ctx,
+                        )
+                    )
                     break
             else:
                 append(eqn)
@@ -228,7 +239,9 @@ def _wrap_segments(
     if not has_markers:
         # The callers checked the program's bodies, and the stages are exactly the
         # segments: slice_stages and mark_missing_vars need not validate them again.
-        remember_stage_spans(new_jaxpr, tuple(spans))
+        # Every value crossing a segment boundary goes through the markers, so
+        # mark_missing_vars has nothing to route either.
+        remember_stage_spans(new_jaxpr, tuple(spans), routed=True)
     return ClosedJaxpr(new_jaxpr, cj.consts)
 
 
@@ -390,20 +403,24 @@ def _layers_from_boundaries(cj: ClosedJaxpr) -> ClosedJaxpr:
     eqns = cj.jaxpr.eqns
     backward_from = forward_end(cj.jaxpr)
     forward_count = len(eqns) if backward_from is None else backward_from
-    if any(_is_boundary(eqn) for eqn in eqns[forward_count:]):
+    # Markers are rare: find the boundaries in one pass, then fill whole layers.
+    boundaries = [
+        index
+        for index, eqn in enumerate(eqns)
+        if eqn.primitive is pipeline_p and eqn.params.get("mark_type") == "boundary"
+    ]
+    if boundaries and boundaries[-1] >= forward_count:
         forward_count = len(eqns)  # boundaries in the backward part: cut it as marked
     segment_of: list[int | None] = []
     layer_starts: list[int] = []
-    open_segment_has_eqns = False
-    for index, eqn in enumerate(eqns[:forward_count]):
-        if _is_boundary(eqn):
+    begin = 0
+    for stop in [*boundaries, forward_count]:
+        if stop > begin:
+            segment_of.extend([len(layer_starts)] * (stop - begin))
+            layer_starts.append(begin)
+        if stop < forward_count:
             segment_of.append(None)
-            open_segment_has_eqns = False
-        else:
-            if not open_segment_has_eqns:
-                layer_starts.append(index)
-                open_segment_has_eqns = True
-            segment_of.append(len(layer_starts) - 1)
+        begin = stop + 1
     layers = len(layer_starts)
     names = [f"layer{i}" for i in range(layers)]
     backward_count = len(eqns) - forward_count
@@ -411,12 +428,9 @@ def _layers_from_boundaries(cj: ClosedJaxpr) -> ClosedJaxpr:
         # jax.grad leaves no boundary in the backward pass (a marker without operands
         # has no tangent), so cut it in mirror of the forward layers, as auto_layers does.
         mirrored = mirror_cuts(cj.jaxpr, forward_count, layer_starts[1:], layers)
-        begins = [forward_count, *mirrored]
-        stage = -1
-        for index in range(forward_count, len(eqns)):
-            while stage + 1 < layers and index == begins[stage + 1]:
-                stage += 1
-            segment_of.append(layers + stage)
+        begins = [forward_count, *mirrored, len(eqns)]
+        for stage in range(layers):
+            segment_of.extend([layers + stage] * (begins[stage + 1] - begins[stage]))
         names += [f"layer{i}_backward" for i in reversed(range(layers))]
     else:
         # No backward pass, or one too short to mirror: it joins the last layer.
@@ -424,10 +438,6 @@ def _layers_from_boundaries(cj: ClosedJaxpr) -> ClosedJaxpr:
         if not names and backward_count:
             names = ["layer0"]
     return _wrap_segments(cj, segment_of, names)
-
-
-def _is_boundary(eqn: JaxprEqn) -> bool:
-    return eqn.primitive is pipeline_p and eqn.params.get("mark_type") == "boundary"
 
 
 def insert_markers_by_scope(cj: ClosedJaxpr, depth: int = 1) -> ClosedJaxpr:

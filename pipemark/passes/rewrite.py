@@ -16,7 +16,7 @@ from jax.interpreters import partial_eval as pe
 
 from pipemark.errors import PipemarkError
 from pipemark.passes._collector import paused_collector
-from pipemark.passes._markers import find_stage_spans
+from pipemark.passes._markers import find_stage_spans, stage_spans_routed
 from pipemark.primitive import pipeline_p
 
 __all__ = ["remove_markers", "mark_missing_vars", "dce"]
@@ -230,6 +230,10 @@ def _mark_missing_vars(cj: ClosedJaxpr) -> ClosedJaxpr:
     spans = find_stage_spans(jaxpr)
     if not spans:
         return ClosedJaxpr(jaxpr.replace(eqns=list(eqns)), cj.consts)
+    if stage_spans_routed(jaxpr):
+        # Built by a pass that routed every crossing value through the markers (the
+        # insert passes): the sweep below would change nothing.
+        return ClosedJaxpr(jaxpr.replace(eqns=list(eqns), outvars=list(jaxpr.outvars)), cj.consts)
 
     # For every value defined in a stage, one int: twice the stage index, plus one when
     # the value is already published (a result of one of the stage's end markers). One
@@ -428,11 +432,13 @@ def _dce(cj: ClosedJaxpr) -> ClosedJaxpr:
     # path for the common case of a primitive without a DCE rule of its own: such an
     # equation stays when a result is read or it has effects. Primitives with rules
     # (pipeline markers, pjit, scan, cond, while, custom_jvp…) use them.
-    rules = pe.dce_rules
+    rule_of = pe.dce_rules.get
     read: set[Var] = {v for v in jaxpr.outvars if type(v) is not Literal}
+    mark_read = read.add
     kept: list[JaxprEqn] = []
+    keep = kept.append
     for eqn in reversed(jaxpr.eqns):
-        rule = rules.get(eqn.primitive)
+        rule = rule_of(eqn.primitive)
         if rule is None:
             for v in eqn.outvars:
                 if v in read:
@@ -440,15 +446,15 @@ def _dce(cj: ClosedJaxpr) -> ClosedJaxpr:
             else:
                 if not eqn.effects:
                     continue
-            kept.append(eqn)
+            keep(eqn)
             for v in eqn.invars:
                 if type(v) is not Literal:
-                    read.add(v)
+                    mark_read(v)
             continue
         used_inputs, new_eqn = rule([v in read for v in eqn.outvars], eqn)
         if new_eqn is None:
             continue
-        kept.append(new_eqn)
+        keep(new_eqn)
         for v, used in zip(eqn.invars, used_inputs):
             if used and type(v) is not Literal:
                 read.add(v)

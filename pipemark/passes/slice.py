@@ -9,7 +9,12 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from pipemark.errors import MarkerError, PipemarkError, StageGraphError, describe_eqn
 from pipemark.passes._collector import paused_collector
-from pipemark.passes._markers import find_stage_spans, stage_index_of_equations
+from pipemark.passes._markers import (
+    StageSpan,
+    find_stage_spans,
+    stage_index_of_equations,
+    stage_spans_routed,
+)
 from pipemark.staged import Stage, StagedJaxpr, ValueRef, stage_debug_info
 
 __all__ = ["slice_stages"]
@@ -152,7 +157,6 @@ def _slice_stages(cj: ClosedJaxpr, unmarked: str = "assign") -> StagedJaxpr:
             f"unmarked must be one of {', '.join(map(repr, _UNMARKED_MODES))}, got {unmarked!r}."
         )
     jaxpr = cj.jaxpr
-    eqns = jaxpr.eqns
     spans = find_stage_spans(jaxpr)
     if not spans:
         raise MarkerError(
@@ -161,6 +165,162 @@ def _slice_stages(cj: ClosedJaxpr, unmarked: str = "assign") -> StagedJaxpr:
             "pm.mark_pipeline_boundary(), or insert markers with "
             "pm.passes.insert_markers(cj, cuts) or pm.passes.insert_markers_by_scope(cj)."
         )
+    input_position = {v: i for i, v in enumerate(jaxpr.invars)}
+    const_value = dict(zip(jaxpr.constvars, cj.consts))
+    found = None
+    if stage_spans_routed(jaxpr):
+        found = _routed_flow(jaxpr, spans, input_position, const_value)
+    if found is None:
+        found = _flow(jaxpr, spans, unmarked, input_position, const_value)
+    members, reads, exported, candidates = found
+
+    eqns = jaxpr.eqns
+    output_ref: dict[Var, ValueRef] = {}
+    output_name: dict[Var, str] = {}
+    input_names: dict[int, str] = {}
+    stages: list[Stage] = []
+    stage_output = ValueRef.stage_output
+    for k, indices in enumerate(members):
+        if type(indices) is range:
+            stage_eqns = eqns[indices.start : indices.stop]
+        else:
+            stage_eqns = [eqns[i] for i in indices]
+        outvars: list[Var] = []
+        effects: set[Any] = set()
+        if candidates is None:
+            for eqn in stage_eqns:
+                for v in eqn.outvars:
+                    if v in exported:
+                        output_ref[v] = stage_output(k, len(outvars))
+                        output_name[v] = f"stage{k}[{len(outvars)}]"
+                        outvars.append(v)
+                if eqn.effects:
+                    effects.update(eqn.effects)
+        else:
+            for v in candidates[k]:
+                if v in exported:
+                    output_ref[v] = stage_output(k, len(outvars))
+                    output_name[v] = f"stage{k}[{len(outvars)}]"
+                    outvars.append(v)
+            for eqn in stage_eqns:
+                if eqn.effects:
+                    effects.update(eqn.effects)
+        invars: list[Var] = []
+        refs: list[ValueRef] = []
+        arg_names: list[str] = []
+        constvars: list[Var] = []
+        for a, producer in reads[k].items():
+            if producer is not None:
+                invars.append(a)
+                refs.append(output_ref[a])
+                arg_names.append(output_name[a])
+            elif a in input_position:
+                invars.append(a)
+                position = input_position[a]
+                refs.append(ValueRef.input(position))
+                arg_name = input_names.get(position)
+                if arg_name is None:
+                    arg_name = input_names[position] = f"input[{position}]"
+                arg_names.append(arg_name)
+            else:
+                constvars.append(a)
+        name = spans[k].name
+        stage_jaxpr = Jaxpr(
+            constvars,
+            invars,
+            outvars,
+            stage_eqns,
+            effects,
+            stage_debug_info(name, refs, len(outvars), arg_names),
+        )
+        closed = ClosedJaxpr(stage_jaxpr, [const_value[c] for c in constvars])
+        stages.append(Stage(name, closed, tuple(refs), tuple(indices)))
+
+    outputs = []
+    for a in jaxpr.outvars:
+        if isinstance(a, Literal) or not isinstance(a, Var):
+            outputs.append(ValueRef.const(a))
+        elif a in output_ref:
+            outputs.append(output_ref[a])
+        elif a in input_position:
+            outputs.append(ValueRef.input(input_position[a]))
+        else:
+            outputs.append(ValueRef.const(const_value[a]))
+    # The references are valid by construction: stage names are unique (the marker
+    # validation refuses duplicates) and every stage reads program inputs and earlier
+    # stages only (the sweep refuses anything else).
+    return StagedJaxpr._trusted(stages, jaxpr.invars, outputs, jaxpr.debug_info)
+
+
+_Flow = tuple[
+    list[Any],  # the equation indices of each stage: a list, or a range
+    list[dict[Var, int | None]],  # per stage, what it reads from outside: the stage
+    # defining it, or None for a program input or constant; in order of first read
+    set[Var],  # the values read outside the stage that defines them
+    list[list[Var]] | None,  # per stage, the only values that may be in the set above
+]
+
+
+def _routed_flow(
+    jaxpr: Jaxpr,
+    spans: tuple[StageSpan, ...],
+    input_position: dict[Var, int],
+    const_value: dict[Var, Any],
+) -> _Flow | None:
+    """What :func:`_flow` finds, read off the markers alone, for a program recorded as
+    routed (see :func:`~pipemark.passes._markers.remember_stage_spans`) whose stages
+    cover all its equations, each opened by one start marker and closed by one end
+    marker: a stage reads from outside exactly its start marker's operands, and only its
+    end marker's results leave it. ``None`` when the program is not of that shape."""
+    eqns = jaxpr.eqns
+    expected_first = 0
+    for span in spans:
+        if (
+            span.first != expected_first
+            or span.openers != (span.first,)
+            or span.closers != (span.last,)
+        ):
+            return None
+        expected_first = span.last + 1
+    if expected_first != len(eqns):
+        return None
+    made_by: dict[Var, int] = {}  # end-marker result -> its stage
+    exported: set[Var] = set()
+    reads: list[dict[Var, int | None]] = []
+    leaving: list[list[Var]] = []
+    for k, span in enumerate(spans):
+        stage_reads: dict[Var, int | None] = {}
+        for a in eqns[span.first].invars:
+            if type(a) is Literal:
+                continue
+            producer = made_by.get(a)
+            if producer is not None:
+                exported.add(a)
+            elif a not in input_position and a not in const_value:
+                return None
+            stage_reads[a] = producer
+        reads.append(stage_reads)
+        results = eqns[span.last].outvars
+        leaving.append(results)
+        for v in results:
+            made_by[v] = k
+    for a in jaxpr.outvars:
+        if type(a) is not Literal and a in made_by:
+            exported.add(a)
+    members = [range(span.first, span.last + 1) for span in spans]
+    return members, reads, exported, leaving
+
+
+def _flow(
+    jaxpr: Jaxpr,
+    spans: tuple[StageSpan, ...],
+    unmarked: str,
+    input_position: dict[Var, int],
+    const_value: dict[Var, Any],
+) -> _Flow:
+    """The equations of each stage, what each reads from outside and which values
+    leave their stage, by one sweep over the equations."""
+    eqns = jaxpr.eqns
     stage_of = stage_index_of_equations(spans, len(eqns))
     if unmarked == "error":
         stray = [i for i, s in enumerate(stage_of) if s is None]
@@ -179,9 +339,6 @@ def _slice_stages(cj: ClosedJaxpr, unmarked: str = "assign") -> StagedJaxpr:
         assigned = stage_of  # type: ignore[assignment]
 
     num_stages = len(spans)
-    input_position = {v: i for i, v in enumerate(jaxpr.invars)}
-    const_value = dict(zip(jaxpr.constvars, cj.consts))
-
     # One sweep in program order (a value is defined before it is read): the equations
     # of each stage, the stage defining each value, the values that leave their stage,
     # and what each stage reads from outside, in the order it first reads them (None:
@@ -227,52 +384,4 @@ def _slice_stages(cj: ClosedJaxpr, unmarked: str = "assign") -> StagedJaxpr:
     for a in jaxpr.outvars:
         if type(a) is not Literal and a in defined_in:
             exported.add(a)
-
-    output_ref: dict[Var, ValueRef] = {}
-    stages: list[Stage] = []
-    for k, indices in enumerate(members):
-        stage_eqns = [eqns[i] for i in indices]
-        outvars: list[Var] = []
-        effects: set[Any] = set()
-        for eqn in stage_eqns:
-            for v in eqn.outvars:
-                if v in exported:
-                    output_ref[v] = ValueRef.stage_output(k, len(outvars))
-                    outvars.append(v)
-            if eqn.effects:
-                effects.update(eqn.effects)
-        invars: list[Var] = []
-        refs: list[ValueRef] = []
-        constvars: list[Var] = []
-        for a, producer in reads[k].items():
-            if producer is not None:
-                invars.append(a)
-                refs.append(output_ref[a])
-            elif a in input_position:
-                invars.append(a)
-                refs.append(ValueRef.input(input_position[a]))
-            else:
-                constvars.append(a)
-        name = spans[k].name
-        stage_jaxpr = Jaxpr(
-            constvars,
-            invars,
-            outvars,
-            stage_eqns,
-            effects,
-            stage_debug_info(name, refs, len(outvars)),
-        )
-        closed = ClosedJaxpr(stage_jaxpr, [const_value[c] for c in constvars])
-        stages.append(Stage(name, closed, tuple(refs), tuple(indices)))
-
-    outputs = []
-    for a in jaxpr.outvars:
-        if isinstance(a, Literal) or not isinstance(a, Var):
-            outputs.append(ValueRef.const(a))
-        elif a in output_ref:
-            outputs.append(output_ref[a])
-        elif a in input_position:
-            outputs.append(ValueRef.input(input_position[a]))
-        else:
-            outputs.append(ValueRef.const(const_value[a]))
-    return StagedJaxpr(stages, jaxpr.invars, outputs, jaxpr.debug_info)
+    return members, reads, exported, None
