@@ -133,6 +133,20 @@ class Stage:
         return int(flatten_shape_byte_sizes(list(self.out_avals)).sum())
 
 
+def _new_stage(
+    name: str, closed_jaxpr: ClosedJaxpr, inputs: tuple[ValueRef, ...], eqn_indices: tuple
+) -> Stage:
+    # As _new_ref: a sliced program makes one Stage per stage, and filling the frozen
+    # dataclass's instance dict directly skips its per-field object.__setattr__.
+    stage = _object_new(Stage)
+    fields = stage.__dict__
+    fields["name"] = name
+    fields["closed_jaxpr"] = closed_jaxpr
+    fields["inputs"] = inputs
+    fields["eqn_indices"] = eqn_indices
+    return stage
+
+
 def _substitute(eqns: Sequence[JaxprEqn], sub: dict[Var, Any]) -> list[JaxprEqn]:
     """``eqns`` with operands renamed through ``sub``; untouched equations are reused."""
     if not sub:

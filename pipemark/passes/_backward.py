@@ -53,12 +53,20 @@ def crossing_bytes(
                 last_use[v] = i
         for v in eqn.outvars:
             defined[v] = i
-    delta = np.zeros(count + 2, dtype=np.int64)
+    return _cumulative_crossing(defined, last_use, count)
+
+
+def _cumulative_crossing(
+    defined: dict[Var, int], last_use: dict[Var, int], count: int
+) -> np.ndarray:
+    """crossing_bytes from the equation defining each value and its last reader (both
+    relative to the first equation counted)."""
+    delta = [0] * (count + 2)
     for v, use in last_use.items():
         size = _nbytes(v.aval)
         delta[defined[v] + 1] += size
         delta[use + 1] -= size
-    return np.cumsum(delta)[: count + 1]
+    return np.cumsum(np.array(delta, dtype=np.int64))[: count + 1]
 
 
 def mirror_cuts(jaxpr: Jaxpr, forward_end: int, forward_cuts: list[int], layers: int) -> list[int]:
@@ -108,6 +116,11 @@ def mirror_cuts(jaxpr: Jaxpr, forward_end: int, forward_cuts: list[int], layers:
     anchors: list[int] = []
     weights: list[int] = []
     size_of: dict[Var, int] = {}
+    # What crossing_bytes(jaxpr, forward_end) counts, gathered in the same sweep: the
+    # backward equation defining each backward value, and its last backward reader.
+    defined: dict[Var, int] = {}
+    defined_get = defined.get
+    last_use: dict[Var, int] = {}
     for b, eqn in enumerate(eqns[forward_end:]):
         gain: dict[int, int] | None = None
         counted: set[Var] | None = None
@@ -116,6 +129,8 @@ def mirror_cuts(jaxpr: Jaxpr, forward_end: int, forward_cuts: list[int], layers:
                 continue
             held = holders_get(v)
             if held is None:
+                if defined_get(v) is not None:
+                    last_use[v] = b
                 continue
             if gain is None:
                 gain = {}
@@ -129,6 +144,8 @@ def mirror_cuts(jaxpr: Jaxpr, forward_end: int, forward_cuts: list[int], layers:
                 size = size_of[v] = _nbytes(v.aval)
             for layer in held:
                 gain[layer] = gain.get(layer, 0) + size
+        for v in eqn.outvars:
+            defined[v] = b
         if gain is None:
             continue
         gains[b] = gain
@@ -155,7 +172,7 @@ def mirror_cuts(jaxpr: Jaxpr, forward_end: int, forward_cuts: list[int], layers:
         run = runs[s]
         b = positions[i]
         runs[s] = (b, b) if run is None else (min(run[0], b), max(run[1], b))
-    cut_bytes = crossing_bytes(jaxpr, forward_end)
+    cut_bytes = _cumulative_crossing(defined, last_use, count)
     # starts[s]: where backward stage s begins (relative to forward_end).
     starts = [0] * (layers + 1)
     starts[layers] = count
@@ -352,8 +369,15 @@ def _place_cuts(
 
 def forward_end(jaxpr: Jaxpr) -> int | None:
     """Index of the first equation JAX made by transposition (the backward pass)."""
+    # Consecutive equations often share one name stack object: look at each once.
+    previous = None
     for index, eqn in enumerate(jaxpr.eqns):
-        _, transforms = name_stack_scopes(eqn.source_info)
+        source_info = eqn.source_info
+        stack = getattr(source_info, "name_stack", None)
+        if stack is previous and stack is not None:
+            continue
+        previous = stack
+        _, transforms = name_stack_scopes(source_info)
         if "transpose" in transforms:
             return index
     return None

@@ -154,8 +154,10 @@ def _wrap_segments(
     append = new_eqns.append
     spans: list[StageSpan] = []
     # Every marker is this one with its operands, results, parameters and source
-    # replaced: cheaper than building each from scratch, and the same equation.
+    # replaced (built directly, as eqn.replace would): cheaper than building each from
+    # scratch, and the same equation.
     marker = new_jaxpr_eqn([], [], pipeline_p, {}, no_effects)
+    marker_effects, marker_ctx = marker.effects, marker.ctx
     for segment, indices in enumerate(members):
         if not indices:
             continue
@@ -170,11 +172,14 @@ def _wrap_segments(
         ]
         first = len(new_eqns)
         append(
-            marker.replace(
-                invars=sources,
-                outvars=list(remap.values()),
-                params={"name": name, "mark_type": "start"},
-                source_info=eqns[indices[0]].source_info,
+            JaxprEqn(
+                sources,
+                list(remap.values()),
+                pipeline_p,
+                {"name": name, "mark_type": "start"},
+                marker_effects,
+                eqns[indices[0]].source_info,
+                marker_ctx,
             )
         )
         leaving: list[Var] = [remap[v] for v in reexported[segment]]  # type: ignore[misc]
@@ -212,11 +217,14 @@ def _wrap_segments(
                     leaving.append(v)
         results = [Var(v.aval) for v in leaving]
         append(
-            marker.replace(
-                invars=leaving,
-                outvars=results,
-                params={"name": name, "mark_type": "end"},
-                source_info=eqns[indices[-1]].source_info,
+            JaxprEqn(
+                leaving,
+                results,
+                pipeline_p,
+                {"name": name, "mark_type": "end"},
+                marker_effects,
+                eqns[indices[-1]].source_info,
+                marker_ctx,
             )
         )
         spans.append(StageSpan(name, first, len(new_eqns) - 1, (first,), (len(new_eqns) - 1,)))

@@ -438,7 +438,20 @@ def _dce(cj: ClosedJaxpr) -> ClosedJaxpr:
     kept: list[JaxprEqn] = []
     keep = kept.append
     for eqn in reversed(jaxpr.eqns):
-        rule = rule_of(eqn.primitive)
+        primitive = eqn.primitive
+        if primitive is pipeline_p and eqn.outvars:
+            # A marker whose results are all read keeps every operand (what its DCE
+            # rule returns, without building the lists): most markers, between stages.
+            for v in eqn.outvars:
+                if v not in read:
+                    break
+            else:
+                keep(eqn)
+                for v in eqn.invars:
+                    if type(v) is not Literal:
+                        mark_read(v)
+                continue
+        rule = rule_of(primitive)
         if rule is None:
             for v in eqn.outvars:
                 if v in read:

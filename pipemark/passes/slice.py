@@ -15,7 +15,14 @@ from pipemark.passes._markers import (
     stage_index_of_equations,
     stage_spans_routed,
 )
-from pipemark.staged import Stage, StagedJaxpr, ValueRef, stage_debug_info
+from pipemark.staged import (
+    Stage,
+    StagedJaxpr,
+    ValueRef,
+    _new_ref,
+    _new_stage,
+    stage_debug_info,
+)
 
 __all__ = ["slice_stages"]
 
@@ -199,8 +206,9 @@ def _slice_stages(cj: ClosedJaxpr, unmarked: str = "assign") -> StagedJaxpr:
         else:
             for v in candidates[k]:
                 if v in exported:
-                    output_ref[v] = stage_output(k, len(outvars))
-                    output_name[v] = f"stage{k}[{len(outvars)}]"
+                    position = len(outvars)
+                    output_ref[v] = _new_ref("stage", position, k)
+                    output_name[v] = f"stage{k}[{position}]"
                     outvars.append(v)
             for eqn in stage_eqns:
                 if eqn.effects:
@@ -234,7 +242,7 @@ def _slice_stages(cj: ClosedJaxpr, unmarked: str = "assign") -> StagedJaxpr:
             stage_debug_info(name, refs, len(outvars), arg_names),
         )
         closed = ClosedJaxpr(stage_jaxpr, [const_value[c] for c in constvars])
-        stages.append(Stage(name, closed, tuple(refs), tuple(indices)))
+        stages.append(_new_stage(name, closed, tuple(refs), tuple(indices)))
 
     outputs = []
     for a in jaxpr.outvars:

@@ -395,6 +395,22 @@ def test_dce_drops_unread_hooks_and_keeps_grad_and_boundary_markers():
     assert _markers(out) == [("boundary", "boundary", 0), ("grad", "grad", 0)]
 
 
+def test_dce_keeps_fully_read_markers_as_they_are():
+    # A marker whose every result is read is kept as the very same equation (the
+    # shortcut past its DCE rule); one partly read loses its dead pairs.
+    def f(x, y):
+        a, b = pm.mark((x, y), name="h", mark_type="hook")
+        c, _ = pm.mark((jnp.sin(a), jnp.cos(b)), name="s", mark_type="start")
+        return a + b + c
+
+    cj = jax.make_jaxpr(f)(1.0, 2.0)
+    out = dce(cj)
+    hook, start = (e for e in out.jaxpr.eqns if e.primitive is pm.pipeline_p)
+    assert hook is cj.jaxpr.eqns[0]
+    assert (start.params["mark_type"], len(start.invars)) == ("start", 1)
+    assert "cos" not in {e.primitive.name for e in out.jaxpr.eqns}
+
+
 def test_dce_keeps_effects():
     def f(x):
         jax.debug.print("x={x}", x=jnp.sin(x))
