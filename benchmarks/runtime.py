@@ -88,47 +88,12 @@ def _median_time(fn, repeat: int) -> float:
     return times[len(times) // 2]
 
 
-def _sleeping_model(num_stages: int, seconds: float):
-    """``num_stages`` tiny marked stages whose forward and backward each sleep ``seconds``
-    in a host callback."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    import pipemark as pm
-
-    def wait(x):
-        time.sleep(seconds)
-        return np.asarray(x)
-
-    def call(x):
-        return jax.pure_callback(wait, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
-
-    @jax.custom_vjp  # pure_callback has no derivative: give it one that sleeps too
-    def sleep(x):
-        return call(x)
-
-    sleep.defvjp(lambda x: (call(x), None), lambda _, g: (call(g),))
-    params = [jnp.eye(4) * 0.5 for _ in range(num_stages)]
-
-    def loss_fn(params, batch):
-        x = batch
-        for i, w in enumerate(params):
-            x, w = pm.mark((x, w), name=f"stage{i}", mark_type="start")
-            x = sleep(jnp.tanh(x @ w))
-            if i == len(params) - 1:
-                x = jnp.mean(x * x)
-            x = pm.mark(x, name=f"stage{i}", mark_type="end")
-        return x
-
-    return loss_fn, params
-
-
 def sleep_table(stage_counts: list[int], micro: list[int], sleep_ms: float, repeat: int) -> str:
     import jax
     import jax.numpy as jnp
 
     import pipemark as pm
+    from pipemark import examples
 
     seconds = sleep_ms / 1e3
     lines = [
@@ -139,10 +104,10 @@ def sleep_table(stage_counts: list[int], micro: list[int], sleep_ms: float, repe
         "ideal (S−1)/(M+S−1) | measured / ideal |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    one_fn, one_params = _sleeping_model(1, seconds)
+    one_fn, one_params, _ = examples.sleeping(1, seconds)
     for stages in stage_counts:
         devices = jax.devices()[:stages]
-        loss_fn, params = _sleeping_model(stages, seconds)
+        loss_fn, params, _ = examples.sleeping(stages, seconds)
         for m in micro:
             batch = jnp.ones((2 * m, 4), jnp.float32)
             one = pm.pipeline_value_and_grad(one_fn, num_microbatches=m, devices=devices[:1])

@@ -39,6 +39,7 @@ a target equation count.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -437,6 +438,50 @@ def language_model(
         return x
 
     return Example(loss_fn, params, (tokens, targets))
+
+
+# ------------------------------------------------------------ stages of fixed duration
+
+
+def sleeping(num_stages: int = 2, seconds: float = 0.005, batch: int = 8) -> Example:
+    """``num_stages`` tiny marked stages whose forward and backward each wait ``seconds``
+    in a host callback: equal stages whose duration does not depend on how many cores
+    the machine has, for measuring a pipeline runtime rather than the hardware.
+
+    ``params`` is a list of ``(4, 4)`` weights, ``batch`` is ``ones((batch, 4))``; stage
+    ``i`` is marked ``stage{i}``.
+
+    >>> ex = sleeping(num_stages=2, seconds=0.0)
+    >>> float(ex.loss_fn(*ex.args)) > 0
+    True
+    """
+    _check_positive(num_stages=num_stages, batch=batch)
+
+    def wait(x):
+        time.sleep(seconds)
+        return np.asarray(x)
+
+    def call(x):
+        return jax.pure_callback(wait, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    @jax.custom_vjp  # pure_callback has no derivative: give it one that waits too
+    def sleep(x):
+        return call(x)
+
+    sleep.defvjp(lambda x: (call(x), None), lambda _, g: (call(g),))
+    params = [jnp.eye(4, dtype=jnp.float32) * 0.5 for _ in range(num_stages)]
+
+    def loss_fn(params, batch):
+        x = batch
+        for i, w in enumerate(params):
+            x, w = mark((x, w), name=f"stage{i}", mark_type="start")
+            x = sleep(jnp.tanh(x @ w))
+            if i == len(params) - 1:
+                x = jnp.mean(x * x)
+            x = mark(x, name=f"stage{i}", mark_type="end")
+        return x
+
+    return Example(loss_fn, params, jnp.ones((batch, 4), jnp.float32))
 
 
 # ------------------------------------------------------------------ sized for benchmarks

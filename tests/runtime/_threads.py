@@ -13,42 +13,6 @@ import threading
 import time
 
 
-def sleeping_model(num_stages: int, seconds: float):
-    """``num_stages`` tiny marked stages whose forward and backward each sleep
-    ``seconds`` in a host callback: equal stages whose time does not depend on cores."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    import pipemark as pm
-
-    def wait(x):
-        time.sleep(seconds)
-        return np.asarray(x)
-
-    def call(x):
-        return jax.pure_callback(wait, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
-
-    @jax.custom_vjp  # pure_callback has no derivative: the backward sleeps as well
-    def sleep(x):
-        return call(x)
-
-    sleep.defvjp(lambda x: (call(x), None), lambda _, g: (call(g),))
-    params = [jnp.eye(4) * 0.5 for _ in range(num_stages)]
-
-    def loss_fn(params, batch):
-        x = batch
-        for i, w in enumerate(params):
-            x, w = pm.mark((x, w), name=f"stage{i}", mark_type="start")
-            x = sleep(jnp.tanh(x @ w))
-            if i == len(params) - 1:
-                x = jnp.mean(x * x)
-            x = pm.mark(x, name=f"stage{i}", mark_type="end")
-        return x
-
-    return loss_fn, params
-
-
 def _emit(**fields) -> None:
     print(json.dumps(fields), flush=True)
 
@@ -142,8 +106,10 @@ def _overlap(jax, pm, run_plan) -> None:
     another."""
     import jax.numpy as jnp
 
+    from pipemark import examples
+
     stages, micro, seconds = 4, 4, 0.02
-    loss_fn, params = sleeping_model(stages, seconds)
+    loss_fn, params, _ = examples.sleeping(stages, seconds)
     batch = jnp.ones((2 * micro, 4))
     pipeline = pm.pipeline_value_and_grad(loss_fn, num_microbatches=micro, schedule="gpipe")
     plan = pipeline.plan(params, batch)
