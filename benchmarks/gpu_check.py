@@ -79,28 +79,6 @@ def pair_sizes(rng, large: bool):
     return sizes
 
 
-def make_mlp_step(marked: bool):
-    import jax
-    import jax.numpy as jnp
-
-    import pipemark as pm
-
-    def loss(params, x):
-        for i, (w, b) in enumerate(params):
-            if marked:
-                x, w, b = pm.mark((x, w, b), name=f"layer{i}", mark_type="start")
-            x = jnp.tanh(x @ w + b)
-            if marked:
-                (x,) = pm.mark((x,), name=f"layer{i}", mark_type="end")
-        return jnp.mean(x**2)
-
-    def step(params, x):
-        grads = jax.grad(loss)(params, x)
-        return jax.tree_util.tree_map(lambda p, g: p - 0.01 * g, params, grads)
-
-    return step
-
-
 def mlp_inputs(width: int, batch: int, depth: int = 8):
     import jax
 
@@ -114,11 +92,12 @@ def mlp_inputs(width: int, batch: int, depth: int = 8):
 
 def time_mlp(mode: str, params, x, repeats: int) -> tuple[float, object]:
     import jax
+    from markers import make_step  # the step benchmarks/markers.py times, beside this script
 
     import pipemark as pm
 
     with pm.lowering(mode):
-        step = jax.jit(make_mlp_step(True), donate_argnums=0)
+        step = jax.jit(make_step(True), donate_argnums=0)
         compiled_text = step.lower(params, x).compile().as_text()
         params = jax.tree_util.tree_map(jax.numpy.copy, params)
         for _ in range(3):
@@ -195,7 +174,9 @@ def check_marked_grad_matches(device) -> None:
 
     params, x = mlp_inputs(64, 16)
     params, x = jax.device_put((params, x), device)
-    grad = jax.jit(make_mlp_step(True))
+    from markers import make_step  # the step benchmarks/markers.py times, beside this script
+
+    grad = jax.jit(make_step(True))
     results = {}
     for mode in ("identity", "custom_call"):
         with pm.lowering(mode):
