@@ -269,6 +269,20 @@ def _mark_missing_vars(cj: ClosedJaxpr) -> ClosedJaxpr:
                 pairs[operand] = result
         return pairs
 
+    def carry(carried_by, added, k: int, marker: int, v: Any) -> Var:
+        """The result of stage ``k``'s marker ``eqns[marker]`` that carries ``v``; a new
+        operand/result pair when the marker has none for it yet."""
+        carried = carried_by[k]
+        if carried is None:
+            carried = carried_by[k] = existing_pairs(eqns[marker])
+        result = carried.get(v)
+        if result is None:
+            result = carried[v] = Var(v.aval)
+            operands, results = added.setdefault(k, ([], []))
+            operands.append(v)
+            results.append(result)
+        return result
+
     def published(v: Any) -> Any:
         """``v``, or the end-marker result that carries it out of its stage."""
         if type(v) is Literal:
@@ -280,32 +294,13 @@ def _mark_missing_vars(cj: ClosedJaxpr) -> ClosedJaxpr:
         closer = closer_of[k]
         if closer is None:  # a backward stage left open by JAX: nothing can follow it
             return v
-        carried = carried_out[k]
-        if carried is None:
-            carried = carried_out[k] = existing_pairs(eqns[closer])
-        result = carried.get(v)
-        if result is None:
-            result = carried[v] = Var(v.aval)
-            operands, results = added_out.setdefault(k, ([], []))
-            operands.append(v)
-            results.append(result)
-        return result
+        return carry(carried_out, added_out, k, closer, v)
 
     def entering(j: int, v: Any) -> Any:
         """The start-marker result of stage ``j`` that carries ``v`` into it."""
         if type(v) is Literal or home.get(v, -2) >> 1 == j:
             return v
-        v = published(v)
-        carried = carried_in[j]
-        if carried is None:
-            carried = carried_in[j] = existing_pairs(eqns[opener_of[j]])
-        result = carried.get(v)
-        if result is None:
-            result = carried[v] = Var(v.aval)
-            operands, results = added_in.setdefault(j, ([], []))
-            operands.append(v)
-            results.append(result)
-        return result
+        return carry(carried_in, added_in, j, opener_of[j], published(v))
 
     def from_another_stage(j: int, v: Any) -> Any:
         """For a marker through which values enter stage ``j``: ``v``, published when
