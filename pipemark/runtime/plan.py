@@ -242,6 +242,12 @@ class PipelinePlan:
     units: dict[int, _Unit] = dataclasses.field(repr=False)
     readers: dict[tuple[int, int], int] = dataclasses.field(repr=False)
     loss_reduction: str = "mean"
+    # Filled by the executor on first use: the actions resolved once
+    # (executor._Program), and each accumulating stage's zeros.
+    _program: Any = dataclasses.field(default=None, repr=False, compare=False)
+    _zeros: dict[int, list[Any]] = dataclasses.field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     @property
     def num_stages(self) -> int:

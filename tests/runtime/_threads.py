@@ -100,6 +100,90 @@ def _errors(jax, pm) -> None:
             )
 
 
+def _errors_inside_programs(jax, pm) -> None:
+    """A stage whose program fails while it runs (its host callback raises, on the third
+    microbatch), on device 0 or on another device: results are published before they
+    are computed, so the error can surface in a reader or only when the caller waits for
+    the accumulators; either way it reaches the caller, nothing hangs, every worker
+    stops, and the pipeline works again afterwards."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    for stage in (0, 1):
+        calls = []
+
+        def failing(x, calls=calls, stage=stage):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError(f"stage {stage} callback failed on purpose")
+            return np.asarray(x)
+
+        def loss_fn(params, batch, failing=failing, stage=stage):
+            x = batch
+            for i, w in enumerate(params):
+                x, w = pm.mark((x, w), name=f"stage{i}", mark_type="start")
+                x = jnp.tanh(x @ w)
+                if i == stage:  # a callback has no derivative: keep tangents away from it
+                    checked = jax.pure_callback(
+                        failing, jax.ShapeDtypeStruct(x.shape, x.dtype), jax.lax.stop_gradient(x)
+                    )
+                    x = x + 0.0 * checked
+                if i == len(params) - 1:
+                    x = jnp.mean(x * x)
+                x = pm.mark(x, name=f"stage{i}", mark_type="end")
+            return x
+
+        params = [jnp.eye(4) * 0.5 for _ in range(3)]
+        batch = jnp.ones((8, 4))
+        pipeline = pm.pipeline_value_and_grad(loss_fn, num_microbatches=4)
+        outcome = {}
+
+        def call(outcome=outcome, pipeline=pipeline, params=params, batch=batch):
+            try:
+                jax.block_until_ready(pipeline(params, batch))
+            except BaseException as error:
+                outcome["error"] = f"{type(error).__name__}: {error}"
+
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        caller.join(timeout=60)
+        calls.clear()
+        calls.extend([1] * 10)  # past the failing call
+        again = pipeline(params, batch)
+        _emit(
+            case=f"program-error/stage{stage}",
+            hung=caller.is_alive(),
+            error=outcome.get("error"),
+            threads_left=sorted(
+                t.name for t in threading.enumerate() if t.name.startswith("pipemark")
+            ),
+            works_again=bool(np.isfinite(np.asarray(again[0]))),
+        )
+
+
+def _values_freed(jax, pm) -> None:
+    """Every value handed between stages is dropped once its last reader has it: none is
+    left after a call, and 1F1B (which runs each backward soon after its forward) holds
+    fewer at once than GPipe (which runs every forward first)."""
+    from pipemark import examples
+
+    ex = examples.mlp(num_layers=4, width=8, batch=16)
+    for schedule in ("gpipe", "1f1b"):
+        pipeline = pm.pipeline_value_and_grad(ex.loss_fn, num_microbatches=8, schedule=schedule)
+        for parallel in (True, False):
+            timings = {}
+            from pipemark.runtime.executor import _run_plan
+
+            jax.block_until_ready(
+                _run_plan(pipeline.plan(*ex.args), *ex.args, timings, parallel=parallel)
+            )
+            _emit(
+                case=f"freed/{schedule}-{'threaded' if parallel else 'serial'}",
+                left=timings["values_left"],
+                peak=timings["peak_values"],
+            )
+
+
 def _overlap(jax, pm, run_plan) -> None:
     """Four stages that sleep 20 ms per action overlap: the pipeline takes near the ideal
     ``(M + S - 1) · 2t``; walked from one thread, XLA runs much of it one device after
@@ -141,6 +225,8 @@ def main() -> None:
     _emit(case="devices", count=len(jax.devices()))
     _bit_identical(jax, pm, _run_plan)
     _errors(jax, pm)
+    _errors_inside_programs(jax, pm)
+    _values_freed(jax, pm)
     _overlap(jax, pm, _run_plan)
 
 

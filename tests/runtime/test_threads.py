@@ -59,6 +59,25 @@ def test_a_worker_error_reaches_the_caller_without_hanging(results, stage, which
     assert result["works_again"]
 
 
+@pytest.mark.parametrize("stage", [0, 1])
+def test_an_error_inside_a_running_program_reaches_the_caller(results, stage):
+    result = results[f"program-error/stage{stage}"]
+    assert result["hung"] is False
+    assert f"stage {stage} callback failed on purpose" in result["error"]
+    assert result["threads_left"] == []
+    assert result["works_again"]
+
+
+def test_values_are_freed_after_their_last_reader(results):
+    for schedule in ("gpipe", "1f1b"):
+        for mode in ("threaded", "serial"):
+            assert results[f"freed/{schedule}-{mode}"]["left"] == 0
+    # Serially, GPipe holds every forward's outputs for all 8 microbatches before the
+    # first backward; 1F1B frees them as it goes.
+    assert results["freed/1f1b-serial"]["peak"] < results["freed/gpipe-serial"]["peak"]
+    assert results["freed/gpipe-serial"]["peak"] >= 8
+
+
 def test_devices_overlap(results):
     assert results["devices"]["count"] == 4
     result = results["overlap"]
