@@ -455,3 +455,19 @@ def stage_index_of_equations(spans: tuple[StageSpan, ...], num_eqns: int) -> lis
 
 def _article(word: str) -> str:
     return "an" if word[:1] in ("a", "e", "i", "o", "u") else "a"
+
+
+def new_stage_span(
+    name: str, first: int, last: int, openers: tuple[int, ...], closers: tuple[int, ...]
+) -> StageSpan:
+    """``StageSpan(name, first, last, openers, closers)``, for passes that make one per
+    stage: filling the frozen dataclass's instance dict directly skips its per-field
+    ``object.__setattr__``. Same object, same fields."""
+    span = object.__new__(StageSpan)
+    fields = span.__dict__
+    fields["name"] = name
+    fields["first"] = first
+    fields["last"] = last
+    fields["openers"] = openers
+    fields["closers"] = closers
+    return span

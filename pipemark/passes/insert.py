@@ -32,6 +32,7 @@ from pipemark.passes._markers import (
     STAGE_MARK_TYPES,
     StageSpan,
     check_no_markers_in_bodies,
+    new_stage_span,
     remember_stage_spans,
 )
 from pipemark.primitive import pipeline_p
@@ -47,38 +48,51 @@ def _check_closed_jaxpr(cj: object, pass_name: str) -> ClosedJaxpr:
     return cj
 
 
-def _refuse_stage_markers(jaxpr: Jaxpr, pass_name: str, allowed: frozenset[str]) -> None:
-    for index, eqn in enumerate(jaxpr.eqns):
-        if eqn.primitive is pipeline_p and eqn.params.get("mark_type") in STAGE_MARK_TYPES:
-            if eqn.params["mark_type"] in allowed:
-                continue
+def _marker_indices(jaxpr: Jaxpr, pass_name: str, allowed: frozenset[str]) -> list[int]:
+    """Indices of the program's marker equations; refuses stage markers (other than the
+    mark types in ``allowed``), since the pass inserts them."""
+    eqns = jaxpr.eqns
+    markers = [index for index, eqn in enumerate(eqns) if eqn.primitive is pipeline_p]
+    for index in markers:
+        eqn = eqns[index]
+        mark_type = eqn.params.get("mark_type")
+        if mark_type in STAGE_MARK_TYPES and mark_type not in allowed:
             raise MarkerError(
                 f"{describe_eqn(eqn, index)}: {pass_name} inserts stage markers into a "
                 "program that has none, but this program already has one. Remove them "
                 "first with pm.passes.remove_markers(cj), or slice the program as it is "
                 "with pm.passes.slice_stages(cj)."
             )
+    return markers
 
 
 def _wrap_segments(
     cj: ClosedJaxpr,
-    segment_of: Sequence[int | None],
+    runs: Sequence[tuple[int | None, int, int]],
     names: Sequence[str],
+    keeps_markers: bool,
 ) -> ClosedJaxpr:
     """Wrap each segment of equations in a start/end marker pair.
 
-    ``segment_of[i]`` is the segment of equation ``i`` (non-decreasing over the kept
-    equations), or ``None`` to drop equation ``i``; a dropped equation must be an
-    identity (a marker), and its results are replaced by its operands.
+    ``runs`` covers the equations in program order with ``(segment, start, stop)``:
+    equations ``start .. stop-1`` belong to ``segment`` (non-decreasing from run to
+    run; a segment may have several runs), or are dropped when ``segment`` is ``None``.
+    A dropped equation must be an identity (a marker); its results are replaced by its
+    operands. ``keeps_markers``: whether a kept equation is a marker (a hook, ...).
 
     A value read from outside a segment comes from the segment that defines it, with
     one exception: a mirrored segment ``<name>_backward`` takes a value that also
     entered segment ``<name>`` from there. In a pipeline the two run on one device, so
     the backward stage reuses what its forward stage received (for instance the layer
     input it needs for the weight gradient) instead of fetching it again.
+
+    An end marker passes on the values its segment received and re-exports first, then
+    the values its segment defines, in the order other segments first read them (the
+    program's results last).
     """
     jaxpr = cj.jaxpr
     eqns = jaxpr.eqns
+    num_segments = len(names)
     segment_named = {name: k for k, name in enumerate(names)}
     mirror_of: dict[int, int] = {}
     for k, name in enumerate(names):
@@ -89,54 +103,70 @@ def _wrap_segments(
             mirror_of[k] = forward
 
     # One sweep in program order (segments never go back, and a value is defined before
-    # it is read) finds the equations of each segment, the segment defining each value,
-    # and what enters each segment from where: None for the defining segment's end
-    # marker (or no marker, for program inputs and constants), else the segment whose
-    # entered copy it is.
+    # it is read) finds the segment defining each value, what enters each segment from
+    # where (None for the defining segment's end marker, or no marker for program inputs
+    # and constants; else the segment whose entered copy it is), what leaves each
+    # segment, and the equations that read a value from outside their segment: only
+    # those are rebuilt, to read the start marker's results; every other equation is
+    # reused as it is.
     alias: dict[Var, object] = {}  # results of dropped markers stand for their operands
     defined_in: dict[Var, int] = {}
-    members: list[list[int]] = [[] for _ in names]
+    runs_of: list[list[tuple[int, int]]] = [[] for _ in names]
+    renamed: list[list[int]] = [[] for _ in names]
     entering_from: list[dict[Var, int | None]] = [{} for _ in names]
-    exported: set[Var] = set()  # defined values leaving their defining segment
+    exported: dict[Var, None] = {}  # defined values leaving their defining segment
+    exported_from: list[list[Var]] = [[] for _ in names]
     reexported: list[dict[Var, None]] = [{} for _ in names]  # entered copies leaving
-    has_markers = False  # kept marker equations (hooks, ...) in the program
     defined_get = defined_in.get
     current = -1
     entering: dict[Var, int | None] = {}
     mirror_entering: dict[Var, int | None] | None = None
     mirror = None
-    for index, (eqn, segment) in enumerate(zip(eqns, segment_of)):
+    segment_renamed: list[int] = []
+    for segment, start, stop in runs:
+        run = eqns[start:stop]
         if segment is None:
-            for inner, outer in zip(eqn.invars, eqn.outvars):
-                alias[outer] = inner if type(inner) is Literal else alias.get(inner, inner)
+            for eqn in run:
+                for inner, outer in zip(eqn.invars, eqn.outvars):
+                    alias[outer] = inner if type(inner) is Literal else alias.get(inner, inner)
             continue
         if segment != current:
             current = segment
             entering = entering_from[segment]
+            segment_renamed = renamed[segment]
             mirror = mirror_of.get(segment)
             mirror_entering = None if mirror is None else entering_from[mirror]
-        members[segment].append(index)
-        if eqn.primitive is pipeline_p:
-            has_markers = True
-        for atom in eqn.invars:
-            if type(atom) is Literal:
-                continue
-            if alias:
-                atom = alias.get(atom, atom)
+        runs_of[segment].append((start, stop))
+        for index, eqn in enumerate(run, start):
+            outside = False
+            for atom in eqn.invars:
                 if type(atom) is Literal:
                     continue
-            home = defined_get(atom)
-            if home == segment or atom in entering:
-                continue
-            if mirror_entering is not None and atom in mirror_entering:
-                entering[atom] = mirror
-                reexported[mirror][atom] = None  # type: ignore[index]
-            else:
-                entering[atom] = None
-                if home is not None:
-                    exported.add(atom)
-        for v in eqn.outvars:
-            defined_in[v] = segment
+                if alias:
+                    resolved = alias.get(atom, atom)
+                    if resolved is not atom:
+                        outside = True  # reads through a dropped marker: rebuilt
+                        atom = resolved
+                        if type(atom) is Literal:
+                            continue
+                home = defined_get(atom)
+                if home == segment:
+                    continue
+                outside = True
+                if atom in entering:
+                    continue
+                if mirror_entering is not None and atom in mirror_entering:
+                    entering[atom] = mirror
+                    reexported[mirror][atom] = None  # type: ignore[index]
+                else:
+                    entering[atom] = None
+                    if home is not None and atom not in exported:
+                        exported[atom] = None
+                        exported_from[home].append(atom)
+            if outside:
+                segment_renamed.append(index)
+            for v in eqn.outvars:
+                defined_in[v] = segment
 
     def resolve(atom):
         if type(atom) is Literal:
@@ -145,10 +175,13 @@ def _wrap_segments(
 
     for atom in jaxpr.outvars:
         atom = resolve(atom)
-        if type(atom) is not Literal and atom in defined_in:
-            exported.add(atom)
+        if type(atom) is not Literal and atom not in exported:
+            home = defined_get(atom)
+            if home is not None:
+                exported[atom] = None
+                exported_from[home].append(atom)
 
-    outside: dict[Var, Var] = {}  # value -> the end-marker result later segments read
+    outside_copy: dict[Var, Var] = {}  # value -> the end-marker result later segments read
     passed_on: list[dict[Var, Var]] = [{} for _ in names]  # entered copy -> end result
     new_eqns: list[JaxprEqn] = []
     append = new_eqns.append
@@ -158,19 +191,21 @@ def _wrap_segments(
     # scratch, and the same equation.
     marker = new_jaxpr_eqn([], [], pipeline_p, {}, no_effects)
     marker_effects, marker_ctx = marker.effects, marker.ctx
-    for segment, indices in enumerate(members):
-        if not indices:
+    for segment in range(num_segments):
+        segment_runs = runs_of[segment]
+        if not segment_runs:
             continue
+        first, last = segment_runs[0][0], segment_runs[-1][1] - 1
         name = names[segment]
         entering = entering_from[segment]
         # What the segment's equations read instead: the start marker's results, or
         # (through dropped markers) the operands.
         remap: dict[Var, object] = {v: Var(v.aval) for v in entering}
         sources = [
-            outside.get(v, v) if source is None else passed_on[source][v]
+            outside_copy.get(v, v) if source is None else passed_on[source][v]
             for v, source in entering.items()
         ]
-        first = len(new_eqns)
+        opener = len(new_eqns)
         append(
             JaxprEqn(
                 sources,
@@ -178,7 +213,7 @@ def _wrap_segments(
                 pipeline_p,
                 {"name": name, "mark_type": "start"},
                 marker_effects,
-                eqns[indices[0]].source_info,
+                eqns[first].source_info,
                 marker_ctx,
             )
         )
@@ -188,33 +223,27 @@ def _wrap_segments(
                 if type(inner) is not Literal:
                     inner = remap.get(inner, inner)  # type: ignore[arg-type]
                 remap.setdefault(outer, inner)
-        for index in indices:
+        # Equation ``index`` of a run lands at ``index + shift`` of the new list.
+        shifts: list[tuple[int, int]] = []
+        for start, stop in segment_runs:
+            shifts.append((stop, len(new_eqns) - start))
+            new_eqns.extend(eqns[start:stop])
+        for index in renamed[segment]:
+            shift = shifts[0][1]
+            if len(shifts) > 1:
+                shift = next(s for stop, s in shifts if index < stop)
             eqn = eqns[index]
-            invars = eqn.invars
-            for atom in invars:
-                if type(atom) is not Literal and atom in remap:
-                    new_invars = [
-                        a if type(a) is Literal else remap.get(a, a)  # type: ignore[misc]
-                        for a in invars
-                    ]
-                    # eqn.replace(invars=new_invars), without its extra call.
-                    append(
-                        JaxprEqn(
-                            new_invars,
-                            eqn.outvars,
-                            eqn.primitive,
-                            eqn.params,
-                            eqn.effects,
-                            eqn.source_info,
-                            eqn.ctx,
-                        )
-                    )
-                    break
-            else:
-                append(eqn)
-            for v in eqn.outvars:
-                if v in exported:
-                    leaving.append(v)
+            # eqn.replace(invars=...), without its extra call.
+            new_eqns[index + shift] = JaxprEqn(
+                [a if type(a) is Literal else remap.get(a, a) for a in eqn.invars],  # type: ignore[misc]
+                eqn.outvars,
+                eqn.primitive,
+                eqn.params,
+                eqn.effects,
+                eqn.source_info,
+                eqn.ctx,
+            )
+        leaving += exported_from[segment]
         results = [Var(v.aval) for v in leaving]
         append(
             JaxprEqn(
@@ -223,19 +252,20 @@ def _wrap_segments(
                 pipeline_p,
                 {"name": name, "mark_type": "end"},
                 marker_effects,
-                eqns[indices[-1]].source_info,
+                eqns[last].source_info,
                 marker_ctx,
             )
         )
-        spans.append(StageSpan(name, first, len(new_eqns) - 1, (first,), (len(new_eqns) - 1,)))
+        closer = len(new_eqns) - 1
+        spans.append(new_stage_span(name, opener, closer, (opener,), (closer,)))
         count = len(reexported[segment])
         passed_on[segment] = dict(zip(reexported[segment], results[:count]))
-        outside.update(zip(leaving[count:], results[count:]))
+        outside_copy.update(zip(leaving[count:], results[count:]))
 
     outvars = []
     for atom in jaxpr.outvars:
         atom = resolve(atom)
-        outvars.append(outside.get(atom, atom) if type(atom) is not Literal else atom)
+        outvars.append(outside_copy.get(atom, atom) if type(atom) is not Literal else atom)
     new_jaxpr = Jaxpr(
         jaxpr.constvars,
         jaxpr.invars,
@@ -244,7 +274,7 @@ def _wrap_segments(
         jaxpr.effects,
         jaxpr.debug_info,
     )
-    if not has_markers:
+    if not keeps_markers:
         # The callers checked the program's bodies, and the stages are exactly the
         # segments: slice_stages and mark_missing_vars need not validate them again.
         # Every value crossing a segment boundary goes through the markers, so
@@ -339,21 +369,15 @@ def insert_markers(
                 f"Cut {cut} is out of range: the program has {num_eqns} equations, so a "
                 f"stage can begin at an index from 0 to {num_eqns - 1}."
             )
-    _refuse_stage_markers(cj.jaxpr, "insert_markers", frozenset())
+    markers = _marker_indices(cj.jaxpr, "insert_markers", frozenset())
     check_no_markers_in_bodies(cj.jaxpr)
     starts = sorted({0, *cut_list})
     names = _check_names(names, len(starts), "stage")
-    segment_of: list[int | None] = []
-    segment = -1
-    next_starts = iter(starts)
-    upcoming = next(next_starts, None)
-    for index in range(num_eqns):
-        if index == upcoming:
-            segment += 1
-            upcoming = next(next_starts, None)
-        segment_of.append(segment)
+    runs = [
+        (k, begin, stop) for k, (begin, stop) in enumerate(zip(starts, [*starts[1:], num_eqns]))
+    ]
     with paused_collector():
-        return _wrap_segments(cj, segment_of, names)
+        return _wrap_segments(cj, runs, names, keeps_markers=bool(markers))
 
 
 def layers_from_boundaries(cj: ClosedJaxpr) -> ClosedJaxpr:
@@ -406,28 +430,23 @@ def layers_from_boundaries(cj: ClosedJaxpr) -> ClosedJaxpr:
 
 def _layers_from_boundaries(cj: ClosedJaxpr) -> ClosedJaxpr:
     cj = _check_closed_jaxpr(cj, "layers_from_boundaries")
-    _refuse_stage_markers(cj.jaxpr, "layers_from_boundaries", frozenset(("boundary",)))
+    markers = _marker_indices(cj.jaxpr, "layers_from_boundaries", frozenset(("boundary",)))
     check_no_markers_in_bodies(cj.jaxpr)
     eqns = cj.jaxpr.eqns
     backward_from = forward_end(cj.jaxpr)
     forward_count = len(eqns) if backward_from is None else backward_from
-    # Markers are rare: find the boundaries in one pass, then fill whole layers.
-    boundaries = [
-        index
-        for index, eqn in enumerate(eqns)
-        if eqn.primitive is pipeline_p and eqn.params.get("mark_type") == "boundary"
-    ]
+    boundaries = [i for i in markers if eqns[i].params.get("mark_type") == "boundary"]
     if boundaries and boundaries[-1] >= forward_count:
         forward_count = len(eqns)  # boundaries in the backward part: cut it as marked
-    segment_of: list[int | None] = []
+    runs: list[tuple[int | None, int, int]] = []
     layer_starts: list[int] = []
     begin = 0
     for stop in [*boundaries, forward_count]:
         if stop > begin:
-            segment_of.extend([len(layer_starts)] * (stop - begin))
+            runs.append((len(layer_starts), begin, stop))
             layer_starts.append(begin)
         if stop < forward_count:
-            segment_of.append(None)
+            runs.append((None, stop, stop + 1))
         begin = stop + 1
     layers = len(layer_starts)
     names = [f"layer{i}" for i in range(layers)]
@@ -437,15 +456,15 @@ def _layers_from_boundaries(cj: ClosedJaxpr) -> ClosedJaxpr:
         # has no tangent), so cut it in mirror of the forward layers, as auto_layers does.
         mirrored = mirror_cuts(cj.jaxpr, forward_count, layer_starts[1:], layers)
         begins = [forward_count, *mirrored, len(eqns)]
-        for stage in range(layers):
-            segment_of.extend([layers + stage] * (begins[stage + 1] - begins[stage]))
+        runs.extend((layers + stage, begins[stage], begins[stage + 1]) for stage in range(layers))
         names += [f"layer{i}_backward" for i in reversed(range(layers))]
-    else:
+    elif backward_count:
         # No backward pass, or one too short to mirror: it joins the last layer.
-        segment_of.extend([max(layers - 1, 0)] * backward_count)
-        if not names and backward_count:
+        runs.append((max(layers - 1, 0), forward_count, len(eqns)))
+        if not names:
             names = ["layer0"]
-    return _wrap_segments(cj, segment_of, names)
+    # Every boundary is dropped; any other marker (a hook, ...) stays.
+    return _wrap_segments(cj, runs, names, keeps_markers=len(markers) > len(boundaries))
 
 
 def insert_markers_by_scope(cj: ClosedJaxpr, depth: int = 1) -> ClosedJaxpr:

@@ -260,6 +260,24 @@ def test_layers_from_boundaries_without_boundaries_is_one_layer():
     assert marker_names(layers) == ["layer0", "layer0"]
 
 
+def test_backward_joins_the_last_layer_across_a_closing_boundary():
+    # The boundary is the forward part's last equation, so the program has one layer;
+    # the backward part joins it, and the dropped boundary sits inside that layer.
+    def f(x):
+        y = jnp.sin(x).sum()
+        pm.mark_pipeline_boundary()
+        return y
+
+    cj = jax.make_jaxpr(jax.value_and_grad(f))(X)
+    layers = assert_pure(cj, P.layers_from_boundaries)
+    check_jaxpr(layers.jaxpr)
+    assert marker_names(layers) == ["layer0", "layer0"]
+    assert not any(pm.is_marker(e, "boundary") for e in layers.eqns)
+    assert len(layers.eqns) == len(cj.eqns) - 1 + 2
+    assert_values_cross_through_markers(layers)
+    P.slice_stages(layers).verify(cj, X)
+
+
 def test_boundary_marker_with_operands_is_replaced_by_them():
     def f(x):
         (y,) = pm.mark((jnp.sin(x),), name="boundary", mark_type="boundary")
