@@ -7,7 +7,10 @@ whose layers are separated by boundary markers), time
 
 and divide by the time ``jax.make_jaxpr`` takes to trace the same program (a fresh
 function each time: ``make_jaxpr`` caches on the function object). Print a markdown
-table with the ratio and the microseconds per equation of each pass.
+table with the ratio and the microseconds per equation of each pass, and the time of a
+bare def-use sweep over the same program (a dict store per result, a lookup per read
+variable: the least any pass over the equations does) to show how much of the growth
+with the program's size is the memory hierarchy's rather than the passes'.
 
 The insert pass is :func:`~pipemark.passes.layers_from_boundaries`: it is what
 ``pm.split`` runs on a boundary-marked model, and on a gradient program it also cuts the
@@ -16,11 +19,13 @@ is the main table. ``--markers startend`` times hand-marked models (``pm.mark``
 start/end pairs) instead, without an insert pass; there ``mark_missing_vars`` has real
 work, since the backward stages JAX makes read forward values past their markers.
 
-Timing: the best of ``--repeat`` runs, with the garbage collector
-collected before each timed call and the heap that existed before it frozen
-(``gc.freeze``), for tracing and passes alike: otherwise a full collection over a heap
-holding a 200k-equation jaxpr lands in whichever call happens to trigger it. The last
-column repeats the ratio with the collector left as it is.
+Timing: the best of ``--repeat`` rounds; each round traces a fresh function and runs
+the passes on that program (passes remember, per program, what they validated). Before
+each timed call the heap that exists is frozen (``gc.freeze``), for tracing and passes
+alike: otherwise a full collection over a heap holding a 200k-equation jaxpr lands in
+whichever call happens to trigger it. The collector runs once per round, before
+tracing, not before each timed call (a full collection leaves the CPU caches cold). The
+last column repeats the ratio with the collector left as it is.
 
 Targets (issue 3): ratio <= 0.05 at 2k equations; microseconds per equation flat
 within 2x from 2k to 200k.
@@ -38,6 +43,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from jax.extend.core import Literal
+
 from pipemark import examples
 from pipemark.passes import dce, layers_from_boundaries, mark_missing_vars, slice_stages
 
@@ -53,8 +60,8 @@ def _timed(fn: Callable[[], Any], collector: bool) -> tuple[float, Any]:
     """Seconds ``fn()`` takes. Without ``collector``, the heap that exists before the
     call is frozen (``gc.freeze``): the collector still runs, but only over objects the
     call makes, so a full collection over an unrelated big heap (the input jaxpr,
-    earlier results) does not land in whichever call happens to trigger it."""
-    gc.collect()
+    earlier results) does not land in whichever call happens to trigger it. With it, the
+    collector runs as it would in a program."""
     if not collector:
         gc.freeze()
     try:
@@ -63,6 +70,21 @@ def _timed(fn: Callable[[], Any], collector: bool) -> tuple[float, Any]:
         return time.perf_counter() - start, result
     finally:
         gc.unfreeze()
+
+
+def _bare_sweep(cj: Any) -> None:
+    """The least any def-use pass does: one sweep in program order that records each
+    equation's results in a dict and looks up each variable it reads. Timed on the same
+    program as the passes, it shows how much of the growth of µs/eqn with the program's
+    size comes from memory (caches) rather than from the passes' algorithms."""
+    defined: dict[Any, int] = {}
+    get = defined.get
+    for index, eqn in enumerate(cj.jaxpr.eqns):
+        for v in eqn.invars:
+            if type(v) is not Literal:
+                get(v)
+        for v in eqn.outvars:
+            defined[v] = index
 
 
 def _pipeline(cj: Any, collector: bool, insert: bool = True) -> dict[str, float]:
@@ -87,14 +109,22 @@ def _pipeline(cj: Any, collector: bool, insert: bool = True) -> dict[str, float]
 def measure(kind: str, num_eqns: int, repeat: int, markers: str = "boundary") -> dict[str, Any]:
     insert = markers == "boundary"
     example = examples.sized(kind, num_eqns, markers=markers)
-    trace_times, cj = [], None
+    # Each round traces a fresh function and runs the passes on that program: passes
+    # remember what they validated on a program (by identity), so running them twice
+    # on one program would time the second run without its checks. The collector runs
+    # once per round, before tracing, never just before a timed call: a full collection
+    # walks the whole heap and leaves the CPU caches cold for whatever runs next.
+    trace_times, pass_times = [], []
     for _ in range(repeat):
+        gc.collect()
         seconds, cj = _timed(lambda: example.trace(grad=True), collector=False)
         trace_times.append(seconds)
-    pass_times = [_pipeline(cj, collector=False, insert=insert) for _ in range(repeat)]
+        pass_times.append(_pipeline(cj, collector=False, insert=insert))
     best = {name: min(t[name] for t in pass_times) for name in pass_times[0]}
+    sweep = min(_timed(lambda: _bare_sweep(cj), collector=False)[0] for _ in range(repeat))
+    gc.collect()
+    trace_with_collector, cj = _timed(lambda: example.trace(grad=True), collector=True)
     with_collector = _pipeline(cj, collector=True, insert=insert)
-    trace_with_collector, _ = _timed(lambda: example.trace(grad=True), collector=True)
     count = len(cj.jaxpr.eqns)
     total = sum(best.values())
     return {
@@ -107,6 +137,7 @@ def measure(kind: str, num_eqns: int, repeat: int, markers: str = "boundary") ->
         "ratio": total / min(trace_times),
         "ratio_gc": sum(with_collector.values()) / trace_with_collector,
         "us_per_eqn": total / count * 1e6,
+        "sweep_us_per_eqn": sweep / count * 1e6,
     }
 
 
@@ -115,7 +146,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     head = (
         "| model | equations | make_jaxpr (s) | "
         + " | ".join(f"{n} (µs/eqn)" for n in names)
-        + " | passes (µs/eqn) | ratio | ratio, GC on |"
+        + " | passes (µs/eqn) | ratio | ratio, GC on | bare sweep (µs/eqn) | passes / sweep |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
@@ -124,7 +155,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         )
         lines.append(
             f"| {r['kind']} | {r['eqns']:,} | {r['trace']:.2f} | {per_pass} | "
-            f"{r['us_per_eqn']:.2f} | {r['ratio']:.3f} | {r['ratio_gc']:.3f} |"
+            f"{r['us_per_eqn']:.2f} | {r['ratio']:.3f} | {r['ratio_gc']:.3f} | "
+            f"{r['sweep_us_per_eqn']:.3f} | {r['us_per_eqn'] / r['sweep_us_per_eqn']:.1f} |"
         )
     return "\n".join(lines)
 
@@ -135,12 +167,14 @@ def verdict(rows: list[dict[str, Any]]) -> str:
         mine = sorted((r for r in rows if r["kind"] == kind), key=lambda r: r["eqns"])
         smallest = mine[0]
         spread = max(r["us_per_eqn"] for r in mine) / min(r["us_per_eqn"] for r in mine)
+        sweep_spread = mine[-1]["sweep_us_per_eqn"] / mine[0]["sweep_us_per_eqn"]
         ratio_ok = "meets" if smallest["ratio"] <= 0.05 else "misses"
         flat_ok = "meets" if spread <= 2 else "misses"
         lines.append(
             f"- {kind}: ratio {smallest['ratio']:.3f} at {smallest['eqns']:,} equations "
             f"({ratio_ok} <= 0.05); µs/eqn varies {spread:.2f}x from "
-            f"{mine[0]['eqns']:,} to {mine[-1]['eqns']:,} equations ({flat_ok} <= 2x)."
+            f"{mine[0]['eqns']:,} to {mine[-1]['eqns']:,} equations ({flat_ok} <= 2x); "
+            f"the bare def-use sweep's by {sweep_spread:.2f}x over the same range."
         )
     return "\n".join(lines)
 
