@@ -6,7 +6,15 @@ catch all of them with one ``except`` clause. The subclasses say which part went
 
 from __future__ import annotations
 
-__all__ = ["PipemarkError", "MarkerError", "StageGraphError", "describe_eqn"]
+from typing import Any
+
+__all__ = [
+    "PipemarkError",
+    "MarkerError",
+    "StageGraphError",
+    "check_closed_jaxpr",
+    "describe_eqn",
+]
 
 
 class PipemarkError(Exception):
@@ -25,6 +33,29 @@ class MarkerError(PipemarkError, ValueError):
 class StageGraphError(PipemarkError):
     """The stages cannot form a valid program (for example, they depend on each other
     in a cycle)."""
+
+
+def check_closed_jaxpr(value: Any, who: str) -> Any:
+    """``value`` if it is a ``jax.extend.core.ClosedJaxpr``; else a
+    :class:`PipemarkError` that says ``who`` takes one and how to get one.
+
+    >>> import jax, jax.numpy as jnp
+    >>> cj = jax.make_jaxpr(jnp.sin)(1.0)
+    >>> check_closed_jaxpr(cj, "dce") is cj
+    True
+    >>> check_closed_jaxpr(cj.jaxpr, "dce")
+    Traceback (most recent call last):
+    ...
+    pipemark.errors.PipemarkError: dce takes a jax.extend.core.ClosedJaxpr, got Jaxpr; trace your function with jax.make_jaxpr(fn)(*args) first.
+    """
+    from jax.extend.core import ClosedJaxpr  # here: importing the errors imports no JAX
+
+    if not isinstance(value, ClosedJaxpr):
+        raise PipemarkError(
+            f"{who} takes a jax.extend.core.ClosedJaxpr, got {type(value).__name__}; "
+            "trace your function with jax.make_jaxpr(fn)(*args) first."
+        )
+    return value
 
 
 def describe_eqn(eqn, index: int | None = None) -> str:

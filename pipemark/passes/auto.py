@@ -44,7 +44,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 from pipemark.cost import Cost, eqn_costs, estimate_cost
-from pipemark.errors import MarkerError, PipemarkError, describe_eqn
+from pipemark.errors import MarkerError, PipemarkError, check_closed_jaxpr, describe_eqn
 from pipemark.passes._backward import crossing_bytes, forward_end, mirror_cuts
 from pipemark.passes.insert import insert_markers
 from pipemark.primitive import pipeline_p
@@ -381,10 +381,7 @@ def auto_layers(
     >>> [e.primitive.name for e in marked.eqns][:6]
     ['pipeline_marker', 'dot_general', 'tanh', 'dot_general', 'tanh', 'pipeline_marker']
     """
-    if not isinstance(cj, ClosedJaxpr):
-        raise PipemarkError(
-            f"auto_layers takes a ClosedJaxpr (from jax.make_jaxpr), got {type(cj).__name__}."
-        )
+    check_closed_jaxpr(cj, "auto_layers")
     if isinstance(num_layers, bool) or not isinstance(num_layers, (int, np.integer)):
         raise PipemarkError(f"num_layers must be a positive int, got {num_layers!r}.")
     if num_layers < 1:

@@ -11,7 +11,7 @@ from typing import Any
 
 from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, JaxprEqn, Literal, Var
 
-from pipemark.errors import MarkerError, PipemarkError, describe_eqn
+from pipemark.errors import MarkerError, check_closed_jaxpr, describe_eqn
 from pipemark.passes._markers import find_stage_spans
 from pipemark.passes.rewrite import dce
 from pipemark.primitive import pipeline_p
@@ -176,11 +176,7 @@ def split_at_gradient(cj: ClosedJaxpr) -> tuple[ClosedJaxpr, ClosedJaxpr]:
     >>> len(compute_grad.jaxpr.outvars), len(apply_grad.jaxpr.invars)
     (2, 4)
     """
-    if not isinstance(cj, ClosedJaxpr):
-        raise PipemarkError(
-            f"split_at_gradient takes a jax.extend.core.ClosedJaxpr, got "
-            f"{type(cj).__name__}; trace your training step with jax.make_jaxpr first."
-        )
+    check_closed_jaxpr(cj, "split_at_gradient")
     jaxpr = cj.jaxpr
     eqns = jaxpr.eqns
     g = _grad_marker_index(jaxpr)

@@ -25,7 +25,7 @@ from jax.extend.core import (
 )
 
 from pipemark._compat import name_stack_scopes
-from pipemark.errors import MarkerError, PipemarkError, describe_eqn
+from pipemark.errors import MarkerError, PipemarkError, check_closed_jaxpr, describe_eqn
 from pipemark.passes._backward import forward_end, mirror_cuts
 from pipemark.passes._collector import paused_collector
 from pipemark.passes._markers import (
@@ -38,14 +38,6 @@ from pipemark.passes._markers import (
 from pipemark.primitive import pipeline_p
 
 __all__ = ["insert_markers", "insert_markers_by_scope", "layers_from_boundaries"]
-
-
-def _check_closed_jaxpr(cj: object, pass_name: str) -> ClosedJaxpr:
-    if not isinstance(cj, ClosedJaxpr):
-        raise PipemarkError(
-            f"{pass_name} takes a ClosedJaxpr (from jax.make_jaxpr), got {type(cj).__name__}."
-        )
-    return cj
 
 
 def _marker_indices(jaxpr: Jaxpr, pass_name: str, allowed: frozenset[str]) -> list[int]:
@@ -347,7 +339,7 @@ def insert_markers(
         g:f32[] = pipeline_marker[mark_type=end name=s1] f
       in (g,) }
     """
-    cj = _check_closed_jaxpr(cj, "insert_markers")
+    cj = check_closed_jaxpr(cj, "insert_markers")
     num_eqns = len(cj.jaxpr.eqns)
     if num_eqns == 0:
         raise PipemarkError("insert_markers: the program has no equations to put in stages.")
@@ -429,7 +421,7 @@ def layers_from_boundaries(cj: ClosedJaxpr) -> ClosedJaxpr:
 
 
 def _layers_from_boundaries(cj: ClosedJaxpr) -> ClosedJaxpr:
-    cj = _check_closed_jaxpr(cj, "layers_from_boundaries")
+    cj = check_closed_jaxpr(cj, "layers_from_boundaries")
     markers = _marker_indices(cj.jaxpr, "layers_from_boundaries", frozenset(("boundary",)))
     check_no_markers_in_bodies(cj.jaxpr)
     eqns = cj.jaxpr.eqns
@@ -501,7 +493,7 @@ def insert_markers_by_scope(cj: ClosedJaxpr, depth: int = 1) -> ClosedJaxpr:
     >>> [e.params["name"] for e in marked.eqns if e.primitive is pm.pipeline_p]
     ['embed', 'embed', 'head', 'head']
     """
-    cj = _check_closed_jaxpr(cj, "insert_markers_by_scope")
+    cj = check_closed_jaxpr(cj, "insert_markers_by_scope")
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         raise PipemarkError(f"depth must be a positive int, got {depth!r}.")
     eqns = cj.jaxpr.eqns

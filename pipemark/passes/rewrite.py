@@ -14,20 +14,12 @@ from typing import Any
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 from jax.interpreters import partial_eval as pe
 
-from pipemark.errors import PipemarkError
+from pipemark.errors import check_closed_jaxpr
 from pipemark.passes._collector import paused_collector
 from pipemark.passes._markers import find_stage_spans, stage_spans_routed
 from pipemark.primitive import pipeline_p
 
 __all__ = ["remove_markers", "mark_missing_vars", "dce"]
-
-
-def _check_closed_jaxpr(cj: Any, pass_name: str) -> None:
-    if not isinstance(cj, ClosedJaxpr):
-        raise PipemarkError(
-            f"{pass_name} takes a jax.extend.core.ClosedJaxpr, got {type(cj).__name__}; "
-            "trace your function with jax.make_jaxpr(fn)(*args) first."
-        )
 
 
 # ------------------------------------------------------------------------ remove_markers
@@ -134,7 +126,7 @@ def remove_markers(cj: ClosedJaxpr) -> ClosedJaxpr:
     >>> [e.primitive.name for e in remove_markers(cj).eqns]
     ['sin']
     """
-    _check_closed_jaxpr(cj, "remove_markers")
+    check_closed_jaxpr(cj, "remove_markers")
     return ClosedJaxpr(_remove_markers(cj.jaxpr, {}), cj.consts)
 
 
@@ -224,7 +216,7 @@ def mark_missing_vars(cj: ClosedJaxpr) -> ClosedJaxpr:
 
 
 def _mark_missing_vars(cj: ClosedJaxpr) -> ClosedJaxpr:
-    _check_closed_jaxpr(cj, "mark_missing_vars")
+    check_closed_jaxpr(cj, "mark_missing_vars")
     jaxpr = cj.jaxpr
     eqns = jaxpr.eqns
     spans = find_stage_spans(jaxpr)
@@ -421,7 +413,7 @@ def dce(cj: ClosedJaxpr) -> ClosedJaxpr:
 
 
 def _dce(cj: ClosedJaxpr) -> ClosedJaxpr:
-    _check_closed_jaxpr(cj, "dce")
+    check_closed_jaxpr(cj, "dce")
     jaxpr = cj.jaxpr
     # One backward sweep, like jax.interpreters.partial_eval.dce_jaxpr, but with a fast
     # path for the common case of a primitive without a DCE rule of its own: such an

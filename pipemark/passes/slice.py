@@ -7,7 +7,13 @@ from typing import Any
 
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
-from pipemark.errors import MarkerError, PipemarkError, StageGraphError, describe_eqn
+from pipemark.errors import (
+    MarkerError,
+    PipemarkError,
+    StageGraphError,
+    check_closed_jaxpr,
+    describe_eqn,
+)
 from pipemark.passes._collector import paused_collector
 from pipemark.passes._markers import (
     StageSpan,
@@ -155,10 +161,7 @@ def slice_stages(cj: ClosedJaxpr, unmarked: str = "assign") -> StagedJaxpr:
 
 
 def _slice_stages(cj: ClosedJaxpr, unmarked: str = "assign") -> StagedJaxpr:
-    if not isinstance(cj, ClosedJaxpr):
-        raise PipemarkError(
-            f"slice_stages takes a ClosedJaxpr (from jax.make_jaxpr), got {type(cj).__name__}."
-        )
+    check_closed_jaxpr(cj, "slice_stages")
     if unmarked not in _UNMARKED_MODES:
         raise PipemarkError(
             f"unmarked must be one of {', '.join(map(repr, _UNMARKED_MODES))}, got {unmarked!r}."
