@@ -4,12 +4,19 @@ Prints three markdown tables:
 
 1. **Bubble fraction with equal stages of fixed duration**, which isolates the runtime
    from the number of cores: every stage is tiny, and its forward and its backward each
-   sleep ``t`` in a ``jax.pure_callback`` (wrapped in ``jax.custom_vjp``, since a callback
-   has no derivative). One stage's work per microbatch, ``t_f + t_b``, is measured on its
-   own (a one-stage pipeline, ``M`` microbatches on one device, divided by ``M``); the
-   pipeline of ``S`` stages takes ``TS``; the measured bubble is
+   wait ``t`` (wrapped in ``jax.custom_vjp``), either in C (``--stage native``: a custom
+   call compiled at run time with the system C compiler, see ``_native_sleep.py``; the
+   default when a compiler is found) or in Python (``--stage callback``: a
+   ``jax.pure_callback``, ``pipemark.examples.sleeping``, which costs 100–220 µs of JAX's
+   callback path per call). ``--stage native callback`` measures both in one run, and
+   several ``--sleep-ms`` values give a table each. One stage's work per microbatch,
+   ``t_f + t_b``, is measured on its own (a one-stage pipeline, ``M`` microbatches on one
+   device, divided by ``M``); the pipeline of ``S`` stages takes ``TS``; the measured bubble is
    ``1 - M (t_f + t_b) / TS``, against the ideal ``(S - 1) / (M + S - 1)``. Target: within
-   10% of the ideal.
+   10% of the ideal (measured <= 1.1 x ideal). Also printed: the runtime's overhead per
+   tick, ``(TS - (M + S - 1)(t_f + t_b)) / ticks``, and the overhead per tick that the
+   target allows; and after each table, per stage kind and ``S``, the smallest ``t`` for
+   which the measured overhead per tick would keep measured / ideal <= 1.1.
 2. **Bubble fraction with real compute** (tanh layers), measured the same way. Host CPU
    devices overlap only when each has a core of its own; with fewer cores than stages the
    measured bubble says so (the stages take turns on the cores).
@@ -20,7 +27,8 @@ The script sets ``--xla_force_host_platform_device_count`` (at least 4) and make
 each device's computation on one thread.
 
 Run with ``.venv/bin/python benchmarks/runtime.py`` (``--stages 4 --width 512
---sleep-ms 5``; ``--quick`` for a short run).
+--sleep-ms 5``; ``--quick`` for a short run; ``--tables equal`` for the first table only,
+e.g. ``--tables equal --stage native callback --sleep-ms 5 20``).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 
 def _set_flags(num_devices: int) -> None:
@@ -88,45 +97,109 @@ def _median_time(fn, repeat: int) -> float:
     return times[len(times) // 2]
 
 
-def sleep_table(stage_counts: list[int], micro: list[int], sleep_ms: float, repeat: int) -> str:
+def _native_sleep():
+    # The module sits next to this script, which may also be imported from elsewhere.
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import _native_sleep
+
+    return _native_sleep
+
+
+def _stage_builder(kind: str):
+    """``(num_stages, seconds) -> Example`` for an equal-stage kind, and its description."""
+    if kind == "native":
+        return _native_sleep().sleeping, "sleep in a C custom call (no Python, GIL released)"
+    from pipemark import examples
+
+    return examples.sleeping, "sleep in a jax.pure_callback"
+
+
+def sleep_table(
+    stage_counts: list[int],
+    micro: list[int],
+    sleep_ms: float,
+    repeat: int,
+    kinds: tuple[str, ...] = ("callback",),
+) -> str:
     import jax
     import jax.numpy as jnp
 
     import pipemark as pm
-    from pipemark import examples
 
     seconds = sleep_ms / 1e3
+    described = "; ".join(f"{kind}: {_stage_builder(kind)[1]}" for kind in kinds)
     lines = [
-        f"Equal stages: forward and backward each sleep {sleep_ms:g} ms in a host callback; "
+        f"Equal stages: forward and backward each wait t = {sleep_ms:g} ms ({described}); "
         f"{os.cpu_count()} CPU cores, median of {repeat}",
         "",
-        "| schedule | S | M | t_f+t_b ms | TS (pipeline) ms | ideal TS ms | measured bubble | "
-        "ideal (S−1)/(M+S−1) | measured / ideal |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| stage | schedule | S | M | t_f+t_b ms | TS (pipeline) ms | ideal TS ms | "
+        "measured bubble | ideal (S−1)/(M+S−1) | measured / ideal | overhead µs/tick | "
+        "budget µs/tick |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    one_fn, one_params, _ = examples.sleeping(1, seconds)
-    for stages in stage_counts:
-        devices = jax.devices()[:stages]
-        loss_fn, params, _ = examples.sleeping(stages, seconds)
-        for m in micro:
-            batch = jnp.ones((2 * m, 4), jnp.float32)
-            one = pm.pipeline_value_and_grad(one_fn, num_microbatches=m, devices=devices[:1])
-            work = _median_time(lambda one=one, batch=batch: one(one_params, batch), repeat) / m
-            for schedule in ("gpipe", "1f1b"):
-                pipe = pm.pipeline_value_and_grad(
-                    loss_fn, num_microbatches=m, devices=devices, schedule=schedule
+    notes = []
+    for kind in kinds:
+        build = _stage_builder(kind)[0]
+        one_fn, one_params, _ = build(1, seconds)
+        for stages in stage_counts:
+            devices = jax.devices()[:stages]
+            loss_fn, params, _ = build(stages, seconds)
+            # Per M, the stage time t needed for measured <= 1.1 x ideal (worst schedule).
+            needed: dict[int, tuple[float, str]] = {}
+            for m in micro:
+                batch = jnp.ones((2 * m, 4), jnp.float32)
+                one = pm.pipeline_value_and_grad(one_fn, num_microbatches=m, devices=devices[:1])
+                work = (
+                    _median_time(lambda one=one, batch=batch, p=one_params: one(p, batch), repeat)
+                    / m
                 )
-                ts = _median_time(
-                    lambda pipe=pipe, batch=batch, params=params: pipe(params, batch), repeat
-                )
-                measured = max(0.0, 1.0 - m * work / ts)
-                ideal = pm.ideal_bubble_fraction(stages, m)
-                lines.append(
-                    f"| {schedule} | {stages} | {m} | {1e3 * work:.2f} | {1e3 * ts:.1f} | "
-                    f"{1e3 * (m + stages - 1) * work:.1f} | {measured:.3f} | {ideal:.3f} | "
-                    f"{measured / ideal:.2f} |"
-                )
-    return "\n".join(lines)
+                for schedule in ("gpipe", "1f1b"):
+                    pipe = pm.pipeline_value_and_grad(
+                        loss_fn, num_microbatches=m, devices=devices, schedule=schedule
+                    )
+                    ts = _median_time(
+                        lambda pipe=pipe, batch=batch, params=params: pipe(params, batch), repeat
+                    )
+                    measured = max(0.0, 1.0 - m * work / ts)
+                    ideal = pm.ideal_bubble_fraction(stages, m)
+                    ideal_ts = (m + stages - 1) * work
+                    # Per tick (one forward or one backward): what the pipeline adds to the
+                    # ideal, and what it may add for measured <= 1.1 x ideal.
+                    ticks = pipe.plan(params, batch).schedule.num_ticks
+                    overhead = (ts - ideal_ts) / ticks
+                    budget = (m * work / (1.0 - 1.1 * ideal) - ideal_ts) / ticks
+                    t_min = _needed_stage_time(work, seconds, overhead, budget)
+                    if m not in needed or t_min > needed[m][0]:
+                        needed[m] = (t_min, schedule)
+                    lines.append(
+                        f"| {kind} | {schedule} | {stages} | {m} | {1e3 * work:.2f} | "
+                        f"{1e3 * ts:.1f} | {1e3 * ideal_ts:.1f} | {measured:.3f} | "
+                        f"{ideal:.3f} | {measured / ideal:.2f} | {1e6 * overhead:.0f} | "
+                        f"{1e6 * budget:.0f} |"
+                    )
+            per_m = ", ".join(f"M = {m}: {1e3 * t:.1f} ms ({s})" for m, (t, s) in needed.items())
+            notes.append(
+                f"- {kind}, S = {stages}: at the measured overhead per tick, measured / ideal "
+                f"≤ 1.10 needs t ≥ {1e3 * max(t for t, _ in needed.values()):.1f} ms for every "
+                f"M here ({per_m})"
+            )
+    return "\n".join([*lines, "", *notes])
+
+
+def _needed_stage_time(work: float, seconds: float, overhead: float, budget: float) -> float:
+    """The smallest ``t`` for which a per-tick ``overhead`` stays within the budget.
+
+    The budget per tick grows in proportion to ``t_f + t_b`` (it is ``(t_f + t_b)`` times
+    a factor of ``S`` and ``M``), which is ``2 t`` plus the stage's fixed cost
+    ``work - 2 seconds`` (dispatch, the tiny layer, the sleep's oversleep). Assumes the
+    overhead per tick does not grow with ``t``.
+    """
+    if overhead <= 0:
+        return 0.0
+    needed_work = work * overhead / budget
+    return max(0.0, (needed_work - (work - 2 * seconds)) / 2)
 
 
 def bubble_table(stages: int, micro: list[int], width: int, rows: int, repeat: int) -> str:
@@ -202,6 +275,25 @@ def overhead_table(stages: int, micro: list[int], repeat: int) -> str:
     return "\n".join(lines)
 
 
+STAGE_KINDS = ("native", "callback")
+TABLES = ("equal", "compute", "overhead")
+
+
+def _stage_kinds(requested: list[str] | None) -> tuple[str, ...]:
+    native = _native_sleep()
+    if requested is None:
+        if native.available():
+            return ("native",)
+        print(
+            "note: no working C compiler (tried $CC, cc, gcc): equal stages wait in a "
+            "jax.pure_callback, which measures JAX's callback path more than the runtime\n"
+        )
+        return ("callback",)
+    if "native" in requested and not native.available():
+        native.sleeping(1, 0.0)  # raises NativeSleepUnavailable with the reason
+    return tuple(dict.fromkeys(requested))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, default=min(4, os.cpu_count() or 1))
@@ -209,16 +301,41 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
-    parser.add_argument("--sleep-ms", type=float, default=5.0, help="equal-stage duration")
+    parser.add_argument(
+        "--sleep-ms",
+        type=float,
+        nargs="+",
+        default=[5.0],
+        help="equal-stage duration t in ms (forward and backward each); several give a table each",
+    )
+    parser.add_argument(
+        "--stage",
+        choices=STAGE_KINDS,
+        nargs="+",
+        default=None,
+        help="how an equal stage waits: native (C custom call; the default when a C compiler "
+        "is found) or callback (jax.pure_callback); give both to measure them side by side",
+    )
+    parser.add_argument(
+        "--tables",
+        choices=TABLES,
+        nargs="+",
+        default=list(TABLES),
+        help="which tables to print (default: all)",
+    )
     args = parser.parse_args(argv)
     _set_flags(max(4, args.stages))
     micro = [4, 8] if args.quick else [4, 8, 16, 32]
     repeat = 3 if args.quick else args.repeat
-    print(sleep_table([2, 4], micro, args.sleep_ms, repeat))
-    print()
-    print(bubble_table(args.stages, micro, args.width, args.rows, repeat))
-    print()
-    print(overhead_table(args.stages, micro, repeat))
+    if "equal" in args.tables:
+        for ms in args.sleep_ms:
+            print(sleep_table([2, 4], micro, ms, repeat, _stage_kinds(args.stage)))
+            print()
+    if "compute" in args.tables:
+        print(bubble_table(args.stages, micro, args.width, args.rows, repeat))
+        print()
+    if "overhead" in args.tables:
+        print(overhead_table(args.stages, micro, repeat))
     sys.stdout.flush()
 
 

@@ -1,0 +1,191 @@
+"""Tests of benchmarks/_native_sleep.py: a C custom call that copies its operand and
+sleeps, the equal stage of benchmarks/runtime.py.
+
+The two-device pipeline check runs this file as a script in a subprocess, because XLA
+reads ``--xla_force_host_platform_device_count`` only when JAX starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+_REPO = Path(__file__).resolve().parents[2]
+# benchmarks/ is not a package: runtime.py imports its neighbour as ``_native_sleep``,
+# and so do the tests.
+if str(_REPO / "benchmarks") not in sys.path:
+    sys.path.insert(0, str(_REPO / "benchmarks"))
+
+import _native_sleep as ns  # noqa: E402
+
+if __name__ != "__main__" and not ns.available():
+    pytest.skip("no working C compiler for the native sleep", allow_module_level=True)
+
+
+def _elapsed(fn, *args) -> float:
+    jax.block_until_ready(fn(*args))  # compile first
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - start
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.arange(6, dtype=np.float32).reshape(2, 3),
+        np.arange(-5, 5, dtype=np.int32),
+        np.array([True, False, True]),
+        np.float64(2.5),
+        np.zeros((0, 4), np.float32),
+        np.arange(24, dtype=np.int8).reshape(2, 3, 4),
+    ],
+    ids=["f32", "i32", "bool", "scalar", "empty", "i8-3d"],
+)
+def test_returns_its_operand_unchanged(value):
+    x = jnp.asarray(value)
+    out = jax.jit(lambda x: ns.native_sleep(x, 0.0))(x)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(x))
+    np.testing.assert_array_equal(np.asarray(ns.native_sleep(x, 0.0)), np.asarray(x))
+
+
+def test_lowers_to_a_side_effecting_api_version_3_custom_call():
+    x = jnp.ones((2, 4), jnp.float32)
+    text = jax.jit(lambda x: ns.native_sleep(x, 0.0015)).lower(x).as_text()
+    assert "stablehlo.custom_call @pipemark_bench_native_sleep" in text
+    assert 'backend_config = "32 1500"' in text  # 32 bytes, 1500 µs
+    assert "api_version = 3" in text and "has_side_effect = true" in text
+    assert "callback" not in text
+
+
+def test_a_call_takes_at_least_the_requested_time():
+    x = jnp.ones(4)
+    assert _elapsed(jax.jit(lambda x: ns.native_sleep(x, 0.02)), x) >= 0.02
+
+
+def test_grad_is_the_identity_and_the_backward_waits_too():
+    w = jnp.arange(1.0, 5.0)
+    x = jnp.ones(4)
+    np.testing.assert_array_equal(
+        np.asarray(jax.grad(lambda x: jnp.sum(ns.native_sleep(x, 1e-3) * w))(x)), np.asarray(w)
+    )
+
+    def loss(x):
+        # The forward's result feeds the backward, so neither sleep is dead code (like a
+        # pure_callback, the primitive is pure: JAX drops it when its result is unused).
+        y = ns.native_sleep(x, 0.01)
+        return jnp.sum(y * y)
+
+    np.testing.assert_allclose(np.asarray(jax.grad(loss)(x)), 2 * np.asarray(x))
+    assert _elapsed(jax.jit(jax.grad(loss)), x) >= 0.02  # forward and backward, 10 ms each
+    assert _elapsed(jax.jit(loss), x) >= 0.01
+
+
+def test_vmap_sleeps_once_for_the_batch():
+    x = jnp.arange(6.0).reshape(3, 2)
+    f = jax.jit(jax.vmap(lambda row: ns.native_sleep(row, 0.01)))
+    np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(x))
+    assert "native_sleep" in str(jax.make_jaxpr(jax.vmap(lambda r: ns.native_sleep(r, 0.0)))(x))
+
+
+@pytest.mark.parametrize("seconds", [-1e-3, float("nan")])
+def test_a_negative_duration_is_rejected(seconds):
+    with pytest.raises(ValueError, match="seconds must be >= 0"):
+        ns.native_sleep(jnp.ones(2), seconds)
+
+
+def test_sleeping_example_matches_value_and_grad_on_one_device():
+    ex = ns.sleeping(num_stages=3, seconds=0.0)
+    loss, grads = jax.value_and_grad(ex.loss_fn)(*ex.args)
+    assert float(loss) > 0 and len(grads) == 3
+    marks = str(jax.make_jaxpr(ex.loss_fn)(*ex.args))
+    assert all(f"name=stage{i}" in marks for i in range(3))
+    with pytest.raises(ValueError, match="num_stages and batch must be >= 1"):
+        ns.sleeping(num_stages=0)
+
+
+def test_without_a_compiler_the_error_says_what_to_do(monkeypatch):
+    monkeypatch.setattr(ns, "_library", None)
+    monkeypatch.setattr(ns, "compiler", lambda: None)
+    assert not ns.available()
+    with pytest.raises(ns.NativeSleepUnavailable, match=r"no C compiler found.*--stage callback"):
+        ns.sleeping(2, 0.0)
+
+
+def test_a_failing_compiler_is_reported(monkeypatch, tmp_path):
+    failing = tmp_path / "badcc"
+    failing.write_text("#!/bin/sh\necho 'badcc: broken on purpose' >&2\nexit 3\n")
+    failing.chmod(0o755)
+    monkeypatch.setattr(ns, "_library", None)
+    monkeypatch.setattr(ns, "compiler", lambda: str(failing))
+    with pytest.raises(ns.NativeSleepUnavailable, match=r"(?s)exit 3.*broken on purpose"):
+        ns.native_sleep(jnp.ones(2), 0.0)
+
+
+def test_two_stage_pipeline_matches_value_and_grad_on_two_devices():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env["PYTHONPATH"] = os.pathsep.join([str(_REPO), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=120
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"the two-device run failed:\n{proc.stdout}\n{proc.stderr}")
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["schedule"] for r in results] == ["gpipe", "1f1b"]
+    for result in results:
+        assert result["devices"] == 2
+        assert result["loss_error"] <= 1e-6 and result["grad_error"] <= 1e-6
+        # Forward and backward of 2 stages x 4 microbatches, 2 ms each, on two devices
+        # that overlap: at least the ideal (M + S - 1) ticks of 2 ms each.
+        assert result["seconds"] >= 5 * 2 * 0.002
+    # Imported under a second name, the module registers nothing twice (that would kill
+    # the process) and still works.
+    assert results[0]["second_import_ok"]
+
+
+def _two_device_main() -> None:
+    import pipemark as pm
+
+    assert len(jax.devices()) == 2, jax.devices()
+    ex = ns.sleeping(num_stages=2, seconds=0.002)
+    want_loss, want_grads = jax.value_and_grad(ex.loss_fn)(*ex.args)
+    for schedule in ("gpipe", "1f1b"):
+        pipe = pm.pipeline_value_and_grad(ex.loss_fn, num_microbatches=4, schedule=schedule)
+        jax.block_until_ready(pipe(*ex.args))
+        start = time.perf_counter()
+        loss, grads = jax.block_until_ready(pipe(*ex.args))
+        seconds = time.perf_counter() - start
+        errors = [
+            float(jnp.max(jnp.abs(a - b)))
+            for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True)
+        ]
+        sys.path.insert(0, str(_REPO))
+        from benchmarks import _native_sleep as again
+
+        second = again.native_sleep(jnp.arange(3.0), 0.0)
+        print(
+            json.dumps(
+                {
+                    "schedule": schedule,
+                    "devices": pipe.plan(*ex.args).schedule.num_devices,
+                    "loss_error": abs(float(loss) - float(want_loss)),
+                    "grad_error": max(errors),
+                    "seconds": seconds,
+                    "second_import_ok": again is not ns and second.tolist() == [0.0, 1.0, 2.0],
+                }
+            ),
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    _two_device_main()
