@@ -253,17 +253,30 @@ def native_sleep(x: jax.Array, seconds: float) -> jax.Array:
     return _sleep(jnp.asarray(x), _microseconds(seconds))
 
 
-def sleeping(num_stages: int = 2, seconds: float = 0.005, batch: int = 8) -> Example:
+def sleeping(
+    num_stages: int = 2, seconds: float = 0.005, batch: int = 8, width: int = 32
+) -> Example:
     """``pipemark.examples.sleeping`` with :func:`native_sleep` in place of the host
-    callback: ``num_stages`` tiny marked stages (``stage{i}``) whose forward and backward
-    each wait ``seconds``; ``params`` is a list of ``(4, 4)`` weights, ``batch`` is
-    ``ones((batch, 4))``.
+    callback: ``num_stages`` small marked stages (``stage{i}``) whose forward and backward
+    each wait ``seconds``; ``params`` is a list of ``(width, width)`` weights, ``batch``
+    is ``ones((batch, width))``.
+
+    Why ``width`` = 32 rather than the callback example's 4: XLA's CPU client runs a
+    program whose estimated cost is under 1000 flops *inline*, on the thread that
+    dispatches it (the call returns when the program is done), and anything larger
+    asynchronously, one program at a time per device. A stage that really takes
+    milliseconds is always in the second class, so the waiting stage has to be too:
+    a 4-wide stage (about 64 flops per row pair) would make every dispatch block for
+    ``seconds`` and measure a synchronous device. At width 32 one row already costs
+    2048 flops of ``x @ w``, a few microseconds.
     """
-    if num_stages < 1 or batch < 1:
-        raise ValueError(f"num_stages and batch must be >= 1, got {num_stages}, {batch}")
+    if num_stages < 1 or batch < 1 or width < 1:
+        raise ValueError(
+            f"num_stages, batch and width must be >= 1, got {num_stages}, {batch}, {width}"
+        )
     microseconds = _microseconds(seconds)
     _load()  # fail here, not in the middle of tracing
-    params = [jnp.eye(4, dtype=jnp.float32) * 0.5 for _ in range(num_stages)]
+    params = [jnp.eye(width, dtype=jnp.float32) * 0.5 for _ in range(num_stages)]
 
     def loss_fn(params, batch):
         x = batch
@@ -275,4 +288,4 @@ def sleeping(num_stages: int = 2, seconds: float = 0.005, batch: int = 8) -> Exa
             x = mark(x, name=f"stage{i}", mark_type="end")
         return x
 
-    return Example(loss_fn, params, jnp.ones((batch, 4), jnp.float32))
+    return Example(loss_fn, params, jnp.ones((batch, width), jnp.float32))

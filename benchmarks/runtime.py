@@ -149,7 +149,8 @@ def sleep_table(
             # Per M, the stage time t needed for measured <= 1.1 x ideal (worst schedule).
             needed: dict[int, tuple[float, str]] = {}
             for m in micro:
-                batch = jnp.ones((2 * m, 4), jnp.float32)
+                # Each builder's example sets the feature width (its batch's last axis).
+                batch = jnp.ones((2 * m, one_params[0].shape[-1]), jnp.float32)
                 one = pm.pipeline_value_and_grad(one_fn, num_microbatches=m, devices=devices[:1])
                 work = (
                     _median_time(lambda one=one, batch=batch, p=one_params: one(p, batch), repeat)

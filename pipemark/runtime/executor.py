@@ -55,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import jaxpr_as_fun
 
+from pipemark._compat import copy_to_device
 from pipemark.errors import PipemarkError
 from pipemark.runtime.plan import (
     _STAGE_MARK_TYPES,
@@ -286,20 +287,23 @@ def _run_plan(
 
     def place(worker: int) -> tuple[dict[int, Any], list[list[Any]], Any]:
         """This worker's parameters, batch slices and scale, on its device, in one
-        transfer."""
+        transfer (the scale, the same every call, only once per plan)."""
         device = program.devices[worker]
         need_params, need_batch = program.params[worker], program.batch[worker]
         sources = [param_leaves[i] for i in need_params]
         for j in need_batch:
             sources.extend(slices[j])
-        placed = jax.device_put([*sources, scale], device)
+        device_scale = plan._scales.get(worker)
+        if device_scale is None:
+            device_scale = plan._scales[worker] = jax.device_put(scale, device)
+        placed = copy_to_device(sources, device)
         on_device = dict(zip(need_params, placed))
         batch_on: list[list[Any]] = [[] for _ in batch_leaves]
         start = len(need_params)
         for j in need_batch:
             batch_on[j] = placed[start : start + num_micro]
             start += num_micro
-        return on_device, batch_on, placed[-1]
+        return on_device, batch_on, device_scale
 
     def run_step(
         worker: int, step: _Step, placed: tuple[dict[int, Any], list[list[Any]], Any]
@@ -335,7 +339,7 @@ def _run_plan(
             for reader, wanted in copies.items():
                 # Pushed by the producer, one transfer per reader device: the copy is
                 # enqueued behind the producing program, and the reader finds it there.
-                moved = jax.device_put([outs[p] for _, p, _ in wanted], program.devices[reader])
+                moved = copy_to_device([outs[p] for _, p, _ in wanted], program.devices[reader])
                 entries.extend((key, reader, v, n) for (key, _, n), v in zip(wanted, moved))
             exchange.publish(entries)
         return waited

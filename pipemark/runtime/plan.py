@@ -243,11 +243,13 @@ class PipelinePlan:
     readers: dict[tuple[int, int], int] = dataclasses.field(repr=False)
     loss_reduction: str = "mean"
     # Filled by the executor on first use: the actions resolved once
-    # (executor._Program), and each accumulating stage's zeros.
+    # (executor._Program), each accumulating stage's zeros, and each worker's scale.
     _program: Any = dataclasses.field(default=None, repr=False, compare=False)
     _zeros: dict[int, list[Any]] = dataclasses.field(
         default_factory=dict, repr=False, compare=False
     )
+    # Per device worker, the microbatch scale placed on its device.
+    _scales: dict[int, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_stages(self) -> int:

@@ -109,8 +109,32 @@ def test_sleeping_example_matches_value_and_grad_on_one_device():
     assert float(loss) > 0 and len(grads) == 3
     marks = str(jax.make_jaxpr(ex.loss_fn)(*ex.args))
     assert all(f"name=stage{i}" in marks for i in range(3))
-    with pytest.raises(ValueError, match="num_stages and batch must be >= 1"):
+    with pytest.raises(ValueError, match="num_stages, batch and width must be >= 1"):
         ns.sleeping(num_stages=0)
+    with pytest.raises(ValueError, match="num_stages, batch and width must be >= 1"):
+        ns.sleeping(width=0)
+
+
+def _dispatch_and_total_seconds(width: int, seconds: float) -> tuple[float, float]:
+    ex = ns.sleeping(num_stages=1, seconds=seconds, batch=2, width=width)
+    step = jax.jit(jax.value_and_grad(ex.loss_fn))
+    jax.block_until_ready(step(*ex.args))  # compiled
+    start = time.perf_counter()
+    out = step(*ex.args)
+    dispatched = time.perf_counter() - start
+    jax.block_until_ready(out)
+    return dispatched, time.perf_counter() - start
+
+
+def test_the_default_width_makes_xla_run_the_stage_asynchronously():
+    # XLA's CPU client runs programs under 1000 estimated flops inline (the dispatch
+    # returns when they are done) and larger ones asynchronously; a stage standing for
+    # milliseconds of work must be in the second class (see sleeping's docstring).
+    dispatched, total = _dispatch_and_total_seconds(width=32, seconds=0.05)
+    assert total >= 0.1  # forward and backward each waited
+    assert dispatched < 0.05, (dispatched, total)
+    dispatched, total = _dispatch_and_total_seconds(width=4, seconds=0.05)
+    assert dispatched >= 0.1, (dispatched, total)  # inline: the waits happened in the call
 
 
 def test_without_a_compiler_the_error_says_what_to_do(monkeypatch):
