@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, jaxprs_in_params
+from jax.extend.core import primitives as _primitives
 
 from pipemark.errors import MarkerError, describe_eqn
 from pipemark.primitive import MARK_TYPES, pipeline_p
@@ -160,6 +161,113 @@ _SPANS: weakref.WeakKeyDictionary[Jaxpr, tuple[list[JaxprEqn], tuple[StageSpan, 
 )
 # Parameter types that never hold a jaxpr: most equations' parameters are these.
 _PLAIN_PARAM_TYPES = frozenset((int, float, bool, str, type(None), np.dtype))
+# JAX's elementwise, shape, reduction and contraction primitives: their parameters are
+# shapes, axes, dtypes, shardings and dimension numbers, never a jaxpr, so the body
+# check skips them without looking at their parameters (most equations of a model are
+# these). Primitives with a jaxpr parameter (scan, cond, while, pjit, custom_jvp_call,
+# remat, scatter's update_jaxpr, reduce's computation, sort's comparator...) are not
+# listed; anything not listed goes through _may_hold_body.
+_NO_BODY_PRIMITIVES = frozenset(
+    p
+    for p in (
+        getattr(_primitives, f"{name}_p", None)
+        for name in [
+            "abs",
+            "acos",
+            "acosh",
+            "add",
+            "and",
+            "asin",
+            "asinh",
+            "atan",
+            "atan2",
+            "atanh",
+            "bitcast_convert_type",
+            "broadcast_in_dim",
+            "cbrt",
+            "ceil",
+            "clamp",
+            "concatenate",
+            "conj",
+            "convert_element_type",
+            "copy",
+            "cos",
+            "cosh",
+            "cumlogsumexp",
+            "cummax",
+            "cummin",
+            "cumprod",
+            "cumsum",
+            "div",
+            "dot_general",
+            "dynamic_slice",
+            "dynamic_update_slice",
+            "eq",
+            "erf",
+            "erf_inv",
+            "erfc",
+            "exp",
+            "exp2",
+            "expm1",
+            "floor",
+            "ge",
+            "gt",
+            "imag",
+            "integer_pow",
+            "iota",
+            "is_finite",
+            "le",
+            "lgamma",
+            "log",
+            "log1p",
+            "logistic",
+            "lt",
+            "max",
+            "min",
+            "mul",
+            "ne",
+            "neg",
+            "nextafter",
+            "not",
+            "or",
+            "pad",
+            "pow",
+            "real",
+            "reduce_and",
+            "reduce_max",
+            "reduce_min",
+            "reduce_or",
+            "reduce_precision",
+            "reduce_prod",
+            "reduce_sum",
+            "reduce_xor",
+            "rem",
+            "reshape",
+            "rev",
+            "round",
+            "rsqrt",
+            "select_n",
+            "shift_left",
+            "shift_right_arithmetic",
+            "shift_right_logical",
+            "sign",
+            "sin",
+            "sinh",
+            "slice",
+            "sqrt",
+            "square",
+            "squeeze",
+            "sub",
+            "tan",
+            "tanh",
+            "transpose",
+            "xor",
+            "argmax",
+            "argmin",
+        ]
+    )
+    if p is not None
+)
 
 
 def _cached(cache: weakref.WeakKeyDictionary, jaxpr: Jaxpr) -> tuple | None:
@@ -212,7 +320,10 @@ def check_no_markers_in_bodies(jaxpr: Jaxpr | ClosedJaxpr) -> None:
     if _cached(_BODIES_CHECKED, jaxpr) is not None:
         return
     seen: dict[int, JaxprEqn | None] = {}
+    plain = _NO_BODY_PRIMITIVES
     for index, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive in plain:
+            continue
         params = eqn.params
         if not params or not _may_hold_body(params):
             continue

@@ -142,6 +142,64 @@ def test_may_hold_body_agrees_with_the_bodies_found():
                 }  # fmt: skip
 
 
+def test_primitives_skipped_without_a_look_hold_no_body():
+    """Every equation the body check skips by its primitive alone has no jaxpr among its
+    parameters, in programs that use many of JAX's primitives; and the primitives with
+    bodies are not on the list."""
+    from jax.extend.core import jaxprs_in_params
+    from jax.extend.core import primitives as prims
+
+    programs = [
+        examples.transformer(num_layers=2, d_model=8, num_heads=2, seq=4, batch=2),
+        examples.mlp(num_layers=2, width=8, batch=2),
+        examples.resnet(num_blocks=2, width=8, batch=2),
+    ]
+    skipped = set()
+    for ex in programs:
+        cj = jax.make_jaxpr(jax.value_and_grad(ex.loss_fn))(*ex.args)
+        for eqn in cj.eqns:
+            if eqn.primitive in _markers._NO_BODY_PRIMITIVES:
+                skipped.add(eqn.primitive.name)
+                assert not list(jaxprs_in_params(eqn.params)), eqn
+    assert {"dot_general", "add", "mul", "reduce_sum", "broadcast_in_dim"} <= skipped
+    with_bodies = [
+        "scan",
+        "cond",
+        "while",
+        "jit",
+        "pjit",
+        "closed_call",
+        "remat",
+        "custom_jvp_call",
+        "custom_vjp_call",
+        "scatter",
+        "scatter_add",
+        "reduce",
+        "sort",
+        "reduce_window",
+        "select_and_scatter_add",
+    ]
+    for name in with_bodies:
+        primitive = getattr(prims, f"{name}_p", None)
+        assert primitive is None or primitive not in _markers._NO_BODY_PRIMITIVES, name
+
+
+def test_a_marker_in_the_body_of_an_unlisted_primitive_is_still_found():
+    """A primitive the list does not know goes through the parameter check."""
+
+    def f(x):
+        def body(carry, _):
+            carry = pm.mark(carry, name="inner", mark_type="start")
+            return pm.mark(jnp.sin(carry), name="inner", mark_type="end"), None
+
+        return lax.scan(body, x, None, length=2)[0]
+
+    cj = jax.make_jaxpr(f)(1.0)
+    assert cj.eqns[0].primitive not in _markers._NO_BODY_PRIMITIVES
+    with pytest.raises(MarkerError, match="inside its 'jaxpr' body"):
+        check_no_markers_in_bodies(_copy(cj))
+
+
 # ------------------------------------------------------------------------- the caches
 
 
