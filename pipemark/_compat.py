@@ -82,7 +82,8 @@ def jaxpr_type_name(value: object) -> str:
 CLOSED_CALL_NAMES: tuple[str, ...] = ("closed_call", "core_call", "eval_jaxpr")
 
 
-# JAX 0.10.2 (measured) and 0.11.x (checked in source): jaxlib's
+# JAX 0.10.2 (measured) and 0.11.1 (read in its source: the same four-argument call in
+# jax/_src/array.py and dispatch.py, and Sharding._internal_device_list): jaxlib's
 # `batched_copy_array_to_devices_with_sharding(arrays, device_lists, shardings,
 # copy_semantics)` copies committed arrays to other devices in one C++ call. It is what
 # `jax.device_put` ends in for a jax.Array, and what NVIDIA JaxPP uses for stage-to-stage
@@ -126,9 +127,9 @@ def copy_to_device(arrays: list[Any], device: Any) -> list[Any]:
         (fast if type(a) is _ArrayImpl and a.sharding.num_devices == 1 else slow).append(i)
     if not fast:
         return _jax.device_put(list(arrays), device)
-    sharding, device_list = _device_target(device)
     count = len(fast)
     try:
+        sharding, device_list = _device_target(device)
         copied = _batched_copy(
             [arrays[i] for i in fast],
             [device_list] * count,
