@@ -81,6 +81,23 @@ def cases():
         ),
         ("mlp_sum-S2-M4-1f1b", summed(8), dict(num_microbatches=4, loss_reduction="sum")),
     ]
+    # Wide enough for XLA's CPU client to run the stage programs asynchronously (it runs
+    # programs estimated under 1000 flops inline, on the dispatching thread): the
+    # workers then dispatch ahead of the devices and readers get values still being
+    # computed, as on an accelerator.
+    for schedule in ("gpipe", "1f1b"):
+        out += [
+            (
+                f"mlp_wide-S4-M8-{schedule}",
+                lambda: examples.mlp(num_layers=4, width=48, batch=32),
+                dict(num_microbatches=8, schedule=schedule),
+            ),
+            (
+                f"resnet_skip_wide-S4-M4-{schedule}",
+                lambda: examples.resnet(num_blocks=4, width=48, batch=16, skip=2),
+                dict(num_microbatches=4, schedule=schedule),
+            ),
+        ]
     return out
 
 
