@@ -374,8 +374,11 @@ def _run_plan(
                 worker.join()
             if exchange.error is not None:
                 raise exchange.error
-            # Errors of programs that ran asynchronously surface here, in the caller.
-            jax.block_until_ready(accs)
+            # The call returns once every action is dispatched, like any JAX computation
+            # (and like the single-device walk): an error inside a program that runs
+            # asynchronously reaches the accumulated results, and is raised where they
+            # are used (jax.block_until_ready, printing, conversion to NumPy). Waiting
+            # here cost the caller a thread wake-up and the chance to dispatch more work.
         else:
             begin = time.perf_counter()
             placed = [place(w) for w in range(len(program.devices))]
@@ -472,8 +475,8 @@ class Pipeline:
 
     def timed_call(self, params: Any, batch: Any) -> tuple[tuple[Any, Any], dict[str, float]]:
         """Like calling the pipeline, and also return timings: ``dispatch_s`` (wall time
-        to walk the schedule; with several devices the call waits for the accumulated
-        results, so this includes the computation), ``host_s`` (host time spent placing
+        to walk the schedule; it includes the computation only where a worker waited
+        for it: programs that XLA runs inline, on the dispatching thread), ``host_s`` (host time spent placing
         inputs, dispatching and publishing, summed over the workers, without the waits
         for other devices), ``num_actions``, ``num_ticks``, and ``values_left`` /
         ``peak_values`` (values handed between stages still held after the call, which
