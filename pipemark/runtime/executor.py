@@ -488,11 +488,11 @@ class Pipeline:
     def timed_call(self, params: Any, batch: Any) -> tuple[tuple[Any, Any], dict[str, float]]:
         """Like calling the pipeline, and also return timings: ``dispatch_s`` (wall time
         to walk the schedule; it includes the computation only where a worker waited
-        for it: programs that XLA runs inline, on the dispatching thread), ``host_s`` (host time spent placing
-        inputs, dispatching and publishing, summed over the workers, without the waits
-        for other devices), ``num_actions``, ``num_ticks``, and ``values_left`` /
-        ``peak_values`` (values handed between stages still held after the call, which
-        is 0, and the most held at once)."""
+        for it: programs that XLA runs inline, on the dispatching thread), ``host_s``
+        (host time spent placing inputs, dispatching and publishing, summed over the
+        workers, without the waits for other devices), ``num_actions``, ``num_ticks``,
+        and ``values_left`` / ``peak_values`` (values handed between stages still held
+        after the call, which is 0, and the most held at once)."""
         timings: dict[str, float] = {}
         out = _run_plan(self.plan(params, batch), params, batch, timings)
         return out, timings
