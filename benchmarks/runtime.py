@@ -116,6 +116,23 @@ def _stage_builder(kind: str):
     return examples.sleeping, "sleep in a jax.pure_callback"
 
 
+def _dispatch_mode(build, seconds: float = 0.02) -> str:
+    """Whether XLA runs a one-stage program of this kind asynchronously: the time its
+    dispatch took against its whole run (forward and backward, ``2 * seconds``)."""
+    import jax
+
+    ex = build(1, seconds)
+    step = jax.jit(jax.value_and_grad(ex.loss_fn))
+    jax.block_until_ready(step(*ex.args))  # compiled
+    start = time.perf_counter()
+    out = step(*ex.args)
+    dispatched = time.perf_counter() - start
+    jax.block_until_ready(out)
+    total = time.perf_counter() - start
+    mode = "asynchronous" if dispatched < total / 2 else "inline, on the dispatching thread"
+    return f"dispatch took {1e3 * dispatched:.2f} ms of {1e3 * total:.1f} ms: {mode}"
+
+
 def sleep_table(
     stage_counts: list[int],
     micro: list[int],
@@ -142,6 +159,8 @@ def sleep_table(
     notes = []
     for kind in kinds:
         build = _stage_builder(kind)[0]
+        # XLA's CPU client runs programs under ~1000 flops inline; say which this is.
+        notes.append(f"- {kind} stage program: {_dispatch_mode(build)}")
         one_fn, one_params, _ = build(1, seconds)
         for stages in stage_counts:
             devices = jax.devices()[:stages]

@@ -31,3 +31,31 @@ def test_passes_benchmark_prints_its_table_and_verdict():
     equations = int(rows[0].split("|")[2].replace(",", ""))
     assert abs(equations - 300) <= 20
     assert any(line.startswith("- mlp: ratio") and "bare def-use sweep" in line for line in lines)
+
+
+def test_runtime_benchmark_prints_its_tables():
+    import shutil
+
+    kind = "native" if (shutil.which("cc") or shutil.which("gcc")) else "callback"
+    script = str(REPO / "benchmarks" / "runtime.py")
+    options = ["--quick", "--tables", "equal", "overhead", "--stage", kind, "--sleep-ms", "0.2"]
+    run = subprocess.run(
+        [sys.executable, script, *options],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    lines = run.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("| stage |"))
+    assert "overhead µs/tick" in header and "budget µs/tick" in header
+    rows = [line for line in lines if line.startswith(f"| {kind} |")]
+    assert len(rows) == 2 * 2 * 2  # S = 2, 4; M = 4, 8 (--quick); GPipe and 1F1B
+    assert all(row.count("|") == header.count("|") for row in rows)
+    # The benchmark says whether XLA runs the stage programs asynchronously: the native
+    # stage must be (see benchmarks/_native_sleep.py), a callback stage never is.
+    mode = next(line for line in lines if line.startswith(f"- {kind} stage program:"))
+    assert mode.endswith("asynchronous" if kind == "native" else "dispatching thread"), mode
+    assert any(line.startswith(f"- {kind}, S = 2: at the measured overhead") for line in lines)
+    overhead = [line for line in lines if line.startswith(("| gpipe |", "| 1f1b |"))]
+    assert len(overhead) == 4
