@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import jax
@@ -45,6 +46,7 @@ __all__ = [
     "NativeSleepUnavailable",
     "available",
     "compiler",
+    "dispatch_seconds",
     "native_sleep",
     "sleeping",
 ]
@@ -289,3 +291,17 @@ def sleeping(
         return x
 
     return Example(loss_fn, params, jnp.ones((batch, width), jnp.float32))
+
+
+def dispatch_seconds(example: Example) -> tuple[float, float]:
+    """How long dispatching ``jax.jit(jax.value_and_grad(example.loss_fn))`` takes, and
+    how long until its results are ready, both from the call (compiled first). A
+    dispatch much shorter than the run means XLA runs the program asynchronously; as
+    long as the run, inline on the dispatching thread (see :func:`sleeping`)."""
+    step = jax.jit(jax.value_and_grad(example.loss_fn))
+    jax.block_until_ready(step(*example.args))  # compiled
+    start = time.perf_counter()
+    out = step(*example.args)
+    dispatched = time.perf_counter() - start
+    jax.block_until_ready(out)
+    return dispatched, time.perf_counter() - start

@@ -119,16 +119,7 @@ def _stage_builder(kind: str):
 def _dispatch_mode(build, seconds: float = 0.02) -> str:
     """Whether XLA runs a one-stage program of this kind asynchronously: the time its
     dispatch took against its whole run (forward and backward, ``2 * seconds``)."""
-    import jax
-
-    ex = build(1, seconds)
-    step = jax.jit(jax.value_and_grad(ex.loss_fn))
-    jax.block_until_ready(step(*ex.args))  # compiled
-    start = time.perf_counter()
-    out = step(*ex.args)
-    dispatched = time.perf_counter() - start
-    jax.block_until_ready(out)
-    total = time.perf_counter() - start
+    dispatched, total = _native_sleep().dispatch_seconds(build(1, seconds))
     mode = "asynchronous" if dispatched < total / 2 else "inline, on the dispatching thread"
     return f"dispatch took {1e3 * dispatched:.2f} ms of {1e3 * total:.1f} ms: {mode}"
 

@@ -116,14 +116,7 @@ def test_sleeping_example_matches_value_and_grad_on_one_device():
 
 
 def _dispatch_and_total_seconds(width: int, seconds: float) -> tuple[float, float]:
-    ex = ns.sleeping(num_stages=1, seconds=seconds, batch=2, width=width)
-    step = jax.jit(jax.value_and_grad(ex.loss_fn))
-    jax.block_until_ready(step(*ex.args))  # compiled
-    start = time.perf_counter()
-    out = step(*ex.args)
-    dispatched = time.perf_counter() - start
-    jax.block_until_ready(out)
-    return dispatched, time.perf_counter() - start
+    return ns.dispatch_seconds(ns.sleeping(num_stages=1, seconds=seconds, batch=2, width=width))
 
 
 def test_the_default_width_makes_xla_run_the_stage_asynchronously():
