@@ -13,16 +13,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_passes_benchmark_prints_its_table_and_verdict():
-    script = str(REPO / "benchmarks" / "passes.py")
+def _output_lines(script: str, *options: str) -> list[str]:
+    """The lines a benchmark script prints (it must exit 0)."""
     run = subprocess.run(
-        [sys.executable, script, "--sizes", "300", "--repeat", "1", "--kinds", "mlp"],
+        [sys.executable, str(REPO / "benchmarks" / script), *options],
         capture_output=True,
         text=True,
         timeout=300,
         check=True,
     )
-    lines = run.stdout.splitlines()
+    return run.stdout.splitlines()
+
+
+def test_passes_benchmark_prints_its_table_and_verdict():
+    lines = _output_lines("passes.py", "--sizes", "300", "--repeat", "1", "--kinds", "mlp")
     header = next(line for line in lines if line.startswith("| model |"))
     assert "bare sweep (µs/eqn)" in header and "passes / sweep" in header
     rows = [line for line in lines if line.startswith("| mlp |")]
@@ -37,16 +41,8 @@ def test_runtime_benchmark_prints_its_tables():
     import shutil
 
     kind = "native" if (shutil.which("cc") or shutil.which("gcc")) else "callback"
-    script = str(REPO / "benchmarks" / "runtime.py")
     options = ["--quick", "--tables", "equal", "overhead", "--stage", kind, "--sleep-ms", "0.2"]
-    run = subprocess.run(
-        [sys.executable, script, *options],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    lines = run.stdout.splitlines()
+    lines = _output_lines("runtime.py", *options)
     header = next(line for line in lines if line.startswith("| stage |"))
     assert "overhead µs/tick" in header and "budget µs/tick" in header
     rows = [line for line in lines if line.startswith(f"| {kind} |")]
