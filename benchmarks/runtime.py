@@ -339,8 +339,9 @@ def main(argv: list[str] | None = None) -> None:
     micro = [4, 8] if args.quick else [4, 8, 16, 32]
     repeat = 3 if args.quick else args.repeat
     if "equal" in args.tables:
+        kinds = _stage_kinds(args.stage)
         for ms in args.sleep_ms:
-            print(sleep_table([2, 4], micro, ms, repeat, _stage_kinds(args.stage)))
+            print(sleep_table([2, 4], micro, ms, repeat, kinds))
             print()
     if "compute" in args.tables:
         print(bubble_table(args.stages, micro, args.width, args.rows, repeat))
