@@ -16,7 +16,8 @@ Prints three markdown tables:
    10% of the ideal (measured <= 1.1 x ideal). Also printed: the runtime's overhead per
    tick, ``(TS - (M + S - 1)(t_f + t_b)) / ticks``, and the overhead per tick that the
    target allows; and after each table, per stage kind and ``S``, the smallest ``t`` for
-   which the measured overhead per tick would keep measured / ideal <= 1.1.
+   which the measured overhead per tick would keep measured / ideal <= 1.1, and per stage
+   kind how many rows are within the target and which is the worst.
 2. **Bubble fraction with real compute** (tanh layers), measured the same way. Host CPU
    devices overlap only when each has a core of its own; with fewer cores than stages the
    measured bubble says so (the stages take turns on the cores).
@@ -153,6 +154,7 @@ def sleep_table(
         # XLA's CPU client runs programs under ~1000 flops inline; say which this is.
         notes.append(f"- {kind} stage program: {_dispatch_mode(build)}")
         one_fn, one_params, _ = build(1, seconds)
+        ratios: list[tuple[float, str]] = []  # measured / ideal of each row of this kind
         for stages in stage_counts:
             devices = jax.devices()[:stages]
             loss_fn, params, _ = build(stages, seconds)
@@ -184,6 +186,7 @@ def sleep_table(
                     t_min = _needed_stage_time(work, seconds, overhead, budget)
                     if m not in needed or t_min > needed[m][0]:
                         needed[m] = (t_min, schedule)
+                    ratios.append((measured / ideal, f"{schedule}, S = {stages}, M = {m}"))
                     lines.append(
                         f"| {kind} | {schedule} | {stages} | {m} | {1e3 * work:.2f} | "
                         f"{1e3 * ts:.1f} | {1e3 * ideal_ts:.1f} | {measured:.3f} | "
@@ -196,6 +199,12 @@ def sleep_table(
                 f"≤ 1.10 needs t ≥ {1e3 * max(t for t, _ in needed.values()):.1f} ms for every "
                 f"M here ({per_m})"
             )
+        within = sum(ratio <= 1.1 for ratio, _ in ratios)
+        worst_ratio, worst_row = max(ratios)
+        notes.append(
+            f"- {kind}, t = {sleep_ms:g} ms: {within} of {len(ratios)} rows within the target "
+            f"(measured / ideal ≤ 1.10); worst {worst_ratio:.2f} ({worst_row})"
+        )
     return "\n".join([*lines, "", *notes])
 
 

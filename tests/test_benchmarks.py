@@ -53,5 +53,9 @@ def test_runtime_benchmark_prints_its_tables():
     mode = next(line for line in lines if line.startswith(f"- {kind} stage program:"))
     assert mode.endswith("asynchronous" if kind == "native" else "dispatching thread"), mode
     assert any(line.startswith(f"- {kind}, S = 2: at the measured overhead") for line in lines)
+    # One count of the rows within the target per stage kind and t, over all 8 rows.
+    verdict = next(line for line in lines if line.startswith(f"- {kind}, t = 0.2 ms: "))
+    within = int(verdict.split(": ")[1].split(" of ")[0])
+    assert 0 <= within <= 8 and " of 8 rows within the target" in verdict, verdict
     overhead = [line for line in lines if line.startswith(("| gpipe |", "| 1f1b |"))]
     assert len(overhead) == 4
