@@ -191,7 +191,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--sizes", nargs="+", type=int, default=[2_000, 20_000, 200_000])
     parser.add_argument(
-        "--repeat", type=int, default=3, help="timed runs per size (the largest size runs once)"
+        "--repeat",
+        type=int,
+        default=3,
+        help="timed rounds per size, the same for every size: the growth from the smallest "
+        "to the largest compares like with like",
     )
     args = parser.parse_args(argv)
     # The first call of each pass pays for lazy imports and caches; keep it out of the
@@ -202,8 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for kind in args.kinds:
         for size in args.sizes:
-            repeat = 1 if size >= 100_000 else args.repeat
-            row = measure(kind, size, repeat, args.markers)
+            row = measure(kind, size, args.repeat, args.markers)
             rows.append(row)
             print(
                 f"{kind} {row['eqns']:,} equations: ratio {row['ratio']:.3f}, "
