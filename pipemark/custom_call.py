@@ -1,8 +1,8 @@
 """Custom-call identity targets: ``pipeline_marker`` and ``identity``.
 
 Both targets copy each operand to its result. They are typed-FFI handlers (XLA FFI C
-API, ``api_version=1``) written with :mod:`ctypes`, so nothing is compiled to register
-them:
+API, ``api_version=1``) written with :mod:`ctypes` (the API's structs and the generic
+handler are in :mod:`pipemark._ffi`), so nothing is compiled to register them:
 
 * on CPU the handler copies host memory and counts what it copied
   (:func:`cpu_copy_stats`), which lets tests prove that donated buffers are never copied;
