@@ -130,7 +130,7 @@ def sleep_table(
     micro: list[int],
     sleep_ms: float,
     repeat: int,
-    kinds: tuple[str, ...] = ("callback",),
+    kinds: tuple[str, ...],
 ) -> str:
     import jax
     import jax.numpy as jnp
@@ -177,6 +177,7 @@ def sleep_table(
                     )
                     measured = max(0.0, 1.0 - m * work / ts)
                     ideal = pm.ideal_bubble_fraction(stages, m)
+                    ratio = measured / ideal
                     ideal_ts = (m + stages - 1) * work
                     # Per tick (one forward or one backward): what the pipeline adds to the
                     # ideal, and what it may add for measured <= 1.1 x ideal.
@@ -186,11 +187,11 @@ def sleep_table(
                     t_min = _needed_stage_time(work, seconds, overhead, budget)
                     if m not in needed or t_min > needed[m][0]:
                         needed[m] = (t_min, schedule)
-                    ratios.append((measured / ideal, f"{schedule}, S = {stages}, M = {m}"))
+                    ratios.append((ratio, f"{schedule}, S = {stages}, M = {m}"))
                     lines.append(
                         f"| {kind} | {schedule} | {stages} | {m} | {1e3 * work:.2f} | "
                         f"{1e3 * ts:.1f} | {1e3 * ideal_ts:.1f} | {measured:.3f} | "
-                        f"{ideal:.3f} | {measured / ideal:.2f} | {1e6 * overhead:.0f} | "
+                        f"{ideal:.3f} | {ratio:.2f} | {1e6 * overhead:.0f} | "
                         f"{1e6 * budget:.0f} |"
                     )
             per_m = ", ".join(f"M = {m}: {1e3 * t:.1f} ms ({s})" for m, (t, s) in needed.items())
