@@ -38,6 +38,10 @@ setup(
             "nbclient>=0.10",
             "nbformat>=5.10",
             "ipykernel>=6.29",
+            # Real models in the tests: flax linen and nnx, equinox, optax steps.
+            "flax>=0.10",
+            "equinox>=0.11",
+            "optax>=0.2.4",
         ],
         "docs": ["mkdocs>=1.6"],
     },
