@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
+from jax.extend.core import ClosedJaxpr
 
 from pipemark.errors import PipemarkError
 from pipemark.passes.auto import auto_layers
+from pipemark.passes.gradient import mark_apply_stage
 from pipemark.passes.insert import layers_from_boundaries
 from pipemark.passes.slice import slice_stages
 from pipemark.primitive import pipeline_p
+from pipemark.signature import Signature
 from pipemark.staged import StagedJaxpr
 
 __all__ = ["split"]
@@ -22,8 +24,11 @@ def split(
     *args: Any,
     num_stages: int | None = None,
     unmarked: str = "assign",
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+    **kwargs: Any,
 ) -> StagedJaxpr:
-    """Trace ``fn(*args)`` and cut it into stages at the markers it contains.
+    """Trace ``fn(*args, **kwargs)`` and cut it into stages at the markers it contains.
 
     A program marked with :func:`pipemark.mark_pipeline_boundary` is first turned into
     start/end layers with :func:`pipemark.passes.layers_from_boundaries`; a program
@@ -31,15 +36,23 @@ def split(
     outside every stage are handled as ``unmarked`` says (see
     :func:`pipemark.passes.slice_stages`).
 
-    The staged program takes the same arguments as ``fn`` (pytrees are flattened) and
-    returns ``fn``'s results as a flat list.
+    Arguments are traced as ``eqx.filter_jit`` traces them: array leaves (and Python
+    numbers) become the program's inputs, every other leaf (an equinox module's
+    activation function, a string) and the arguments named by ``static_argnums`` /
+    ``static_argnames`` are static. The staged program is called like ``fn``, checks
+    that its arguments have the traced pytree structure and static values
+    (:class:`~pipemark.signature.SignatureError` otherwise), and returns ``fn``'s
+    array results as a flat list.
 
     Parameters
     ----------
     fn:
         The function to split, e.g. a loss or ``jax.value_and_grad(loss)``.
-    *args:
-        Example arguments (arrays or ``jax.ShapeDtypeStruct``) to trace with.
+    *args, **kwargs:
+        Example arguments (pytrees of arrays or ``jax.ShapeDtypeStruct``) to trace
+        with. ``num_stages``, ``unmarked``, ``static_argnums`` and ``static_argnames``
+        are this function's own; to pass a keyword of that name to ``fn``, bind it
+        with ``functools.partial``.
     num_stages:
         Balance the program automatically into this many stages with
         :func:`pipemark.passes.auto_layers` (``fn`` must then have no stage markers).
@@ -47,22 +60,31 @@ def split(
         part gets as many mirrored ``_backward`` stages.
     unmarked:
         ``"assign"`` or ``"error"``.
+    static_argnums, static_argnames:
+        Arguments held static, like :func:`jax.jit`'s.
 
     Examples
     --------
     >>> import jax, jax.numpy as jnp, pipemark as pm
-    >>> def f(x):
-    ...     x = jnp.sin(x)
+    >>> def f(x, *, scale):
+    ...     x = jnp.sin(x) * scale
     ...     pm.mark_pipeline_boundary()
     ...     return jnp.cos(x)
-    >>> staged = pm.split(f, 1.0)
+    >>> staged = pm.split(f, 1.0, scale=2.0)
     >>> [s.name for s in staged.stages]
     ['layer0', 'layer1']
-    >>> staged.verify(f, 1.0)
+    >>> staged.verify(f, 1.0, scale=2.0)
     """
     if not callable(fn):
         raise PipemarkError(f"split: fn must be callable, got {type(fn).__name__}.")
-    cj = jax.make_jaxpr(fn)(*args)
+    signature = Signature.of(
+        args, kwargs, static_argnums=static_argnums, static_argnames=static_argnames, fn=fn
+    )
+    cj = signature.trace(fn, args, kwargs)
+    return _slice(cj, num_stages, unmarked).with_signature(signature)
+
+
+def _slice(cj: ClosedJaxpr, num_stages: int | None, unmarked: str) -> StagedJaxpr:
     if num_stages is not None:
         return slice_stages(auto_layers(cj, num_stages), unmarked=unmarked)
     if any(
@@ -70,4 +92,4 @@ def split(
         for eqn in cj.jaxpr.eqns
     ):
         cj = layers_from_boundaries(cj)
-    return slice_stages(cj, unmarked=unmarked)
+    return slice_stages(mark_apply_stage(cj), unmarked=unmarked)

@@ -30,6 +30,7 @@ from jax.extend.core import (
 
 from pipemark.errors import PipemarkError, StageGraphError
 from pipemark.primitive import flatten_shape_byte_sizes
+from pipemark.signature import Signature
 
 __all__ = ["Stage", "StagedJaxpr", "ValueRef"]
 
@@ -230,11 +231,13 @@ class StagedJaxpr:
         invars: Sequence[Var],
         outputs: Sequence[ValueRef],
         debug_info: Any = None,
+        signature: Signature | None = None,
     ) -> None:
         self._stages = tuple(stages)
         self._invars = tuple(invars)
         self._outputs = tuple(outputs)
         self._debug_info = debug_info
+        self._signature = signature
         self._check()
 
     @classmethod
@@ -253,6 +256,24 @@ class StagedJaxpr:
         staged._invars = tuple(invars)
         staged._outputs = tuple(outputs)
         staged._debug_info = debug_info
+        staged._signature = None
+        return staged
+
+    def with_signature(self, signature: Signature | None) -> StagedJaxpr:
+        """The same stages, called like the traced function: ``signature`` (from
+        :func:`pipemark.split`) says how the function's arguments (pytrees, keyword and
+        static arguments, non-array leaves) map to the program's inputs, and a call
+        with another structure is refused (:class:`~pipemark.signature.SignatureError`).
+        """
+        if signature is not None and signature.num_inputs != len(self._invars):
+            raise PipemarkError(
+                f"The signature has {signature.num_inputs} traced inputs, the program "
+                f"{len(self._invars)}."
+            )
+        staged = type(self)._trusted(
+            list(self._stages), self._invars, list(self._outputs), self._debug_info
+        )
+        staged._signature = signature
         return staged
 
     # ------------------------------------------------------------------- structure
@@ -314,6 +335,30 @@ class StagedJaxpr:
         return self._stages
 
     @property
+    def signature(self) -> Signature | None:
+        """How the traced function's arguments map to :attr:`invars` (set by
+        :func:`pipemark.split`), or ``None`` for a program sliced from a jaxpr."""
+        return self._signature
+
+    @property
+    def debug_info(self) -> Any:
+        """The sliced program's ``debug_info`` (input names, source function)."""
+        return self._debug_info
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        """A name per program input: its pytree path in the traced function's arguments
+        (``params['Dense_0']['kernel']``) where the program was traced from a function,
+        else ``input[i]``."""
+        if self._signature is not None:
+            return self._signature.names
+        info = self._debug_info
+        names = getattr(info, "arg_names", None)
+        if names is not None and len(names) == len(self._invars) and all(names):
+            return tuple(names)
+        return tuple(f"input[{i}]" for i in range(len(self._invars)))
+
+    @property
     def invars(self) -> tuple[Var, ...]:
         """The program's input variables."""
         return self._invars
@@ -353,15 +398,18 @@ class StagedJaxpr:
 
     # ------------------------------------------------------------------------ run
 
-    def __call__(self, *args: Any) -> list[Any]:
+    def __call__(self, *args: Any, **kwargs: Any) -> list[Any]:
         """Run the stages one after another and return the program's flat results.
 
         ``args`` are the program's inputs, flat or as the pytrees the traced function
-        took (they are flattened). Each stage runs eagerly, equation by equation, as
-        ``jax.extend.core.jaxpr_as_fun`` does, so results match the unsplit program bit
-        for bit; wrap the call in ``jax.jit`` to compile it instead.
+        took (they are flattened). A program made by :func:`pipemark.split` is called
+        like the function it traced (keyword, static and non-array arguments too), and
+        arguments of another pytree structure are refused. Each stage runs eagerly,
+        equation by equation, as ``jax.extend.core.jaxpr_as_fun`` does, so results
+        match the unsplit program bit for bit; wrap the call in ``jax.jit`` to compile
+        it instead.
         """
-        flat = _flat_args(args)
+        flat = self._inputs(args, kwargs)
         if len(flat) != len(self._invars):
             raise PipemarkError(
                 f"The staged program takes {len(self._invars)} inputs (after flattening), "
@@ -379,6 +427,16 @@ class StagedJaxpr:
             inputs = [self._fetch(ref, flat, results) for ref in stage.inputs]
             results.append(list(jaxpr_as_fun(stage.closed_jaxpr)(*inputs)))
         return [self._fetch(ref, flat, results) for ref in self._outputs]
+
+    def _inputs(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
+        if self._signature is not None:
+            return self._signature.flatten(args, kwargs)
+        if kwargs:
+            raise PipemarkError(
+                "This staged program was sliced from a jaxpr and takes its inputs "
+                "positionally; keyword arguments need a program made by pm.split."
+            )
+        return _flat_args(args)
 
     @staticmethod
     def _fetch(ref: ValueRef, flat: list[Any], results: list[list[Any]]) -> Any:
@@ -453,25 +511,33 @@ class StagedJaxpr:
         *args: Any,
         rtol: float = 0.0,
         atol: float = 0.0,
+        **kwargs: Any,
     ) -> None:
-        """Run the staged program and ``reference`` on ``args`` and compare the results.
+        """Run the staged program and ``reference`` on ``args`` (and ``kwargs``) and
+        compare the results.
 
         ``reference`` is the unsplit program: a ``ClosedJaxpr`` (called with the flat
-        arguments), or a callable, which is traced with ``jax.make_jaxpr(reference)(*args)``
-        and evaluated equation by equation like the stages. By default results must be equal bit for bit (NaNs in the same
-        places); pass ``rtol``/``atol`` to allow a tolerance, e.g. after ``jax.jit``.
+        arguments), or a callable, which is traced like :func:`pipemark.split` traces
+        (with this program's static arguments; non-array leaves static) and evaluated
+        equation by equation like the stages. By default results must be equal bit for
+        bit (NaNs in the same places); pass ``rtol``/``atol`` to allow a tolerance, e.g.
+        after ``jax.jit``.
 
         Raises :class:`PipemarkError` naming the first result that differs.
         """
-        got = self(*args)
+        got = self(*args, **kwargs)
         if isinstance(reference, ClosedJaxpr):
-            want = list(jaxpr_as_fun(reference)(*_flat_args(args)))
+            want = list(jaxpr_as_fun(reference)(*self._inputs(args, kwargs)))
         elif callable(reference):
             # Evaluate the reference's program the way the stages run (equation by
             # equation): calling it directly may run jitted pieces that XLA fuses and
             # rounds differently, which no bit-for-bit comparison could survive.
-            traced = jax.make_jaxpr(reference)(*args)
-            want = list(jaxpr_as_fun(traced)(*_flat_args(args)))
+            signature = self._signature
+            if signature is None or signature.is_flat_call(args, kwargs):
+                # The reference takes the arguments as given (the flat inputs, say).
+                signature = Signature.of(args, kwargs, fn=reference)
+            traced = signature.trace(reference, args, kwargs)
+            want = list(jaxpr_as_fun(traced)(*signature.flatten(args, kwargs)))
         else:
             raise PipemarkError(
                 f"verify: reference must be a ClosedJaxpr or a callable, got "

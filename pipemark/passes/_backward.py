@@ -69,10 +69,18 @@ def _cumulative_crossing(
     return np.cumsum(np.array(delta, dtype=np.int64))[: count + 1]
 
 
-def mirror_cuts(jaxpr: Jaxpr, forward_end: int, forward_cuts: list[int], layers: int) -> list[int]:
-    """Cut the backward part ``eqns[forward_end:]`` into ``layers`` stages, mirroring
-    forward layers ``layers-1 .. 0``; returns absolute equation indices where backward
-    stages 2, 3, … begin.
+def mirror_cuts(
+    jaxpr: Jaxpr,
+    forward_end: int,
+    forward_cuts: list[int],
+    layers: int,
+    stop: int | None = None,
+) -> list[int]:
+    """Cut the backward part ``eqns[forward_end:stop]`` into ``layers`` stages,
+    mirroring forward layers ``layers-1 .. 0``; returns absolute equation indices where
+    backward stages 2, 3, … begin. ``stop`` (default: the end of the program) leaves
+    out a tail that is not part of the backward pass, such as the optimizer update
+    after a ``grad`` marker.
 
     Every stage gets at least one equation (the caller makes sure the backward part has
     ``layers`` of them). Each backward equation stays with the forward layer holding the
@@ -89,7 +97,7 @@ def mirror_cuts(jaxpr: Jaxpr, forward_end: int, forward_cuts: list[int], layers:
     Time ``O(n log layers)`` for ``n`` equations when the anchors descend (as
     ``jax.grad`` makes them), memory ``O(n)``.
     """
-    eqns = jaxpr.eqns
+    eqns = jaxpr.eqns if stop is None else jaxpr.eqns[:stop]
     count = len(eqns) - forward_end
     bounds = [0, *forward_cuts, forward_end]
     # Which forward layers hold each value, in increasing order: the layer that makes

@@ -46,6 +46,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 from pipemark.cost import Cost, eqn_costs, estimate_cost
 from pipemark.errors import MarkerError, PipemarkError, check_closed_jaxpr, describe_eqn
 from pipemark.passes._backward import crossing_bytes, forward_end, mirror_cuts
+from pipemark.passes.gradient import APPLY_STAGE, apply_start
 from pipemark.passes.insert import insert_markers
 from pipemark.primitive import pipeline_p
 
@@ -391,19 +392,23 @@ def auto_layers(
     jaxpr = cj.jaxpr
     _check_unmarked(jaxpr)
     costs = equation_costs(jaxpr, cost)
+    # A training step's optimizer update (after its grad marker) is a stage of its own,
+    # run once per step, not once per micro-batch: it is not balanced with the layers.
+    apply_at = apply_start(jaxpr)
+    stop = len(jaxpr.eqns) if apply_at is None else apply_at
     split_at = forward_end(jaxpr) if mirror_backward else None
-    if split_at is None:
-        split_at = len(jaxpr.eqns)
-    backward = split_at < len(jaxpr.eqns)
+    if split_at is None or split_at > stop:
+        split_at = stop
+    backward = split_at < stop
     what = "forward equations" if backward else "equations"
     if split_at < num_layers:
         raise PipemarkError(
             f"auto_layers: the program has {split_at} {what}, too few for "
             f"{num_layers} non-empty layers. Ask for at most {split_at} layers."
         )
-    if backward and len(jaxpr.eqns) - split_at < num_layers:
+    if backward and stop - split_at < num_layers:
         raise PipemarkError(
-            f"auto_layers: the backward part has {len(jaxpr.eqns) - split_at} "
+            f"auto_layers: the backward part has {stop - split_at} "
             f"equations, too few for {num_layers} mirrored layers. Ask for fewer "
             "layers, or pass mirror_backward=False."
         )
@@ -428,10 +433,10 @@ def auto_layers(
         cut_bytes=crossing_bytes(jaxpr, 0, split_at),
         tolerance=float(tolerance),
     )
-    if not backward:
-        return insert_markers(cj, cuts, names)
-    mirrored = mirror_cuts(jaxpr, split_at, cuts, int(num_layers))
-    backward_names = [
-        (name + "_backward") if isinstance(name, str) else name for name in reversed(names)
-    ]
-    return insert_markers(cj, [*cuts, split_at, *mirrored], [*names, *backward_names])
+    if backward:
+        mirrored = mirror_cuts(jaxpr, split_at, cuts, int(num_layers), stop=stop)
+        cuts = [*cuts, split_at, *mirrored]
+        names += [(name + "_backward") if isinstance(name, str) else name for name in names[::-1]]
+    if apply_at is not None:
+        cuts, names = [*cuts, apply_at], [*names, APPLY_STAGE]
+    return insert_markers(cj, cuts, names)

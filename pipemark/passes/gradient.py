@@ -14,9 +14,20 @@ from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, JaxprEqn, Literal, Va
 from pipemark.errors import MarkerError, check_closed_jaxpr, describe_eqn
 from pipemark.passes._markers import find_stage_spans
 from pipemark.passes.rewrite import dce
-from pipemark.primitive import pipeline_p
+from pipemark.primitive import mark_pipeline_jaxpreqn, pipeline_p
 
-__all__ = ["split_at_gradient"]
+__all__ = [
+    "APPLY_STAGE",
+    "apply_start",
+    "grad_marker_index",
+    "mark_apply_stage",
+    "split_at_gradient",
+]
+
+#: The name of the stage that holds a training step's optimizer update: everything
+#: after the step's ``grad`` marker (:func:`pipemark.mark_gradient`). Slicing puts it
+#: in a stage of its own, since a pipeline runs it once per step, not per micro-batch.
+APPLY_STAGE = "apply_grad"
 
 
 def _find_nested_grad(jaxpr: Jaxpr, seen: set[int]) -> bool:
@@ -40,7 +51,18 @@ def _bodies(eqn: JaxprEqn):
                 yield item
 
 
-def _grad_marker_index(jaxpr: Jaxpr) -> int:
+def grad_marker_index(jaxpr: Jaxpr) -> int | None:
+    """The index of the program's top-level ``grad`` marker, or ``None`` when it has
+    none; :class:`MarkerError` when it has two (a step marks its gradients once).
+
+    >>> import jax, jax.numpy as jnp, pipemark as pm
+    >>> def step(w):
+    ...     g = pm.mark_gradient(jax.grad(lambda w: jnp.sum(jnp.sin(w)))(w))
+    ...     return w - 0.1 * g
+    >>> cj = jax.make_jaxpr(step)(jnp.ones(3))
+    >>> cj.eqns[grad_marker_index(cj.jaxpr)].params["mark_type"]
+    'grad'
+    """
     found = [
         i
         for i, eqn in enumerate(jaxpr.eqns)
@@ -54,8 +76,22 @@ def _grad_marker_index(jaxpr: Jaxpr) -> int:
             "at exactly one: mark all gradients with a single pm.mark_gradient(grads) "
             "call over the whole gradient pytree."
         )
-    if found:
-        return found[0]
+    return found[0] if found else None
+
+
+def apply_start(jaxpr: Jaxpr) -> int | None:
+    """Where a training step's optimizer update begins: right after its top-level
+    ``grad`` marker, when equations follow it; else ``None``."""
+    marker = grad_marker_index(jaxpr)
+    if marker is None or marker + 1 >= len(jaxpr.eqns):
+        return None
+    return marker + 1
+
+
+def _grad_marker_index(jaxpr: Jaxpr) -> int:
+    found = grad_marker_index(jaxpr)
+    if found is not None:
+        return found
     seen: set[int] = set()
     for i, eqn in enumerate(jaxpr.eqns):
         if any(_find_nested_grad(body, seen) for body in _bodies(eqn)):
@@ -239,3 +275,43 @@ def split_at_gradient(cj: ClosedJaxpr) -> tuple[ClosedJaxpr, ClosedJaxpr]:
         ),
     )
     return compute_grad, apply_grad
+
+
+def mark_apply_stage(cj: ClosedJaxpr, name: str = APPLY_STAGE) -> ClosedJaxpr:
+    """Wrap a training step's optimizer update (the equations after its ``grad``
+    marker) in a stage of its own named ``name``, when they are outside every stage.
+
+    Without it, slicing a marked training step folds the update into the last backward
+    stage, which a pipeline runs once per micro-batch; the update runs once per step.
+    The new stage's start and end markers carry no values (the slicer finds what the
+    stage reads). A program without a top-level grad marker, or whose equations after
+    it are already in a stage, is returned as it is.
+
+    Before/after (``s`` is the grad marker's result)::
+
+        ... s = pipeline_marker[grad] g ; w2 = sub w s ; return w2
+        ... s = pipeline_marker[grad] g ; pipeline_marker[start apply_grad] ;
+            w2 = sub w s ; pipeline_marker[end apply_grad] ; return w2
+
+    >>> import jax, jax.numpy as jnp, pipemark as pm
+    >>> def step(w):
+    ...     w = pm.mark(w, name="layer0", mark_type="start")
+    ...     loss_grad = jax.grad(lambda w: jnp.sum(jnp.sin(w)))
+    ...     g = pm.mark_gradient(loss_grad(pm.mark(w, name="layer0", mark_type="end")))
+    ...     return w - 0.1 * g
+    >>> staged = pm.passes.slice_stages(mark_apply_stage(jax.make_jaxpr(step)(jnp.ones(3))))
+    >>> [s.name for s in staged.stages]
+    ['layer0', 'apply_grad']
+    """
+    check_closed_jaxpr(cj, "mark_apply_stage")
+    jaxpr = cj.jaxpr
+    begin = apply_start(jaxpr)
+    if begin is None:
+        return cj
+    if any(span.last >= begin for span in find_stage_spans(jaxpr, allow_boundaries=True)):
+        return cj
+    eqns = jaxpr.eqns
+    start = mark_pipeline_jaxpreqn([], [], name, "start")
+    end = mark_pipeline_jaxpreqn([], [], name, "end")
+    new_eqns = [*eqns[:begin], start, *eqns[begin:], end]
+    return ClosedJaxpr(jaxpr.replace(eqns=new_eqns), cj.consts)

@@ -35,6 +35,7 @@ from pipemark.passes._markers import (
     new_stage_span,
     remember_stage_spans,
 )
+from pipemark.passes.gradient import APPLY_STAGE, apply_start
 from pipemark.primitive import pipeline_p
 
 __all__ = ["insert_markers", "insert_markers_by_scope", "layers_from_boundaries"]
@@ -442,19 +443,25 @@ def _layers_from_boundaries(cj: ClosedJaxpr) -> ClosedJaxpr:
         begin = stop + 1
     layers = len(layer_starts)
     names = [f"layer{i}" for i in range(layers)]
-    backward_count = len(eqns) - forward_count
+    # A training step's optimizer update (after its grad marker) is a stage of its own.
+    apply_at = apply_start(cj.jaxpr)
+    stop = len(eqns) if apply_at is None or apply_at <= forward_count else apply_at
+    backward_count = stop - forward_count
     if backward_count >= layers > 1:
         # jax.grad leaves no boundary in the backward pass (a marker without operands
         # has no tangent), so cut it in mirror of the forward layers, as auto_layers does.
-        mirrored = mirror_cuts(cj.jaxpr, forward_count, layer_starts[1:], layers)
-        begins = [forward_count, *mirrored, len(eqns)]
+        mirrored = mirror_cuts(cj.jaxpr, forward_count, layer_starts[1:], layers, stop=stop)
+        begins = [forward_count, *mirrored, stop]
         runs.extend((layers + stage, begins[stage], begins[stage + 1]) for stage in range(layers))
         names += [f"layer{i}_backward" for i in reversed(range(layers))]
     elif backward_count:
         # No backward pass, or one too short to mirror: it joins the last layer.
-        runs.append((max(layers - 1, 0), forward_count, len(eqns)))
+        runs.append((max(layers - 1, 0), forward_count, stop))
         if not names:
             names = ["layer0"]
+    if stop < len(eqns):
+        runs.append((len(names), stop, len(eqns)))
+        names.append(APPLY_STAGE)
     # Every boundary is dropped; any other marker (a hook, ...) stays.
     return _wrap_segments(cj, runs, names, keeps_markers=len(markers) > len(boundaries))
 

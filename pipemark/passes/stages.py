@@ -247,7 +247,9 @@ def merge_stages(
         closed = ClosedJaxpr(merged, list(constvars.values()))
         new_stages.append(Stage(node_names[node], closed, tuple(invars.values()), tuple(indices)))
     outputs = [_remap(ref, produced) for ref in staged.outputs]
-    return StagedJaxpr(new_stages, staged.invars, outputs, staged._debug_info)
+    return StagedJaxpr(
+        new_stages, staged.invars, outputs, staged.debug_info, signature=staged.signature
+    )
 
 
 def _remap(ref: ValueRef, produced: dict[tuple[int, int], tuple[int, int]]) -> ValueRef:
@@ -312,4 +314,6 @@ def rename_stages(staged: StagedJaxpr, mapping: Mapping[str, str]) -> StagedJaxp
         )
         closed = ClosedJaxpr(new_jaxpr, stage.closed_jaxpr.consts)
         stages.append(Stage(name, closed, stage.inputs, stage.eqn_indices))
-    return StagedJaxpr(stages, staged.invars, staged.outputs, staged._debug_info)
+    return StagedJaxpr(
+        stages, staged.invars, staged.outputs, staged.debug_info, signature=staged.signature
+    )
