@@ -47,6 +47,8 @@ from pipemark.runtime import pipeline_train_step as pipeline_train_step
 from pipemark.runtime import pipeline_value_and_grad as pipeline_value_and_grad
 from pipemark.runtime import plot_schedule as plot_schedule
 from pipemark.runtime import schedule_from_orders as schedule_from_orders
+from pipemark.signature import Signature as Signature
+from pipemark.signature import SignatureError as SignatureError
 from pipemark.split import split as split
 from pipemark.staged import Stage as Stage
 from pipemark.staged import StagedJaxpr as StagedJaxpr

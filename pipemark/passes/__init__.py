@@ -6,6 +6,8 @@ Every pass is a pure function: it returns a new jaxpr (or a staged program) that
 
 from pipemark.passes.auto import auto_layers as auto_layers
 from pipemark.passes.auto import balanced_cuts as balanced_cuts
+from pipemark.passes.gradient import apply_start as apply_start
+from pipemark.passes.gradient import mark_apply_stage as mark_apply_stage
 from pipemark.passes.gradient import split_at_gradient as split_at_gradient
 from pipemark.passes.insert import insert_markers as insert_markers
 from pipemark.passes.insert import insert_markers_by_scope as insert_markers_by_scope

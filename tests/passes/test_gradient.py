@@ -224,3 +224,63 @@ def test_refuses_a_non_closed_jaxpr():
     cj = jax.make_jaxpr(lambda w: pm.mark_gradient(w))(1.0)
     with pytest.raises(PipemarkError, match=r"takes a jax\.extend\.core\.ClosedJaxpr, got Jaxpr"):
         split_at_gradient(cj.jaxpr)
+
+
+# ---------------------------------------------------------------- the apply stage
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_mark_apply_stage_gives_the_update_a_stage(model, optimizer):
+    cj, args = _step_program(MODELS[model](), optimizer)
+    before = _snapshot(cj)
+    marked = pm.passes.mark_apply_stage(cj)
+    assert _snapshot(cj) == before  # pure
+    check_jaxpr(marked.jaxpr)
+    staged = pm.passes.slice_stages(marked)
+    assert staged.stages[-1].name == "apply_grad"
+    grad_at = pm.passes.apply_start(cj.jaxpr)
+    assert [id(e) for e in staged["apply_grad"].jaxpr.eqns[1:-1]] == [
+        id(e) for e in cj.jaxpr.eqns[grad_at:]
+    ]
+    _assert_same(_run(staged.as_closed_jaxpr(), args), _run(cj, args))
+    # Idempotent: the update is in a stage now.
+    assert pm.passes.mark_apply_stage(marked) is marked
+
+
+def test_mark_apply_stage_leaves_programs_without_an_update_alone():
+    ex = examples.mlp(2)
+    cj = jax.make_jaxpr(jax.value_and_grad(ex.loss_fn))(ex.params, ex.batch)
+    assert pm.passes.mark_apply_stage(cj) is cj
+    assert pm.passes.apply_start(cj.jaxpr) is None
+
+    def step(w):  # the grad marker is the last equation: nothing to apply
+        return pm.mark_gradient(jax.grad(lambda w: jnp.sum(w**2))(w))
+
+    cj = jax.make_jaxpr(step)(jnp.ones(3))
+    assert pm.passes.mark_apply_stage(cj) is cj
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_auto_layers_keeps_the_update_out_of_the_backward_stages(optimizer):
+    cj, args = _step_program(examples.mlp(4, markers=None), optimizer)
+    staged = pm.passes.slice_stages(pm.passes.auto_layers(cj, 2))
+    assert [s.name for s in staged.stages] == [
+        "layer0", "layer1", "layer1_backward", "layer0_backward", "apply_grad"
+    ]  # fmt: skip
+    grad_at = pm.passes.apply_start(cj.jaxpr) - 1
+    update = {id(e) for e in cj.jaxpr.eqns[grad_at + 1 :]}
+    for stage in staged.stages[:-1]:
+        assert not update & {id(e) for e in stage.jaxpr.eqns}, stage.name
+    _assert_same(_run(staged.as_closed_jaxpr(), args), _run(cj, args))
+
+
+def test_boundary_marked_step_gets_an_apply_stage():
+    ex = examples.mlp(3, markers="boundary")
+    step, init_state = examples.train_step(ex.loss_fn, optimizer="adam")
+    args = (ex.params, init_state(ex.params), ex.batch)
+    staged = pm.split(step, *args)
+    names = [s.name for s in staged.stages]
+    assert names[-1] == "apply_grad" and names[-2] == "layer0_backward"
+    assert "sqrt" in {e.primitive.name for e in staged["apply_grad"].jaxpr.eqns}
+    staged.verify(step, *args)
