@@ -747,10 +747,12 @@ def _as_staged(program: Any) -> StagedJaxpr:
     if isinstance(program, StagedJaxpr):
         return program
     if isinstance(program, ClosedJaxpr):
+        from pipemark.passes.inline import inline_calls
         from pipemark.passes.insert import layers_from_boundaries
         from pipemark.passes.slice import slice_stages
         from pipemark.primitive import is_marker
 
+        program = inline_calls(program)
         if any(is_marker(eqn, "boundary") for eqn in program.jaxpr.eqns):
             program = layers_from_boundaries(program)
         return slice_stages(program)

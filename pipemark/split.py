@@ -10,6 +10,7 @@ from jax.extend.core import ClosedJaxpr
 from pipemark.errors import PipemarkError
 from pipemark.passes.auto import auto_layers
 from pipemark.passes.gradient import mark_apply_stage
+from pipemark.passes.inline import inline_calls
 from pipemark.passes.insert import layers_from_boundaries
 from pipemark.passes.slice import slice_stages
 from pipemark.primitive import pipeline_p
@@ -80,7 +81,7 @@ def split(
     signature = Signature.of(
         args, kwargs, static_argnums=static_argnums, static_argnames=static_argnames, fn=fn
     )
-    cj = signature.trace(fn, args, kwargs)
+    cj = inline_calls(signature.trace(fn, args, kwargs))
     return _slice(cj, num_stages, unmarked).with_signature(signature)
 
 

@@ -536,7 +536,11 @@ class StagedJaxpr:
             if signature is None or signature.is_flat_call(args, kwargs):
                 # The reference takes the arguments as given (the flat inputs, say).
                 signature = Signature.of(args, kwargs, fn=reference)
-            traced = signature.trace(reference, args, kwargs)
+            # A jitted reference would run its jit equations compiled: inline them, as
+            # pm.split does, so the reference runs equation by equation too.
+            from pipemark.passes.inline import inline_calls  # the passes import this module
+
+            traced = inline_calls(signature.trace(reference, args, kwargs))
             want = list(jaxpr_as_fun(traced)(*signature.flatten(args, kwargs)))
         else:
             raise PipemarkError(

@@ -9,6 +9,7 @@ from pipemark.passes.auto import balanced_cuts as balanced_cuts
 from pipemark.passes.gradient import apply_start as apply_start
 from pipemark.passes.gradient import mark_apply_stage as mark_apply_stage
 from pipemark.passes.gradient import split_at_gradient as split_at_gradient
+from pipemark.passes.inline import inline_calls as inline_calls
 from pipemark.passes.insert import insert_markers as insert_markers
 from pipemark.passes.insert import insert_markers_by_scope as insert_markers_by_scope
 from pipemark.passes.insert import layers_from_boundaries as layers_from_boundaries

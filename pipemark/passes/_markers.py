@@ -331,18 +331,11 @@ def check_no_markers_in_bodies(jaxpr: Jaxpr | ClosedJaxpr) -> None:
             inner = _markers_in(body, seen)
             if inner is None:
                 continue
-            hint = (
-                " (jax.checkpoint: checkpoint each stage's computation inside its "
-                "markers, not the whole marked function)"
-                if "remat" in eqn.primitive.name or "checkpoint" in eqn.primitive.name
-                else ""
-            )
             raise MarkerError(
                 f"{describe_eqn(eqn, index)} holds {_article(inner.params['mark_type'])} "
                 f"{inner.params['mark_type']} marker "
                 f"{inner.params.get('name')!r} inside its {param!r} body; stages are cut "
-                "only at the top level of a program. Hoist the marker out of the "
-                f"{eqn.primitive.name}, or slice the body jaxpr itself{hint}."
+                f"only at the top level of a program. {_body_advice(eqn)}"
             )
     _remember(_BODIES_CHECKED, jaxpr)
 
@@ -562,6 +555,18 @@ def stage_index_of_equations(spans: tuple[StageSpan, ...], num_eqns: int) -> lis
     for k, span in enumerate(spans):
         stage[span.first : span.last + 1] = [k] * (span.last + 1 - span.first)
     return stage
+
+
+def _body_advice(eqn: JaxprEqn) -> str:
+    # Imported here: the inline pass reads this module's mark-type sets.
+    from pipemark.passes.inline import CALL_RULES
+
+    if eqn.primitive.name in CALL_RULES:
+        return (
+            f"Inline the {eqn.primitive.name} first with pm.passes.inline_calls(cj) "
+            "(pm.split, pm.show and the runtime do this for you)."
+        )
+    return f"Hoist the marker out of the {eqn.primitive.name}, or slice the body jaxpr itself."
 
 
 def _article(word: str) -> str:

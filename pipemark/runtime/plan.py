@@ -109,12 +109,14 @@ def _trace_staged(
 ) -> tuple[StagedJaxpr, Any]:
     """Trace value_and_grad for one microbatch and cut it into forward and mirrored
     backward stages. Returns the staged program and the output tree."""
-    from pipemark.passes import layers_from_boundaries, slice_stages
+    from pipemark.passes import inline_calls, layers_from_boundaries, slice_stages
 
     vag = jax.value_and_grad(loss_fn)
-    forward = jax.make_jaxpr(loss_fn)(params, batch_structs)
+    # A jitted loss is one jit equation: inline it, as pm.split does, to see its markers.
+    forward = inline_calls(jax.make_jaxpr(loss_fn)(params, batch_structs))
     if _has_markers(forward, _STAGE_MARK_TYPES):
         cj, out_shape = jax.make_jaxpr(vag, return_shape=True)(params, batch_structs)
+        cj = inline_calls(cj)
     elif _has_markers(forward, frozenset(("boundary",))):
         # Boundary markers have no operands, so their transpose delimits nothing. Turn
         # them into start/end layers in the forward program, then differentiate that:
@@ -140,7 +142,7 @@ def _trace_staged(
         from pipemark.passes.auto import auto_layers
 
         cj, out_shape = jax.make_jaxpr(vag, return_shape=True)(params, batch_structs)
-        cj = auto_layers(cj, num_stages)
+        cj = auto_layers(inline_calls(cj), num_stages)
     return slice_stages(cj), jax.tree_util.tree_structure(out_shape)
 
 

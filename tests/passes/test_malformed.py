@@ -185,9 +185,10 @@ CASES = [
     ("marker in while", stage_marker(in_while), slice_, pm.MarkerError,
      r"inside its 'body_jaxpr' body.*out of the while", 1),
     ("marker in jit", stage_marker(in_jit), slice_, pm.MarkerError,
-     r"holds a start marker 'inner'.*Hoist the marker out of the jit", 1),
+     r"holds a start marker 'inner'.*Inline the jit first with "
+     r"pm.passes.inline_calls\(cj\)", 1),
     ("marker in checkpoint", stage_marker(in_checkpoint), slice_, pm.MarkerError,
-     r"checkpoint each stage's computation inside its markers", 1),
+     r"Inline the \w+ first with pm.passes.inline_calls", 1),
     ("boundary in scan", boundary_in_scan, pm.passes.layers_from_boundaries, pm.MarkerError,
      r"holds a boundary marker.*inside its 'jaxpr' body", 0),
     ("stray equation before", stray_before, slice_error, pm.MarkerError,

@@ -80,10 +80,14 @@ def test_marker_in_a_body_is_found(case):
 
     cj = _copy(jax.make_jaxpr(f)(1.0))
     index = next(i for i, e in enumerate(cj.eqns) if e.primitive.name.startswith(primitive))
+    advice = (
+        rf"Inline the {primitive}\w* first with pm\.passes\.inline_calls"
+        if primitive in ("jit", "remat", "checkpoint")
+        else rf"Hoist the marker out of the {primitive}\w*, or slice the body jaxpr itself"
+    )
     pattern = (
         rf"equation {index} \({primitive}\w*, .*\) holds a start marker 'a' inside its "
-        rf"'{param}' body; stages are cut only at the top level of a program\. Hoist the "
-        rf"marker out of the {primitive}\w*, or slice the body jaxpr itself"
+        rf"'{param}' body; stages are cut only at the top level of a program\. {advice}"
     )
     for check in (check_no_markers_in_bodies, find_stage_spans, pm.passes.slice_stages):
         with pytest.raises(MarkerError, match=pattern):

@@ -1,0 +1,354 @@
+"""Inline call-like equations, so that markers inside ``jax.jit`` (and friends) can cut.
+
+A program traced from ``jax.jit(loss)`` is one ``jit`` equation whose body holds the
+whole model; a model that jits its layers, checkpoints them or wraps them in a
+``custom_jvp`` puts markers inside such bodies. Stages are cut at the top level of a
+program, so :func:`inline_calls` first brings those bodies up, following a rule per
+primitive (:data:`CALL_RULES`, looked up by primitive name):
+
+======================================  ================================================
+primitive                               rule
+======================================  ================================================
+``jit`` (``pjit``), ``closed_call``,    ``"inline"``: always replaced by its body, whose
+``core_call``, ``call``                 equations keep the call's name in their name
+                                        stack (``loss/...``); calls inside the body that
+                                        come up are inlined too
+``checkpoint`` (``remat2``, ``remat``)  ``"split"``: when the body holds a stage marker,
+                                        each run of equations between two markers
+                                        becomes a checkpoint of its own with the same
+                                        ``policy`` and ``prevent_cse``, so every stage
+                                        rematerialises its own part; else left alone
+``custom_jvp_call``, ``custom_vjp_call``  ``"inline_marked"``: replaced by the primal
+                                        body when it holds a stage marker (a staged
+                                        program evaluates it; the custom derivative rule
+                                        was applied already if the program is a
+                                        gradient); else left alone
+======================================  ================================================
+
+``scan``, ``cond``, ``while`` and ``shard_map`` bodies are never inlined: a marker
+inside them is still refused by the slicer.
+
+Under ``jax.grad``, a checkpoint over several stages becomes a forward part at the top
+level and a ``differentiated`` checkpoint in the backward pass whose body recomputes
+the forward (with copies of the forward markers) before the mirrored backward stages.
+The copies of markers of stages that already ran are dropped, so the recomputation
+joins the first backward stage that reads it and each backward stage gets its own
+checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from jax.extend.core import (
+    ClosedJaxpr,
+    DebugInfo,
+    Jaxpr,
+    JaxprEqn,
+    Literal,
+    Var,
+    new_jaxpr_eqn,
+)
+
+from pipemark.errors import check_closed_jaxpr
+from pipemark.passes._collector import paused_collector
+from pipemark.passes._markers import STAGE_MARK_TYPES
+from pipemark.primitive import pipeline_p
+
+__all__ = ["CALL_RULES", "CallRule", "inline_calls"]
+
+
+@dataclass(frozen=True)
+class CallRule:
+    """How :func:`inline_calls` treats one call-like primitive.
+
+    Attributes
+    ----------
+    body:
+        The parameter holding the body (a ``Jaxpr`` or ``ClosedJaxpr``).
+    action:
+        ``"inline"`` (always), ``"inline_marked"`` (when the body holds a stage marker)
+        or ``"split"`` (a checkpoint: one checkpoint per stage when the body holds a
+        stage marker).
+    scope:
+        The parameter naming the call (``jit``'s ``name``), pushed on the name stack of
+        the inlined equations; ``None`` for none.
+    """
+
+    body: str
+    action: str
+    scope: str | None = None
+
+
+#: The rule per primitive name; primitives not listed are never inlined.
+CALL_RULES: dict[str, CallRule] = {
+    "jit": CallRule("jaxpr", "inline", "name"),
+    "pjit": CallRule("jaxpr", "inline", "name"),  # JAX < 0.7 named jit "pjit"
+    "closed_call": CallRule("call_jaxpr", "inline"),
+    "core_call": CallRule("call_jaxpr", "inline", "name"),
+    "call": CallRule("call_jaxpr", "inline", "name"),
+    "remat2": CallRule("jaxpr", "split"),  # jax.checkpoint
+    "checkpoint": CallRule("jaxpr", "split"),
+    "remat": CallRule("jaxpr", "split"),
+    "custom_jvp_call": CallRule("call_jaxpr", "inline_marked"),
+    "custom_vjp_call": CallRule("call_jaxpr", "inline_marked"),
+    "custom_vjp_call_jaxpr": CallRule("fun_jaxpr", "inline_marked"),  # older JAX
+}
+
+
+def _rule(eqn: JaxprEqn) -> CallRule | None:
+    return CALL_RULES.get(eqn.primitive.name)
+
+
+def _body(eqn: JaxprEqn, rule: CallRule) -> tuple[Jaxpr, Sequence[Any]]:
+    """The body's open jaxpr and its consts (JAX 0.10 open Jaxprs have none; in JAX
+    0.11 every jaxpr is closed and ``.jaxpr`` is itself)."""
+    body = eqn.params[rule.body]
+    if callable(body) and not isinstance(body, (Jaxpr, ClosedJaxpr)):
+        body = body()  # a thunk, as older custom_vjp_call_jaxpr params held
+    jaxpr = body.jaxpr if isinstance(body, ClosedJaxpr) else body
+    return jaxpr, tuple(getattr(body, "consts", ()))
+
+
+def _is_stage_marker(eqn: JaxprEqn) -> bool:
+    return eqn.primitive is pipeline_p and eqn.params.get("mark_type") in STAGE_MARK_TYPES
+
+
+def _holds_marker(jaxpr: Jaxpr, memo: dict[int, bool]) -> bool:
+    """Whether a stage marker sits anywhere inside ``jaxpr`` (bodies included)."""
+    key = id(jaxpr)
+    if key not in memo:
+        memo[key] = False  # guards against a body that (indirectly) holds itself
+        memo[key] = any(
+            _is_stage_marker(eqn) or any(_holds_marker(sub, memo) for sub in _sub_jaxprs(eqn))
+            for eqn in jaxpr.eqns
+        )
+    return memo[key]
+
+
+def _sub_jaxprs(eqn: JaxprEqn):
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, ClosedJaxpr):
+                yield item.jaxpr
+            elif isinstance(item, Jaxpr):
+                yield item
+
+
+def _wants_inlining(eqn: JaxprEqn, memo: dict[int, bool]) -> bool:
+    rule = _rule(eqn)
+    if rule is None:
+        return False
+    return rule.action == "inline" or _holds_marker(_body(eqn, rule)[0], memo)
+
+
+def inline_calls(cj: ClosedJaxpr) -> ClosedJaxpr:
+    """Bring the bodies of call-like equations up to the top level, as
+    :data:`CALL_RULES` says, so that markers inside them can cut stages.
+
+    Pure: returns a new program (the input itself when there is nothing to inline)
+    that computes the same results with the same equations.
+
+    Before / after (``jax.jit`` of a boundary-marked function)::
+
+        { lambda ; a. let b = jit[name=f jaxpr={ lambda ; c. let
+              d = sin c ; pipeline_marker[boundary] ; e = cos d in (e,) }] a in (b,) }
+        { lambda ; a. let d = sin a ; pipeline_marker[boundary] ; e = cos d in (e,) }
+
+    >>> import jax, jax.numpy as jnp, pipemark as pm
+    >>> def f(x):
+    ...     x = jnp.sin(x)
+    ...     pm.mark_pipeline_boundary()
+    ...     return jnp.cos(x)
+    >>> cj = jax.make_jaxpr(jax.jit(f))(1.0)
+    >>> [e.primitive.name for e in cj.eqns]
+    ['jit']
+    >>> [e.primitive.name for e in inline_calls(cj).eqns]
+    ['sin', 'pipeline_marker', 'cos']
+    >>> str(inline_calls(cj).eqns[0].source_info.name_stack)
+    'f'
+    """
+    check_closed_jaxpr(cj, "inline_calls")
+    memo: dict[int, bool] = {}
+    if not any(_wants_inlining(eqn, memo) for eqn in cj.jaxpr.eqns):
+        return cj
+    with paused_collector():
+        return _Inliner(memo).run(cj)
+
+
+def _is_copy(eqn: JaxprEqn, opened: frozenset[str]) -> bool:
+    """Whether a marker inside a differentiated checkpoint copies a forward one: a
+    boundary (the backward pass has none of its own) or a marker of an opened stage."""
+    if not _is_stage_marker(eqn):
+        return False
+    return eqn.params["mark_type"] == "boundary" or eqn.params.get("name") in opened
+
+
+def _fresh(var: Var) -> Var:
+    return type(var)(var.aval)  # a DropVar stays a DropVar
+
+
+class _Inliner:
+    """One walk over a program; ``env`` maps each inlined body's variables (and the
+    results of inlined calls) to the atoms that stand for them in the new program."""
+
+    def __init__(self, memo: dict[int, bool]) -> None:
+        self.memo = memo
+        self.env: dict[Var, Any] = {}
+        self.eqns: list[JaxprEqn] = []
+        self.constvars: list[Var] = []
+        self.consts: list[Any] = []
+        self.opened: set[str] = set()  # names of the stages whose start marker is out
+        self.regions: list[tuple[int, int, JaxprEqn]] = []  # checkpoints to split
+        self.splitting = 0  # depth of checkpoint bodies being split
+
+    def atom(self, value: Any) -> Any:
+        # Follow the chain: a body's result maps to the fresh variable its equation got,
+        # which maps on to what the inlined call returned.
+        env = self.env
+        while not isinstance(value, Literal) and value in env:
+            value = env[value]
+        return value
+
+    def run(self, cj: ClosedJaxpr) -> ClosedJaxpr:
+        jaxpr = cj.jaxpr
+        self.constvars, self.consts = list(jaxpr.constvars), list(cj.consts)
+        for eqn in jaxpr.eqns:
+            self.emit(eqn)
+        outvars = [self.atom(v) for v in jaxpr.outvars]
+        eqns = _split_regions(self.eqns, self.regions, outvars)
+        effects = set().union(*(eqn.effects for eqn in eqns)) if eqns else set()
+        new = jaxpr.replace(constvars=self.constvars, outvars=outvars, eqns=eqns, effects=effects)
+        return ClosedJaxpr(new, self.consts)
+
+    def emit(
+        self, eqn: JaxprEqn, source_info: Any = None, ran: frozenset[str] | None = None
+    ) -> None:
+        """Append ``eqn`` (its inputs renamed), or inline it when its rule says so.
+        ``ran``: inside a differentiated checkpoint, the stages opened before it."""
+        invars = [self.atom(v) for v in eqn.invars]
+        if ran is not None and _is_copy(eqn, ran):
+            # A recomputation's copy of a marker of a stage that already ran.
+            for out, value in zip(eqn.outvars, invars):
+                self.env[out] = value
+            return
+        if _wants_inlining(eqn, self.memo):
+            self.inline(eqn, invars, source_info or eqn.source_info, ran)
+            return
+        changes: dict[str, Any] = {}
+        if any(a is not b for a, b in zip(invars, eqn.invars)):
+            changes["invars"] = invars
+        if source_info is not None:
+            changes["source_info"] = source_info
+        if changes:
+            eqn = eqn.replace(**changes)
+        if eqn.primitive is pipeline_p and eqn.params.get("mark_type") in ("start", "jvp_start"):
+            self.opened.add(eqn.params.get("name"))
+        self.eqns.append(eqn)
+
+    def inline(
+        self, eqn: JaxprEqn, invars: list[Any], source_info: Any, ran: frozenset[str] | None
+    ) -> None:
+        rule = _rule(eqn)
+        body, consts = _body(eqn, rule)
+        stack = source_info.name_stack
+        if rule.scope is not None and isinstance(eqn.params.get(rule.scope), str):
+            stack = stack.extend(eqn.params[rule.scope])
+        for var, value in zip(body.constvars, consts):
+            self.env[var] = new = Var(var.aval)
+            self.constvars.append(new)
+            self.consts.append(value)
+        self.env.update(zip(body.invars, invars))
+        split = rule.action == "split" and not self.splitting
+        if rule.action == "split" and eqn.params.get("differentiated"):
+            ran = frozenset(self.opened)
+        first = len(self.eqns)
+        self.splitting += rule.action == "split"
+        for inner in body.eqns:
+            outvars = [_fresh(v) for v in inner.outvars]
+            self.env.update(zip(inner.outvars, outvars))
+            info = inner.source_info
+            self.emit(
+                inner.replace(outvars=outvars),
+                info.replace(name_stack=stack + info.name_stack),
+                ran,
+            )
+        self.splitting -= rule.action == "split"
+        if split:
+            self.regions.append((first, len(self.eqns), eqn))
+        for out, value in zip(eqn.outvars, body.outvars):
+            self.env[out] = self.atom(value)
+
+
+def _split_regions(
+    eqns: list[JaxprEqn], regions: list[tuple[int, int, JaxprEqn]], outvars: list[Any]
+) -> list[JaxprEqn]:
+    """Replace each inlined checkpoint body ``eqns[first:end]`` by one checkpoint per
+    run of equations between its stage markers (the markers stay at the top level)."""
+    if not regions:
+        return eqns
+    last_use: dict[Var, int] = {}
+    for index, eqn in enumerate(eqns):
+        for v in eqn.invars:
+            if not isinstance(v, Literal):
+                last_use[v] = index
+    for v in outvars:
+        if not isinstance(v, Literal):
+            last_use[v] = len(eqns)
+    out: list[JaxprEqn] = []
+    done = 0
+    for first, end, template in regions:
+        out.extend(eqns[done:first])
+        run_start = first
+        for index in range(first, end + 1):
+            if index == end or _is_stage_marker(eqns[index]):
+                if index > run_start:
+                    out.append(_checkpoint(eqns[run_start:index], index, last_use, template))
+                if index < end:
+                    out.append(eqns[index])
+                run_start = index + 1
+        done = end
+    out.extend(eqns[done:])
+    return out
+
+
+def _checkpoint(
+    run: list[JaxprEqn], end: int, last_use: dict[Var, int], template: JaxprEqn
+) -> JaxprEqn:
+    """One checkpoint equation (``template``'s primitive and params) over ``run``, whose
+    last equation is just before index ``end``: it reads what the run reads from
+    outside and returns what is read after it."""
+    defined: set[Var] = set()
+    reads: dict[Var, None] = {}  # ordered
+    outs: list[Var] = []
+    for eqn in run:
+        for v in eqn.invars:
+            if not isinstance(v, Literal) and v not in defined:
+                reads[v] = None
+        for v in eqn.outvars:
+            defined.add(v)
+            if last_use.get(v, -1) >= end:
+                outs.append(v)
+    inner_in = {v: Var(v.aval) for v in reads}
+    body_eqns = [
+        eqn.replace(
+            invars=[inner_in.get(v, v) if not isinstance(v, Literal) else v for v in eqn.invars]
+        )
+        for eqn in run
+    ]
+    effects = set().union(*(eqn.effects for eqn in run))
+    info = DebugInfo(
+        "checkpoint",
+        "pipemark: a stage's part of a checkpoint",
+        tuple(f"input[{i}]" for i in range(len(inner_in))),
+        tuple(f"result[{i}]" for i in range(len(outs))),
+    )
+    body = Jaxpr([], list(inner_in.values()), outs, body_eqns, effects, info)
+    params = dict(template.params, jaxpr=body)
+    # The run's results keep their variables at the top level (the body defines them in
+    # its own scope too, as a sliced stage shares its program's variables).
+    return new_jaxpr_eqn(
+        list(reads), outs, template.primitive, params, effects, template.source_info, template.ctx
+    )
