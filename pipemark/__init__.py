@@ -13,6 +13,7 @@ from pipemark.cost import Cost as Cost
 from pipemark.cost import estimate_cost as estimate_cost
 from pipemark.errors import MarkerError as MarkerError
 from pipemark.errors import PipemarkError as PipemarkError
+from pipemark.errors import PipemarkWarning as PipemarkWarning
 from pipemark.errors import StageGraphError as StageGraphError
 from pipemark.graph import critical_path as critical_path
 from pipemark.graph import eqn_graph as eqn_graph

@@ -10,6 +10,7 @@ from typing import Any
 
 __all__ = [
     "PipemarkError",
+    "PipemarkWarning",
     "MarkerError",
     "StageGraphError",
     "check_closed_jaxpr",
@@ -28,6 +29,11 @@ class MarkerError(PipemarkError, ValueError):
     It is also a :class:`ValueError`, which is what the original Alpa functions raised,
     so code written against them keeps working.
     """
+
+
+class PipemarkWarning(UserWarning):
+    """Something pipemark did works but is probably not what was wanted (for example
+    an automatic split that cannot balance because one equation is too heavy)."""
 
 
 class StageGraphError(PipemarkError):

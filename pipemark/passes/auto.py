@@ -30,24 +30,36 @@ This works on the jaxpr alone; re-tracing ``value_and_grad`` of the marked forwa
 function would give the same stage structure through the marker's transpose rule, but
 needs the Python function, which a jaxpr pass does not have.
 
-Costs are per top-level equation, so a ``scan`` over layers (or a ``jit``, ``cond`` or
-``while``) is one indivisible, heavy equation: its whole body lands in one layer.
+Costs are per top-level equation. A heavy ``scan`` (a scan over layers) is first cut
+into ``num_layers`` chunks (:func:`pipemark.passes.split_scan`); ``pm.split`` inlines
+``jit`` calls (:func:`pipemark.passes.inline_calls`). What stays indivisible (a
+``while`` loop, a ``cond``, a scan with fewer iterations than layers) lands in one layer
+whole, with a :class:`~pipemark.errors.PipemarkWarning` when it is heavier than a layer
+should be.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+import warnings
 from collections.abc import Callable, Sequence
 
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 from pipemark.cost import Cost, eqn_costs, estimate_cost
-from pipemark.errors import MarkerError, PipemarkError, check_closed_jaxpr, describe_eqn
+from pipemark.errors import (
+    MarkerError,
+    PipemarkError,
+    PipemarkWarning,
+    check_closed_jaxpr,
+    describe_eqn,
+)
 from pipemark.passes._backward import crossing_bytes, forward_end, mirror_cuts
 from pipemark.passes.gradient import APPLY_STAGE, apply_start
 from pipemark.passes.insert import insert_markers
+from pipemark.passes.scan import SCAN_COST_FRACTION, scans_to_split, split_scan
 from pipemark.primitive import pipeline_p
 
 __all__ = ["AUTO_COSTS", "auto_layers", "balanced_cuts", "crossing_bytes", "equation_costs"]
@@ -307,6 +319,65 @@ def balanced_cuts(
 # ------------------------------------------------------------------------- the pass
 
 
+def _regions(jaxpr: Jaxpr, mirror_backward: bool) -> tuple[int, int, int | None]:
+    """``(split_at, stop, apply_at)``: the forward part is ``eqns[:split_at]``, the
+    backward part ``eqns[split_at:stop]``, and a training step's update (after its grad
+    marker; run once per step, not per micro-batch, so not balanced with the layers)
+    begins at ``apply_at``."""
+    apply_at = apply_start(jaxpr)
+    stop = len(jaxpr.eqns) if apply_at is None else apply_at
+    split_at = forward_end(jaxpr) if mirror_backward else None
+    if split_at is None or split_at > stop:
+        split_at = stop
+    return split_at, stop, apply_at
+
+
+def _prepare(
+    cj: ClosedJaxpr,
+    num_layers: int,
+    cost: str | Callable[[JaxprEqn], float],
+    mirror_backward: bool,
+    split_scans: bool,
+) -> tuple[ClosedJaxpr, np.ndarray, tuple[int, int, int | None]]:
+    """The program with its heavy scans cut into ``num_layers`` chunks (when asked),
+    its equation costs and its regions; warns about what stays too heavy to balance."""
+    costs = equation_costs(cj.jaxpr, cost)
+    regions = _regions(cj.jaxpr, mirror_backward)
+    scans = scans_to_split(cj, SCAN_COST_FRACTION) if split_scans and num_layers > 1 else []
+    divisible = {i for i in scans if cj.jaxpr.eqns[i].params["length"] >= num_layers}
+    _warn_indivisible(cj.jaxpr.eqns, costs[: regions[0]], num_layers, divisible)
+    if scans:
+        cj = split_scan(cj, num_layers, scans=scans)
+        costs = equation_costs(cj.jaxpr, cost)
+        regions = _regions(cj.jaxpr, mirror_backward)
+    return cj, costs, regions
+
+
+def _warn_indivisible(
+    eqns: Sequence[JaxprEqn], costs: np.ndarray, num_layers: int, divisible: set[int]
+) -> None:
+    """Warn, naming it, about an equation that costs more than a stage should and
+    cannot be cut (``divisible``: the scans that will be): no cut can balance the
+    stages then."""
+    if num_layers < 2 or not costs.size:
+        return
+    total = int(costs.sum())
+    order = np.argsort(costs)[::-1]
+    heaviest = next((int(i) for i in order if int(i) not in divisible), None)
+    if heaviest is None or costs[heaviest] * num_layers <= total:
+        return
+    warnings.warn(
+        f"{describe_eqn(eqns[heaviest], heaviest)} holds "
+        f"{100 * costs[heaviest] / total:.0f} % of the cost to balance, more than 1/"
+        f"{num_layers} of it, and auto_layers cannot cut inside it, so the stages cannot "
+        "be balanced. Split it yourself (a lax.scan with at least as many iterations as "
+        "stages is split automatically; a while loop, cond or a scan with fewer "
+        "iterations is not), or ask for fewer stages.",
+        PipemarkWarning,
+        stacklevel=3,
+    )
+
+
 def _check_unmarked(jaxpr: Jaxpr) -> None:
     for index, eqn in enumerate(jaxpr.eqns):
         if eqn.primitive is pipeline_p and eqn.params.get("mark_type") in _STAGE_MARK_TYPES:
@@ -326,6 +397,7 @@ def auto_layers(
     tolerance: float = 0.01,
     names: Sequence[str] | None = None,
     mirror_backward: bool = True,
+    split_scans: bool = True,
 ) -> ClosedJaxpr:
     """Insert start/end markers that cut ``cj`` into ``num_layers`` balanced layers.
 
@@ -351,11 +423,21 @@ def auto_layers(
         only the forward part into balanced layers and cut the backward part into
         mirrored stages ``<name>_backward`` (in reverse order). With ``False`` every
         equation is balanced as one forward sequence.
+    split_scans:
+        First cut every heavy top-level ``lax.scan`` (a scan over layers, and its
+        mirror in the backward pass) into ``num_layers`` chunks with
+        :func:`pipemark.passes.split_scan`, so the layers can cut between them.
 
     Returns
     -------
     ClosedJaxpr
         The program with markers inserted by :func:`pipemark.passes.insert_markers`.
+
+    Warns
+    -----
+    PipemarkWarning
+        When one equation costs more than ``1/num_layers`` of what is balanced (a while
+        loop, say): no cut can balance the layers then. The message names it.
 
     Raises
     ------
@@ -389,16 +471,11 @@ def auto_layers(
         raise PipemarkError(f"num_layers must be a positive int, got {num_layers!r}.")
     if not isinstance(tolerance, (int, float)) or tolerance < 0 or not math.isfinite(tolerance):
         raise PipemarkError(f"tolerance must be a finite number >= 0, got {tolerance!r}.")
+    _check_unmarked(cj.jaxpr)
+    cj, costs, (split_at, stop, apply_at) = _prepare(
+        cj, int(num_layers), cost, mirror_backward, split_scans
+    )
     jaxpr = cj.jaxpr
-    _check_unmarked(jaxpr)
-    costs = equation_costs(jaxpr, cost)
-    # A training step's optimizer update (after its grad marker) is a stage of its own,
-    # run once per step, not once per micro-batch: it is not balanced with the layers.
-    apply_at = apply_start(jaxpr)
-    stop = len(jaxpr.eqns) if apply_at is None else apply_at
-    split_at = forward_end(jaxpr) if mirror_backward else None
-    if split_at is None or split_at > stop:
-        split_at = stop
     backward = split_at < stop
     what = "forward equations" if backward else "equations"
     if split_at < num_layers:

@@ -261,7 +261,7 @@ def test_skip_connections_split_and_run():
     assert "layer0" in sources["layer2"]
 
 
-def test_scan_over_layers_is_one_indivisible_equation():
+def test_scan_over_layers_is_cut_into_one_chunk_per_layer():
     weights = jnp.ones((6, 8, 8)) / 8
 
     def f(x, ws):
@@ -273,21 +273,44 @@ def test_scan_over_layers_is_one_indivisible_equation():
     costs = equation_costs(cj)
     scan_index = [e.primitive.name for e in cj.eqns].index("scan")
     assert costs[scan_index] > 0.9 * costs.sum()
+    marked = pm.passes.auto_layers(cj, 3, tolerance=0.0)
+    lengths = [
+        [e.params["length"] for e in marked.eqns[a:b] if e.primitive.name == "scan"]
+        for a, b in _layer_spans(marked).values()
+    ]
+    assert lengths == [[2], [2], [2]]
+    args = (jnp.linspace(0, 1, 32).reshape(4, 8), weights)
+    pm.passes.slice_stages(marked).verify(f, *args)
+
+
+def test_without_scan_splitting_the_scan_is_indivisible_and_named():
+    weights = jnp.ones((6, 8, 8)) / 8
+
+    def f(x, ws):
+        x = jnp.sin(x)
+        x, _ = lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+        return jnp.sum(x)
+
+    cj = jax.make_jaxpr(f)(jnp.ones((4, 8)), weights)
     # The whole body stays in one layer; the best a split can do is to give the scan a
     # layer of its own, and the bottleneck is then the scan's cost.
-    marked = pm.passes.auto_layers(cj, 3, tolerance=0.0)
+    with pytest.warns(pm.PipemarkWarning, match=r"equation 1 \(scan.*holds 9\d % of the cost"):
+        marked = pm.passes.auto_layers(cj, 3, tolerance=0.0, split_scans=False)
     layers = [
         [e.primitive.name for e in marked.eqns[a:b]] for a, b in _layer_spans(marked).values()
     ]
     assert layers == [["sin"], ["scan"], ["reduce_sum"]]
-    two = pm.passes.auto_layers(cj, 2)
-    assert (
-        sum(
-            "scan" in [e.primitive.name for e in two.eqns[a:b]]
-            for a, b in _layer_spans(two).values()
-        )
-        == 1
-    )
+
+
+def test_a_dominant_while_loop_is_named_in_a_warning():
+    def f(x, w):
+        x = jnp.sin(x)
+        _, x = lax.while_loop(lambda c: c[0] < 8, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)), (0, x))
+        return jnp.sum(x)
+
+    cj = jax.make_jaxpr(f)(jnp.ones((4, 8)), jnp.ones((8, 8)))
+    with pytest.warns(pm.PipemarkWarning, match=r"\(while.*cannot cut inside it"):
+        pm.passes.auto_layers(cj, 2)
 
 
 def test_determinism():
