@@ -30,6 +30,12 @@ last column repeats the ratio with the collector left as it is.
 Targets (issue 3): ratio <= 0.05 at 2k equations; microseconds per equation flat
 within 2x from 2k to 200k.
 
+The last lines time the front end ``pm.split`` runs before these passes,
+``inline_calls`` then ``split_scan``, on the largest program of each kind: as traced
+(nothing to inline, no scan: the passes only look) and traced under one ``jax.jit``
+(the whole program is one jit equation to inline). Target (issue 14): at most 10 % of
+the pipeline's time.
+
     python benchmarks/passes.py                      # 2k, 20k, 200k
     python benchmarks/passes.py --sizes 2000 20000 --repeat 5
     python benchmarks/passes.py --markers startend   # hand-marked models, no insert
@@ -43,10 +49,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import jax
 from jax.extend.core import Literal
 
 from pipemark import examples
-from pipemark.passes import dce, layers_from_boundaries, mark_missing_vars, slice_stages
+from pipemark.passes import (
+    dce,
+    inline_calls,
+    layers_from_boundaries,
+    mark_missing_vars,
+    slice_stages,
+    split_scan,
+)
 
 PASSES: tuple[tuple[str, Callable[[Any], Any]], ...] = (
     ("insert", layers_from_boundaries),
@@ -141,6 +155,32 @@ def measure(kind: str, num_eqns: int, repeat: int, markers: str = "boundary") ->
     }
 
 
+def front_end(kind: str, num_eqns: int, repeat: int, pipeline_seconds: float) -> str:
+    """One line: what inline_calls + split_scan add to the pipeline, as traced and for
+    the program traced under one jax.jit."""
+    example = examples.sized(kind, num_eqns, markers="boundary")
+
+    def front(cj: Any) -> Any:
+        return split_scan(inline_calls(cj), 8)
+
+    plain, jitted = [], []
+    for _ in range(repeat):
+        gc.collect()
+        cj = example.trace(grad=True)
+        plain.append(_timed(lambda cj=cj: front(cj), collector=False)[0])
+        gc.collect()
+        wrapped = jax.jit(jax.value_and_grad(example.loss_fn))
+        cj = jax.make_jaxpr(wrapped)(*example.args)
+        jitted.append(_timed(lambda cj=cj: front(cj), collector=False)[0])
+    a, b = min(plain), min(jitted)
+    return (
+        f"- {kind}, {num_eqns:,} equations: inline_calls + split_scan take {a * 1e3:.2f} ms "
+        f"as traced ({100 * a / pipeline_seconds:.1f} % of the pipeline) and "
+        f"{b * 1e3:.1f} ms with the program in one jit ({100 * b / pipeline_seconds:.1f} %); "
+        "target <= 10 %."
+    )
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     names = [name for name, _ in PASSES]
     head = (
@@ -217,6 +257,9 @@ def main(argv: list[str] | None = None) -> None:
     print(table(rows))
     print()
     print(verdict(rows))
+    for kind in args.kinds:
+        largest = max((r for r in rows if r["kind"] == kind), key=lambda r: r["eqns"])
+        print(front_end(kind, max(args.sizes), args.repeat, largest["total"]), flush=True)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ __all__ = [
     "mlp",
     "resnet",
     "transformer",
+    "scanned_transformer",
     "sized",
     "train_step",
 ]
@@ -346,6 +347,47 @@ def transformer(
                 x = _mse(x, y)
             x = _layer_finish(markers, name, x)
         return x
+
+    return Example(loss_fn, params, data)
+
+
+def scanned_transformer(
+    num_layers: int = 4,
+    d_model: int = 16,
+    num_heads: int = 2,
+    seq: int = 8,
+    batch: int = 2,
+    *,
+    seed: int = 0,
+) -> Example:
+    """The blocks of :func:`transformer` run by ``lax.scan`` over stacked parameters,
+    as deep models are usually written (flax ``nn.scan``, ``nnx.scan``): ``params`` is
+    one dict whose arrays have a leading axis of ``num_layers``. No markers: cut it with
+    ``pm.split(..., num_stages=S)``, which splits the scan
+    (:func:`pipemark.passes.split_scan`).
+
+    >>> ex = scanned_transformer(num_layers=3)
+    >>> ex.params["w1"].shape[0]
+    3
+    """
+    _check_positive(num_layers=num_layers, d_model=d_model, num_heads=num_heads, seq=seq)
+    _check_positive(batch=batch)
+    if d_model % num_heads:
+        raise PipemarkError(f"d_model ({d_model}) must be a multiple of num_heads ({num_heads}).")
+    rng = np.random.default_rng(seed)
+    blocks = [_block_params(rng, d_model) for _ in range(num_layers)]
+    params = {key: jnp.stack([b[key] for b in blocks]) for key in blocks[0]}
+    shape = (batch, seq, d_model)
+    data = (_normal(rng, shape, 1.0), _normal(rng, shape, 1.0))
+
+    def loss_fn(params, batch):
+        x, y = batch
+
+        def body(x, p):
+            return _transformer_block(x, p, num_heads), None
+
+        x, _ = jax.lax.scan(body, x, params)
+        return _mse(x, y)
 
     return Example(loss_fn, params, data)
 

@@ -35,6 +35,8 @@ def test_passes_benchmark_prints_its_table_and_verdict():
     equations = int(rows[0].split("|")[2].replace(",", ""))
     assert abs(equations - 300) <= 20
     assert any(line.startswith("- mlp: ratio") and "bare def-use sweep" in line for line in lines)
+    front = next(line for line in lines if line.startswith("- mlp, 300 equations: inline_calls"))
+    assert "% of the pipeline" in front and "with the program in one jit" in front
 
 
 def test_runtime_benchmark_prints_its_tables():

@@ -343,12 +343,21 @@ def _prepare(
     its equation costs and its regions; warns about what stays too heavy to balance."""
     costs = equation_costs(cj.jaxpr, cost)
     regions = _regions(cj.jaxpr, mirror_backward)
-    scans = scans_to_split(cj, SCAN_COST_FRACTION) if split_scans and num_layers > 1 else []
+    scans = (
+        scans_to_split(cj, SCAN_COST_FRACTION, costs.tolist())
+        if split_scans and num_layers > 1
+        else []
+    )
     divisible = {i for i in scans if cj.jaxpr.eqns[i].params["length"] >= num_layers}
     _warn_indivisible(cj.jaxpr.eqns, costs[: regions[0]], num_layers, divisible)
     if scans:
+        known = dict(zip(map(id, cj.jaxpr.eqns), costs.tolist()))
         cj = split_scan(cj, num_layers, scans=scans)
-        costs = equation_costs(cj.jaxpr, cost)
+        # Only the equations split_scan made need a cost; the rest are the same objects.
+        eqns = cj.jaxpr.eqns
+        made = [e for e in eqns if id(e) not in known]
+        known.update(zip(map(id, made), equation_costs(cj.jaxpr.replace(eqns=made), cost).tolist()))
+        costs = np.asarray([known[id(e)] for e in eqns], dtype=np.int64)
         regions = _regions(cj.jaxpr, mirror_backward)
     return cj, costs, regions
 
@@ -359,8 +368,8 @@ def _warn_indivisible(
     """Warn, naming it, about an equation that costs more than a stage should and
     cannot be cut (``divisible``: the scans that will be): no cut can balance the
     stages then."""
-    if num_layers < 2 or not costs.size:
-        return
+    if num_layers < 2 or num_layers > costs.size:
+        return  # one layer, or too few equations (an error follows)
     total = int(costs.sum())
     order = np.argsort(costs)[::-1]
     heaviest = next((int(i) for i in order if int(i) not in divisible), None)

@@ -167,8 +167,14 @@ def inline_calls(cj: ClosedJaxpr) -> ClosedJaxpr:
     ['jit']
     >>> [e.primitive.name for e in inline_calls(cj).eqns]
     ['sin', 'pipeline_marker', 'cos']
-    >>> str(inline_calls(cj).eqns[0].source_info.name_stack)
-    'f'
+    >>> def g(x):
+    ...     return jax.jit(f)(x) * 2.0
+    >>> inlined = inline_calls(jax.make_jaxpr(g)(1.0))
+    >>> [(e.primitive.name, str(e.source_info.name_stack)) for e in inlined.eqns][:2]
+    [('sin', 'f'), ('pipeline_marker', 'f')]
+
+    A program that is one call (``jax.jit(f)`` traced) gets no scope: it would name
+    every equation alike.
     """
     check_closed_jaxpr(cj, "inline_calls")
     memo: dict[int, bool] = {}
@@ -203,6 +209,7 @@ class _Inliner:
         self.opened: set[str] = set()  # names of the stages whose start marker is out
         self.regions: list[tuple[int, int, JaxprEqn]] = []  # checkpoints to split
         self.splitting = 0  # depth of checkpoint bodies being split
+        self.inlined: set[int] = set()  # ids of the bodies inlined so far
 
     def atom(self, value: Any) -> Any:
         # Follow the chain: a body's result maps to the fresh variable its equation got,
@@ -212,8 +219,20 @@ class _Inliner:
             value = env[value]
         return value
 
+    def whole_program(self, eqn: JaxprEqn) -> bool:
+        """Whether ``eqn`` is the program's only equation, reading its inputs and giving
+        its results (``jax.jit(f)`` traced): its name would scope every equation alike,
+        so it is not pushed, and the inlined equations need not be copied."""
+        program = self.program
+        return (
+            len(program.eqns) == 1
+            and program.eqns[0] is eqn
+            and list(eqn.invars) == list(program.invars)
+            and list(eqn.outvars) == list(program.outvars)
+        )
+
     def run(self, cj: ClosedJaxpr) -> ClosedJaxpr:
-        jaxpr = cj.jaxpr
+        jaxpr = self.program = cj.jaxpr
         self.constvars, self.consts = list(jaxpr.constvars), list(cj.consts)
         for eqn in jaxpr.eqns:
             self.emit(eqn)
@@ -224,26 +243,37 @@ class _Inliner:
         return ClosedJaxpr(new, self.consts)
 
     def emit(
-        self, eqn: JaxprEqn, source_info: Any = None, ran: frozenset[str] | None = None
+        self,
+        eqn: JaxprEqn,
+        source_info: Any = None,
+        ran: frozenset[str] | None = None,
+        outvars: list[Var] | None = None,
     ) -> None:
-        """Append ``eqn`` (its inputs renamed), or inline it when its rule says so.
-        ``ran``: inside a differentiated checkpoint, the stages opened before it."""
-        invars = [self.atom(v) for v in eqn.invars]
+        """Append ``eqn`` (its inputs renamed; ``source_info`` and ``outvars`` replaced
+        when given), or inline it when its rule says so. ``ran``: inside a
+        differentiated checkpoint, the stages opened before it."""
+        env = self.env
+        invars = eqn.invars
+        if any(v in env for v in invars if not isinstance(v, Literal)):
+            invars = [self.atom(v) for v in invars]
+        if outvars is not None:
+            env.update(zip(eqn.outvars, outvars))
         if ran is not None and _is_copy(eqn, ran):
             # A recomputation's copy of a marker of a stage that already ran.
-            for out, value in zip(eqn.outvars, invars):
-                self.env[out] = value
+            env.update(zip(outvars or eqn.outvars, invars))
             return
-        if _wants_inlining(eqn, self.memo):
+        if _rule(eqn) is not None and _wants_inlining(eqn, self.memo):
+            if outvars is not None:
+                eqn = eqn.replace(outvars=outvars)
             self.inline(eqn, invars, source_info or eqn.source_info, ran)
             return
-        changes: dict[str, Any] = {}
-        if any(a is not b for a, b in zip(invars, eqn.invars)):
-            changes["invars"] = invars
-        if source_info is not None:
-            changes["source_info"] = source_info
-        if changes:
-            eqn = eqn.replace(**changes)
+        if invars is not eqn.invars or source_info is not None or outvars is not None:
+            # One copy of the equation, whatever changes.
+            eqn = eqn.replace(
+                invars=invars,
+                outvars=eqn.outvars if outvars is None else outvars,
+                source_info=eqn.source_info if source_info is None else source_info,
+            )
         if eqn.primitive is pipeline_p and eqn.params.get("mark_type") in ("start", "jvp_start"):
             self.opened.add(eqn.params.get("name"))
         self.eqns.append(eqn)
@@ -254,7 +284,11 @@ class _Inliner:
         rule = _rule(eqn)
         body, consts = _body(eqn, rule)
         stack = source_info.name_stack
-        if rule.scope is not None and isinstance(eqn.params.get(rule.scope), str):
+        if (
+            rule.scope is not None
+            and isinstance(eqn.params.get(rule.scope), str)
+            and not self.whole_program(eqn)
+        ):
             stack = stack.extend(eqn.params[rule.scope])
         for var, value in zip(body.constvars, consts):
             self.env[var] = new = Var(var.aval)
@@ -264,17 +298,25 @@ class _Inliner:
         split = rule.action == "split" and not self.splitting
         if rule.action == "split" and eqn.params.get("differentiated"):
             ran = frozenset(self.opened)
+        # The first copy of a body keeps its variables (no other jaxpr defines them);
+        # a body inlined again (a function jitted once, called twice) gets fresh ones.
+        rename = id(body) in self.inlined
+        self.inlined.add(id(body))
+        stacks: dict[int, Any] = {}  # name stacks are shared by runs of equations
+        scoped = bool(getattr(stack, "stack", True))  # an empty prefix changes nothing
         first = len(self.eqns)
         self.splitting += rule.action == "split"
         for inner in body.eqns:
-            outvars = [_fresh(v) for v in inner.outvars]
-            self.env.update(zip(inner.outvars, outvars))
-            info = inner.source_info
-            self.emit(
-                inner.replace(outvars=outvars),
-                info.replace(name_stack=stack + info.name_stack),
-                ran,
-            )
+            new_info = None
+            if scoped:
+                info = inner.source_info
+                inner_stack = info.name_stack
+                key = id(inner_stack)
+                if key not in stacks:
+                    stacks[key] = (inner_stack, stack + inner_stack)
+                new_info = info.replace(name_stack=stacks[key][1])
+            fresh = [_fresh(v) for v in inner.outvars] if rename else None
+            self.emit(inner, new_info, ran, fresh)
         self.splitting -= rule.action == "split"
         if split:
             self.regions.append((first, len(self.eqns), eqn))

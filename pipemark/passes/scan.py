@@ -23,13 +23,14 @@ first, so a scanned model splits into balanced stages with no extra call.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax import lax
-from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal, Var
+from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal, Var, new_jaxpr_eqn, no_effects
 from jax.extend.core import primitives as _primitives
 
 from pipemark.cost import eqn_costs
@@ -76,13 +77,17 @@ def _check_args(num_chunks: Any, min_cost_fraction: Any) -> None:
         )
 
 
-def scans_to_split(cj: ClosedJaxpr, min_cost_fraction: float) -> list[int]:
-    """Indices of the top-level scans of at least two iterations whose cost (FLOPs plus
-    transcendentals) is at least ``min_cost_fraction`` of the program's."""
+def scans_to_split(
+    cj: ClosedJaxpr, min_cost_fraction: float, costs: Sequence[float] | None = None
+) -> list[int]:
+    """Indices of the top-level scans of at least two iterations whose cost (``costs``
+    per equation, by default FLOPs plus transcendentals) is at least
+    ``min_cost_fraction`` of the program's."""
     eqns = cj.jaxpr.eqns
     if not any(eqn.primitive is _primitives.scan_p for eqn in eqns):
         return []
-    costs = [c.total_flops for c in eqn_costs(cj)]
+    if costs is None:
+        costs = [c.total_flops for c in eqn_costs(cj)]
     total = sum(costs)
     return [
         i
@@ -132,7 +137,6 @@ def split_scan(
     pieces: dict[Var, _Pieces] = {}
     eqns: list[JaxprEqn] = []
     made: set[int] = set()  # ids of the concatenations this pass made
-    constvars, consts = list(jaxpr.constvars), list(cj.consts)
 
     def atom(v: Any) -> Any:
         return v if isinstance(v, Literal) else env.get(v, v)
@@ -144,31 +148,20 @@ def split_scan(
             eqns.append(eqn.replace(invars=invars) if changed else eqn)
             continue
         ranges = chunk_ranges(eqn.params["length"], num_chunks)
-        traced, results, parts = _trace_chunks(eqn, invars, ranges, pieces)
-        body = traced.jaxpr
-        sub = dict(
-            zip(body.invars, [*_operands(invars), *_piece_inputs(eqn, invars, ranges, pieces)])
-        )
-        constvars.extend(body.constvars)
-        consts.extend(traced.consts)
-        for new in body.eqns:
-            new = new.replace(
-                invars=[v if isinstance(v, Literal) else sub.get(v, v) for v in new.invars],
-                source_info=eqn.source_info,
-            )
+        new_eqns, results, parts = _build_chunks(eqn, invars, ranges, pieces)
+        for new in new_eqns:
             if new.primitive is _primitives.concatenate_p:
                 made.add(id(new))
-            eqns.append(new)
-        for out, value in zip(eqn.outvars, results):
-            env[out] = value if isinstance(value, Literal) else sub.get(value, value)
+        eqns.extend(new_eqns)
+        env.update(zip(eqn.outvars, results))
         for out, by_range in zip(eqn.outvars[eqn.params["num_carry"] :], parts):
             # Keyed by the variable later equations read (their inputs are renamed).
-            pieces[env[out]] = [(a, b, sub.get(v, v)) for (a, b), v in zip(ranges, by_range)]
+            pieces[env[out]] = [(a, b, v) for (a, b), v in zip(ranges, by_range)]
     outvars = [atom(v) for v in jaxpr.outvars]
     eqns = _drop_unread(eqns, made, outvars)
     effects = set().union(*(e.effects for e in eqns)) if eqns else set()
-    new = jaxpr.replace(constvars=constvars, outvars=outvars, eqns=eqns, effects=effects)
-    return ClosedJaxpr(new, consts)
+    new = jaxpr.replace(outvars=outvars, eqns=eqns, effects=effects)
+    return ClosedJaxpr(new, cj.consts)
 
 
 def _splittable(eqns: Sequence[JaxprEqn], index: Any) -> bool:
@@ -180,64 +173,93 @@ def _splittable(eqns: Sequence[JaxprEqn], index: Any) -> bool:
     return eqn.params["length"] >= 2 and not eqn.effects
 
 
-def _operands(invars: Sequence[Any]) -> list[Any]:
-    return [v for v in invars if not isinstance(v, Literal)]
-
-
 def _aligned(var: Any, ranges: list[tuple[int, int]], pieces: dict[Var, _Pieces]) -> bool:
     found = pieces.get(var) if not isinstance(var, Literal) else None
     return found is not None and [(a, b) for a, b, _ in found] == ranges
 
 
-def _piece_inputs(eqn, invars, ranges, pieces) -> list[Any]:
-    """The pieces the chunks read instead of slicing, in the order they are traced."""
-    first_xs = eqn.params["num_consts"] + eqn.params["num_carry"]
-    return [v for x in invars[first_xs:] if _aligned(x, ranges, pieces) for _, _, v in pieces[x]]
+@functools.cache
+def _template(kind: str) -> tuple[Any, dict[str, Any]]:
+    """The primitive and params JAX gives a traced slice or concatenate along axis 0
+    (params differ between JAX versions; traced once per process)."""
+    x = np.zeros((2, 1), np.float32)
+    if kind == "slice":
+        cj = jax.make_jaxpr(lambda x: lax.slice_in_dim(x, 0, 1))(x)
+    else:
+        cj = jax.make_jaxpr(lambda a, b: lax.concatenate([a, b], 0))(x, x)
+    (eqn,) = cj.jaxpr.eqns
+    return eqn.primitive, dict(eqn.params)
 
 
-def _struct(v: Any) -> jax.ShapeDtypeStruct:
-    aval = v.aval
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+def _stacked_var(var: Any, length: int) -> Var:
+    aval = var.aval
+    return Var(aval.update(shape=(length, *aval.shape[1:])))
 
 
-def _trace_chunks(eqn, invars, ranges, pieces):
-    """Trace the chunked scan: returns the traced program, the atoms standing for the
-    scan's results (in the traced program's variables) and, per stacked result, its
-    piece per range."""
+def _slice(x: Var, start: int, stop: int, where: JaxprEqn) -> JaxprEqn:
+    primitive, params = _template("slice")
+    shape = x.aval.shape
+    params = dict(
+        params,
+        start_indices=(start,) + (0,) * (len(shape) - 1),
+        limit_indices=(stop, *shape[1:]),
+        strides=(1,) * len(shape) if params.get("strides") is not None else None,
+    )
+    out = _stacked_var(x, stop - start)
+    return new_jaxpr_eqn([x], [out], primitive, params, no_effects, where.source_info, where.ctx)
+
+
+def _build_chunks(eqn, invars, ranges, pieces):
+    """The equations of the chunked scan (each chunk's slices right before it, so they
+    land in its stage), the atoms standing for the scan's results, and per stacked
+    result its piece per range."""
     params = eqn.params
     num_consts, num_carry = params["num_consts"], params["num_carry"]
-    operands = _operands(invars)
-    piece_inputs = _piece_inputs(eqn, invars, ranges, pieces)
-    order = ranges[::-1] if params["reverse"] else ranges
-    num_ys = len(eqn.outvars) - num_carry
-
-    def chunked(*flat):
-        given, piece_values = iter(flat[: len(operands)]), iter(flat[len(operands) :])
-        values = [v.val if isinstance(v, Literal) else next(given) for v in invars]
-        consts, carry = values[:num_consts], values[num_consts : num_consts + num_carry]
-        xs = []  # per stacked input: its pieces, or the whole stack to slice
-        for var, value in zip(invars[num_consts + num_carry :], values[num_consts + num_carry :]):
-            aligned = _aligned(var, ranges, pieces)
-            xs.append([next(piece_values) for _ in ranges] if aligned else value)
-        parts: list[list[Any]] = [[None] * len(ranges) for _ in range(num_ys)]
-        for a, b in order:
-            k = ranges.index((a, b))
-            # Each chunk slices its inputs right before it runs, so the slices land in
-            # the chunk's stage.
-            chunk_xs = [x[k] if isinstance(x, list) else lax.slice_in_dim(x, a, b) for x in xs]
-            out = _primitives.scan_p.bind(*consts, *carry, *chunk_xs, **dict(params, length=b - a))
-            carry = out[:num_carry]
-            for j, y in enumerate(out[num_carry:]):
-                parts[j][k] = y
-        ys = [p[0] if len(p) == 1 else lax.concatenate(p, 0) for p in parts]
-        return [*carry, *ys, *(y for p in parts for y in p)]
-
-    traced = jax.make_jaxpr(chunked)(*map(_struct, [*operands, *piece_inputs]))
-    outs = traced.jaxpr.outvars
-    results = outs[: num_carry + num_ys]
-    flat_parts = outs[num_carry + num_ys :]
-    parts = [flat_parts[j * len(ranges) : (j + 1) * len(ranges)] for j in range(num_ys)]
-    return traced, results, parts
+    first_xs = num_consts + num_carry
+    consts, carry = invars[:num_consts], invars[num_consts:first_xs]
+    ys_out = eqn.outvars[num_carry:]
+    new: list[JaxprEqn] = []
+    parts: list[list[Any]] = [[None] * len(ranges) for _ in ys_out]
+    for a, b in ranges[::-1] if params["reverse"] else ranges:
+        k = ranges.index((a, b))
+        chunk_xs = []
+        for x in invars[first_xs:]:
+            if _aligned(x, ranges, pieces):
+                chunk_xs.append(pieces[x][k][2])
+            else:
+                new.append(_slice(x, a, b, eqn))
+                chunk_xs.append(new[-1].outvars[0])
+        carry_out = [Var(v.aval) for v in eqn.outvars[:num_carry]]
+        ys = [_stacked_var(v, b - a) for v in ys_out]
+        new.append(
+            new_jaxpr_eqn(
+                [*consts, *carry, *chunk_xs],
+                [*carry_out, *ys],
+                eqn.primitive,
+                dict(params, length=b - a),
+                eqn.effects,
+                eqn.source_info,
+                eqn.ctx,
+            )
+        )
+        carry = carry_out
+        for j, y in enumerate(ys):
+            parts[j][k] = y
+    results = list(carry)
+    concatenate, concat_params = _template("concatenate")
+    for var, by_range in zip(ys_out, parts):
+        if len(by_range) == 1:
+            results.append(by_range[0])
+            continue
+        out = Var(var.aval)
+        new.append(
+            new_jaxpr_eqn(
+                list(by_range), [out], concatenate, dict(concat_params, dimension=0),
+                no_effects, eqn.source_info, eqn.ctx,
+            )
+        )  # fmt: skip
+        results.append(out)
+    return new, results, parts
 
 
 def _drop_unread(eqns: list[JaxprEqn], made: set[int], outvars: list[Any]) -> list[JaxprEqn]:

@@ -88,9 +88,25 @@ def test_inlined_equations_keep_the_jit_name_in_their_scope():
     def named_loss(params, x):
         return _boundary_loss(params, x)
 
-    cj = inline_calls(jax.make_jaxpr(jax.jit(named_loss))(params, x))
-    scopes = {str(e.source_info.name_stack) for e in cj.jaxpr.eqns}
-    assert scopes == {"named_loss"}
+    def outer(params, x):
+        return jax.jit(named_loss)(params, x) * 2.0
+
+    cj = inline_calls(jax.make_jaxpr(outer)(params, x))
+    scopes = [str(e.source_info.name_stack) for e in cj.jaxpr.eqns]
+    assert set(scopes[:-1]) == {"named_loss"} and scopes[-1] == ""
+
+
+def test_a_whole_program_call_is_inlined_without_copies():
+    params, x = _params()
+    cj = jax.make_jaxpr(jax.jit(_boundary_loss))(params, x)
+    (call,) = cj.jaxpr.eqns
+    body = call.params["jaxpr"].jaxpr
+    inlined = inline_calls(cj)
+    assert {str(e.source_info.name_stack) for e in inlined.jaxpr.eqns} == {""}
+    # Only the equations that read a program input are new objects.
+    reads_input = {id(e) for e in body.eqns if set(e.invars) & set(body.invars)}
+    same = [e for e in inlined.jaxpr.eqns if id(e) in {id(b) for b in body.eqns}]
+    assert len(same) == len(body.eqns) - len(reads_input)
 
 
 def test_equinox_filter_jit_splits():
