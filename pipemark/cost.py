@@ -30,8 +30,10 @@ for its number.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -335,8 +337,21 @@ def _as_closed(jaxpr: Any) -> ClosedJaxpr:
     return jaxpr if isinstance(jaxpr, ClosedJaxpr) else ClosedJaxpr(jaxpr, ())
 
 
+# The cost of a body by the body (Jaxpr objects hash by identity and no pass changes
+# one): a scan split into chunks, or a function jitted once and called many times,
+# shares one body among many equations.
+_BODY_COSTS: weakref.WeakKeyDictionary[Any, Cost] = weakref.WeakKeyDictionary()
+
+
 def _body_cost(jaxpr: Any) -> Cost:
-    return _jaxpr_cost(_as_closed(jaxpr).jaxpr, with_params=False)
+    body = _as_closed(jaxpr).jaxpr
+    try:
+        return _BODY_COSTS[body]
+    except (KeyError, TypeError):  # not seen yet, or not weak-referenceable
+        cost = _jaxpr_cost(body, with_params=False)
+    with contextlib.suppress(TypeError):
+        _BODY_COSTS[body] = cost
+    return cost
 
 
 def _call(param: str) -> CostRule:

@@ -64,3 +64,13 @@ def test_runtime_benchmark_prints_its_tables():
     assert 0 <= within <= 8 and " of 8 rows within the target" in verdict, verdict
     overhead = [line for line in lines if line.startswith(("| gpipe |", "| 1f1b |"))]
     assert len(overhead) == 4
+
+
+def test_scan_benchmark_prints_balance_and_time():
+    lines = _output_lines("scan.py", "--quick", "--repeat", "1")
+    header = next(line for line in lines if line.startswith("| blocks |"))
+    assert "forward balance" in header and "split / make_jaxpr" in header
+    rows = [line for line in lines if line.startswith(("| 8 |", "| 7 |"))]
+    assert len(rows) == 4 and all(row.count("|") == header.count("|") for row in rows)
+    assert rows[0].split("|")[3].strip() == "2-2-2-2"  # 8 blocks into 4 stages
+    assert any(line.startswith("- balance when the trip count divides") for line in lines)

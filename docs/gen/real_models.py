@@ -150,6 +150,75 @@ print(staged.summary(style="plain"))
 print(staged.input_names[:2])
 """,
     ),
+    (
+        "Scan over layers",
+        """\
+Twelve blocks run by `lax.scan` over stacked parameters are one equation to a jaxpr.
+`num_stages=4` cuts the forward scan and its backward mirror into four scans of three
+blocks each (`pm.passes.split_scan`); each backward stage reads the residuals of its
+own forward stage.""",
+        """\
+from jax import lax
+
+
+def init(key, num_layers=12, width=64):
+    keys = jax.random.split(key, num_layers)
+    return {
+        "w": jax.vmap(lambda k: jax.random.normal(k, (width, width)) / width**0.5)(keys),
+        "b": jnp.zeros((num_layers, width)),
+    }
+
+
+def loss(params, x):
+    def layer(h, p):
+        return jax.nn.gelu(h @ p["w"] + p["b"]) + h, None
+
+    h, _ = lax.scan(layer, x, params)
+    return jnp.mean(h**2)
+
+
+params, x = init(jax.random.PRNGKey(0)), jnp.ones((16, 64))
+train = jax.value_and_grad(loss)
+staged = pm.split(train, params, x, num_stages=4)
+staged.verify(train, params, x)
+print(staged.summary(style="plain"))
+scans = [e for stage in staged.stages for e in stage.jaxpr.eqns if e.primitive.name == "scan"]
+print([e.params["length"] for e in scans])
+""",
+    ),
+    (
+        "A jitted training step",
+        """\
+`@jax.jit` on the whole step is the usual way to write it. The program is then one
+`jit` equation; `pm.split` inlines it (`pm.passes.inline_calls`) before cutting, and
+`verify` runs the reference equation by equation too, so the comparison stays bit
+for bit.""",
+        """\
+def mlp_loss(params, x):
+    for w in params:
+        x = jnp.tanh(x @ w)
+    return jnp.mean(x**2)
+
+
+params = [jax.random.normal(jax.random.PRNGKey(i), (64, 64)) / 8 for i in range(6)]
+x = jnp.ones((16, 64))
+optimizer = optax.sgd(1e-2)
+opt_state = optimizer.init(params)
+
+
+@jax.jit
+def step(params, opt_state, x):
+    value, grads = jax.value_and_grad(mlp_loss)(params, x)
+    grads = pm.mark_gradient(grads)
+    updates, opt_state = optimizer.update(grads, opt_state)
+    return optax.apply_updates(params, updates), opt_state, value
+
+
+staged = pm.split(step, params, opt_state, x, num_stages=3)
+staged.verify(step, params, opt_state, x)
+print(staged.summary(style="plain"))
+""",
+    ),
 ]
 
 

@@ -191,9 +191,14 @@ def _template(kind: str) -> tuple[Any, dict[str, Any]]:
     return eqn.primitive, dict(eqn.params)
 
 
+@functools.lru_cache(maxsize=4096)
+def _chunk_aval(aval: Any, length: int) -> Any:
+    # Avals hash by value; the chunks of one scan share a few lengths.
+    return aval.update(shape=(length, *aval.shape[1:]))
+
+
 def _stacked_var(var: Any, length: int) -> Var:
-    aval = var.aval
-    return Var(aval.update(shape=(length, *aval.shape[1:])))
+    return Var(_chunk_aval(var.aval, length))
 
 
 def _slice(x: Var, start: int, stop: int, where: JaxprEqn) -> JaxprEqn:
