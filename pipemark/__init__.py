@@ -51,6 +51,7 @@ from pipemark.runtime import schedule_from_orders as schedule_from_orders
 from pipemark.signature import Signature as Signature
 from pipemark.signature import SignatureError as SignatureError
 from pipemark.split import split as split
+from pipemark.split import split_jaxpr as split_jaxpr
 from pipemark.staged import Stage as Stage
 from pipemark.staged import StagedJaxpr as StagedJaxpr
 

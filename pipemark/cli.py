@@ -4,9 +4,12 @@
     Split a small transformer language model's training step into 4 stages, print the
     stage table, check the stages against the unsplit program and write ``report.html``
     and ``stages.png`` into ``DIR``.
-``pipemark inspect MODULE:FUNCTION --arg f32[8,128] ... [--num-stages K] [--html FILE]``
-    Trace any importable function with abstract arguments of the given shapes, cut it
-    at its markers (or into ``K`` balanced stages) and print the stage table.
+``pipemark inspect MODULE:FUNCTION [--args MODULE:MAKE_ARGS] [--arg f32[8,128] ...]
+[--grad [--argnums N]] [--num-stages K] [--html FILE]``
+    Trace any importable function with example arguments (pytrees from ``MAKE_ARGS()``,
+    or abstract arrays of the given shapes), cut it at its markers (or into ``K``
+    balanced stages) and print the stage table and the program inputs each stage
+    reads, named by their pytree paths.
 
 Progress goes to standard error, tables to standard output. Bad input ends the command
 with one line, ``pipemark: error: ...``, and a nonzero exit status: 2 for a malformed
@@ -180,6 +183,45 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if _demo.run(sys.stdout, out_dir, progress=sys.stderr) else 1
 
 
+def _example_args(target: str) -> tuple[list[Any], dict[str, Any]]:
+    """Call ``--args MODULE:FUNCTION``: it returns a tuple (or list) of positional
+    arguments, or a dict with keys ``args`` and/or ``kwargs``."""
+    make = _import_target(target)
+    try:
+        made = make()
+    except Exception as err:  # whatever the user's function raises
+        raise CommandError(
+            f"--args {target} raised {type(err).__name__}: {_one_line(err)}"
+        ) from None
+    if isinstance(made, (tuple, list)):
+        return list(made), {}
+    if isinstance(made, dict) and made and set(made) <= {"args", "kwargs"}:
+        args, kwargs = made.get("args", ()), made.get("kwargs", {})
+        if isinstance(args, (tuple, list)) and isinstance(kwargs, dict):
+            return list(args), dict(kwargs)
+    raise CommandError(
+        f"--args {target} returned {type(made).__name__}; it must return a tuple of the "
+        "positional arguments, e.g. (params, batch), or a dict "
+        "{'args': (params,), 'kwargs': {'train': False}}"
+    )
+
+
+def _parse_argnums(text: str, num_args: int) -> int | tuple[int, ...]:
+    try:
+        nums = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise CommandError(
+            f"bad --argnums {text!r}: expected an argument index such as 0, or 0,1", status=2
+        ) from None
+    for n in nums:
+        if not 0 <= n < num_args:
+            raise CommandError(
+                f"--argnums {text}: argument {n} does not exist; the function is given "
+                f"{num_args} positional argument(s)"
+            )
+    return nums[0] if len(nums) == 1 else nums
+
+
 def _inspect(args: argparse.Namespace) -> int:
     specs = [parse_arg_spec(spec) for spec in args.arg]
     steps = 3 + bool(args.html)
@@ -188,15 +230,22 @@ def _inspect(args: argparse.Namespace) -> int:
         import jax
 
         import pipemark as pm
-        from pipemark.inspect import print_summary
+        from pipemark.inspect import print_stage_inputs, print_summary
+        from pipemark.signature import Signature
 
         fn = _import_target(args.target)
-    shown = ", ".join(args.arg)
-    traced_fn = jax.value_and_grad(fn) if args.grad else fn
-    label = f"value_and_grad({args.target})" if args.grad else args.target
+        made, kwargs = _example_args(args.args) if args.args else ([], {})
+    positional = [*made, *specs]
+    shown = ", ".join([*([f"*{args.args}()"] if args.args else []), *args.arg])
+    if args.argnums is not None and not args.grad:
+        raise CommandError("--argnums goes with --grad", status=2)
+    argnums = _parse_argnums(args.argnums or "0", len(positional)) if args.grad else 0
+    traced_fn = jax.value_and_grad(fn, argnums=argnums) if args.grad else fn
+    label = f"value_and_grad({args.target}, argnums={argnums})" if args.grad else args.target
     with progress.step(f"tracing {label}({shown})"):
         try:
-            cj = jax.make_jaxpr(traced_fn)(*specs)
+            signature = Signature.of(positional, kwargs, fn=fn)
+            cj = pm.passes.inline_calls(signature.trace(traced_fn, positional, kwargs))
         except Exception as err:  # any error of the user's function
             raise CommandError(
                 f"tracing {label}({shown}) failed: {type(err).__name__}: {_one_line(err)}"
@@ -204,17 +253,12 @@ def _inspect(args: argparse.Namespace) -> int:
     has_markers = any(eqn.primitive is pm.pipeline_p for eqn in cj.jaxpr.eqns)
     what = f"cutting into {args.num_stages} balanced stages" if args.num_stages else "slicing"
     with progress.step(what):
-        if args.num_stages is not None:
-            staged = pm.passes.slice_stages(pm.passes.auto_layers(cj, args.num_stages))
-        elif not has_markers:
+        if args.num_stages is None and not has_markers:
             raise CommandError(
                 f"{args.target} has no stage markers; pass --num-stages K to cut it into "
                 "K balanced stages"
             )
-        else:
-            if any(pm.is_marker(eqn, "boundary") for eqn in cj.jaxpr.eqns):
-                cj = pm.passes.layers_from_boundaries(cj)
-            staged = pm.passes.slice_stages(cj)
+        staged = pm.split_jaxpr(cj, num_stages=args.num_stages).with_signature(signature)
     if args.html:
         with progress.step(f"writing {args.html}"):
             from pipemark.inspect import write_report
@@ -229,6 +273,7 @@ def _inspect(args: argparse.Namespace) -> int:
             except OSError as err:
                 raise CommandError(f"cannot write {args.html}: {err.strerror or err}") from None
     print_summary(staged, sys.stdout)
+    print_stage_inputs(staged, sys.stdout)
     return 0
 
 
@@ -276,11 +321,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("target", metavar="MODULE:FUNCTION", help="e.g. mymodel:loss")
     inspect.add_argument(
+        "--args",
+        metavar="MODULE:FUNCTION",
+        help="a function returning example arguments (pytrees of arrays): a tuple of the "
+        "positional arguments, or a dict {'args': (...), 'kwargs': {...}}",
+    )
+    inspect.add_argument(
         "--arg",
         action="append",
         default=[],
         metavar="SPEC",
-        help="one per positional argument, DTYPE[DIM,...], e.g. f32[8,128] or i32[8]",
+        help="one per positional argument (after those of --args), DTYPE[DIM,...], e.g. "
+        "f32[8,128] or i32[8]",
     )
     inspect.add_argument(
         "--num-stages",
@@ -289,7 +341,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="cut into K balanced stages (the function must have no markers)",
     )
     inspect.add_argument(
-        "--grad", action="store_true", help="trace jax.value_and_grad(FUNCTION) instead"
+        "--grad",
+        action="store_true",
+        help="trace jax.value_and_grad(FUNCTION, argnums=...) instead",
+    )
+    inspect.add_argument(
+        "--argnums",
+        metavar="N[,N...]",
+        help="with --grad: the positional arguments to differentiate (default: 0, the "
+        "first argument, usually the parameters)",
     )
     inspect.add_argument("--html", metavar="FILE", help="also write an HTML report")
     inspect.set_defaults(run=_inspect)

@@ -338,6 +338,89 @@ def summary(staged: StagedJaxpr, *, style: str = "auto") -> str:
     return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines()).strip("\n")
 
 
+def _program_inputs(staged: StagedJaxpr, stage: Any) -> list[tuple[str, Any]]:
+    """``(name, aval)`` of each program input a stage reads, named by its pytree path
+    in the traced function's arguments (:attr:`StagedJaxpr.input_names`)."""
+    names = staged.input_names
+    read = sorted(
+        (ref.index, var.aval)
+        for ref, var in zip(stage.inputs, stage.closed_jaxpr.jaxpr.invars)
+        if ref.kind == "input"
+    )
+    return [(names[index], aval) for index, aval in read]
+
+
+def stage_inputs(staged: StagedJaxpr, *, limit: int = 6) -> str:
+    """For each stage, the program inputs it reads, by their pytree paths (at most
+    ``limit`` a stage, then how many more).
+
+    >>> import jax.numpy as jnp, pipemark as pm
+    >>> def f(params, x):
+    ...     x = jnp.sin(x * params["w"])
+    ...     pm.mark_pipeline_boundary()
+    ...     return jnp.cos(x + params["b"])
+    >>> staged = pm.split(f, {"w": 1.0, "b": 2.0}, 0.5)
+    >>> print(stage_inputs(staged))
+    program inputs each stage reads:
+      layer0: params['w'] f32[], x f32[]
+      layer1: params['b'] f32[]
+    """
+    staged = _check_staged(staged, "stage_inputs")
+    lines = ["program inputs each stage reads:"]
+    for stage in staged.stages:
+        read = [f"{name} {_type(aval)}" for name, aval in _program_inputs(staged, stage)]
+        more = f", … {len(read) - limit} more" if len(read) > limit else ""
+        lines.append(f"  {stage.name}: {', '.join(read[:limit]) or '(none)'}{more}")
+    return "\n".join(lines)
+
+
+def stage_ends(staged: StagedJaxpr) -> dict[str, str]:
+    """For each stage, the module (flax / nnx / equinox path, or ``jax.named_scope``)
+    its last computing equation belongs to: where the cut after it falls. Stages whose
+    equations carry no scope are left out.
+
+    >>> import jax, jax.numpy as jnp, pipemark as pm
+    >>> def f(x):
+    ...     with jax.named_scope("block0"):
+    ...         x = jnp.sin(x)
+    ...     with jax.named_scope("block1"):
+    ...         return jnp.cos(x)
+    >>> stage_ends(pm.split(f, 1.0, num_stages=2))
+    {'layer0': 'block0', 'layer1': 'block1'}
+    """
+    from pipemark._compat import name_stack_scopes
+    from pipemark.primitive import pipeline_p
+
+    staged = _check_staged(staged, "stage_ends")
+    ends = {}
+    for stage in staged.stages:
+        tail = [e for e in stage.jaxpr.eqns[-24:] if e.primitive is not pipeline_p][-16:]
+        # The deepest module among the last few equations: after a layer's Dense, the
+        # activation applied in the enclosing module's body is still "after Dense_1".
+        best: tuple[str, ...] = ()
+        for eqn in reversed(tail):
+            scopes = name_stack_scopes(eqn.source_info)[0]
+            if len(scopes) > len(best):
+                best = scopes
+        if best:
+            ends[stage.name] = "/".join(best)
+    return ends
+
+
+def print_stage_inputs(staged: StagedJaxpr, file: Any = None) -> None:
+    """Print :func:`stage_inputs` and, where the program has module scopes, the module
+    each stage ends in (:func:`stage_ends`), to ``file`` (standard output by default)."""
+    import sys
+
+    file = sys.stdout if file is None else file
+    print(stage_inputs(staged), file=file)
+    ends = stage_ends(staged)
+    if ends:
+        print("each stage ends in:", file=file)
+        for name, scope in ends.items():
+            print(f"  {name}: after {scope}", file=file)
+
+
 def print_summary(staged: StagedJaxpr, file: Any = None) -> None:
     """Print the stage table to ``file`` (standard output by default): :func:`summary`,
     except that on a terminal, with ``rich`` installed, stage names are drawn in their
@@ -701,6 +784,14 @@ def to_html(
             f'<summary><span class="pm-name">{k} · {html.escape(stage.name)}</span>'
             f'<span class="pm-meta">{html.escape(meta)}</span></summary>'
         )
+        read = [
+            (name, _type(aval), "program input") for name, aval in _program_inputs(staged, stage)
+        ]
+        if read:
+            parts.append(
+                '<div class="pm-io"><span class="pm-io-label">reads</span>'
+                f"{_value_list(read)}</div>"
+            )
         if received:
             parts.append(
                 '<div class="pm-io"><span class="pm-io-label">receives</span>'

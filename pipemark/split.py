@@ -7,7 +7,7 @@ from typing import Any
 
 from jax.extend.core import ClosedJaxpr
 
-from pipemark.errors import PipemarkError
+from pipemark.errors import PipemarkError, check_closed_jaxpr
 from pipemark.passes.auto import auto_layers
 from pipemark.passes.gradient import mark_apply_stage
 from pipemark.passes.inline import inline_calls
@@ -17,7 +17,7 @@ from pipemark.primitive import pipeline_p
 from pipemark.signature import Signature
 from pipemark.staged import StagedJaxpr
 
-__all__ = ["split"]
+__all__ = ["split", "split_jaxpr"]
 
 
 def split(
@@ -81,11 +81,26 @@ def split(
     signature = Signature.of(
         args, kwargs, static_argnums=static_argnums, static_argnames=static_argnames, fn=fn
     )
-    cj = inline_calls(signature.trace(fn, args, kwargs))
-    return _slice(cj, num_stages, unmarked).with_signature(signature)
+    cj = signature.trace(fn, args, kwargs)
+    return split_jaxpr(cj, num_stages=num_stages, unmarked=unmarked).with_signature(signature)
 
 
-def _slice(cj: ClosedJaxpr, num_stages: int | None, unmarked: str) -> StagedJaxpr:
+def split_jaxpr(
+    cj: ClosedJaxpr, *, num_stages: int | None = None, unmarked: str = "assign"
+) -> StagedJaxpr:
+    """What :func:`split` does after tracing, for a program traced already: inline
+    calls (:func:`pipemark.passes.inline_calls`), then cut it into ``num_stages``
+    balanced stages (:func:`pipemark.passes.auto_layers`), or at its markers (boundary
+    markers through :func:`pipemark.passes.layers_from_boundaries`, a training step's
+    update into an ``apply_grad`` stage), and slice it.
+
+    >>> import jax, jax.numpy as jnp, pipemark as pm
+    >>> cj = jax.make_jaxpr(jax.jit(lambda x: jnp.cos(jnp.sin(x))))(1.0)
+    >>> [s.name for s in pm.split_jaxpr(cj, num_stages=2).stages]
+    ['layer0', 'layer1']
+    """
+    check_closed_jaxpr(cj, "split_jaxpr")
+    cj = inline_calls(cj)
     if num_stages is not None:
         return slice_stages(auto_layers(cj, num_stages), unmarked=unmarked)
     if any(

@@ -30,3 +30,45 @@ def broken(x, w):
 
 
 NOT_A_FUNCTION = 3
+
+
+def flax_loss(params, x):
+    """A flax linen MLP's loss: its parameters are a nested dict."""
+    return jnp.mean(_flax_model().apply(params, x) ** 2)
+
+
+def flax_args():
+    """Example arguments for flax_loss: (params, x)."""
+    import jax
+
+    x = jnp.ones((4, 8))
+    return (_flax_model().init(jax.random.PRNGKey(0), x), x)
+
+
+def flax_args_dict():
+    """The same, as a dict of args and kwargs."""
+    params, x = flax_args()
+    return {"args": (params,), "kwargs": {"x": x}}
+
+
+def _flax_model():
+    import flax.linen as nn
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(3):
+                x = nn.tanh(nn.Dense(8)(x))
+            return nn.Dense(1)(x)
+
+    return Model()
+
+
+def failing_args():
+    """Raises while making the arguments."""
+    raise RuntimeError("no data here")
+
+
+def wrong_args():
+    """Returns something that is not a tuple of arguments."""
+    return 3

@@ -156,6 +156,43 @@ def test_inspect_grad_gives_backward_stages(capsys):
     assert list(rows) == ["layer0", "layer1", "layer1_backward", "layer0_backward"]
 
 
+def test_inspect_grad_argnums_differentiates_the_weights(capsys):
+    args = ["inspect", "tests._cli_targets:plain", "--arg", "f32[4,8]", "--arg", "f32[8,8]"]
+    assert main([*args, "--num-stages", "2", "--grad", "--argnums", "1"]) == 0
+    captured = capsys.readouterr()
+    assert "value_and_grad(tests._cli_targets:plain, argnums=1)" in captured.err
+    assert list(_table_rows(captured.out))[-1] == "layer0_backward"
+
+
+def test_inspect_a_flax_training_loss_from_make_args(capsys):
+    pytest.importorskip("flax")
+    argv = ["inspect", "tests._cli_targets:flax_loss", "--args", "tests._cli_targets:flax_args"]
+    assert main([*argv, "--grad", "--num-stages", "2"]) == 0
+    captured = capsys.readouterr()
+    assert list(_table_rows(captured.out)) == [
+        "layer0", "layer1", "layer1_backward", "layer0_backward"
+    ]  # fmt: skip
+    assert "program inputs each stage reads:" in captured.out
+    layer0 = next(line for line in captured.out.splitlines() if line.startswith("  layer0:"))
+    assert "params['params']['Dense_0']['kernel'] f32[8,8]" in layer0
+    assert "argnums=0" in captured.err
+
+
+def test_inspect_make_args_with_keywords_and_html(tmp_path, capsys):
+    pytest.importorskip("flax")
+    page = tmp_path / "view.html"
+    argv = [
+        "inspect",
+        "tests._cli_targets:flax_loss",
+        "--args",
+        "tests._cli_targets:flax_args_dict",
+    ]
+    assert main([*argv, "--num-stages", "2", "--html", str(page)]) == 0
+    text = page.read_text(encoding="utf-8")
+    assert "params[&#x27;params&#x27;][&#x27;Dense_0&#x27;][&#x27;kernel&#x27;]" in text
+    assert ">reads<" in text
+
+
 def test_inspect_int_arguments_and_html(tmp_path, capsys):
     page = tmp_path / "view.html"
     args = ["inspect", "tests._cli_targets:with_tokens", "--arg", "i32[8]", "--arg", "f32[16,4]"]
@@ -237,6 +274,32 @@ BAD_INPUTS = [
         ["inspect", "tests._cli_targets:plain", "--num-stages", "0"],
         2,
         "pipemark inspect: error: argument --num-stages: '0' is not a positive integer",
+    ),
+    (
+        ["inspect", "tests._cli_targets:plain", "--args", "tests._cli_targets:failing_args"],
+        1,
+        "pipemark: error: --args tests._cli_targets:failing_args raised RuntimeError: no data",
+    ),
+    (
+        ["inspect", "tests._cli_targets:plain", "--args", "tests._cli_targets:wrong_args"],
+        1,
+        "pipemark: error: --args tests._cli_targets:wrong_args returned int; it must return a "
+        "tuple",
+    ),
+    (
+        ["inspect", *PLAIN, "--grad", "--argnums", "2"],
+        1,
+        "pipemark: error: --argnums 2: argument 2 does not exist; the function is given 2",
+    ),
+    (
+        ["inspect", *PLAIN, "--grad", "--argnums", "w"],
+        2,
+        "pipemark: error: bad --argnums 'w'",
+    ),
+    (
+        ["inspect", *PLAIN, "--argnums", "1"],
+        2,
+        "pipemark: error: --argnums goes with --grad",
     ),
     (
         ["inspect", *MARKED, "--html", "/nonexistent-dir/x/view.html"],

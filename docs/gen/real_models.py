@@ -239,12 +239,39 @@ def versions() -> str:
     return ", ".join(f"{name} {version(name)}" for name in PACKAGES)
 
 
+CLI = ["inspect", "mymodel.py:loss", "--args", "mymodel.py:make_args", "--grad",
+       "--num-stages", "2"]  # fmt: skip
+
+CLI_TEXT = """\
+`pipemark inspect` takes a training loss over a parameter pytree: `--args` names a
+function that returns the example arguments, `--grad` differentiates argument 0 (the
+parameters; `--argnums` chooses others), and the stage inputs are named by their
+pytree paths. `mymodel.py` (in `docs/gen/`):"""
+
+
+def _run_cli() -> str:
+    from pipemark.cli import main
+
+    here = Path(__file__).resolve().parent
+    argv = [arg.replace("mymodel.py", str(here / "mymodel.py")) for arg in CLI]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(argv)
+    if status:
+        raise RuntimeError(f"pipemark {' '.join(CLI)} failed: {err.getvalue()}")
+    return out.getvalue().rstrip()
+
+
 def render() -> str:
     parts = [INTRO, f"Made with {versions()}.\n"]
     for title, text, code in EXAMPLES:
         parts.append(f"## {title}\n\n{textwrap.dedent(text)}\n")
         parts.append(f"```python\n{COMMON}\n\n{code.rstrip()}\n```\n")
         parts.append(f"It prints:\n\n```\n{_run(code)}\n```\n")
+    source = (Path(__file__).resolve().parent / "mymodel.py").read_text(encoding="utf-8")
+    parts.append(f"## The command line on a training loss\n\n{CLI_TEXT}\n")
+    parts.append(f"```python\n{source.rstrip()}\n```\n")
+    parts.append(f"```\n$ pipemark {' '.join(CLI)}\n{_run_cli()}\n```\n")
     return "\n".join(parts)
 
 

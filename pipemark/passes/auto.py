@@ -48,6 +48,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
+from pipemark._compat import name_stack_scopes
 from pipemark.cost import Cost, eqn_costs, estimate_cost
 from pipemark.errors import (
     MarkerError,
@@ -319,6 +320,28 @@ def balanced_cuts(
 # ------------------------------------------------------------------------- the pass
 
 
+def _cut_penalties(eqns: Sequence[JaxprEqn], stop: int, crossing: np.ndarray) -> np.ndarray:
+    """What a cut before each equation of ``eqns[:stop]`` costs the tie-break among
+    balanced cuts: first how deep inside a module (a flax / nnx / equinox / named
+    scope) it falls, then the bytes crossing it. A cut between two top-level modules
+    (``Block_1`` | ``Block_2``) beats one inside a block, which beats one inside a
+    ``Dense``, whatever the bytes; programs without scopes keep the bytes alone."""
+    scopes = [name_stack_scopes(eqn.source_info)[0] for eqn in eqns[:stop]]
+    if not any(scopes):
+        return crossing
+    depth = np.zeros(len(crossing), dtype=np.int64)
+    for i in range(1, stop):
+        before, after = scopes[i - 1], scopes[i]
+        shared = 0
+        for a, b in zip(before, after):
+            if a != b:
+                break
+            shared += 1
+        depth[i] = shared + (before == after)  # +1: both sides in the very same module
+    unit = int(crossing.max()) + 1  # any shallower cut beats any number of bytes
+    return crossing + depth * unit
+
+
 def _regions(jaxpr: Jaxpr, mirror_backward: bool) -> tuple[int, int, int | None]:
     """``(split_at, stop, apply_at)``: the forward part is ``eqns[:split_at]``, the
     backward part ``eqns[split_at:stop]``, and a training step's update (after its grad
@@ -516,7 +539,7 @@ def auto_layers(
     cuts = balanced_cuts(
         forward_costs,
         int(num_layers),
-        cut_bytes=crossing_bytes(jaxpr, 0, split_at),
+        cut_bytes=_cut_penalties(jaxpr.eqns, split_at, crossing_bytes(jaxpr, 0, split_at)),
         tolerance=float(tolerance),
     )
     if backward:

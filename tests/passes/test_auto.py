@@ -418,3 +418,44 @@ def test_split_with_num_stages_balances_automatically():
     marked = examples.mlp(num_layers=2)
     with pytest.raises(pm.MarkerError, match="already has stage markers"):
         pm.split(marked.loss_fn, *marked.args, num_stages=2)
+
+
+def _blocks_of(stage):
+    from pipemark._compat import name_stack_scopes
+
+    found = set()
+    for eqn in stage.jaxpr.eqns:
+        scopes = name_stack_scopes(eqn.source_info)[0]
+        found.update(s for s in scopes if s.startswith("Block_"))
+    return found
+
+
+def test_flax_transformer_is_cut_between_blocks_not_inside_attention():
+    nn = pytest.importorskip("flax.linen")
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.LayerNorm()(x)
+            x = x + nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=32)(h, h)
+            h = nn.LayerNorm()(x)
+            return x + nn.Dense(32)(nn.gelu(nn.Dense(128)(h)))
+
+    class Transformer(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(8):
+                x = Block(name=f"Block_{i}")(x)
+            return x
+
+    model, x = Transformer(), jnp.ones((2, 8, 32))
+    params = model.init(jax.random.PRNGKey(0), x)
+    fn = jax.value_and_grad(lambda p, x: jnp.mean(model.apply(p, x) ** 2))
+    staged = pm.split(fn, params, x, num_stages=4)
+    forward = staged.stages[:4]
+    assert [_blocks_of(s) for s in forward] == [
+        {f"Block_{2 * k}", f"Block_{2 * k + 1}"} for k in range(4)
+    ]
+    ends = pm.inspect.stage_ends(staged)
+    assert [ends[s.name].split("/")[1] for s in forward[:3]] == ["Block_1", "Block_3", "Block_5"]
+    staged.verify(fn, params, x)
