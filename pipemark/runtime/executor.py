@@ -57,6 +57,13 @@ from jax.extend.core import jaxpr_as_fun
 
 from pipemark._compat import copy_to_device
 from pipemark.errors import PipemarkError
+from pipemark.runtime.arguments import (
+    PartitionedParams,
+    batch_arg_names,
+    check_batch_args,
+    partition_params,
+)
+from pipemark.runtime.losses import split_count
 from pipemark.runtime.plan import (
     _STAGE_MARK_TYPES,
     LOSS_REDUCTIONS,
@@ -436,7 +443,7 @@ def _run_plan(
 
 
 class Pipeline:
-    """``(params, batch) -> (loss, grads)`` computed as a pipeline; made by
+    """``(params, *batch) -> (loss, grads)`` computed as a pipeline; made by
     :func:`pipeline_value_and_grad`.
 
     The first call for a given input structure and shape traces, slices and compiles
@@ -460,32 +467,80 @@ class Pipeline:
         self.devices = devices
         self.loss_reduction = loss_reduction
         self._plans: dict[Any, PipelinePlan] = {}
+        self._losses: dict[Any, tuple[Callable, Callable | None]] = {}
 
     def _key(self, params: Any, batch: Any) -> Any:
         leaves, tree = jax.tree_util.tree_flatten((params, batch))
         return tree, tuple((np.shape(x), str(jnp.result_type(x))) for x in leaves)
 
-    def plan(self, params: Any, batch: Any) -> PipelinePlan:
+    def _bind(self, params: Any, batch_args: tuple) -> tuple[Any, Any, Any, Any]:
+        """``(key, dynamic params, batch, part)``: the params' arrays, the batch (one
+        argument, or a tuple of several), and the loss over them for this static part."""
+        if not batch_args:
+            raise PipemarkError(
+                "The pipeline takes loss_fn's arguments: (params, batch, ...); no batch "
+                "argument was given."
+            )
+        if len(batch_args) > 1:
+            names = batch_arg_names(self.loss_fn, len(batch_args))
+            check_batch_args(names, batch_args, self.num_microbatches)
+        part = partition_params(params)
+        batch = batch_args[0] if len(batch_args) == 1 else tuple(batch_args)
+        key = (part.key, len(batch_args))
+        if key not in self._losses:
+            self._losses[key] = self._make_losses(part, len(batch_args))
+        return key, part.dynamic, batch, part
+
+    def _make_losses(self, part: PartitionedParams, num_batch: int):
+        """The loss the plan differentiates (of the params' arrays and the batch) and,
+        for ``"sum_over_count"``, the count over a whole batch."""
+        loss_fn = self.loss_fn
+
+        def full(dynamic: Any, batch: Any) -> Any:
+            params = part.combine(dynamic)
+            return loss_fn(params, *batch) if num_batch > 1 else loss_fn(params, batch)
+
+        if self.loss_reduction != "sum_over_count":
+            return full, None
+        # Under jit XLA drops whatever the count does not need (the model itself).
+        count = jax.jit(lambda dynamic, batch: split_count(full(dynamic, batch))[1])
+        return (lambda dynamic, batch: split_count(full(dynamic, batch))[0]), count
+
+    def plan(self, params: Any, *batch: Any) -> PipelinePlan:
         """Trace, slice, schedule and compile for inputs shaped like these (cached)."""
-        key = self._key(params, batch)
-        plan = self._plans.get(key)
+        key, dynamic, batch, _ = self._bind(params, batch)
+        return self._plan(key, dynamic, batch)
+
+    def _plan(self, key: Any, dynamic: Any, batch: Any) -> PipelinePlan:
+        full_key = (key, self._key(dynamic, batch))
+        plan = self._plans.get(full_key)
         if plan is None:
-            plan = self._plans[key] = _build_plan(
-                self.loss_fn,
-                params,
+            reduction = "sum" if self.loss_reduction == "sum_over_count" else self.loss_reduction
+            plan = self._plans[full_key] = _build_plan(
+                self._losses[key][0],
+                dynamic,
                 batch,
                 num_stages=self.num_stages,
                 num_microbatches=self.num_microbatches,
                 schedule=self.schedule,
                 devices=self.devices,
-                loss_reduction=self.loss_reduction,
+                loss_reduction=reduction,
             )
         return plan
 
-    def __call__(self, params: Any, batch: Any) -> tuple[Any, Any]:
-        return _run_plan(self.plan(params, batch), params, batch, None)
+    def _call(self, params: Any, batch_args: tuple, timings: dict | None) -> tuple[Any, Any]:
+        key, dynamic, batch, _ = self._bind(params, batch_args)
+        loss, grads = _run_plan(self._plan(key, dynamic, batch), dynamic, batch, timings)
+        count_fn = self._losses[key][1]
+        if count_fn is None:
+            return loss, grads
+        count = count_fn(dynamic, batch)
+        return loss / count, jax.tree_util.tree_map(lambda g: g / count, grads)
 
-    def timed_call(self, params: Any, batch: Any) -> tuple[tuple[Any, Any], dict[str, float]]:
+    def __call__(self, params: Any, *batch: Any) -> tuple[Any, Any]:
+        return self._call(params, batch, None)
+
+    def timed_call(self, params: Any, *batch: Any) -> tuple[tuple[Any, Any], dict[str, float]]:
         """Like calling the pipeline, and also return timings: ``dispatch_s`` (wall time
         to walk the schedule; it includes the computation only where a worker waited
         for it: programs that XLA runs inline, on the dispatching thread), ``host_s``
@@ -494,7 +549,7 @@ class Pipeline:
         and ``values_left`` / ``peak_values`` (values handed between stages still held
         after the call, which is 0, and the most held at once)."""
         timings: dict[str, float] = {}
-        out = _run_plan(self.plan(params, batch), params, batch, timings)
+        out = self._call(params, batch, timings)
         return out, timings
 
 
@@ -512,8 +567,11 @@ def pipeline_value_and_grad(
     Parameters
     ----------
     loss_fn:
-        ``loss_fn(params, batch)`` returning a scalar loss; gradients are taken with
-        respect to ``params``. Its layers are marked with :func:`pipemark.mark`
+        ``loss_fn(params, *batch)`` returning a scalar loss; gradients are taken with
+        respect to ``params`` (its array leaves: other leaves, like an equinox
+        module's functions, are static and get ``None`` gradients, as with
+        ``eqx.filter_value_and_grad``). Each batch argument is split into microbatches
+        along its leading axis. Its layers are marked with :func:`pipemark.mark`
         start/end pairs or :func:`pipemark.mark_pipeline_boundary`; without markers,
         ``num_stages`` cuts it automatically.
     num_stages:
@@ -531,13 +589,17 @@ def pipeline_value_and_grad(
         ``devices[i]`` (on ``devices[i % len(devices)]`` when interleaved).
     loss_reduction:
         ``"mean"`` (default) averages the microbatch losses and gradients, right for a
-        loss that is a mean over the batch; ``"sum"`` adds them, right for a sum.
+        loss that is a mean over the batch; ``"sum"`` adds them, right for a sum;
+        ``"sum_over_count"`` takes a loss returning ``(sum, count)`` and divides the
+        sums over the whole batch by the whole batch's count: a masked or weighted
+        mean (see :mod:`pipemark.runtime.losses`). With ``"mean"``, a loss divided by a
+        count computed from the batch is refused, naming the division.
 
     Returns
     -------
     Pipeline
-        A function ``(params, batch) -> (loss, grads)`` equal to
-        ``jax.value_and_grad(loss_fn)(params, batch)`` up to float rounding. Each
+        A function ``(params, *batch) -> (loss, grads)`` equal to
+        ``jax.value_and_grad(loss_fn)(params, *batch)`` up to float rounding. Each
         gradient stays on the device of the stage that computed it.
 
     Raises
@@ -568,7 +630,8 @@ def pipeline_value_and_grad(
     if loss_reduction not in LOSS_REDUCTIONS:
         raise PipemarkError(
             f"Unknown loss_reduction {loss_reduction!r}; use 'mean' for a loss averaged "
-            "over the batch or 'sum' for a loss summed over it."
+            "over the batch, 'sum' for a loss summed over it, or 'sum_over_count' for a "
+            "loss that returns (sum, count): a masked or weighted mean."
         )
     if not isinstance(schedule, Schedule) and schedule not in ("gpipe", "1f1b", "interleaved"):
         raise PipemarkError(

@@ -19,12 +19,12 @@ from jax.sharding import SingleDeviceSharding
 
 from pipemark.errors import PipemarkError, StageGraphError
 from pipemark.primitive import pipeline_p
+from pipemark.runtime.losses import LOSS_REDUCTIONS, find_batch_normaliser
 from pipemark.runtime.schedules import Schedule, make_schedule
 from pipemark.staged import StagedJaxpr
 
 __all__ = ["LOSS_REDUCTIONS", "PipelinePlan"]
 
-LOSS_REDUCTIONS = ("mean", "sum")
 _BACKWARD_SUFFIX = "_backward"
 _STAGE_MARK_TYPES = frozenset(("start", "end", "jvp_start", "jvp_end"))
 
@@ -89,6 +89,22 @@ def _check_loss(loss_fn: Callable, params: Any, batch_structs: Any) -> None:
             f"loss_fn returns {out.dtype}{list(out.shape)}; pipeline_value_and_grad needs a "
             "scalar floating-point loss. Reduce it over the batch (jnp.mean or jnp.sum, "
             "and pass loss_reduction= accordingly)."
+        )
+
+
+def _refuse_batch_normaliser(loss_fn: Callable, params: Any, batch_structs: Any) -> None:
+    """A mean normalised by a count from the batch cannot be averaged per microbatch."""
+    from pipemark.passes import inline_calls
+
+    cj = inline_calls(jax.make_jaxpr(loss_fn)(params, batch_structs))
+    found = find_batch_normaliser(cj, len(jax.tree_util.tree_leaves(params)))
+    if found is not None:
+        raise PipemarkError(
+            f"loss_fn divides by a count computed from the batch at {found} (a masked or "
+            "weighted mean). Averaging it per microbatch differs from the mean over the "
+            "whole batch, and a microbatch that is all padding divides 0 by 0. Return "
+            "(sum, count) instead, e.g. (jnp.sum(losses * mask), jnp.sum(mask)), and pass "
+            "loss_reduction='sum_over_count'."
         )
 
 
@@ -373,6 +389,8 @@ def _build_plan(
     structs, micro = _microbatch_structs(batch, num_microbatches)
     batch_structs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(batch), structs)
     _check_loss(loss_fn, params, batch_structs)
+    if loss_reduction == "mean":
+        _refuse_batch_normaliser(loss_fn, params, batch_structs)
     staged, out_tree = _trace_staged(loss_fn, params, batch_structs, num_stages)
     return _plan_from_staged(
         staged,
