@@ -12,6 +12,7 @@ from pipemark.passes.auto import auto_layers
 from pipemark.passes.gradient import mark_apply_stage
 from pipemark.passes.inline import inline_calls
 from pipemark.passes.insert import layers_from_boundaries
+from pipemark.passes.scan import layers_from_scans, scans_with_layer_markers
 from pipemark.passes.slice import slice_stages
 from pipemark.primitive import pipeline_p
 from pipemark.signature import Signature
@@ -101,6 +102,10 @@ def split_jaxpr(
     """
     check_closed_jaxpr(cj, "split_jaxpr")
     cj = inline_calls(cj)
+    if scans_with_layer_markers(cj):
+        # A scan whose body is marked as one layer: its iterations (or num_stages
+        # chunks of them) become the stages.
+        cj, num_stages = layers_from_scans(cj, num_stages), None
     if num_stages is not None:
         return slice_stages(auto_layers(cj, num_stages), unmarked=unmarked)
     if any(

@@ -16,6 +16,7 @@ from pipemark.passes.insert import layers_from_boundaries as layers_from_boundar
 from pipemark.passes.rewrite import dce as dce
 from pipemark.passes.rewrite import mark_missing_vars as mark_missing_vars
 from pipemark.passes.rewrite import remove_markers as remove_markers
+from pipemark.passes.scan import layers_from_scans as layers_from_scans
 from pipemark.passes.scan import split_scan as split_scan
 from pipemark.passes.slice import slice_stages as slice_stages
 from pipemark.passes.stages import merge_stages as merge_stages

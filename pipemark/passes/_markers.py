@@ -566,6 +566,12 @@ def _body_advice(eqn: JaxprEqn) -> str:
             f"Inline the {eqn.primitive.name} first with pm.passes.inline_calls(cj) "
             "(pm.split, pm.show and the runtime do this for you)."
         )
+    if eqn.primitive.name == "scan":
+        return (
+            "Hoist the marker out of the scan, or slice the body jaxpr itself; a scan whose "
+            "body is one layer marked with a start/end pair is cut into stages by "
+            "pm.passes.layers_from_scans(cj) (pm.split does this for you)."
+        )
     return f"Hoist the marker out of the {eqn.primitive.name}, or slice the body jaxpr itself."
 
 

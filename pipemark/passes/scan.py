@@ -34,9 +34,17 @@ from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal, Var, new_jaxpr_eqn, 
 from jax.extend.core import primitives as _primitives
 
 from pipemark.cost import eqn_costs
-from pipemark.errors import PipemarkError, check_closed_jaxpr, describe_eqn
+from pipemark.errors import MarkerError, PipemarkError, check_closed_jaxpr, describe_eqn
+from pipemark.primitive import mark_pipeline_jaxpreqn, pipeline_p
 
-__all__ = ["SCAN_COST_FRACTION", "chunk_ranges", "scans_to_split", "split_scan"]
+__all__ = [
+    "SCAN_COST_FRACTION",
+    "chunk_ranges",
+    "layers_from_scans",
+    "scans_to_split",
+    "scans_with_layer_markers",
+    "split_scan",
+]
 
 #: The share of a program's cost a scan must have for :func:`split_scan` (and so
 #: :func:`pipemark.passes.auto_layers`) to cut it by default.
@@ -132,6 +140,16 @@ def split_scan(
     targets = {i for i in scans if _splittable(cj.jaxpr.eqns, i)} if num_chunks > 1 else set()
     if not targets:
         return cj
+    return _rewrite(
+        cj, {i: (cj.jaxpr.eqns[i], chunk_ranges(cj.jaxpr.eqns[i].params["length"], num_chunks), None)
+             for i in targets}
+    )  # fmt: skip
+
+
+def _rewrite(cj: ClosedJaxpr, plans: dict[int, tuple[JaxprEqn, list, list | None]]) -> ClosedJaxpr:
+    """Replace each planned top-level scan (``index -> (scan equation to split, ranges,
+    stage names per range or None)``) by its chunks, each wrapped in zero-operand
+    start/end markers of its stage name when names are given."""
     jaxpr = cj.jaxpr
     env: dict[Var, Any] = {}
     pieces: dict[Var, _Pieces] = {}
@@ -143,16 +161,21 @@ def split_scan(
 
     for index, eqn in enumerate(jaxpr.eqns):
         invars = [atom(v) for v in eqn.invars]
-        if index not in targets:
+        if index not in plans:
             changed = any(a is not b for a, b in zip(invars, eqn.invars))
             eqns.append(eqn.replace(invars=invars) if changed else eqn)
             continue
-        ranges = chunk_ranges(eqn.params["length"], num_chunks)
-        new_eqns, results, parts = _build_chunks(eqn, invars, ranges, pieces)
-        for new in new_eqns:
-            if new.primitive is _primitives.concatenate_p:
-                made.add(id(new))
-        eqns.extend(new_eqns)
+        scan, ranges, names = plans[index]
+        chunks, tail, results, parts = _build_chunks(scan, invars, ranges, pieces)
+        for k, chunk in chunks:
+            if names is None:
+                eqns.extend(chunk)
+            else:
+                start = mark_pipeline_jaxpreqn([], [], names[k], "start")
+                end = mark_pipeline_jaxpreqn([], [], names[k], "end")
+                eqns.extend([start, *chunk, end])
+        made.update(id(e) for e in tail)
+        eqns.extend(tail)
         env.update(zip(eqn.outvars, results))
         for out, by_range in zip(eqn.outvars[eqn.params["num_carry"] :], parts):
             # Keyed by the variable later equations read (their inputs are renamed).
@@ -215,18 +238,22 @@ def _slice(x: Var, start: int, stop: int, where: JaxprEqn) -> JaxprEqn:
 
 
 def _build_chunks(eqn, invars, ranges, pieces):
-    """The equations of the chunked scan (each chunk's slices right before it, so they
-    land in its stage), the atoms standing for the scan's results, and per stacked
-    result its piece per range."""
+    """The chunked scan: per chunk in execution order its range index and equations
+    (its slices right before it, so they land in its stage), the concatenations of the
+    stacked results, the atoms standing for the scan's results, and per stacked result
+    its piece per range."""
     params = eqn.params
     num_consts, num_carry = params["num_consts"], params["num_carry"]
     first_xs = num_consts + num_carry
     consts, carry = invars[:num_consts], invars[num_consts:first_xs]
     ys_out = eqn.outvars[num_carry:]
-    new: list[JaxprEqn] = []
+    chunks: list[tuple[int, list[JaxprEqn]]] = []
+    tail: list[JaxprEqn] = []
     parts: list[list[Any]] = [[None] * len(ranges) for _ in ys_out]
     for a, b in ranges[::-1] if params["reverse"] else ranges:
         k = ranges.index((a, b))
+        new: list[JaxprEqn] = []
+        chunks.append((k, new))
         chunk_xs = []
         for x in invars[first_xs:]:
             if _aligned(x, ranges, pieces):
@@ -257,14 +284,14 @@ def _build_chunks(eqn, invars, ranges, pieces):
             results.append(by_range[0])
             continue
         out = Var(var.aval)
-        new.append(
+        tail.append(
             new_jaxpr_eqn(
                 list(by_range), [out], concatenate, dict(concat_params, dimension=0),
                 no_effects, eqn.source_info, eqn.ctx,
             )
         )  # fmt: skip
         results.append(out)
-    return new, results, parts
+    return chunks, tail, results, parts
 
 
 def _drop_unread(eqns: list[JaxprEqn], made: set[int], outvars: list[Any]) -> list[JaxprEqn]:
@@ -275,3 +302,82 @@ def _drop_unread(eqns: list[JaxprEqn], made: set[int], outvars: list[Any]) -> li
     read = {v for e in eqns for v in e.invars if not isinstance(v, Literal)}
     read.update(v for v in outvars if not isinstance(v, Literal))
     return [e for e in eqns if id(e) not in made or e.outvars[0] in read]
+
+
+def _body_markers(eqn: JaxprEqn) -> list[JaxprEqn]:
+    if eqn.primitive is not _primitives.scan_p:
+        return []
+    body = eqn.params["jaxpr"].jaxpr
+    return [e for e in body.eqns if e.primitive is pipeline_p and e.params.get("mark_type") in (
+        "start", "end", "jvp_start", "jvp_end")]  # fmt: skip
+
+
+def scans_with_layer_markers(cj: ClosedJaxpr) -> list[int]:
+    """Indices of the top-level scans whose body holds start/end markers: a scan over
+    layers marked ``each iteration is a layer``."""
+    return [i for i, eqn in enumerate(cj.jaxpr.eqns) if _body_markers(eqn)]
+
+
+def _unmarked_scan(eqn: JaxprEqn, index: int) -> tuple[JaxprEqn, str]:
+    """The scan with the markers of its body removed (each passes its operands
+    through), and their stage name."""
+    markers = _body_markers(eqn)
+    marker_ids = {id(m) for m in markers}
+    names = {m.params.get("name") for m in markers}
+    if len(names) != 1:
+        raise MarkerError(
+            f"{describe_eqn(eqn, index)} holds markers of several stages "
+            f"{sorted(map(str, names))} in its body; mark each iteration as one layer: "
+            "one start/end pair, one name."
+        )
+    closed = eqn.params["jaxpr"]
+    body = closed.jaxpr
+    sub: dict[Var, Any] = {}
+    kept = []
+    for inner in body.eqns:
+        invars = [v if isinstance(v, Literal) else sub.get(v, v) for v in inner.invars]
+        if id(inner) in marker_ids:
+            sub.update(zip(inner.outvars, invars))
+            continue
+        changed = any(a is not b for a, b in zip(invars, inner.invars))
+        kept.append(inner.replace(invars=invars) if changed else inner)
+    outvars = [v if isinstance(v, Literal) else sub.get(v, v) for v in body.outvars]
+    effects = set().union(*(e.effects for e in kept)) if kept else set()
+    new_body = ClosedJaxpr(body.replace(eqns=kept, outvars=outvars, effects=effects), closed.consts)
+    return eqn.replace(params=dict(eqn.params, jaxpr=new_body)), names.pop()
+
+
+def layers_from_scans(cj: ClosedJaxpr, num_stages: int | None = None) -> ClosedJaxpr:
+    """Cut every top-level scan whose body is marked as one layer (start/end markers
+    named ``N`` inside the body) into stages ``N0``, ``N1``, …: one per iteration, or
+    ``num_stages`` chunks of contiguous iterations. A gradient program's backward scan
+    (markers ``N_backward``) becomes the mirrored stages ``N{k}_backward``.
+
+    The markers leave the body; each chunk (its slices and its scan) is wrapped in
+    start/end markers that carry no values (the slicer finds what a stage reads).
+
+    >>> import jax, jax.numpy as jnp, pipemark as pm
+    >>> from jax import lax
+    >>> def f(ws, x):
+    ...     def layer(h, w):
+    ...         h, w = pm.mark((h, w), name="block", mark_type="start")
+    ...         return pm.mark(jnp.tanh(h @ w), name="block", mark_type="end"), None
+    ...     return lax.scan(layer, x, ws)[0]
+    >>> cj = jax.make_jaxpr(f)(jnp.ones((3, 4, 4)), jnp.ones((2, 4)))
+    >>> [s.name for s in pm.passes.slice_stages(layers_from_scans(cj)).stages]
+    ['block0', 'block1', 'block2']
+    """
+    check_closed_jaxpr(cj, "layers_from_scans")
+    if num_stages is not None:
+        _check_args(num_stages, 0.0)
+    plans = {}
+    for index in scans_with_layer_markers(cj):
+        scan, name = _unmarked_scan(cj.jaxpr.eqns[index], index)
+        length = scan.params["length"]
+        ranges = chunk_ranges(length, length if num_stages is None else num_stages)
+        base, backward = (
+            (name[: -len("_backward")], True) if name.endswith("_backward") else (name, False)
+        )
+        names = [f"{base}{k}" + ("_backward" if backward else "") for k in range(len(ranges))]
+        plans[index] = (scan, ranges, names)
+    return _rewrite(cj, plans) if plans else cj

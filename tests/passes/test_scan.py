@@ -210,3 +210,51 @@ def test_bad_arguments():
         split_scan(cj, 2, scans=[0])
     with pytest.raises(pm.PipemarkError, match="split_scan takes"):
         split_scan(cj.jaxpr if cj.jaxpr is not cj else object(), 2)
+
+
+def _marked_loss(params, x):
+    def body(h, p):
+        h, p = pm.mark((h, p), name="block", mark_type="start")
+        w, b = p
+        h = pm.mark(jnp.tanh(h @ w + b), name="block", mark_type="end")
+        return h, None
+
+    h, _ = lax.scan(body, jnp.sin(x), params)
+    return jnp.mean(h**2)
+
+
+def test_markers_inside_the_scan_body_make_each_iteration_a_stage():
+    params, x = _stacked(4)
+    staged = pm.split(_marked_loss, params, x)
+    assert [s.name for s in staged.stages] == ["block0", "block1", "block2", "block3"]
+    assert [_scan_lengths(s.jaxpr) for s in staged.stages] == [[1]] * 4
+    staged.verify(_marked_loss, params, x)
+
+
+def test_markers_inside_the_scan_body_under_grad_mirror():
+    params, x = _stacked(6)
+    fn = jax.value_and_grad(_marked_loss)
+    staged = pm.split(fn, params, x, num_stages=3)
+    names = [s.name for s in staged.stages]
+    assert names == ["block0", "block1", "block2", "block2_backward", "block1_backward",
+                     "block0_backward"]  # fmt: skip
+    assert [_scan_lengths(s.jaxpr) for s in staged.stages] == [[2]] * 6
+    for stage in staged.stages:  # no marker is left inside a body
+        for eqn in stage.jaxpr.eqns:
+            if eqn.primitive.name == "scan":
+                assert pm.pipeline_p not in {e.primitive for e in eqn.params["jaxpr"].eqns}
+    staged.verify(fn, params, x)
+
+
+def test_two_stage_names_in_one_scan_body_are_refused():
+    def loss(ws, x):
+        def body(h, w):
+            h = pm.mark(h, name="a", mark_type="start")
+            h = pm.mark(jnp.tanh(h @ w), name="a", mark_type="end")
+            h = pm.mark(h, name="b", mark_type="start")
+            return pm.mark(jnp.sin(h), name="b", mark_type="end"), None
+
+        return lax.scan(body, x, ws)[0]
+
+    with pytest.raises(pm.MarkerError, match=r"holds markers of several stages \['a', 'b'\]"):
+        pm.split(loss, jnp.ones((3, 4, 4)), jnp.ones((2, 4)))

@@ -174,3 +174,17 @@ def test_flax_linen_loss_with_inputs_and_targets():
         return jnp.mean((model.apply(params, x) - y) ** 2)
 
     _assert_close(_pipeline(loss)(params, x, y), jax.value_and_grad(loss)(params, x, y))
+
+
+def test_scanned_model_splits_in_the_runtime():
+    from pipemark import examples
+
+    ex = examples.scanned_transformer(num_layers=4, batch=4)
+    value, grads = _pipeline(ex.loss_fn, num_stages=2)(*ex.args)
+    _assert_close((value, grads), jax.value_and_grad(ex.loss_fn)(*ex.args), rtol=1e-4, atol=1e-5)
+    plan = _pipeline(ex.loss_fn, num_stages=2).plan(*ex.args)
+    lengths = [
+        [e.params["length"] for e in s.jaxpr.eqns if e.primitive.name == "scan"]
+        for s in plan.staged.stages
+    ]
+    assert lengths == [[2], [2], [2], [2]]
