@@ -49,6 +49,7 @@ from jax.extend.core import (
     JaxprEqn,
     Literal,
     Var,
+    jaxprs_in_params,
     new_jaxpr_eqn,
 )
 
@@ -122,19 +123,11 @@ def _holds_marker(jaxpr: Jaxpr, memo: dict[int, bool]) -> bool:
     if key not in memo:
         memo[key] = False  # guards against a body that (indirectly) holds itself
         memo[key] = any(
-            _is_stage_marker(eqn) or any(_holds_marker(sub, memo) for sub in _sub_jaxprs(eqn))
+            _is_stage_marker(eqn)
+            or any(_holds_marker(sub, memo) for sub in jaxprs_in_params(eqn.params))
             for eqn in jaxpr.eqns
         )
     return memo[key]
-
-
-def _sub_jaxprs(eqn: JaxprEqn):
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(item, ClosedJaxpr):
-                yield item.jaxpr
-            elif isinstance(item, Jaxpr):
-                yield item
 
 
 def _wants_inlining(eqn: JaxprEqn, memo: dict[int, bool]) -> bool:
