@@ -22,8 +22,9 @@ __all__ = ["PartitionedParams", "batch_arg_names", "check_batch_args", "partitio
 
 
 def _is_array(leaf: Any) -> bool:
-    # As eqx.is_array: JAX and NumPy arrays are differentiated, everything else static.
-    return isinstance(leaf, (jax.Array, np.ndarray))
+    # As eqx.is_array: JAX and NumPy arrays (and NumPy scalars) are differentiated,
+    # everything else is static.
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
 
 
 @dataclass(frozen=True)
