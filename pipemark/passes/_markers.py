@@ -38,6 +38,7 @@ from pipemark.primitive import MARK_TYPES, pipeline_p
 
 __all__ = [
     "CLOSERS",
+    "first_stage_marker",
     "OPENERS",
     "STAGE_MARK_TYPES",
     "StageSpan",
@@ -110,7 +111,7 @@ def _marker_params(eqn: JaxprEqn, index: int) -> tuple[str, str]:
     return name, mark_type
 
 
-def _markers_in(jaxpr: Jaxpr, seen: dict[int, JaxprEqn | None]) -> JaxprEqn | None:
+def first_stage_marker(jaxpr: Jaxpr, seen: dict[int, JaxprEqn | None]) -> JaxprEqn | None:
     """The first stage-delimiting marker anywhere inside ``jaxpr`` (recursively)."""
     key = id(jaxpr)
     if key in seen:
@@ -122,7 +123,7 @@ def _markers_in(jaxpr: Jaxpr, seen: dict[int, JaxprEqn | None]) -> JaxprEqn | No
             found = eqn
             break
         for sub in jaxprs_in_params(eqn.params):
-            found = _markers_in(sub, seen)
+            found = first_stage_marker(sub, seen)
             if found is not None:
                 break
         if found is not None:
@@ -328,7 +329,7 @@ def check_no_markers_in_bodies(jaxpr: Jaxpr | ClosedJaxpr) -> None:
         if not params or not _may_hold_body(params):
             continue
         for param, body in _iter_bodies(eqn):
-            inner = _markers_in(body, seen)
+            inner = first_stage_marker(body, seen)
             if inner is None:
                 continue
             raise MarkerError(

@@ -49,13 +49,12 @@ from jax.extend.core import (
     JaxprEqn,
     Literal,
     Var,
-    jaxprs_in_params,
     new_jaxpr_eqn,
 )
 
 from pipemark.errors import check_closed_jaxpr
 from pipemark.passes._collector import paused_collector
-from pipemark.passes._markers import STAGE_MARK_TYPES
+from pipemark.passes._markers import STAGE_MARK_TYPES, first_stage_marker
 from pipemark.primitive import pipeline_p
 
 __all__ = ["CALL_RULES", "CallRule", "inline_calls"]
@@ -117,24 +116,11 @@ def _is_stage_marker(eqn: JaxprEqn) -> bool:
     return eqn.primitive is pipeline_p and eqn.params.get("mark_type") in STAGE_MARK_TYPES
 
 
-def _holds_marker(jaxpr: Jaxpr, memo: dict[int, bool]) -> bool:
-    """Whether a stage marker sits anywhere inside ``jaxpr`` (bodies included)."""
-    key = id(jaxpr)
-    if key not in memo:
-        memo[key] = False  # guards against a body that (indirectly) holds itself
-        memo[key] = any(
-            _is_stage_marker(eqn)
-            or any(_holds_marker(sub, memo) for sub in jaxprs_in_params(eqn.params))
-            for eqn in jaxpr.eqns
-        )
-    return memo[key]
-
-
-def _wants_inlining(eqn: JaxprEqn, memo: dict[int, bool]) -> bool:
+def _wants_inlining(eqn: JaxprEqn, memo: dict[int, JaxprEqn | None]) -> bool:
     rule = _rule(eqn)
     if rule is None:
         return False
-    return rule.action == "inline" or _holds_marker(_body(eqn, rule)[0], memo)
+    return rule.action == "inline" or first_stage_marker(_body(eqn, rule)[0], memo) is not None
 
 
 def inline_calls(cj: ClosedJaxpr) -> ClosedJaxpr:
@@ -170,7 +156,7 @@ def inline_calls(cj: ClosedJaxpr) -> ClosedJaxpr:
     every equation alike.
     """
     check_closed_jaxpr(cj, "inline_calls")
-    memo: dict[int, bool] = {}
+    memo: dict[int, JaxprEqn | None] = {}
     if not any(_wants_inlining(eqn, memo) for eqn in cj.jaxpr.eqns):
         return cj
     with paused_collector():
@@ -193,7 +179,7 @@ class _Inliner:
     """One walk over a program; ``env`` maps each inlined body's variables (and the
     results of inlined calls) to the atoms that stand for them in the new program."""
 
-    def __init__(self, memo: dict[int, bool]) -> None:
+    def __init__(self, memo: dict[int, JaxprEqn | None]) -> None:
         self.memo = memo
         self.env: dict[Var, Any] = {}
         self.eqns: list[JaxprEqn] = []
