@@ -159,8 +159,32 @@ def inline_calls(cj: ClosedJaxpr) -> ClosedJaxpr:
     memo: dict[int, JaxprEqn | None] = {}
     if not any(_wants_inlining(eqn, memo) for eqn in cj.jaxpr.eqns):
         return cj
+    body = _whole_program_body(cj)
+    if body is not None:
+        # jax.jit(f) traced: the program is its call's body, reused without a copy.
+        return inline_calls(body)
     with paused_collector():
         return _Inliner(memo).run(cj)
+
+
+def _whole_program_body(cj: ClosedJaxpr) -> ClosedJaxpr | None:
+    """The body of ``cj`` when ``cj`` is one always-inlined call that reads the
+    program's inputs in order and gives its results (``jax.jit(f)`` traced), as a
+    program with ``cj``'s debug info; else ``None``. No name is pushed: it would scope
+    every equation alike."""
+    jaxpr = cj.jaxpr
+    if len(jaxpr.eqns) != 1:
+        return None
+    eqn = jaxpr.eqns[0]
+    rule = _rule(eqn)
+    if rule is None or rule.action != "inline":
+        return None
+    if list(eqn.invars) != list(jaxpr.invars) or list(eqn.outvars) != list(jaxpr.outvars):
+        return None
+    body, consts = _body(eqn, rule)
+    if len(set(body.invars)) != len(body.invars) or set(body.invars) & set(body.constvars):
+        return None
+    return ClosedJaxpr(body.replace(debug_info=jaxpr.debug_info), list(consts))
 
 
 def _is_copy(eqn: JaxprEqn, opened: frozenset[str]) -> bool:
@@ -198,20 +222,8 @@ class _Inliner:
             value = env[value]
         return value
 
-    def whole_program(self, eqn: JaxprEqn) -> bool:
-        """Whether ``eqn`` is the program's only equation, reading its inputs and giving
-        its results (``jax.jit(f)`` traced): its name would scope every equation alike,
-        so it is not pushed, and the inlined equations need not be copied."""
-        program = self.program
-        return (
-            len(program.eqns) == 1
-            and program.eqns[0] is eqn
-            and list(eqn.invars) == list(program.invars)
-            and list(eqn.outvars) == list(program.outvars)
-        )
-
     def run(self, cj: ClosedJaxpr) -> ClosedJaxpr:
-        jaxpr = self.program = cj.jaxpr
+        jaxpr = cj.jaxpr
         self.constvars, self.consts = list(jaxpr.constvars), list(cj.consts)
         for eqn in jaxpr.eqns:
             self.emit(eqn)
@@ -263,11 +275,7 @@ class _Inliner:
         rule = _rule(eqn)
         body, consts = _body(eqn, rule)
         stack = source_info.name_stack
-        if (
-            rule.scope is not None
-            and isinstance(eqn.params.get(rule.scope), str)
-            and not self.whole_program(eqn)
-        ):
+        if rule.scope is not None and isinstance(eqn.params.get(rule.scope), str):
             stack = stack.extend(eqn.params[rule.scope])
         for var, value in zip(body.constvars, consts):
             self.env[var] = new = Var(var.aval)
