@@ -175,45 +175,35 @@ def _optimal_bottleneck(prefix: list[int], parts: int) -> int:
 
 
 class _RangeMin:
-    """Sparse table for lexicographic (primary, secondary, index) range minima."""
+    """Range minima of the lexicographic order (primary, secondary, index).
+
+    Each position is replaced by its rank in that order (one ``lexsort``), so the
+    sparse table holds one integer array per level and a query is one ``minimum``."""
 
     def __init__(self, primary: np.ndarray, secondary: np.ndarray):
-        self.levels = [(primary, secondary, np.arange(primary.size))]
+        self.primary, self.secondary = primary, secondary
+        self.order = np.lexsort((np.arange(primary.size), secondary, primary))
+        rank = np.empty(primary.size, dtype=np.int64)
+        rank[self.order] = np.arange(primary.size)
+        self.levels = [rank]
         width = 1
         while 2 * width <= primary.size:
-            p, s, i = self.levels[-1]
-            count = p.size - width
-            left = (p[:count], s[:count], i[:count])
-            right = (p[width:], s[width:], i[width:])
-            self.levels.append(_pick(left, right))
+            previous = self.levels[-1]
+            self.levels.append(np.minimum(previous[:-width], previous[width:]))
             width *= 2
 
     def query(self, lo: np.ndarray, hi: np.ndarray):
-        """Minima over the inclusive ranges ``[lo, hi]`` (each non-empty)."""
+        """Minima over the inclusive ranges ``[lo, hi]`` (each non-empty): their
+        primary and secondary values and their index."""
         length = hi - lo + 1
         level = np.floor(np.log2(np.maximum(length, 1))).astype(np.int64)
-        result_p = np.empty(lo.size)
-        result_s = np.empty(lo.size)
-        result_i = np.empty(lo.size, dtype=np.int64)
+        best = np.empty(lo.size, dtype=np.int64)
         for k in np.unique(level):
             rows = np.nonzero(level == k)[0]
-            p, s, i = self.levels[k]
-            a = lo[rows]
-            b = hi[rows] - (1 << int(k)) + 1
-            best = _pick((p[a], s[a], i[a]), (p[b], s[b], i[b]))
-            result_p[rows], result_s[rows], result_i[rows] = best
-        return result_p, result_s, result_i
-
-
-def _pick(left, right):
-    lp, ls, li = left
-    rp, rs, ri = right
-    take_right = (rp < lp) | ((rp == lp) & ((rs < ls) | ((rs == ls) & (ri < li))))
-    return (
-        np.where(take_right, rp, lp),
-        np.where(take_right, rs, ls),
-        np.where(take_right, ri, li),
-    )
+            ranks = self.levels[k]
+            best[rows] = np.minimum(ranks[lo[rows]], ranks[hi[rows] - (1 << int(k)) + 1])
+        index = self.order[best]
+        return self.primary[index], self.secondary[index], index
 
 
 def _min_bytes_cuts(prefix: np.ndarray, parts: int, bound: int, cut_bytes: np.ndarray) -> list[int]:

@@ -250,13 +250,14 @@ def _build_chunks(eqn, invars, ranges, pieces):
     chunks: list[tuple[int, list[JaxprEqn]]] = []
     tail: list[JaxprEqn] = []
     parts: list[list[Any]] = [[None] * len(ranges) for _ in ys_out]
+    xs = [(x, _aligned(x, ranges, pieces)) for x in invars[first_xs:]]
     for a, b in ranges[::-1] if params["reverse"] else ranges:
         k = ranges.index((a, b))
         new: list[JaxprEqn] = []
         chunks.append((k, new))
         chunk_xs = []
-        for x in invars[first_xs:]:
-            if _aligned(x, ranges, pieces):
+        for x, aligned in xs:
+            if aligned:
                 chunk_xs.append(pieces[x][k][2])
             else:
                 new.append(_slice(x, a, b, eqn))
