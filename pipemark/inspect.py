@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import html
 import io
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -375,9 +376,12 @@ def stage_inputs(staged: StagedJaxpr, *, limit: int = 6) -> str:
 
 
 def stage_ends(staged: StagedJaxpr) -> dict[str, str]:
-    """For each stage, the module (flax / nnx / equinox path, or ``jax.named_scope``)
-    its last computing equation belongs to: where the cut after it falls. Stages whose
-    equations carry no scope are left out.
+    """For each stage, the module its last computing equation belongs to: where the
+    cut after it falls. That is the equation's name scope (flax linen modules,
+    ``jax.named_scope``) when it has one that names an instance; otherwise (nnx, or
+    equinox, whose scopes name only classes) the module path of the last layer whose
+    parameters the stage reads, such as ``model.blocks[1]``. Stages with neither (a
+    backward stage gets its parameters from its forward stage) are left out.
 
     >>> import jax, jax.numpy as jnp, pipemark as pm
     >>> def f(x):
@@ -387,24 +391,75 @@ def stage_ends(staged: StagedJaxpr) -> dict[str, str]:
     ...         return jnp.cos(x)
     >>> stage_ends(pm.split(f, 1.0, num_stages=2))
     {'layer0': 'block0', 'layer1': 'block1'}
+    >>> def g(params, x):
+    ...     x = jnp.sin(x * params["blocks"][0]["w"])
+    ...     pm.mark_pipeline_boundary()
+    ...     return jnp.cos(x * params["blocks"][1]["w"])
+    >>> stage_ends(pm.split(g, {"blocks": [{"w": 1.0}, {"w": 2.0}]}, 0.5))
+    {'layer0': "params['blocks'][0]", 'layer1': "params['blocks'][1]"}
     """
-    from pipemark._compat import name_stack_scopes
-    from pipemark.primitive import pipeline_p
-
     staged = _check_staged(staged, "stage_ends")
     ends = {}
     for stage in staged.stages:
-        tail = [e for e in stage.jaxpr.eqns[-24:] if e.primitive is not pipeline_p][-16:]
-        # The deepest module among the last few equations: after a layer's Dense, the
-        # activation applied in the enclosing module's body is still "after Dense_1".
-        best: tuple[str, ...] = ()
-        for eqn in reversed(tail):
-            scopes = name_stack_scopes(eqn.source_info)[0]
-            if len(scopes) > len(best):
-                best = scopes
-        if best:
-            ends[stage.name] = "/".join(best)
+        end = _scope_end(stage) or _parameter_end(staged, stage)
+        if end:
+            ends[stage.name] = end
     return ends
+
+
+def _scope_end(stage: Any) -> str | None:
+    from pipemark._compat import name_stack_scopes
+    from pipemark.primitive import pipeline_p
+
+    tail = [e for e in stage.jaxpr.eqns[-24:] if e.primitive is not pipeline_p][-16:]
+    # The deepest module among the last few equations: after a layer's Dense, the
+    # activation applied in the enclosing module's body is still "after Dense_1".
+    best: tuple[str, ...] = ()
+    for eqn in reversed(tail):
+        scopes = name_stack_scopes(eqn.source_info)[0]
+        if len(scopes) > len(best):
+            best = scopes
+    if not best or all(scope.startswith("eqx.") for scope in best):
+        return None  # equinox scopes name classes, not which instance
+    return "/".join(best)
+
+
+# A pytree path's parts: the argument, `.attr`, `['key']`, `[0]`.
+_PATH_PART = re.compile(r"[A-Za-z_]\w*|\.[A-Za-z_]\w*|\[[^\[\]]*\]")
+
+
+def _module_parts(path: str) -> list[str]:
+    """The parts of a parameter's path without the leaf's own name (and nnx's
+    ``.value``): ``m.blocks[1].mlp.bias`` -> ``['m', '.blocks', '[1]', '.mlp']``."""
+    parts = _PATH_PART.findall(path)
+    if parts[-1:] == [".value"]:
+        parts.pop()
+    return parts[:-1]
+
+
+def _parameter_end(staged: StagedJaxpr, stage: Any) -> str | None:
+    """The module the stage's parameters end in: among the program inputs it reads
+    (those inside a container, grouped by argument, the argument read most), their
+    common module path, extended along the last of them (in pytree order) down to the
+    first list index (which layer), if any."""
+    names = staged.input_names
+    read = sorted(ref.index for ref in stage.inputs if ref.kind == "input")
+    paths = [parts for parts in (_module_parts(names[i]) for i in read) if parts]
+    if not paths:
+        return None
+    groups: dict[str, list[list[str]]] = {}
+    for parts in paths:
+        groups.setdefault(parts[0], []).append(parts)
+    group = max(groups.values(), key=len)
+    common = 0
+    while all(len(p) > common and p[common] == group[0][common] for p in group):
+        common += 1
+    last = group[-1]
+    end = next(
+        (i + 1 for i in range(common, len(last)) if last[i][1:-1].isdigit()),
+        common,
+    )
+    return "".join(last[:end])
 
 
 def print_stage_inputs(staged: StagedJaxpr, file: Any = None) -> None:

@@ -3,7 +3,8 @@
 :func:`pipemark.split` traces a function the way ``eqx.filter_jit`` would: arguments
 named by ``static_argnums`` / ``static_argnames`` are held static, and so is every pytree
 leaf that is not an array (an equinox module's activation function, a string, a
-dataclass field that is not a number). The array leaves, in ``jax.tree_util`` order,
+dataclass field that is not a number; inside an equinox module, Python numbers too,
+such as ``Dropout``'s ``inference`` flag). The array leaves, in ``jax.tree_util`` order,
 are the jaxpr's inputs. A :class:`Signature` records that split, rebuilds the call from
 flat inputs for tracing, and checks what a staged program is later called with.
 
@@ -18,6 +19,7 @@ flat inputs for tracing, and checks what a staged program is later called with.
 from __future__ import annotations
 
 import inspect as _pyinspect
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +29,7 @@ import numpy as np
 
 from pipemark.errors import PipemarkError
 
-__all__ = ["Signature", "SignatureError", "is_traced_leaf"]
+__all__ = ["Signature", "SignatureError", "is_traced_leaf", "traced_mask"]
 
 
 class SignatureError(PipemarkError, TypeError):
@@ -44,7 +46,8 @@ def is_traced_leaf(leaf: Any) -> bool:
     """Whether a pytree leaf becomes a jaxpr input: arrays (JAX, NumPy, NumPy scalars),
     ``jax.ShapeDtypeStruct`` and Python numbers. Anything else (functions, strings,
     arbitrary objects) is held static, as ``eqx.filter_jit`` holds non-arrays static;
-    unlike equinox, Python numbers are traced, as ``jax.jit`` traces them.
+    Python numbers are traced, as ``jax.jit`` traces them, except inside an equinox
+    module (:func:`traced_mask`).
 
     >>> import jax.numpy as jnp
     >>> [is_traced_leaf(v) for v in (jnp.ones(2), 1.0, jnp.tanh, "gelu")]
@@ -55,6 +58,36 @@ def is_traced_leaf(leaf: Any) -> bool:
         or hasattr(leaf, "__jax_array__")
         or (hasattr(leaf, "shape") and hasattr(leaf, "dtype"))
     )
+
+
+def _is_equinox_module(node: Any) -> bool:
+    eqx = sys.modules.get("equinox")  # no equinox imported: no equinox module exists
+    return eqx is not None and isinstance(node, eqx.Module)
+
+
+def _array_mask(module: Any) -> Any:
+    # Inside an equinox module, eqx.is_array decides (eqx.filter_jit's rule): a Python
+    # number there is a hyperparameter (Dropout's ``inference`` flag, its rate).
+    return jax.tree_util.tree_map(
+        lambda leaf: is_traced_leaf(leaf) and not isinstance(leaf, _SCALARS), module
+    )
+
+
+def traced_mask(tree: Any) -> list[bool]:
+    """For each leaf of ``tree`` (in ``jax.tree_util`` order), whether it is traced:
+    :func:`is_traced_leaf`, except inside an equinox module, where Python numbers are
+    static as ``eqx.filter_jit`` holds them (so ``if self.inference:`` works).
+
+    >>> import jax.numpy as jnp
+    >>> traced_mask({"w": jnp.ones(2), "scale": 2.0, "act": jnp.tanh})
+    [False, True, True]
+    """
+    mask = jax.tree_util.tree_map(
+        lambda node: _array_mask(node) if _is_equinox_module(node) else is_traced_leaf(node),
+        tree,
+        is_leaf=_is_equinox_module,
+    )
+    return jax.tree_util.tree_leaves(mask)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -157,7 +190,7 @@ class Signature:
         )
         positional = [n for i, n in enumerate(_parameter_names(fn, len(args))) if i not in nums]
         with_paths, treedef = jax.tree_util.tree_flatten_with_path(dynamic)
-        traced = tuple(is_traced_leaf(leaf) for _, leaf in with_paths)
+        traced = tuple(traced_mask(dynamic))
         return cls(
             treedef=treedef,
             traced=traced,
@@ -197,8 +230,9 @@ class Signature:
 
         def flat_fn(*inputs: Any) -> list[Any]:
             args, kwargs = self.rebuild(inputs)
-            out = jax.tree_util.tree_leaves(fn(*args, **kwargs))
-            return [leaf for leaf in out if is_traced_leaf(leaf)]
+            out = fn(*args, **kwargs)
+            leaves = jax.tree_util.tree_leaves(out)
+            return [leaf for leaf, traced in zip(leaves, traced_mask(out)) if traced]
 
         return flat_fn
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import pipemark as pm
-from pipemark.signature import Signature, SignatureError, is_traced_leaf
+from pipemark.signature import Signature, SignatureError, is_traced_leaf, traced_mask
 
 
 def test_array_leaves_are_traced_others_static():
@@ -100,3 +100,19 @@ def test_bind_drops_non_array_results():
 )
 def test_is_traced_leaf(leaf, traced):
     assert is_traced_leaf(leaf) is traced
+
+
+def test_python_numbers_inside_equinox_modules_are_static():
+    eqx = pytest.importorskip("equinox")
+    drop = eqx.nn.Dropout(0.5, inference=True)
+    tree = {"drop": drop, "lr": 0.1, "w": jnp.ones(2)}
+    # Dropout's rate and flag are static (eqx.filter_jit's rule); a bare number is traced.
+    assert traced_mask(tree) == [False, False, True, True]
+    sig = Signature.of((tree,))
+    assert sig.names == ("args[0]['lr']", "args[0]['w']")
+
+    def f(tree):
+        return tree["drop"](tree["w"] * tree["lr"])  # `if self.inference:` needs a bool
+
+    cj = sig.trace(f, (tree,))
+    assert len(cj.jaxpr.invars) == 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -459,3 +460,100 @@ def test_flax_transformer_is_cut_between_blocks_not_inside_attention():
     ends = pm.inspect.stage_ends(staged)
     assert [ends[s.name].split("/")[1] for s in forward[:3]] == ["Block_1", "Block_3", "Block_5"]
     staged.verify(fn, params, x)
+
+
+def _blocks_read(staged, stage):
+    # The block indices of the parameters a stage reads, from their pytree paths.
+    names = staged.input_names
+    found = {
+        re.search(r"blocks'?\]?\[(\d+)\]", names[r.index])
+        for r in stage.inputs
+        if r.kind == "input"
+    }
+    return {int(m.group(1)) for m in found if m}
+
+
+def test_nnx_transformer_is_cut_between_blocks():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.ln1 = nnx.LayerNorm(32, rngs=rngs)
+            self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=32, decode=False, rngs=rngs)
+            self.ln2 = nnx.LayerNorm(32, rngs=rngs)
+            self.up = nnx.Linear(32, 128, rngs=rngs)
+            self.down = nnx.Linear(128, 32, rngs=rngs)
+
+        def __call__(self, x):
+            h = self.ln1(x)
+            x = x + self.attn(h, h)
+            return x + self.down(nnx.gelu(self.up(self.ln2(x))))
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = nnx.List([Block(rngs) for _ in range(8)])
+
+        def __call__(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    graphdef, state = nnx.split(Model(nnx.Rngs(0)))
+    x = jnp.ones((2, 8, 32))
+    fn = jax.value_and_grad(lambda s, x: jnp.mean(nnx.merge(graphdef, s)(x) ** 2))
+    staged = pm.split(fn, state, x, num_stages=4)
+    forward = staged.stages[:4]
+    assert [_blocks_read(staged, s) for s in forward] == [{2 * k, 2 * k + 1} for k in range(4)]
+    ends = pm.inspect.stage_ends(staged)
+    assert [ends[s.name] for s in forward] == [f"s['blocks'][{2 * k + 1}]" for k in range(4)]
+    staged.verify(fn, state, x)
+
+
+def _eqx_transformer(eqx, num_blocks):
+    class Block(eqx.Module):
+        ln1: eqx.nn.LayerNorm
+        attn: eqx.nn.MultiheadAttention
+        drop: eqx.nn.Dropout  # a bool flag and a float: static, as eqx.filter_jit has them
+        ln2: eqx.nn.LayerNorm
+        mlp: eqx.nn.MLP
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.ln1, self.ln2 = eqx.nn.LayerNorm(32), eqx.nn.LayerNorm(32)
+            self.attn = eqx.nn.MultiheadAttention(2, 32, key=k1)
+            self.drop = eqx.nn.Dropout(0.1, inference=True)
+            self.mlp = eqx.nn.MLP(32, 32, 128, 1, activation=jax.nn.gelu, key=k2)
+
+        def __call__(self, x):
+            h = jax.vmap(self.ln1)(x)
+            x = x + self.drop(self.attn(h, h, h))
+            return x + jax.vmap(self.mlp)(jax.vmap(self.ln2)(x))
+
+    class Model(eqx.Module):
+        blocks: list
+
+        def __init__(self, key):
+            self.blocks = [Block(k) for k in jax.random.split(key, num_blocks)]
+
+        def __call__(self, x):
+            for block in self.blocks:
+                x = jax.vmap(block)(x)
+            return x
+
+    return Model(jax.random.PRNGKey(0))
+
+
+def test_equinox_transformer_with_dropout_is_cut_between_blocks():
+    eqx = pytest.importorskip("equinox")
+    model, x = _eqx_transformer(eqx, 8), jnp.ones((2, 8, 32))
+    fn = eqx.filter_value_and_grad(lambda m, x: jnp.mean(m(x) ** 2))
+    staged = pm.split(fn, model, x, num_stages=4)
+    forward = staged.stages[:4]
+    assert [_blocks_read(staged, s) for s in forward] == [{2 * k, 2 * k + 1} for k in range(4)]
+    ends = pm.inspect.stage_ends(staged)
+    assert [ends[s.name] for s in forward] == [f"m.blocks[{2 * k + 1}]" for k in range(4)]
+    staged.verify(fn, model, x)
+    # Dropout's flag is static: flipping it is another program, not a silent rerun.
+    other = eqx.tree_at(lambda m: m.blocks[0].drop.inference, model, False)
+    with pytest.raises(pm.SignatureError, match=r"blocks\[0\]\.drop\.inference"):
+        staged(other, x)
