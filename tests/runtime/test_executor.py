@@ -269,3 +269,40 @@ def test_stage_programs_calling_different_callbacks_are_not_shared():
         loss_fn = _scaled_callback_loss(factor)
         loss, _ = pm.pipeline_value_and_grad(loss_fn, num_microbatches=2)(params, batch)
         np.testing.assert_allclose(loss, loss_fn(params, batch), rtol=1e-6)
+
+
+def test_flax_optax_train_step_runs_as_a_pipeline():
+    nn = pytest.importorskip("flax.linen")
+    optax = pytest.importorskip("optax")
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(4):
+                x = nn.tanh(nn.Dense(16)(x))
+            return nn.Dense(2)(x)
+
+    model, opt = Model(), optax.adamw(1e-2)
+    x, y = jnp.ones((8, 8)), jnp.zeros((8, 2))
+    params = model.init(jax.random.PRNGKey(0), x)
+    state = opt.init(params)
+
+    def loss(params, batch):
+        x, y = batch
+        return jnp.mean((model.apply(params, x) - y) ** 2)
+
+    def step(params, state, batch):
+        value, grads = jax.value_and_grad(loss)(params, batch)
+        updates, state = opt.update(pm.mark_gradient(grads), state, params)
+        return optax.apply_updates(params, updates), state, value
+
+    pipelined = pm.pipeline_train_step(
+        step, num_stages=2, num_microbatches=2, schedule="interleaved"
+    )
+    names = [s.name for s in pipelined.plan(params, state, (x, y)).staged.stages]
+    assert names == ["layer0", "layer1", "layer1_backward", "layer0_backward"]
+    got = pipelined(params, state, (x, y))
+    want = jax.jit(step)(params, state, (x, y))
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree_util.tree_leaves(got[:2]), jax.tree_util.tree_leaves(want[:2])):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
