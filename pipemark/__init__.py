@@ -26,8 +26,8 @@ from pipemark.lowering import LOWERING_MODES as LOWERING_MODES
 from pipemark.lowering import get_lowering as get_lowering
 from pipemark.lowering import lowering as lowering
 from pipemark.lowering import set_lowering as set_lowering
+from pipemark.marks import MARK_TYPES as MARK_TYPES
 from pipemark.plot import plot as plot
-from pipemark.primitive import MARK_TYPES as MARK_TYPES
 from pipemark.primitive import flatten_shape_byte_sizes as flatten_shape_byte_sizes
 from pipemark.primitive import is_marker as is_marker
 from pipemark.primitive import mark as mark

@@ -36,6 +36,7 @@ from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 from pipemark._compat import jaxpr_type_name
 from pipemark.cost import _nbytes, estimate_cost
 from pipemark.errors import PipemarkError
+from pipemark.marks import forward_name
 from pipemark.staged import StagedJaxpr
 
 __all__ = [
@@ -67,8 +68,6 @@ _PALETTE: tuple[str, ...] = (
     "#b5a020",
     "#1fa5b5",
 )
-
-_BACKWARD_SUFFIX = "_backward"
 
 
 # ------------------------------------------------------------------------------ rows
@@ -522,7 +521,7 @@ def stage_colors(staged: StagedJaxpr) -> list[str]:
     next_color = 0
     for stage in staged.stages:
         name = stage.name
-        partner = name[: -len(_BACKWARD_SUFFIX)] if name.endswith(_BACKWARD_SUFFIX) else None
+        partner = forward_name(name)
         if partner is not None and partner in assigned:
             color = assigned[partner]
         else:

@@ -11,7 +11,6 @@ from typing import Any
 
 from pipemark.errors import PipemarkError
 from pipemark.inspect import (
-    _BACKWARD_SUFFIX,
     _check_staged,
     format_bytes,
     format_count,
@@ -19,6 +18,7 @@ from pipemark.inspect import (
     stage_colors,
     stage_rows,
 )
+from pipemark.marks import forward_name
 from pipemark.staged import StagedJaxpr
 
 __all__ = ["plot", "stage_layout"]
@@ -51,18 +51,18 @@ def stage_layout(staged: StagedJaxpr) -> dict[str, tuple[float, float]]:
     staged = _check_staged(staged, "stage_layout")
     names = [s.name for s in staged.stages]
     known = set(names)
-    backward = [n for n in names if n.endswith(_BACKWARD_SUFFIX)]
-    paired = backward and all(n[: -len(_BACKWARD_SUFFIX)] in known for n in backward)
+    backward = [n for n in names if forward_name(n) is not None]
+    paired = backward and all(forward_name(n) in known for n in backward)
     if not paired:
         return {name: (float(k), 0.0) for k, name in enumerate(names)}
     layout: dict[str, tuple[float, float]] = {}
     column = 0
     for name in names:
-        if not name.endswith(_BACKWARD_SUFFIX):
+        if forward_name(name) is None:
             layout[name] = (float(column), 1.0)
             column += 1
     for name in backward:
-        layout[name] = (layout[name[: -len(_BACKWARD_SUFFIX)]][0], 0.0)
+        layout[name] = (layout[forward_name(name)][0], 0.0)
     return {name: layout[name] for name in names}
 
 
@@ -123,7 +123,7 @@ def _draw_graph(ax: Any, staged: StagedJaxpr, colors: list[str]) -> None:
         )
     for k, (stage, color) in enumerate(zip(staged.stages, colors)):
         x, y = layout[stage.name]
-        backward = stage.name.endswith(_BACKWARD_SUFFIX)
+        backward = forward_name(stage.name) is not None
         ax.scatter(
             [x],
             [y],
@@ -176,7 +176,7 @@ def _draw_costs(ax: Any, staged: StagedJaxpr, colors: list[str]) -> None:
     positions = list(range(len(rows)))
     bars = ax.barh(positions, values, color=colors, edgecolor="#1f2933", linewidth=0.6)
     for bar, name in zip(bars, names):
-        if name.endswith(_BACKWARD_SUFFIX):
+        if forward_name(name) is not None:
             bar.set_hatch("////")
             bar.set_edgecolor("white")
     ax.set_yticks(positions, labels=[f"{r.index} {r.name}" for r in rows], fontsize=9)

@@ -30,7 +30,7 @@ data, and instantiating them would move zero-filled buffers across a stage bound
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import jax
@@ -41,6 +41,7 @@ from jax.interpreters import ad, batching
 from jax.interpreters import partial_eval as pe
 
 from pipemark.errors import MarkerError, PipemarkError
+from pipemark.marks import KEPT_BY_DCE, MARK_ROLES, MARK_TYPES, PAIRED_MARK_TYPES, backward_name
 
 __all__ = [
     "MARK_TYPES",
@@ -54,39 +55,6 @@ __all__ = [
     "is_marker",
 ]
 
-MARK_TYPES: tuple[str, ...] = (
-    "start",
-    "end",
-    "jvp_start",
-    "jvp_end",
-    "boundary",
-    "grad",
-    "hook",
-)
-
-# The mark types that delimit a stage (or the gradient split): dead-code elimination
-# keeps these equations even when nothing reads their results, because a pass needs
-# them to know where the stage begins or ends.
-_STRUCTURAL = frozenset(("start", "end", "jvp_start", "jvp_end", "boundary", "grad"))
-
-_JVP_MARK_TYPE = {
-    "start": "jvp_start",
-    "jvp_start": "jvp_start",
-    "end": "jvp_end",
-    "jvp_end": "jvp_end",
-    "boundary": "boundary",
-    "hook": "hook",
-}
-
-_TRANSPOSED_MARK_TYPE = {
-    "start": "end",
-    "jvp_start": "end",
-    "end": "start",
-    "jvp_end": "start",
-    "boundary": "boundary",
-    "hook": "hook",
-}
-
 # Frames inside pipemark are not the user's: leave them out of the source line JAX
 # records for each traced equation, as JAX does for its own frames.
 source_info_util.register_exclusion(os.path.dirname(__file__))
@@ -95,11 +63,22 @@ pipeline_p = Primitive("pipeline_marker")
 pipeline_p.multiple_results = True
 
 
-def is_marker(eqn: JaxprEqn, mark_type: str | None = None) -> bool:
-    """Whether ``eqn`` is a pipeline marker (of ``mark_type``, when given)."""
+def is_marker(eqn: JaxprEqn, mark_type: str | Collection[str] | None = None) -> bool:
+    """Whether ``eqn`` is a pipeline marker (of ``mark_type``, or of one of the types
+    in a collection such as :data:`pipemark.marks.STAGE_MARK_TYPES`, when given).
+
+    >>> import jax, pipemark as pm
+    >>> from pipemark.marks import STAGE_MARK_TYPES
+    >>> cj = jax.make_jaxpr(lambda x: pm.mark(x, name="a", mark_type="start"))(1.0)
+    >>> is_marker(cj.eqns[0]), is_marker(cj.eqns[0], "end"), is_marker(cj.eqns[0], STAGE_MARK_TYPES)
+    (True, False, True)
+    """
     if eqn.primitive is not pipeline_p:
         return False
-    return mark_type is None or eqn.params["mark_type"] == mark_type
+    if mark_type is None:
+        return True
+    found = eqn.params.get("mark_type")
+    return found == mark_type if isinstance(mark_type, str) else found in mark_type
 
 
 def _check_params(name: Any, mark_type: Any) -> None:
@@ -152,7 +131,7 @@ def _bind_over_nonzero(values, name: str, mark_type: str, zero_aval):
 
 def _marker_jvp(primals, tangents, *, name: str, mark_type: str):
     primals_out = pipeline_p.bind(*primals, name=name, mark_type=mark_type)
-    tangent_mark_type = _JVP_MARK_TYPE.get(mark_type)
+    tangent_mark_type = MARK_ROLES[mark_type].tangent
     if tangent_mark_type is None or all(type(t) is ad.Zero for t in tangents):
         # `grad` marks a value as a gradient; its tangent is not one, so it passes
         # through unmarked. Markers whose tangents are all symbolic zeros get no
@@ -183,16 +162,16 @@ def _marker_transpose(cotangents, *args, name: str, mark_type: str):
         ct if ct is not None and ad.is_undefined_primal(arg) else ad.Zero(operand_aval(i))
         for i, (arg, ct) in enumerate(zip(args, cotangents))
     ]
-    transposed = _TRANSPOSED_MARK_TYPE.get(mark_type)
-    if transposed is None:  # grad: the cotangent passes through unmarked
+    role = MARK_ROLES[mark_type]
+    if role.transposed is None:  # grad: the cotangent passes through unmarked
         cts_in = cotangents
     else:
-        new_name = name if mark_type == "hook" else name + "_backward"
-        cts_in, any_marked = _bind_over_nonzero(cotangents, new_name, transposed, operand_aval)
-        if not any_marked and mark_type in _STRUCTURAL:
+        new_name = backward_name(name) if role.mirrored else name
+        cts_in, any_marked = _bind_over_nonzero(cotangents, new_name, role.transposed, operand_aval)
+        if not any_marked and role.kept_by_dce:
             # Keep the backward stage delimited even when no cotangent flows through
             # this marker, so every mirrored stage still has its start and its end.
-            pipeline_p.bind(name=new_name, mark_type=transposed)
+            pipeline_p.bind(name=new_name, mark_type=role.transposed)
     return [ct if ad.is_undefined_primal(arg) else None for arg, ct in zip(args, cts_in)]
 
 
@@ -218,7 +197,7 @@ def _marker_dce(used_outputs: list[bool], eqn: JaxprEqn):
     """Drop the operand/result pairs nobody reads; keep a structural marker even when
     it is left with no operands, and drop a ``hook`` marker that no one reads."""
     mark_type = eqn.params["mark_type"]
-    if not any(used_outputs) and mark_type not in _STRUCTURAL:
+    if not any(used_outputs) and mark_type not in KEPT_BY_DCE:
         return [False] * len(eqn.invars), None
     if all(used_outputs):
         return [True] * len(eqn.invars), eqn
@@ -312,7 +291,7 @@ def mark_pipeline_jaxpreqn(
     For passes that build jaxprs by hand. Raises :class:`MarkerError` (a ``ValueError``,
     as the original function raised) for any other mark type.
     """
-    if mark_type not in ("start", "end", "jvp_start", "jvp_end"):
+    if mark_type not in PAIRED_MARK_TYPES:
         raise MarkerError(
             f"Unknown mark type: {mark_type!r}. mark_pipeline_jaxpreqn builds start, "
             "end, jvp_start and jvp_end markers; use mark_hook_jaxpreqn for hooks."

@@ -14,7 +14,7 @@ from pipemark.passes.inline import inline_calls
 from pipemark.passes.insert import layers_from_boundaries
 from pipemark.passes.scan import layers_from_scans, scans_with_layer_markers
 from pipemark.passes.slice import slice_stages
-from pipemark.primitive import pipeline_p
+from pipemark.primitive import is_marker
 from pipemark.signature import Signature
 from pipemark.staged import StagedJaxpr
 
@@ -108,9 +108,6 @@ def split_jaxpr(
         cj, num_stages = layers_from_scans(cj, num_stages), None
     if num_stages is not None:
         return slice_stages(auto_layers(cj, num_stages), unmarked=unmarked)
-    if any(
-        eqn.primitive is pipeline_p and eqn.params.get("mark_type") == "boundary"
-        for eqn in cj.jaxpr.eqns
-    ):
+    if any(is_marker(eqn, "boundary") for eqn in cj.jaxpr.eqns):
         cj = layers_from_boundaries(cj)
     return slice_stages(mark_apply_stage(cj), unmarked=unmarked)

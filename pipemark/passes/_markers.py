@@ -34,13 +34,11 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, jaxprs_in_params
 from jax.extend.core import primitives as _primitives
 
 from pipemark.errors import MarkerError, describe_eqn
-from pipemark.primitive import MARK_TYPES, pipeline_p
+from pipemark.marks import CLOSERS, MARK_TYPES, OPENERS, STAGE_MARK_TYPES, forward_name
+from pipemark.primitive import is_marker, pipeline_p
 
 __all__ = [
-    "CLOSERS",
     "first_stage_marker",
-    "OPENERS",
-    "STAGE_MARK_TYPES",
     "StageSpan",
     "check_no_markers_in_bodies",
     "find_stage_spans",
@@ -48,16 +46,6 @@ __all__ = [
     "stage_index_of_equations",
     "stage_spans_routed",
 ]
-
-#: Opening mark type -> the closing mark type that pairs with it.
-OPENERS = {"start": "end", "jvp_start": "jvp_end"}
-#: Closing mark type -> the opening mark type it pairs with.
-CLOSERS = {"end": "start", "jvp_end": "jvp_start"}
-#: Mark types that delimit stages or layers; a pass cannot cut inside a sub-jaxpr, so
-#: these may not appear in a ``scan``/``cond``/``while``/``pjit``/``remat`` body.
-STAGE_MARK_TYPES = frozenset(("start", "end", "jvp_start", "jvp_end", "boundary"))
-
-_BACKWARD_SUFFIX = "_backward"
 
 
 @dataclass(frozen=True)
@@ -119,7 +107,7 @@ def first_stage_marker(jaxpr: Jaxpr, seen: dict[int, JaxprEqn | None]) -> JaxprE
     seen[key] = None  # guards against a body that (indirectly) contains itself
     found = None
     for eqn in jaxpr.eqns:
-        if eqn.primitive is pipeline_p and eqn.params.get("mark_type") in STAGE_MARK_TYPES:
+        if is_marker(eqn, STAGE_MARK_TYPES):
             found = eqn
             break
         for sub in jaxprs_in_params(eqn.params):
@@ -451,7 +439,7 @@ def find_stage_spans(
                     current.pending.add(OPENERS[mark_type])
                     continue
                 advice = ""
-                if name.endswith(_BACKWARD_SUFFIX) or current.name.endswith(_BACKWARD_SUFFIX):
+                if forward_name(name) or forward_name(current.name):
                     advice = (
                         " In a gradient program this happens when a stage reads values "
                         "that bypass its start marker, so the backward markers "
@@ -523,9 +511,9 @@ def find_stage_spans(
         # hook and grad markers are ordinary equations for stage structure.
 
     if current is not None:
-        forward = current.name[: -len(_BACKWARD_SUFFIX)]
+        forward = forward_name(current.name)
         mirrored = (
-            current.name.endswith(_BACKWARD_SUFFIX)
+            forward is not None
             and forward in where_named
             and not current.closers
             and all(eqns[i].params["mark_type"] == "start" for i in current.openers)

@@ -57,17 +57,16 @@ from pipemark.errors import (
     check_closed_jaxpr,
     describe_eqn,
 )
+from pipemark.marks import APPLY_STAGE, STAGE_MARK_TYPES, backward_name
 from pipemark.passes._backward import crossing_bytes, forward_end, mirror_cuts
-from pipemark.passes.gradient import APPLY_STAGE, apply_start
+from pipemark.passes.gradient import apply_start
 from pipemark.passes.insert import insert_markers
 from pipemark.passes.scan import SCAN_COST_FRACTION, scans_to_split, split_scan
-from pipemark.primitive import pipeline_p
+from pipemark.primitive import is_marker, pipeline_p
 
 __all__ = ["AUTO_COSTS", "auto_layers", "balanced_cuts", "crossing_bytes", "equation_costs"]
 
 AUTO_COSTS: tuple[str, ...] = ("flops", "bytes", "equations", "xla")
-
-_STAGE_MARK_TYPES = frozenset(("start", "end", "jvp_start", "jvp_end", "boundary"))
 
 
 # ----------------------------------------------------------------------- costs, bytes
@@ -402,7 +401,7 @@ def _warn_indivisible(
 
 def _check_unmarked(jaxpr: Jaxpr) -> None:
     for index, eqn in enumerate(jaxpr.eqns):
-        if eqn.primitive is pipeline_p and eqn.params.get("mark_type") in _STAGE_MARK_TYPES:
+        if is_marker(eqn, STAGE_MARK_TYPES):
             raise MarkerError(
                 f"{describe_eqn(eqn, index)}: auto_layers inserts its own markers, but "
                 "the program already has stage markers. Remove them first with "
@@ -535,7 +534,7 @@ def auto_layers(
     if backward:
         mirrored = mirror_cuts(jaxpr, split_at, cuts, int(num_layers), stop=stop)
         cuts = [*cuts, split_at, *mirrored]
-        names += [(name + "_backward") if isinstance(name, str) else name for name in names[::-1]]
+        names += [backward_name(name) if isinstance(name, str) else name for name in names[::-1]]
     if apply_at is not None:
         cuts, names = [*cuts, apply_at], [*names, APPLY_STAGE]
     return insert_markers(cj, cuts, names)

@@ -12,22 +12,17 @@ from typing import Any
 from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, JaxprEqn, Literal, Var
 
 from pipemark.errors import MarkerError, check_closed_jaxpr, describe_eqn
+from pipemark.marks import APPLY_STAGE
 from pipemark.passes._markers import find_stage_spans
 from pipemark.passes.rewrite import dce
-from pipemark.primitive import mark_pipeline_jaxpreqn, pipeline_p
+from pipemark.primitive import is_marker, mark_pipeline_jaxpreqn
 
 __all__ = [
-    "APPLY_STAGE",
     "apply_start",
     "grad_marker_index",
     "mark_apply_stage",
     "split_at_gradient",
 ]
-
-#: The name of the stage that holds a training step's optimizer update: everything
-#: after the step's ``grad`` marker (:func:`pipemark.mark_gradient`). Slicing puts it
-#: in a stage of its own, since a pipeline runs it once per step, not per micro-batch.
-APPLY_STAGE = "apply_grad"
 
 
 def _find_nested_grad(jaxpr: Jaxpr, seen: set[int]) -> bool:
@@ -35,7 +30,7 @@ def _find_nested_grad(jaxpr: Jaxpr, seen: set[int]) -> bool:
         return False
     seen.add(id(jaxpr))
     for eqn in jaxpr.eqns:
-        if eqn.primitive is pipeline_p and eqn.params.get("mark_type") == "grad":
+        if is_marker(eqn, "grad"):
             return True
         if any(_find_nested_grad(body, seen) for body in _bodies(eqn)):
             return True
@@ -63,11 +58,7 @@ def grad_marker_index(jaxpr: Jaxpr) -> int | None:
     >>> cj.eqns[grad_marker_index(cj.jaxpr)].params["mark_type"]
     'grad'
     """
-    found = [
-        i
-        for i, eqn in enumerate(jaxpr.eqns)
-        if eqn.primitive is pipeline_p and eqn.params.get("mark_type") == "grad"
-    ]
+    found = [i for i, eqn in enumerate(jaxpr.eqns) if is_marker(eqn, "grad")]
     if len(found) > 1:
         first, second = found[:2]
         raise MarkerError(

@@ -53,9 +53,10 @@ from jax.extend.core import (
 )
 
 from pipemark.errors import check_closed_jaxpr
+from pipemark.marks import OPENERS, STAGE_MARK_TYPES
 from pipemark.passes._collector import paused_collector
-from pipemark.passes._markers import STAGE_MARK_TYPES, first_stage_marker
-from pipemark.primitive import pipeline_p
+from pipemark.passes._markers import first_stage_marker
+from pipemark.primitive import is_marker
 
 __all__ = ["CALL_RULES", "CallRule", "inline_calls"]
 
@@ -110,10 +111,6 @@ def _body(eqn: JaxprEqn, rule: CallRule) -> tuple[Jaxpr, Sequence[Any]]:
         body = body()  # a thunk, as older custom_vjp_call_jaxpr params held
     jaxpr = body.jaxpr if isinstance(body, ClosedJaxpr) else body
     return jaxpr, tuple(getattr(body, "consts", ()))
-
-
-def _is_stage_marker(eqn: JaxprEqn) -> bool:
-    return eqn.primitive is pipeline_p and eqn.params.get("mark_type") in STAGE_MARK_TYPES
 
 
 def _wants_inlining(eqn: JaxprEqn, memo: dict[int, JaxprEqn | None]) -> bool:
@@ -190,7 +187,7 @@ def _whole_program_body(cj: ClosedJaxpr) -> ClosedJaxpr | None:
 def _is_copy(eqn: JaxprEqn, opened: frozenset[str]) -> bool:
     """Whether a marker inside a differentiated checkpoint copies a forward one: a
     boundary (the backward pass has none of its own) or a marker of an opened stage."""
-    if not _is_stage_marker(eqn):
+    if not is_marker(eqn, STAGE_MARK_TYPES):
         return False
     return eqn.params["mark_type"] == "boundary" or eqn.params.get("name") in opened
 
@@ -265,7 +262,7 @@ class _Inliner:
                 outvars=eqn.outvars if outvars is None else outvars,
                 source_info=eqn.source_info if source_info is None else source_info,
             )
-        if eqn.primitive is pipeline_p and eqn.params.get("mark_type") in ("start", "jvp_start"):
+        if is_marker(eqn, OPENERS):
             self.opened.add(eqn.params.get("name"))
         self.eqns.append(eqn)
 
@@ -332,7 +329,7 @@ def _split_regions(
         out.extend(eqns[done:first])
         run_start = first
         for index in range(first, end + 1):
-            if index == end or _is_stage_marker(eqns[index]):
+            if index == end or is_marker(eqns[index], STAGE_MARK_TYPES):
                 if index > run_start:
                     out.append(_checkpoint(eqns[run_start:index], index, last_use, template))
                 if index < end:

@@ -26,16 +26,16 @@ from jax.extend.core import (
 
 from pipemark._compat import name_stack_scopes
 from pipemark.errors import MarkerError, PipemarkError, check_closed_jaxpr, describe_eqn
+from pipemark.marks import APPLY_STAGE, STAGE_MARK_TYPES, backward_name, forward_name
 from pipemark.passes._backward import forward_end, mirror_cuts
 from pipemark.passes._collector import paused_collector
 from pipemark.passes._markers import (
-    STAGE_MARK_TYPES,
     StageSpan,
     check_no_markers_in_bodies,
     new_stage_span,
     remember_stage_spans,
 )
-from pipemark.passes.gradient import APPLY_STAGE, apply_start
+from pipemark.passes.gradient import apply_start
 from pipemark.primitive import pipeline_p
 
 __all__ = ["insert_markers", "insert_markers_by_scope", "layers_from_boundaries"]
@@ -89,9 +89,8 @@ def _wrap_segments(
     segment_named = {name: k for k, name in enumerate(names)}
     mirror_of: dict[int, int] = {}
     for k, name in enumerate(names):
-        forward = (
-            segment_named.get(name[: -len("_backward")], k) if name.endswith("_backward") else k
-        )
+        mirrored = forward_name(name)
+        forward = k if mirrored is None else segment_named.get(mirrored, k)
         if forward < k:
             mirror_of[k] = forward
 
@@ -453,7 +452,7 @@ def _layers_from_boundaries(cj: ClosedJaxpr) -> ClosedJaxpr:
         mirrored = mirror_cuts(cj.jaxpr, forward_count, layer_starts[1:], layers, stop=stop)
         begins = [forward_count, *mirrored, stop]
         runs.extend((layers + stage, begins[stage], begins[stage + 1]) for stage in range(layers))
-        names += [f"layer{i}_backward" for i in reversed(range(layers))]
+        names += [backward_name(f"layer{i}") for i in reversed(range(layers))]
     elif backward_count:
         # No backward pass, or one too short to mirror: it joins the last layer.
         runs.append((max(layers - 1, 0), forward_count, stop))
@@ -528,7 +527,7 @@ def insert_markers_by_scope(cj: ClosedJaxpr, depth: int = 1) -> ClosedJaxpr:
             continue
         current = key
         scopes, transposed = key
-        base = "/".join(scopes) + ("_backward" if transposed else "")
+        base = backward_name("/".join(scopes)) if transposed else "/".join(scopes)
         uses[base] = uses.get(base, 0) + 1
         cuts.append(index)
         names.append(base if uses[base] == 1 else f"{base}_{uses[base]}")

@@ -35,7 +35,8 @@ from jax.extend.core import primitives as _primitives
 
 from pipemark.cost import eqn_costs
 from pipemark.errors import MarkerError, PipemarkError, check_closed_jaxpr, describe_eqn
-from pipemark.primitive import mark_pipeline_jaxpreqn, pipeline_p
+from pipemark.marks import PAIRED_MARK_TYPES, backward_name, forward_name
+from pipemark.primitive import is_marker, mark_pipeline_jaxpreqn
 
 __all__ = [
     "SCAN_COST_FRACTION",
@@ -309,8 +310,7 @@ def _body_markers(eqn: JaxprEqn) -> list[JaxprEqn]:
     if eqn.primitive is not _primitives.scan_p:
         return []
     body = eqn.params["jaxpr"].jaxpr
-    return [e for e in body.eqns if e.primitive is pipeline_p and e.params.get("mark_type") in (
-        "start", "end", "jvp_start", "jvp_end")]  # fmt: skip
+    return [e for e in body.eqns if is_marker(e, PAIRED_MARK_TYPES)]
 
 
 def scans_with_layer_markers(cj: ClosedJaxpr) -> list[int]:
@@ -376,9 +376,11 @@ def layers_from_scans(cj: ClosedJaxpr, num_stages: int | None = None) -> ClosedJ
         scan, name = _unmarked_scan(cj.jaxpr.eqns[index], index)
         length = scan.params["length"]
         ranges = chunk_ranges(length, length if num_stages is None else num_stages)
-        base, backward = (
-            (name[: -len("_backward")], True) if name.endswith("_backward") else (name, False)
+        base = forward_name(name)
+        names = (
+            [f"{name}{k}" for k in range(len(ranges))]
+            if base is None
+            else [backward_name(f"{base}{k}") for k in range(len(ranges))]
         )
-        names = [f"{base}{k}" + ("_backward" if backward else "") for k in range(len(ranges))]
         plans[index] = (scan, ranges, names)
     return _rewrite(cj, plans) if plans else cj

@@ -8,12 +8,11 @@ from collections.abc import Mapping, Sequence
 from jax.extend.core import ClosedJaxpr, Jaxpr, Var
 
 from pipemark.errors import PipemarkError, StageGraphError
+from pipemark.marks import PAIRED_MARK_TYPES
 from pipemark.primitive import pipeline_p
 from pipemark.staged import Stage, StagedJaxpr, ValueRef, _substitute, stage_debug_info
 
 __all__ = ["merge_stages", "rename_stages"]
-
-_RENAMED_MARK_TYPES = frozenset(("start", "end", "jvp_start", "jvp_end"))
 
 
 def _stage_index(staged: StagedJaxpr, key: object, where: str) -> int:
@@ -304,7 +303,7 @@ def rename_stages(staged: StagedJaxpr, mapping: Mapping[str, str]) -> StagedJaxp
         eqns = [
             eqn.replace(params={**eqn.params, "name": name})
             if eqn.primitive is pipeline_p
-            and eqn.params.get("mark_type") in _RENAMED_MARK_TYPES
+            and eqn.params.get("mark_type") in PAIRED_MARK_TYPES
             and eqn.params.get("name") == stage.name
             else eqn
             for eqn in jaxpr.eqns

@@ -57,6 +57,7 @@ from jax.extend.core import jaxpr_as_fun
 
 from pipemark._compat import copy_to_device
 from pipemark.errors import PipemarkError
+from pipemark.marks import PAIRED_MARK_TYPES
 from pipemark.runtime.arguments import (
     PartitionedParams,
     batch_arg_names,
@@ -65,7 +66,6 @@ from pipemark.runtime.arguments import (
 )
 from pipemark.runtime.losses import split_count
 from pipemark.runtime.plan import (
-    _STAGE_MARK_TYPES,
     LOSS_REDUCTIONS,
     PipelinePlan,
     _build_plan,
@@ -697,7 +697,7 @@ class PipelinedStep:
                     "it over the batch before the grad marker."
                 )
         num_stages = self.options["num_stages"]
-        if not _has_markers(compute, _STAGE_MARK_TYPES):
+        if not _has_markers(compute, PAIRED_MARK_TYPES):
             if num_stages is None:
                 raise PipemarkError(
                     "The gradient part of the step has no start/end stage markers; mark the "

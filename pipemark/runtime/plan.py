@@ -18,15 +18,13 @@ from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from jax.sharding import SingleDeviceSharding
 
 from pipemark.errors import PipemarkError, StageGraphError
-from pipemark.primitive import pipeline_p
+from pipemark.marks import PAIRED_MARK_TYPES, backward_name, forward_name
+from pipemark.primitive import is_marker
 from pipemark.runtime.losses import LOSS_REDUCTIONS, find_batch_normaliser
 from pipemark.runtime.schedules import Schedule, make_schedule
 from pipemark.staged import StagedJaxpr
 
 __all__ = ["LOSS_REDUCTIONS", "PipelinePlan"]
-
-_BACKWARD_SUFFIX = "_backward"
-_STAGE_MARK_TYPES = frozenset(("start", "end", "jvp_start", "jvp_end"))
 
 
 # ------------------------------------------------------------------------ checks
@@ -112,9 +110,7 @@ def _refuse_batch_normaliser(loss_fn: Callable, params: Any, batch_structs: Any)
 
 
 def _has_markers(cj: ClosedJaxpr, mark_types: frozenset[str]) -> bool:
-    return any(
-        e.primitive is pipeline_p and e.params["mark_type"] in mark_types for e in cj.jaxpr.eqns
-    )
+    return any(is_marker(e, mark_types) for e in cj.jaxpr.eqns)
 
 
 def _trace_staged(
@@ -130,7 +126,7 @@ def _trace_staged(
     vag = jax.value_and_grad(loss_fn)
     # A jitted loss is one jit equation: inline it, as pm.split does, to see its markers.
     forward = inline_calls(jax.make_jaxpr(loss_fn)(params, batch_structs))
-    if _has_markers(forward, _STAGE_MARK_TYPES):
+    if _has_markers(forward, PAIRED_MARK_TYPES):
         cj, out_shape = jax.make_jaxpr(vag, return_shape=True)(params, batch_structs)
         cj = inline_calls(cj)
     elif _has_markers(forward, frozenset(("boundary",))):
@@ -165,15 +161,15 @@ def _trace_staged(
 def _pair_stages(staged: StagedJaxpr) -> tuple[list[int], list[int | None]]:
     """Sliced-stage indices of each pipeline stage's forward and backward programs."""
     names = [s.name for s in staged.stages]
-    forward = [k for k, n in enumerate(names) if not n.endswith(_BACKWARD_SUFFIX)]
+    forward = [k for k, n in enumerate(names) if forward_name(n) is None]
     position = {names[k]: k for k in range(len(names))}
-    backward: list[int | None] = [position.get(names[k] + _BACKWARD_SUFFIX) for k in forward]
+    backward: list[int | None] = [position.get(backward_name(names[k])) for k in forward]
     paired = {b for b in backward if b is not None}
     for k, name in enumerate(names):
-        if name.endswith(_BACKWARD_SUFFIX) and k not in paired:
+        if forward_name(name) is not None and k not in paired:
             raise StageGraphError(
                 f"Stage {name!r} has no forward stage named "
-                f"{name[: -len(_BACKWARD_SUFFIX)]!r} to pair with; the runtime runs each "
+                f"{forward_name(name)!r} to pair with; the runtime runs each "
                 "backward stage on the device of its forward stage. Do not name a forward "
                 "stage with a '_backward' suffix."
             )
@@ -212,7 +208,7 @@ def _merge_into(staged: StagedJaxpr, num_stages: int) -> StagedJaxpr:
         groups[f"stage{g}"] = [forward[i] for i in members]
         back = [backward[i] for i in members if backward[i] is not None]
         if back:
-            groups[f"stage{g}{_BACKWARD_SUFFIX}"] = back
+            groups[backward_name(f"stage{g}")] = back
     return merge_stages(staged, groups)
 
 
