@@ -9,6 +9,7 @@
 """
 
 from pipemark import passes as passes
+from pipemark import views as views
 from pipemark.cost import Cost as Cost
 from pipemark.cost import estimate_cost as estimate_cost
 from pipemark.errors import MarkerError as MarkerError
@@ -19,9 +20,6 @@ from pipemark.graph import critical_path as critical_path
 from pipemark.graph import eqn_graph as eqn_graph
 from pipemark.graph import stage_graph as stage_graph
 from pipemark.graph import topological_order as topological_order
-from pipemark.inspect import show as show
-from pipemark.inspect import summary as summary
-from pipemark.inspect import write_report as write_report
 from pipemark.lowering import LOWERING_MODES as LOWERING_MODES
 from pipemark.lowering import get_lowering as get_lowering
 from pipemark.lowering import lowering as lowering
@@ -50,9 +48,12 @@ from pipemark.runtime import plot_schedule as plot_schedule
 from pipemark.runtime import schedule_from_orders as schedule_from_orders
 from pipemark.signature import Signature as Signature
 from pipemark.signature import SignatureError as SignatureError
-from pipemark.split import split as split
-from pipemark.split import split_jaxpr as split_jaxpr
 from pipemark.staged import Stage as Stage
 from pipemark.staged import StagedJaxpr as StagedJaxpr
+from pipemark.staging import show as show
+from pipemark.staging import split as split
+from pipemark.staging import split_jaxpr as split_jaxpr
+from pipemark.views import summary as summary
+from pipemark.views import write_report as write_report
 
 __version__ = "0.1.0"

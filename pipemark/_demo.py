@@ -121,8 +121,9 @@ def run(
 
     ``model`` overrides :data:`MODEL` (tests use a smaller model).
     """
-    from pipemark.inspect import print_summary, write_report
     from pipemark.plot import plot
+    from pipemark.views.html import write_report
+    from pipemark.views.text import print_summary
 
     sizes = {**MODEL, **(model or {})}
     out_dir = Path(out_dir)

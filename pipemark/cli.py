@@ -230,8 +230,8 @@ def _inspect(args: argparse.Namespace) -> int:
         import jax
 
         import pipemark as pm
-        from pipemark.inspect import print_stage_inputs, print_summary
         from pipemark.signature import Signature
+        from pipemark.views.text import print_stage_inputs, print_summary
 
         fn = _import_target(args.target)
         made, kwargs = _example_args(args.args) if args.args else ([], {})
@@ -261,7 +261,7 @@ def _inspect(args: argparse.Namespace) -> int:
         staged = pm.split_jaxpr(cj, num_stages=args.num_stages).with_signature(signature)
     if args.html:
         with progress.step(f"writing {args.html}"):
-            from pipemark.inspect import write_report
+            from pipemark.views.html import write_report
 
             try:
                 write_report(

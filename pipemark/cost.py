@@ -41,10 +41,10 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 
-from pipemark._compat import CLOSED_CALL_NAMES
 from pipemark.errors import PipemarkError, describe_eqn
+from pipemark.walk import CALL_PRIMITIVES, bodies
 
-__all__ = ["COST_MODELS", "Cost", "cost_rules", "estimate_cost", "eqn_costs"]
+__all__ = ["COST_MODELS", "Cost", "cost_rules", "estimate_cost", "eqn_costs", "nbytes"]
 
 COST_MODELS: tuple[str, ...] = ("analytic", "xla")
 
@@ -177,7 +177,7 @@ def _size(aval: Any) -> int:
     return _sizes(aval)[0]
 
 
-def _nbytes(aval: Any) -> int:
+def nbytes(aval: Any) -> int:
     """Bytes of one value; 0 for values without an array layout (tokens, refs)."""
     return _sizes(aval)[1]
 
@@ -354,50 +354,37 @@ def _body_cost(jaxpr: Any) -> Cost:
     return cost
 
 
-def _call(param: str) -> CostRule:
-    def rule(eqn: JaxprEqn) -> Cost:
-        return _body_cost(eqn.params[param])
-
-    rule.__name__ = f"_call_{param}"
-    return rule
+def _call(eqn: JaxprEqn) -> Cost:
+    return _sum_costs(_body_cost(body) for _, body in bodies(eqn))
 
 
 def _scan(eqn: JaxprEqn) -> Cost:
-    return _body_cost(eqn.params["jaxpr"]).scaled(int(eqn.params["length"]))
+    return _call(eqn).scaled(int(eqn.params["length"]))
 
 
 def _cond(eqn: JaxprEqn) -> Cost:
-    branches = [_body_cost(b) for b in eqn.params["branches"]]
+    branches = [_body_cost(body) for _, body in bodies(eqn)]
     # Only one branch runs: charge the most expensive one (by FLOPs, then bytes).
     worst = max(branches, key=lambda c: (c.total_flops, c.bytes_accessed))
-    index_bytes = _nbytes(eqn.invars[0].aval)
+    index_bytes = nbytes(eqn.invars[0].aval)
     return worst + Cost(bytes_read=index_bytes)
 
 
 def _while(eqn: JaxprEqn) -> Cost:
-    once = _body_cost(eqn.params["cond_jaxpr"]) + _body_cost(eqn.params["body_jaxpr"])
-    return once + Cost(
+    return _call(eqn) + Cost(
         approximate=True,
         notes=("while loop costed as one iteration (its trip count is not known)",),
     )
-
-
-def _subjaxprs(eqn: JaxprEqn) -> list[Any]:
-    found = []
-    for value in eqn.params.values():
-        items = value if isinstance(value, (tuple, list)) else (value,)
-        found.extend(x for x in items if isinstance(x, (ClosedJaxpr, Jaxpr)))
-    return found
 
 
 def _default_rule(eqn: JaxprEqn) -> Cost:
     """Primitives without a rule: the sum of their bodies when they have any (a call
     of some kind), otherwise one FLOP per output element. Either way flagged."""
     name = eqn.primitive.name
-    bodies = _subjaxprs(eqn)
+    found = bodies(eqn)
     note = f"no cost rule for {name!r}; "
-    if bodies:
-        base = _sum_costs(_body_cost(b) for b in bodies)
+    if found:
+        base = _sum_costs(_body_cost(body) for _, body in found)
         note += "charged the sum of its bodies"
     else:
         base = _elementwise(eqn)
@@ -557,10 +544,9 @@ cost_rules["sort"] = _sort
 cost_rules["scan"] = _scan
 cost_rules["cond"] = _cond
 cost_rules["while"] = _while
-# Call-like primitives run their body once. Names differ across JAX versions.
-_register(_call("jaxpr"), ["jit", "pjit", "remat2", "checkpoint", "shard_map"])
-_register(_call("call_jaxpr"), ["custom_jvp_call", "custom_vjp_call", *CLOSED_CALL_NAMES])
-cost_rules["custom_vjp_call_jaxpr"] = _call("fun_jaxpr")
+# Call-like primitives run their body once (pipemark.walk names them across JAX
+# versions); so does shard_map, on each device's shard.
+_register(_call, [*sorted(CALL_PRIMITIVES), "shard_map"])
 
 
 # ------------------------------------------------------------------------ public API
@@ -577,7 +563,7 @@ def _jaxpr_cost(jaxpr: Jaxpr, *, with_params: bool) -> Cost:
     consumed: set[Var] = set()
     for eqn in jaxpr.eqns:
         consumed.update(v for v in eqn.invars if isinstance(v, Var))
-    params = sum(_nbytes(v.aval) for v in (*jaxpr.constvars, *jaxpr.invars) if v in consumed)
+    params = sum(nbytes(v.aval) for v in (*jaxpr.constvars, *jaxpr.invars) if v in consumed)
     return dataclasses.replace(total, param_bytes=params)
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import networkx as nx
 from jax.extend.core import ClosedJaxpr, Jaxpr, Var
 
-from pipemark.cost import Cost, _nbytes, eqn_costs
+from pipemark.cost import Cost, eqn_costs, nbytes
 from pipemark.errors import PipemarkError, StageGraphError
 
 __all__ = ["critical_path", "eqn_graph", "stage_graph", "topological_order"]
@@ -41,10 +41,10 @@ Node = Hashable
 def _add_use(graph: nx.DiGraph, source: Node, target: Node, var: Var) -> None:
     data = graph.get_edge_data(source, target)
     if data is None:
-        graph.add_edge(source, target, variables=(var,), bytes=_nbytes(var.aval), num_values=1)
+        graph.add_edge(source, target, variables=(var,), bytes=nbytes(var.aval), num_values=1)
     elif var not in data["variables"]:  # an operand read twice crosses once
         data["variables"] = (*data["variables"], var)
-        data["bytes"] += _nbytes(var.aval)
+        data["bytes"] += nbytes(var.aval)
         data["num_values"] += 1
 
 
@@ -88,7 +88,7 @@ def eqn_graph(program: ClosedJaxpr | Jaxpr, *, with_cost: bool = True) -> nx.DiG
     for kind, variables in (("const", jaxpr.constvars), ("input", jaxpr.invars)):
         for i, var in enumerate(variables):
             node = (kind, i)
-            graph.add_node(node, kind=kind, variable=var, bytes=_nbytes(var.aval))
+            graph.add_node(node, kind=kind, variable=var, bytes=nbytes(var.aval))
             producer[var] = node
     costs: list[Cost | None] = list(eqn_costs(jaxpr)) if with_cost else [None] * len(jaxpr.eqns)
     for i, eqn in enumerate(jaxpr.eqns):
@@ -106,7 +106,7 @@ def eqn_graph(program: ClosedJaxpr | Jaxpr, *, with_cost: bool = True) -> nx.DiG
             producer[var] = node
     for i, var in enumerate(jaxpr.outvars):
         node = ("output", i)
-        graph.add_node(node, kind="output", variable=var, bytes=_nbytes(var.aval))
+        graph.add_node(node, kind="output", variable=var, bytes=nbytes(var.aval))
         source = producer.get(var) if isinstance(var, Var) else None
         if source is not None:
             _add_use(graph, source, node, var)

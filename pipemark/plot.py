@@ -10,16 +10,16 @@ import math
 from typing import Any
 
 from pipemark.errors import PipemarkError
-from pipemark.inspect import (
-    _check_staged,
+from pipemark.marks import forward_name
+from pipemark.staged import StagedJaxpr
+from pipemark.views.rows import (
+    check_staged,
     format_bytes,
     format_count,
     format_share,
     stage_colors,
     stage_rows,
 )
-from pipemark.marks import forward_name
-from pipemark.staged import StagedJaxpr
 
 __all__ = ["plot", "stage_layout"]
 
@@ -48,7 +48,7 @@ def stage_layout(staged: StagedJaxpr) -> dict[str, tuple[float, float]]:
     >>> stage_layout(pm.split(jax.value_and_grad(ex.loss_fn), *ex.args))
     {'layer0': (0.0, 1.0), 'layer1': (1.0, 1.0), 'layer1_backward': (1.0, 0.0), 'layer0_backward': (0.0, 0.0)}
     """
-    staged = _check_staged(staged, "stage_layout")
+    staged = check_staged(staged, "stage_layout")
     names = [s.name for s in staged.stages]
     known = set(names)
     backward = [n for n in names if forward_name(n) is not None]
@@ -219,7 +219,7 @@ def plot(staged: StagedJaxpr, *, title: str | None = None) -> Any:
     >>> [ax.get_title(loc="left") for ax in fig.axes][0]
     'stage graph'
     """
-    staged = _check_staged(staged, "plot")
+    staged = check_staged(staged, "plot")
     if not staged.stages:
         raise PipemarkError("plot: the program has no stages to draw.")
     figure_class = _figure_class()

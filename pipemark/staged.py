@@ -611,7 +611,7 @@ class StagedJaxpr:
         bytes, bytes in and out and share of the program's FLOPs, then the totals.
 
         ``style`` is ``"plain"``, ``"rich"`` or ``"auto"`` (``rich`` when installed);
-        see :func:`pipemark.inspect.summary`.
+        see :func:`pipemark.views.summary`.
 
         >>> import jax, jax.numpy as jnp, pipemark as pm
         >>> cj = jax.make_jaxpr(lambda x: jnp.cos(jnp.sin(x)))(jnp.ones(4))
@@ -623,7 +623,7 @@ class StagedJaxpr:
         -  ------  ---------  ------  -------  -----  -----------  --------  ---------  ----------
            total           6       2        2      8         16 B      16 B       32 B     100.0 %
         """
-        from pipemark.inspect import summary
+        from pipemark.views.text import summary
 
         return summary(self, style=style)
 
@@ -631,7 +631,7 @@ class StagedJaxpr:
         return self.summary()
 
     def _repr_html_(self) -> str:
-        """The notebook view: :func:`pipemark.inspect.to_html`."""
-        from pipemark.inspect import to_html
+        """The notebook view: :func:`pipemark.views.to_html`."""
+        from pipemark.views.html import to_html
 
         return to_html(self)

@@ -42,7 +42,7 @@ def test_returns_a_figure_with_the_graph_and_the_bars():
     assert [t.get_text() for t in cost_ax.get_yticklabels()] == [
         f"{k} {s.name}" for k, s in enumerate(staged.stages)
     ]
-    rows, _ = pm.inspect.stage_rows(staged)
+    rows, _ = pm.views.stage_rows(staged)
     assert [bar.get_width() for bar in cost_ax.patches] == [r.flops for r in rows]
     assert fig.get_suptitle() == "three layers"
 
@@ -64,7 +64,7 @@ def test_colours_match_the_html_view():
     from matplotlib.colors import to_hex
 
     assert [to_hex(bar.get_facecolor()) for bar in cost_ax.patches] == (
-        pm.inspect.stage_colors(staged)
+        pm.views.stage_colors(staged)
     )
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from pipemark._compat import name_stack_scopes
-from pipemark.cost import _nbytes
+from pipemark.cost import nbytes
 
 __all__ = ["crossing_bytes", "forward_end", "mirror_cuts"]
 
@@ -63,7 +63,7 @@ def _cumulative_crossing(
     relative to the first equation counted)."""
     delta = [0] * (count + 2)
     for v, use in last_use.items():
-        size = _nbytes(v.aval)
+        size = nbytes(v.aval)
         delta[defined[v] + 1] += size
         delta[use + 1] -= size
     return np.cumsum(np.array(delta, dtype=np.int64))[: count + 1]
@@ -149,7 +149,7 @@ def mirror_cuts(
                 counted.add(v)  # type: ignore[union-attr]
             size = size_of.get(v)
             if size is None:
-                size = size_of[v] = _nbytes(v.aval)
+                size = size_of[v] = nbytes(v.aval)
             for layer in held:
                 gain[layer] = gain.get(layer, 0) + size
         for v in eqn.outvars:
@@ -159,10 +159,10 @@ def mirror_cuts(
         gains[b] = gain
         best_layer = best_bytes = -1
         tied = False
-        for layer, nbytes in gain.items():
-            if nbytes > best_bytes:
-                best_layer, best_bytes, tied = layer, nbytes, False
-            elif nbytes == best_bytes:
+        for layer, size_read in gain.items():
+            if size_read > best_bytes:
+                best_layer, best_bytes, tied = layer, size_read, False
+            elif size_read == best_bytes:
                 tied = True
         if tied:
             # Equally at home in several layers (say, it reads an activation that one

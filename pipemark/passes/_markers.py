@@ -26,16 +26,14 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass
 
-import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, jaxprs_in_params
-from jax.extend.core import primitives as _primitives
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 from pipemark.errors import MarkerError, describe_eqn
 from pipemark.marks import CLOSERS, MARK_TYPES, OPENERS, STAGE_MARK_TYPES, forward_name
 from pipemark.primitive import is_marker, pipeline_p
+from pipemark.walk import CALL_PRIMITIVES, bodies, find_eqn
 
 __all__ = [
     "first_stage_marker",
@@ -100,38 +98,13 @@ def _marker_params(eqn: JaxprEqn, index: int) -> tuple[str, str]:
 
 
 def first_stage_marker(jaxpr: Jaxpr, seen: dict[int, JaxprEqn | None]) -> JaxprEqn | None:
-    """The first stage-delimiting marker anywhere inside ``jaxpr`` (recursively)."""
-    key = id(jaxpr)
-    if key in seen:
-        return seen[key]
-    seen[key] = None  # guards against a body that (indirectly) contains itself
-    found = None
-    for eqn in jaxpr.eqns:
-        if is_marker(eqn, STAGE_MARK_TYPES):
-            found = eqn
-            break
-        for sub in jaxprs_in_params(eqn.params):
-            found = first_stage_marker(sub, seen)
-            if found is not None:
-                break
-        if found is not None:
-            break
-    seen[key] = found
-    return found
+    """The first stage-delimiting marker anywhere inside ``jaxpr`` (recursively);
+    ``seen`` memoises the bodies searched."""
+    return find_eqn(jaxpr, _is_stage_marker, seen)
 
 
-def _iter_bodies(eqn: JaxprEqn) -> Iterator[tuple[str, Jaxpr]]:
-    for key, value in eqn.params.items():
-        if isinstance(value, ClosedJaxpr):
-            yield key, value.jaxpr
-        elif isinstance(value, Jaxpr):
-            yield key, value
-        elif isinstance(value, (tuple, list)):
-            for item in value:
-                if isinstance(item, ClosedJaxpr):
-                    yield key, item.jaxpr
-                elif isinstance(item, Jaxpr):
-                    yield key, item
+def _is_stage_marker(eqn: JaxprEqn) -> bool:
+    return is_marker(eqn, STAGE_MARK_TYPES)
 
 
 # Jaxprs found valid before, by identity (a Jaxpr hashes by identity, and passes never
@@ -147,115 +120,6 @@ _BODIES_CHECKED: weakref.WeakKeyDictionary[Jaxpr, tuple[list[JaxprEqn]]] = (
 )
 _SPANS: weakref.WeakKeyDictionary[Jaxpr, tuple[list[JaxprEqn], tuple[StageSpan, ...]]] = (
     weakref.WeakKeyDictionary()
-)
-# Parameter types that never hold a jaxpr: most equations' parameters are these.
-_PLAIN_PARAM_TYPES = frozenset((int, float, bool, str, type(None), np.dtype))
-# JAX's elementwise, shape, reduction and contraction primitives: their parameters are
-# shapes, axes, dtypes, shardings and dimension numbers, never a jaxpr, so the body
-# check skips them without looking at their parameters (most equations of a model are
-# these). Primitives with a jaxpr parameter (scan, cond, while, pjit, custom_jvp_call,
-# remat, scatter's update_jaxpr, reduce's computation, sort's comparator...) are not
-# listed; anything not listed goes through _may_hold_body.
-_NO_BODY_PRIMITIVES = frozenset(
-    p
-    for p in (
-        getattr(_primitives, f"{name}_p", None)
-        for name in [
-            "abs",
-            "acos",
-            "acosh",
-            "add",
-            "and",
-            "asin",
-            "asinh",
-            "atan",
-            "atan2",
-            "atanh",
-            "bitcast_convert_type",
-            "broadcast_in_dim",
-            "cbrt",
-            "ceil",
-            "clamp",
-            "concatenate",
-            "conj",
-            "convert_element_type",
-            "copy",
-            "cos",
-            "cosh",
-            "cumlogsumexp",
-            "cummax",
-            "cummin",
-            "cumprod",
-            "cumsum",
-            "div",
-            "dot_general",
-            "dynamic_slice",
-            "dynamic_update_slice",
-            "eq",
-            "erf",
-            "erf_inv",
-            "erfc",
-            "exp",
-            "exp2",
-            "expm1",
-            "floor",
-            "ge",
-            "gt",
-            "imag",
-            "integer_pow",
-            "iota",
-            "is_finite",
-            "le",
-            "lgamma",
-            "log",
-            "log1p",
-            "logistic",
-            "lt",
-            "max",
-            "min",
-            "mul",
-            "ne",
-            "neg",
-            "nextafter",
-            "not",
-            "or",
-            "pad",
-            "pow",
-            "real",
-            "reduce_and",
-            "reduce_max",
-            "reduce_min",
-            "reduce_or",
-            "reduce_precision",
-            "reduce_prod",
-            "reduce_sum",
-            "reduce_xor",
-            "rem",
-            "reshape",
-            "rev",
-            "round",
-            "rsqrt",
-            "select_n",
-            "shift_left",
-            "shift_right_arithmetic",
-            "shift_right_logical",
-            "sign",
-            "sin",
-            "sinh",
-            "slice",
-            "sqrt",
-            "square",
-            "squeeze",
-            "sub",
-            "tan",
-            "tanh",
-            "transpose",
-            "xor",
-            "argmax",
-            "argmin",
-        ]
-    )
-    if p is not None
 )
 
 
@@ -277,26 +141,6 @@ def _remember(cache: weakref.WeakKeyDictionary, jaxpr: Jaxpr, *value: object) ->
         cache[jaxpr] = (list(jaxpr.eqns), *value)
 
 
-def _may_hold_body(params: dict) -> bool:
-    """Whether some parameter value is (or is a tuple or list holding) a jaxpr. A fast
-    over-approximation: only values of other types than plain scalars, strings, dtypes
-    and tuples of those are looked at by :func:`_iter_bodies`."""
-    plain = _PLAIN_PARAM_TYPES
-    for value in params.values():
-        kind = type(value)
-        if kind in plain:
-            continue
-        if kind is tuple or kind is list:
-            for item in value:
-                if type(item) not in plain and type(item) is not tuple:
-                    return True
-            continue
-        if issubclass(kind, np.dtype):
-            continue
-        return True
-    return False
-
-
 def check_no_markers_in_bodies(jaxpr: Jaxpr | ClosedJaxpr) -> None:
     """Raise :class:`MarkerError` if a stage marker sits inside a sub-jaxpr.
 
@@ -309,14 +153,8 @@ def check_no_markers_in_bodies(jaxpr: Jaxpr | ClosedJaxpr) -> None:
     if _cached(_BODIES_CHECKED, jaxpr) is not None:
         return
     seen: dict[int, JaxprEqn | None] = {}
-    plain = _NO_BODY_PRIMITIVES
     for index, eqn in enumerate(jaxpr.eqns):
-        if eqn.primitive in plain:
-            continue
-        params = eqn.params
-        if not params or not _may_hold_body(params):
-            continue
-        for param, body in _iter_bodies(eqn):
+        for param, body in bodies(eqn):
             inner = first_stage_marker(body, seen)
             if inner is None:
                 continue
@@ -547,10 +385,7 @@ def stage_index_of_equations(spans: tuple[StageSpan, ...], num_eqns: int) -> lis
 
 
 def _body_advice(eqn: JaxprEqn) -> str:
-    # Imported here: the inline pass reads this module's mark-type sets.
-    from pipemark.passes.inline import CALL_RULES
-
-    if eqn.primitive.name in CALL_RULES:
+    if eqn.primitive.name in CALL_PRIMITIVES:
         return (
             f"Inline the {eqn.primitive.name} first with pm.passes.inline_calls(cj) "
             "(pm.split, pm.show and the runtime do this for you)."

@@ -16,6 +16,7 @@ from pipemark.marks import APPLY_STAGE
 from pipemark.passes._markers import find_stage_spans
 from pipemark.passes.rewrite import dce
 from pipemark.primitive import is_marker, mark_pipeline_jaxpreqn
+from pipemark.walk import bodies, find_eqn
 
 __all__ = [
     "apply_start",
@@ -25,25 +26,8 @@ __all__ = [
 ]
 
 
-def _find_nested_grad(jaxpr: Jaxpr, seen: set[int]) -> bool:
-    if id(jaxpr) in seen:
-        return False
-    seen.add(id(jaxpr))
-    for eqn in jaxpr.eqns:
-        if is_marker(eqn, "grad"):
-            return True
-        if any(_find_nested_grad(body, seen) for body in _bodies(eqn)):
-            return True
-    return False
-
-
-def _bodies(eqn: JaxprEqn):
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(item, ClosedJaxpr):
-                yield item.jaxpr
-            elif isinstance(item, Jaxpr):
-                yield item
+def _is_grad_marker(eqn: JaxprEqn) -> bool:
+    return is_marker(eqn, "grad")
 
 
 def grad_marker_index(jaxpr: Jaxpr) -> int | None:
@@ -83,9 +67,9 @@ def _grad_marker_index(jaxpr: Jaxpr) -> int:
     found = grad_marker_index(jaxpr)
     if found is not None:
         return found
-    seen: set[int] = set()
+    memo: dict[int, JaxprEqn | None] = {}
     for i, eqn in enumerate(jaxpr.eqns):
-        if any(_find_nested_grad(body, seen) for body in _bodies(eqn)):
+        if any(find_eqn(body, _is_grad_marker, memo) for _, body in bodies(eqn)):
             raise MarkerError(
                 f"{describe_eqn(eqn, i)} holds the grad marker inside its body; "
                 "split_at_gradient cuts only the top level of a program. Call "

@@ -52,23 +52,24 @@ from jax.extend.core import (
     new_jaxpr_eqn,
 )
 
+from pipemark._compat import CLOSED_CALL_NAMES
 from pipemark.errors import check_closed_jaxpr
 from pipemark.marks import OPENERS, STAGE_MARK_TYPES
 from pipemark.passes._collector import paused_collector
 from pipemark.passes._markers import first_stage_marker
 from pipemark.primitive import is_marker
+from pipemark.walk import BODY_PARAMS, open_jaxpr
 
 __all__ = ["CALL_RULES", "CallRule", "inline_calls"]
 
 
 @dataclass(frozen=True)
 class CallRule:
-    """How :func:`inline_calls` treats one call-like primitive.
+    """How :func:`inline_calls` treats one call-like primitive (its body is where
+    :data:`pipemark.walk.BODY_PARAMS` says).
 
     Attributes
     ----------
-    body:
-        The parameter holding the body (a ``Jaxpr`` or ``ClosedJaxpr``).
     action:
         ``"inline"`` (always), ``"inline_marked"`` (when the body holds a stage marker)
         or ``"split"`` (a checkpoint: one checkpoint per stage when the body holds a
@@ -78,24 +79,24 @@ class CallRule:
         the inlined equations; ``None`` for none.
     """
 
-    body: str
     action: str
     scope: str | None = None
 
 
-#: The rule per primitive name; primitives not listed are never inlined.
+#: The rule per primitive name (every call-like primitive of :mod:`pipemark.walk`);
+#: primitives not listed are never inlined.
 CALL_RULES: dict[str, CallRule] = {
-    "jit": CallRule("jaxpr", "inline", "name"),
-    "pjit": CallRule("jaxpr", "inline", "name"),  # JAX < 0.7 named jit "pjit"
-    "closed_call": CallRule("call_jaxpr", "inline"),
-    "core_call": CallRule("call_jaxpr", "inline", "name"),
-    "call": CallRule("call_jaxpr", "inline", "name"),
-    "remat2": CallRule("jaxpr", "split"),  # jax.checkpoint
-    "checkpoint": CallRule("jaxpr", "split"),
-    "remat": CallRule("jaxpr", "split"),
-    "custom_jvp_call": CallRule("call_jaxpr", "inline_marked"),
-    "custom_vjp_call": CallRule("call_jaxpr", "inline_marked"),
-    "custom_vjp_call_jaxpr": CallRule("fun_jaxpr", "inline_marked"),  # older JAX
+    "jit": CallRule("inline", "name"),
+    "pjit": CallRule("inline", "name"),
+    **{name: CallRule("inline") for name in CLOSED_CALL_NAMES},
+    "core_call": CallRule("inline", "name"),
+    "call": CallRule("inline", "name"),
+    "remat2": CallRule("split"),  # jax.checkpoint
+    "checkpoint": CallRule("split"),
+    "remat": CallRule("split"),
+    "custom_jvp_call": CallRule("inline_marked"),
+    "custom_vjp_call": CallRule("inline_marked"),
+    "custom_vjp_call_jaxpr": CallRule("inline_marked"),
 }
 
 
@@ -103,21 +104,20 @@ def _rule(eqn: JaxprEqn) -> CallRule | None:
     return CALL_RULES.get(eqn.primitive.name)
 
 
-def _body(eqn: JaxprEqn, rule: CallRule) -> tuple[Jaxpr, Sequence[Any]]:
+def _body(eqn: JaxprEqn) -> tuple[Jaxpr, Sequence[Any]]:
     """The body's open jaxpr and its consts (JAX 0.10 open Jaxprs have none; in JAX
     0.11 every jaxpr is closed and ``.jaxpr`` is itself)."""
-    body = eqn.params[rule.body]
-    if callable(body) and not isinstance(body, (Jaxpr, ClosedJaxpr)):
-        body = body()  # a thunk, as older custom_vjp_call_jaxpr params held
-    jaxpr = body.jaxpr if isinstance(body, ClosedJaxpr) else body
-    return jaxpr, tuple(getattr(body, "consts", ()))
+    value = eqn.params[BODY_PARAMS[eqn.primitive.name][0]]
+    if callable(value) and not isinstance(value, (Jaxpr, ClosedJaxpr)):
+        value = value()  # a thunk, as older custom_vjp_call_jaxpr params held
+    return open_jaxpr(value), tuple(getattr(value, "consts", ()))
 
 
 def _wants_inlining(eqn: JaxprEqn, memo: dict[int, JaxprEqn | None]) -> bool:
     rule = _rule(eqn)
     if rule is None:
         return False
-    return rule.action == "inline" or first_stage_marker(_body(eqn, rule)[0], memo) is not None
+    return rule.action == "inline" or first_stage_marker(_body(eqn)[0], memo) is not None
 
 
 def inline_calls(cj: ClosedJaxpr) -> ClosedJaxpr:
@@ -178,7 +178,7 @@ def _whole_program_body(cj: ClosedJaxpr) -> ClosedJaxpr | None:
         return None
     if list(eqn.invars) != list(jaxpr.invars) or list(eqn.outvars) != list(jaxpr.outvars):
         return None
-    body, consts = _body(eqn, rule)
+    body, consts = _body(eqn)
     if len(set(body.invars)) != len(body.invars) or set(body.invars) & set(body.constvars):
         return None
     return ClosedJaxpr(body.replace(debug_info=jaxpr.debug_info), list(consts))
@@ -270,7 +270,7 @@ class _Inliner:
         self, eqn: JaxprEqn, invars: list[Any], source_info: Any, ran: frozenset[str] | None
     ) -> None:
         rule = _rule(eqn)
-        body, consts = _body(eqn, rule)
+        body, consts = _body(eqn)
         stack = source_info.name_stack
         if rule.scope is not None and isinstance(eqn.params.get(rule.scope), str):
             stack = stack.extend(eqn.params[rule.scope])

@@ -17,7 +17,8 @@ from jax.interpreters import partial_eval as pe
 from pipemark.errors import check_closed_jaxpr
 from pipemark.passes._collector import paused_collector
 from pipemark.passes._markers import find_stage_spans, stage_spans_routed
-from pipemark.primitive import pipeline_p
+from pipemark.primitive import is_marker, pipeline_p
+from pipemark.walk import find_eqn, map_bodies
 
 __all__ = ["remove_markers", "mark_missing_vars", "dce"]
 
@@ -25,42 +26,15 @@ __all__ = ["remove_markers", "mark_missing_vars", "dce"]
 # ------------------------------------------------------------------------ remove_markers
 
 
-def _contains_marker(jaxpr: Jaxpr, memo: dict[int, bool]) -> bool:
-    key = id(jaxpr)
-    if key not in memo:
-        memo[key] = False  # a body that (indirectly) holds itself has no marker of its own
-        memo[key] = any(
-            eqn.primitive is pipeline_p
-            or any(_contains_marker(sub, memo) for sub in _bodies(eqn.params))
-            for eqn in jaxpr.eqns
-        )
-    return memo[key]
+def _contains_marker(jaxpr: Jaxpr, memo: dict[int, JaxprEqn | None]) -> bool:
+    return find_eqn(jaxpr, is_marker, memo) is not None
 
 
-def _bodies(params: dict[str, Any]):
-    for value in params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(item, ClosedJaxpr):
-                yield item.jaxpr
-            elif isinstance(item, Jaxpr):
-                yield item
+def _without_markers(jaxpr: Jaxpr, memo: dict[int, JaxprEqn | None]) -> Jaxpr:
+    return _remove_markers(jaxpr, memo) if _contains_marker(jaxpr, memo) else jaxpr
 
 
-def _without_markers_in_param(value: Any, memo: dict[int, bool]) -> Any:
-    if isinstance(value, ClosedJaxpr):
-        if not _contains_marker(value.jaxpr, memo):
-            return value
-        return ClosedJaxpr(_remove_markers(value.jaxpr, memo), value.consts)
-    if isinstance(value, Jaxpr):
-        return _remove_markers(value, memo) if _contains_marker(value, memo) else value
-    if isinstance(value, tuple):
-        return tuple(_without_markers_in_param(v, memo) for v in value)
-    if isinstance(value, list):
-        return [_without_markers_in_param(v, memo) for v in value]
-    return value
-
-
-def _remove_markers(jaxpr: Jaxpr, memo: dict[int, bool]) -> Jaxpr:
+def _remove_markers(jaxpr: Jaxpr, memo: dict[int, JaxprEqn | None]) -> Jaxpr:
     # A marker is the identity, so its results are replaced by its operands everywhere
     # they are read; a sub-jaxpr keeps its signature and only loses its own markers.
     env: dict[Var, Any] = {}
@@ -72,12 +46,10 @@ def _remove_markers(jaxpr: Jaxpr, memo: dict[int, bool]) -> Jaxpr:
             continue
         new_invars = [env.get(v, v) if isinstance(v, Var) else v for v in eqn.invars]
         changed = any(a is not b for a, b in zip(new_invars, eqn.invars))
-        params = eqn.params
-        if any(True for _ in _bodies(params)):
-            new_params = {k: _without_markers_in_param(v, memo) for k, v in params.items()}
-            if any(new_params[k] is not params[k] for k in params):
-                params, changed = new_params, True
-        new_eqns.append(eqn.replace(invars=new_invars, params=params) if changed else eqn)
+        mapped = map_bodies(eqn, lambda body: _without_markers(body, memo))
+        if changed:
+            mapped = mapped.replace(invars=new_invars)
+        new_eqns.append(mapped)
     outvars = [env.get(v, v) if isinstance(v, Var) else v for v in jaxpr.outvars]
     return jaxpr.replace(eqns=new_eqns, outvars=outvars)
 

@@ -18,7 +18,7 @@ from jax.extend.core import Var, check_jaxpr, jaxpr_as_fun
 import pipemark as pm
 from pipemark import examples
 from pipemark._compat import CLOSED_JAXPR_IS_JAXPR
-from pipemark.cost import _nbytes
+from pipemark.cost import nbytes
 from pipemark.passes.auto import balanced_cuts, crossing_bytes, equation_costs
 
 # ------------------------------------------------------------------------- helpers
@@ -180,7 +180,7 @@ def test_forward_transformer_cuts_between_blocks():
     cuts = [s - 2 * k for k, s in enumerate(starts)][1:]  # undo the inserted markers
     assert cuts == [2 * per_block, 4 * per_block, 6 * per_block]
     # Only the residual stream crosses each cut.
-    residual = _nbytes(cj.jaxpr.invars[-2].aval)
+    residual = nbytes(cj.jaxpr.invars[-2].aval)
     assert [crossing_bytes(cj)[c] for c in cuts] == [residual] * 3
     _assert_same_results(marked, cj, ex.args)
 
@@ -457,7 +457,7 @@ def test_flax_transformer_is_cut_between_blocks_not_inside_attention():
     assert [_blocks_of(s) for s in forward] == [
         {f"Block_{2 * k}", f"Block_{2 * k + 1}"} for k in range(4)
     ]
-    ends = pm.inspect.stage_ends(staged)
+    ends = pm.views.stage_ends(staged)
     assert [ends[s.name].split("/")[1] for s in forward[:3]] == ["Block_1", "Block_3", "Block_5"]
     staged.verify(fn, params, x)
 
@@ -504,7 +504,7 @@ def test_nnx_transformer_is_cut_between_blocks():
     staged = pm.split(fn, state, x, num_stages=4)
     forward = staged.stages[:4]
     assert [_blocks_read(staged, s) for s in forward] == [{2 * k, 2 * k + 1} for k in range(4)]
-    ends = pm.inspect.stage_ends(staged)
+    ends = pm.views.stage_ends(staged)
     assert [ends[s.name] for s in forward] == [f"s['blocks'][{2 * k + 1}]" for k in range(4)]
     staged.verify(fn, state, x)
 
@@ -550,7 +550,7 @@ def test_equinox_transformer_with_dropout_is_cut_between_blocks():
     staged = pm.split(fn, model, x, num_stages=4)
     forward = staged.stages[:4]
     assert [_blocks_read(staged, s) for s in forward] == [{2 * k, 2 * k + 1} for k in range(4)]
-    ends = pm.inspect.stage_ends(staged)
+    ends = pm.views.stage_ends(staged)
     assert [ends[s.name] for s in forward] == [f"m.blocks[{2 * k + 1}]" for k in range(4)]
     staged.verify(fn, model, x)
     # Dropout's flag is static: flipping it is another program, not a silent rerun.

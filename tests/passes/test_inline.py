@@ -13,6 +13,7 @@ import pipemark as pm
 from pipemark import examples
 from pipemark.passes import inline_calls
 from pipemark.passes.inline import CALL_RULES
+from pipemark.walk import CALL_PRIMITIVES
 
 
 def _prims(cj):
@@ -43,6 +44,8 @@ def test_rule_table_names_each_call_like_primitive():
     assert CALL_RULES["closed_call"].action == "inline"
     assert CALL_RULES["remat2"].action == "split"
     assert CALL_RULES["custom_jvp_call"].action == "inline_marked"
+    # One rule for every call-like primitive the walker knows, and no other.
+    assert set(CALL_RULES) == CALL_PRIMITIVES
     assert CALL_RULES["custom_vjp_call"].action == "inline_marked"
     for name in ("scan", "cond", "while", "shard_map"):
         assert name not in CALL_RULES

@@ -1,4 +1,7 @@
-"""One call from a function to a staged program: :func:`split`."""
+"""The staging entry: from a function (:func:`split`) or a traced program
+(:func:`split_jaxpr`) to a staged program, and to its HTML view (:func:`show`). The
+CLI and the runtime stage programs through :func:`split_jaxpr` too, so all of them cut,
+name and route the backward pass alike."""
 
 from __future__ import annotations
 
@@ -17,8 +20,9 @@ from pipemark.passes.slice import slice_stages
 from pipemark.primitive import is_marker
 from pipemark.signature import Signature
 from pipemark.staged import StagedJaxpr
+from pipemark.views.html import HTMLView, to_html
 
-__all__ = ["split", "split_jaxpr"]
+__all__ = ["show", "split", "split_jaxpr"]
 
 
 def split(
@@ -111,3 +115,30 @@ def split_jaxpr(
     if any(is_marker(eqn, "boundary") for eqn in cj.jaxpr.eqns):
         cj = layers_from_boundaries(cj)
     return slice_stages(mark_apply_stage(cj), unmarked=unmarked)
+
+
+def show(program: ClosedJaxpr | StagedJaxpr, **options: Any) -> HTMLView:
+    """The HTML view of a marked ``ClosedJaxpr`` (staged by :func:`split_jaxpr`) or of
+    a ``StagedJaxpr``. In a notebook, leave it as a cell's last expression to display it.
+
+    ``options`` go to :func:`pipemark.views.to_html`. A program without stage markers
+    raises :class:`~pipemark.errors.MarkerError`; cut it with
+    ``pm.split_jaxpr(cj, num_stages=...)`` first.
+
+    >>> import jax, jax.numpy as jnp, pipemark as pm
+    >>> def f(x):
+    ...     x = jnp.sin(x)
+    ...     pm.mark_pipeline_boundary()
+    ...     return jnp.cos(x)
+    >>> view = show(jax.make_jaxpr(f)(1.0))
+    >>> view._repr_html_().startswith('<div class="pipemark-view">')
+    True
+    """
+    if isinstance(program, ClosedJaxpr):
+        program = split_jaxpr(program)
+    elif not isinstance(program, StagedJaxpr):
+        raise PipemarkError(
+            f"show takes a marked ClosedJaxpr or a StagedJaxpr, got {type(program).__name__}; "
+            "trace a function first: jax.make_jaxpr(fn)(*args)."
+        )
+    return HTMLView(program, to_html(program, **options))

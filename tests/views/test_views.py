@@ -1,9 +1,10 @@
-"""pipemark.inspect: the stage table (plain and rich), the HTML view, show and reports."""
+"""pipemark.views: the stage table (plain and rich), the HTML view, show and reports."""
 
 from __future__ import annotations
 
 import io
 import re
+import sys
 import textwrap
 import xml.etree.ElementTree as ET
 from html.parser import HTMLParser
@@ -15,7 +16,7 @@ from jax.extend.core import ClosedJaxpr, DropVar
 
 import pipemark as pm
 from pipemark import examples
-from pipemark import inspect as pmi
+from pipemark import views as pmi
 
 P = pm.passes
 
@@ -93,7 +94,7 @@ def test_rich_and_plain_hold_the_same_cells(build):
 
 def test_auto_style_follows_whether_rich_is_installed(monkeypatch):
     staged = _skip_staged()
-    monkeypatch.setattr(pmi, "_have_rich", lambda: False)
+    monkeypatch.setitem(sys.modules, "rich", None)  # `import rich` raises ImportError
     assert pmi.summary(staged) == pmi.summary(staged, style="plain")
     assert str(staged) == pmi.summary(staged, style="plain")
     with pytest.raises(pm.PipemarkError, match="style='rich' needs rich"):
@@ -333,7 +334,8 @@ def test_long_stages_are_cut_and_large_programs_start_collapsed():
 def test_css_inherits_the_theme_text_colour():
     # Readable in light and dark notebook themes: text colour comes from the page, and
     # every background in the view is translucent.
-    css = pmi._css()
+    staged = pm.split(lambda x: jnp.sin(x), 1.0, num_stages=1)
+    css = re.search(r"<style>(.*?)</style>", pmi.to_html(staged), re.S).group(1)
     assert "color: inherit" in css
     assert not re.search(r"(?<![-\w])color:\s*#", css)
     for background in re.findall(r"background:\s*([^;]+);", css):

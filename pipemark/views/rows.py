@@ -1,0 +1,292 @@
+"""The data every view of a staged program shares: one row per stage (counts, FLOPs,
+bytes), number formatting, and one colour per stage.
+
+>>> import jax, jax.numpy as jnp, pipemark as pm
+>>> cj = jax.make_jaxpr(lambda x: jnp.cos(jnp.sin(x)))(jnp.ones(4))
+>>> rows, total = stage_rows(pm.passes.slice_stages(pm.passes.insert_markers(cj, [1])))
+>>> [(r.name, r.flops) for r in rows], total.flops
+([('stage0', 4), ('stage1', 4)], 8)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pipemark._compat import jaxpr_type_name
+from pipemark.cost import estimate_cost, nbytes
+from pipemark.errors import PipemarkError
+from pipemark.marks import forward_name
+
+if TYPE_CHECKING:
+    from pipemark.staged import StagedJaxpr
+
+__all__ = [
+    "COLUMNS",
+    "LEFT_COLUMNS",
+    "program_inputs",
+    "row_cells",
+    "PALETTE",
+    "StageRow",
+    "check_staged",
+    "format_bytes",
+    "format_count",
+    "format_share",
+    "stage_colors",
+    "type_text",
+    "stage_rows",
+]
+
+
+# Ten hues that stay distinguishable on white and on near-black, and for most colour
+# vision deficiencies; a program with more stages reuses them in order.
+PALETTE: tuple[str, ...] = (
+    "#3b7dd8",
+    "#e8702a",
+    "#2ca05a",
+    "#d6455d",
+    "#8a63d2",
+    "#a0703c",
+    "#d45fb0",
+    "#6f7f8f",
+    "#b5a020",
+    "#1fa5b5",
+)
+
+
+# ------------------------------------------------------------------------------ rows
+
+
+@dataclass(frozen=True)
+class StageRow:
+    """One row of the stage table.
+
+    Attributes
+    ----------
+    index, name:
+        The stage's position and name (``"total"`` and ``-1`` for the totals row).
+    equations:
+        Top-level equations.
+    inputs, outputs:
+        How many values the stage takes (program inputs, constants it is handed and
+        earlier stages' values) and how many it hands on.
+    flops:
+        FLOPs plus transcendental calls (:attr:`pipemark.cost.Cost.total_flops`), the
+        number :func:`pipemark.passes.auto_layers` balances.
+    param_bytes:
+        Bytes of the program inputs and constants the stage reads: what must be on the
+        stage's device before it runs, rather than sent by another stage. In the
+        totals row each program input counts once, however many stages read it.
+    bytes_in, bytes_out:
+        Bytes received from earlier stages; bytes handed to later stages or returned.
+    share:
+        ``flops`` as a fraction of the program's; ``None`` when the program does no
+        arithmetic at all.
+    approximate:
+        True when the cost model could not count some equation exactly.
+    """
+
+    index: int
+    name: str
+    equations: int
+    inputs: int
+    outputs: int
+    flops: int
+    param_bytes: int
+    bytes_in: int
+    bytes_out: int
+    share: float | None
+    approximate: bool = False
+
+
+def check_staged(staged: Any, what: str) -> StagedJaxpr:
+    """``staged`` when it is a staged program, else a :class:`PipemarkError` naming
+    ``what`` was called. Views read a staged program and never import its module (its
+    methods render through the views), so this checks what a view reads."""
+    if not all(hasattr(staged, a) for a in ("stages", "outputs", "invars", "input_names")):
+        raise PipemarkError(
+            f"{what} takes a StagedJaxpr, got {jaxpr_type_name(staged)}; make one with "
+            "pm.split(fn, *args) or pm.passes.slice_stages(cj)."
+        )
+    return staged
+
+
+def stage_rows(staged: StagedJaxpr) -> tuple[list[StageRow], StageRow]:
+    """The rows of the stage table and the totals row.
+
+    >>> import jax, jax.numpy as jnp, pipemark as pm
+    >>> cj = jax.make_jaxpr(lambda x: jnp.sin(x) * x)(jnp.ones(4))
+    >>> rows, total = stage_rows(pm.passes.slice_stages(pm.passes.insert_markers(cj, [1])))
+    >>> [(r.name, r.flops, r.param_bytes, r.bytes_in) for r in rows]
+    [('stage0', 4, 16, 0), ('stage1', 4, 16, 16)]
+    >>> total.param_bytes  # both stages read the same input
+    16
+    """
+    staged = check_staged(staged, "stage_rows")
+    costs = [estimate_cost(stage.closed_jaxpr) for stage in staged.stages]
+    total_flops = sum(c.total_flops for c in costs)
+    rows = []
+    inputs_read: dict[int, int] = {}
+    const_bytes = 0
+    for k, (stage, cost) in enumerate(zip(staged.stages, costs)):
+        jaxpr = stage.closed_jaxpr.jaxpr
+        params = received = 0
+        for ref, var in zip(stage.inputs, jaxpr.invars):
+            size = nbytes(var.aval)
+            if ref.kind == "stage":
+                received += size
+            else:
+                params += size
+                inputs_read[ref.index] = size
+        consts = sum(nbytes(v.aval) for v in jaxpr.constvars)
+        const_bytes += consts
+        rows.append(
+            StageRow(
+                k,
+                stage.name,
+                stage.num_eqns,
+                len(jaxpr.invars),
+                len(jaxpr.outvars),
+                cost.total_flops,
+                params + consts,
+                received,
+                sum(nbytes(v.aval) for v in jaxpr.outvars),
+                cost.total_flops / total_flops if total_flops else None,
+                cost.approximate,
+            )
+        )
+    total = StageRow(
+        -1,
+        "total",
+        sum(r.equations for r in rows),
+        sum(r.inputs for r in rows),
+        sum(r.outputs for r in rows),
+        total_flops,
+        sum(inputs_read.values()) + const_bytes,
+        sum(r.bytes_in for r in rows),
+        sum(r.bytes_out for r in rows),
+        1.0 if total_flops else None,
+        any(r.approximate for r in rows),
+    )
+    return rows, total
+
+
+def format_count(n: int) -> str:
+    """``n`` exactly below 10 000, else with three significant digits and an SI prefix.
+
+    >>> format_count(9999), format_count(12345), format_count(59_219_712)
+    ('9999', '12.3k', '59.2M')
+    """
+    if abs(n) < 10_000:
+        return str(n)
+    value = n / 1000.0
+    for prefix in ("k", "M", "G", "T"):
+        if abs(value) < 999.5:
+            return f"{value:.3g}{prefix}"
+        value /= 1000.0
+    return f"{value:.3g}P" if abs(value) < 999.5 else f"{value:,.0f}P"
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in B, KiB, MiB … with three significant digits.
+
+    >>> format_bytes(16), format_bytes(489_472), format_bytes(7_106_816)
+    ('16 B', '478 KiB', '6.78 MiB')
+    """
+    if abs(n) < 1024:
+        return f"{n} B"
+    value = n / 1024.0
+    for unit in ("KiB", "MiB", "GiB"):
+        if abs(value) < 999.5:
+            return f"{value:.3g} {unit}"
+        value /= 1024.0
+    return f"{value:.3g} TiB" if abs(value) < 999.5 else f"{value:,.0f} TiB"
+
+
+def format_share(share: float | None) -> str:
+    return "-" if share is None else f"{100.0 * share:.1f} %"
+
+
+#: The stage table's columns.
+COLUMNS = (
+    "#",
+    "stage",
+    "equations",
+    "inputs",
+    "outputs",
+    "FLOPs",
+    "param bytes",
+    "bytes in",
+    "bytes out",
+    "cost share",
+)
+# Left-aligned columns; the others are numbers, aligned right.
+LEFT_COLUMNS = frozenset({0, 1})
+
+
+def row_cells(row: StageRow) -> tuple[str, ...]:
+    """The cells of one row, under :data:`COLUMNS`."""
+    return (
+        "" if row.index < 0 else str(row.index),
+        row.name,
+        str(row.equations),
+        str(row.inputs),
+        str(row.outputs),
+        ("~" if row.approximate else "") + format_count(row.flops),
+        format_bytes(row.param_bytes),
+        format_bytes(row.bytes_in),
+        format_bytes(row.bytes_out),
+        format_share(row.share),
+    )
+
+
+def program_inputs(staged: StagedJaxpr, stage: Any) -> list[tuple[str, Any]]:
+    """``(name, aval)`` of each program input a stage reads, named by its pytree path
+    in the traced function's arguments (:attr:`StagedJaxpr.input_names`)."""
+    names = staged.input_names
+    read = sorted(
+        (ref.index, var.aval)
+        for ref, var in zip(stage.inputs, stage.closed_jaxpr.jaxpr.invars)
+        if ref.kind == "input"
+    )
+    return [(names[index], aval) for index, aval in read]
+
+
+# ---------------------------------------------------------------------------- colours
+
+
+def stage_colors(staged: StagedJaxpr) -> list[str]:
+    """One ``#rrggbb`` colour per stage. A backward stage ``<name>_backward`` gets the
+    colour of its forward stage ``<name>``, so a layer reads as one colour both ways.
+
+    >>> import jax, pipemark as pm
+    >>> from pipemark import examples
+    >>> ex = examples.mlp(num_layers=2)
+    >>> staged = pm.split(jax.value_and_grad(ex.loss_fn), *ex.args)
+    >>> colors = stage_colors(staged)
+    >>> colors[0] == colors[3], colors[0] == colors[1]
+    (True, False)
+    """
+    staged = check_staged(staged, "stage_colors")
+    assigned: dict[str, str] = {}
+    colors = []
+    next_color = 0
+    for stage in staged.stages:
+        name = stage.name
+        partner = forward_name(name)
+        if partner is not None and partner in assigned:
+            color = assigned[partner]
+        else:
+            color = PALETTE[next_color % len(PALETTE)]
+            next_color += 1
+        assigned[name] = color
+        colors.append(color)
+    return colors
+
+
+def type_text(aval: Any) -> str:
+    """An aval as JAX prints it short (``f32[4,8]``)."""
+    try:
+        return aval.str_short(short_dtypes=True)
+    except (AttributeError, TypeError):
+        return str(aval)
