@@ -25,7 +25,7 @@ import numpy as np
 
 import pipemark as pm
 from pipemark import examples
-from pipemark.cli import Progress
+from pipemark.progress import Progress
 
 NUM_STAGES = 4
 #: The language model's sizes: 8 blocks, so each of the 4 stages holds about two.

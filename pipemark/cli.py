@@ -19,18 +19,18 @@ command line, 1 for everything else. No traceback.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import importlib.util
 import os
 import re
 import sys
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
-__all__ = ["main", "build_parser", "parse_arg_spec", "Progress", "CommandError"]
+from pipemark.progress import Progress
+
+__all__ = ["main", "build_parser", "parse_arg_spec", "CommandError"]
 
 
 class CommandError(Exception):
@@ -45,31 +45,6 @@ def _one_line(text: str, limit: int = 400) -> str:
     """``text`` squeezed onto one line, cut at ``limit`` characters."""
     line = " ".join(str(text).split())
     return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-class Progress:
-    """Numbered steps on a stream (standard error): ``[2/5] tracing ... 0.4 s``."""
-
-    def __init__(self, total: int, stream: TextIO | None = None) -> None:
-        self.total = total
-        self.done = 0
-        self.stream = stream
-
-    @contextlib.contextmanager
-    def step(self, what: str) -> Iterator[None]:
-        self.done += 1
-        stream = self.stream
-        if stream is not None:
-            print(f"[{self.done}/{self.total}] {what} ...", end="", file=stream, flush=True)
-        start = time.perf_counter()
-        try:
-            yield
-        except BaseException:
-            if stream is not None:
-                print(" failed", file=stream, flush=True)
-            raise
-        if stream is not None:
-            print(f" {time.perf_counter() - start:.1f} s", file=stream, flush=True)
 
 
 # ------------------------------------------------------------------------ arg specs

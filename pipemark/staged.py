@@ -51,11 +51,11 @@ class ValueRef:
 
     @staticmethod
     def input(index: int) -> ValueRef:
-        return _new_ref("input", index, -1)
+        return new_ref("input", index, -1)
 
     @staticmethod
     def stage_output(stage: int, index: int) -> ValueRef:
-        return _new_ref("stage", index, stage)
+        return new_ref("stage", index, stage)
 
     @staticmethod
     def const(value: Any) -> ValueRef:
@@ -69,7 +69,7 @@ class ValueRef:
         return f"const({self.value!r})"
 
 
-def _new_ref(kind: str, index: int, stage: int) -> ValueRef:
+def new_ref(kind: str, index: int, stage: int) -> ValueRef:
     # The frozen dataclass's __init__ sets each field through object.__setattr__; a
     # sliced program makes one reference per value crossing a stage boundary, and
     # filling the instance dict directly is twice as fast. Same object, same fields.
@@ -134,10 +134,10 @@ class Stage:
         return int(flatten_shape_byte_sizes(list(self.out_avals)).sum())
 
 
-def _new_stage(
+def new_stage(
     name: str, closed_jaxpr: ClosedJaxpr, inputs: tuple[ValueRef, ...], eqn_indices: tuple
 ) -> Stage:
-    # As _new_ref: a sliced program makes one Stage per stage, and filling the frozen
+    # As new_ref: a sliced program makes one Stage per stage, and filling the frozen
     # dataclass's instance dict directly skips its per-field object.__setattr__.
     stage = _object_new(Stage)
     fields = stage.__dict__
@@ -148,7 +148,7 @@ def _new_stage(
     return stage
 
 
-def _substitute(eqns: Sequence[JaxprEqn], sub: dict[Var, Any]) -> list[JaxprEqn]:
+def substitute_operands(eqns: Sequence[JaxprEqn], sub: dict[Var, Any]) -> list[JaxprEqn]:
     """``eqns`` with operands renamed through ``sub``; untouched equations are reused."""
     if not sub:
         return list(eqns)
@@ -470,7 +470,7 @@ class StagedJaxpr:
                     seen_consts.add(var)
                     constvars.append(var)
                     consts.append(value)
-            eqns.extend(_substitute(jaxpr.eqns, sub))
+            eqns.extend(substitute_operands(jaxpr.eqns, sub))
             produced.append([sub.get(v, v) if isinstance(v, Var) else v for v in jaxpr.outvars])
         outvars = []
         for ref in self._outputs:

@@ -11,6 +11,7 @@ from typing import Any
 from jax.extend.core import ClosedJaxpr
 
 from pipemark.errors import PipemarkError, check_closed_jaxpr
+from pipemark.marks import STAGE_MARK_TYPES
 from pipemark.passes.auto import auto_layers
 from pipemark.passes.gradient import mark_apply_stage
 from pipemark.passes.inline import inline_calls
@@ -22,7 +23,7 @@ from pipemark.signature import Signature
 from pipemark.staged import StagedJaxpr
 from pipemark.views.html import HTMLView, to_html
 
-__all__ = ["show", "split", "split_jaxpr"]
+__all__ = ["has_stage_markers", "show", "split", "split_jaxpr"]
 
 
 def split(
@@ -115,6 +116,25 @@ def split_jaxpr(
     if any(is_marker(eqn, "boundary") for eqn in cj.jaxpr.eqns):
         cj = layers_from_boundaries(cj)
     return slice_stages(mark_apply_stage(cj), unmarked=unmarked)
+
+
+def has_stage_markers(cj: ClosedJaxpr) -> bool:
+    """Whether :func:`split_jaxpr` would cut ``cj`` at its own markers: a stage marker
+    at the top level once calls are inlined, or a scan whose body marks one layer.
+
+    >>> import jax, jax.numpy as jnp, pipemark as pm
+    >>> def f(x):
+    ...     pm.mark_pipeline_boundary()
+    ...     return jnp.sin(x)
+    >>> has_stage_markers(jax.make_jaxpr(jax.jit(f))(1.0))
+    True
+    >>> has_stage_markers(jax.make_jaxpr(jnp.sin)(1.0))
+    False
+    """
+    cj = inline_calls(cj)
+    return bool(scans_with_layer_markers(cj)) or any(
+        is_marker(eqn, STAGE_MARK_TYPES) for eqn in cj.jaxpr.eqns
+    )
 
 
 def show(program: ClosedJaxpr | StagedJaxpr, **options: Any) -> HTMLView:

@@ -25,8 +25,8 @@ from pipemark.staged import (
     Stage,
     StagedJaxpr,
     ValueRef,
-    _new_ref,
-    _new_stage,
+    new_ref,
+    new_stage,
     stage_debug_info,
 )
 
@@ -210,7 +210,7 @@ def _slice_stages(cj: ClosedJaxpr, unmarked: str = "assign") -> StagedJaxpr:
             for v in candidates[k]:
                 if v in exported:
                     position = len(outvars)
-                    output_ref[v] = _new_ref("stage", position, k)
+                    output_ref[v] = new_ref("stage", position, k)
                     output_name[v] = f"stage{k}[{position}]"
                     outvars.append(v)
             for eqn in stage_eqns:
@@ -245,7 +245,7 @@ def _slice_stages(cj: ClosedJaxpr, unmarked: str = "assign") -> StagedJaxpr:
             stage_debug_info(name, refs, len(outvars), arg_names),
         )
         closed = ClosedJaxpr(stage_jaxpr, [const_value[c] for c in constvars])
-        stages.append(_new_stage(name, closed, tuple(refs), tuple(indices)))
+        stages.append(new_stage(name, closed, tuple(refs), tuple(indices)))
 
     outputs = []
     for a in jaxpr.outvars:

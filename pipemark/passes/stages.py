@@ -10,7 +10,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Var
 from pipemark.errors import PipemarkError, StageGraphError
 from pipemark.marks import PAIRED_MARK_TYPES
 from pipemark.primitive import pipeline_p
-from pipemark.staged import Stage, StagedJaxpr, ValueRef, _substitute, stage_debug_info
+from pipemark.staged import Stage, StagedJaxpr, ValueRef, stage_debug_info, substitute_operands
 
 __all__ = ["merge_stages", "rename_stages"]
 
@@ -224,7 +224,7 @@ def merge_stages(
                     sub[var] = atom
             for var, value in zip(jaxpr.constvars, old_stages[k].closed_jaxpr.consts):
                 constvars.setdefault(var, value)
-            eqns.extend(_substitute(jaxpr.eqns, sub))
+            eqns.extend(substitute_operands(jaxpr.eqns, sub))
             for i, v in enumerate(jaxpr.outvars):
                 atom = sub.get(v, v) if isinstance(v, Var) else v
                 local[(k, i)] = atom

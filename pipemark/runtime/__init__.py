@@ -1,14 +1,17 @@
 """Run staged programs on several devices: pipeline schedules as data
-(:mod:`pipemark.runtime.schedules`), their plots (:mod:`pipemark.runtime.plot`) and
-the executor behind :func:`pipeline_value_and_grad` (:mod:`pipemark.runtime.executor`).
+(:mod:`pipemark.runtime.schedules`), their plots (:mod:`pipemark.runtime.plot`), and
+:func:`pipeline_value_and_grad` / :func:`pipeline_train_step`
+(:mod:`pipemark.runtime.pipeline`), which plan (:mod:`pipemark.runtime.plan`) and run
+(:mod:`pipemark.runtime.execution`) a pipeline with :class:`PipelineOptions`.
 """
 
-from pipemark.runtime.executor import LOSS_REDUCTIONS as LOSS_REDUCTIONS
-from pipemark.runtime.executor import Pipeline as Pipeline
-from pipemark.runtime.executor import PipelinedStep as PipelinedStep
-from pipemark.runtime.executor import PipelinePlan as PipelinePlan
-from pipemark.runtime.executor import pipeline_train_step as pipeline_train_step
-from pipemark.runtime.executor import pipeline_value_and_grad as pipeline_value_and_grad
+from pipemark.runtime.options import PipelineOptions as PipelineOptions
+from pipemark.runtime.pipeline import LOSS_REDUCTIONS as LOSS_REDUCTIONS
+from pipemark.runtime.pipeline import Pipeline as Pipeline
+from pipemark.runtime.pipeline import PipelinedStep as PipelinedStep
+from pipemark.runtime.pipeline import PipelinePlan as PipelinePlan
+from pipemark.runtime.pipeline import pipeline_train_step as pipeline_train_step
+from pipemark.runtime.pipeline import pipeline_value_and_grad as pipeline_value_and_grad
 from pipemark.runtime.plot import plot_schedule as plot_schedule
 from pipemark.runtime.schedules import BACKWARD as BACKWARD
 from pipemark.runtime.schedules import FORWARD as FORWARD

@@ -1,14 +1,15 @@
 """How a pipeline is planned: trace ``value_and_grad`` of a loss for one microbatch,
 slice it into forward and mirrored backward stages, pair them into pipeline stages,
 schedule them, and compile each stage program once for its device.
-:mod:`pipemark.runtime.executor` runs the plan.
+:mod:`pipemark.runtime.execution` runs the plan; :mod:`pipemark.runtime.pipeline` is
+the API over both.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -18,25 +19,27 @@ from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from jax.sharding import SingleDeviceSharding
 
 from pipemark.errors import PipemarkError, StageGraphError
-from pipemark.marks import PAIRED_MARK_TYPES, backward_name, forward_name
-from pipemark.primitive import is_marker
+from pipemark.marks import backward_name, forward_name
 from pipemark.runtime.losses import LOSS_REDUCTIONS, find_batch_normaliser
+from pipemark.runtime.options import PipelineOptions
 from pipemark.runtime.schedules import Schedule, make_schedule
 from pipemark.staged import StagedJaxpr
+from pipemark.staging import has_stage_markers, split_jaxpr
 
-__all__ = ["LOSS_REDUCTIONS", "PipelinePlan"]
+__all__ = [
+    "LOSS_REDUCTIONS",
+    "PipelinePlan",
+    "build_plan",
+    "microbatch_structs",
+    "plan_from_staged",
+    "stage_program",
+]
 
 
 # ------------------------------------------------------------------------ checks
 
 
-def _check_positive(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PipemarkError(f"{what} must be a positive int, got {value!r}.")
-    return value
-
-
-def _microbatch_structs(batch: Any, num_microbatches: int) -> tuple[list[Any], int]:
+def microbatch_structs(batch: Any, num_microbatches: int) -> tuple[list[Any], int]:
     """The ShapeDtypeStruct of one microbatch of each batch leaf, and the microbatch
     size."""
     leaves = jax.tree_util.tree_leaves(batch)
@@ -109,53 +112,32 @@ def _refuse_batch_normaliser(loss_fn: Callable, params: Any, batch_structs: Any)
 # ------------------------------------------------------------------- stage plan
 
 
-def _has_markers(cj: ClosedJaxpr, mark_types: frozenset[str]) -> bool:
-    return any(is_marker(e, mark_types) for e in cj.jaxpr.eqns)
+def stage_program(cj: ClosedJaxpr, num_stages: int | None, what: str) -> StagedJaxpr:
+    """Cut a traced program for the runtime as :func:`pipemark.split` cuts it (through
+    :func:`pipemark.split_jaxpr`): at its markers, or, without any, into ``num_stages``
+    balanced stages (``what`` names the program in the error when there is neither)."""
+    if has_stage_markers(cj):
+        return split_jaxpr(cj)
+    if num_stages is None:
+        raise PipemarkError(
+            f"{what} has no pipeline markers, so the pipeline cannot tell where to cut it. "
+            "Pass num_stages= to cut it automatically into balanced stages, or mark the "
+            "layers with pm.mark(..., mark_type='start'/'end') or "
+            "pm.mark_pipeline_boundary()."
+        )
+    return split_jaxpr(cj, num_stages=num_stages)
 
 
 def _trace_staged(
-    loss_fn: Callable,
-    params: Any,
-    batch_structs: Any,
-    num_stages: int | None,
+    loss_fn: Callable, params: Any, batch_structs: Any, num_stages: int | None
 ) -> tuple[StagedJaxpr, Any]:
     """Trace value_and_grad for one microbatch and cut it into forward and mirrored
     backward stages. Returns the staged program and the output tree."""
-    from pipemark.passes import inline_calls, layers_from_boundaries, slice_stages
-
-    vag = jax.value_and_grad(loss_fn)
-    # A jitted loss is one jit equation: inline it, as pm.split does, to see its markers.
-    forward = inline_calls(jax.make_jaxpr(loss_fn)(params, batch_structs))
-    if _has_markers(forward, PAIRED_MARK_TYPES):
-        cj, out_shape = jax.make_jaxpr(vag, return_shape=True)(params, batch_structs)
-        cj = inline_calls(cj)
-    elif _has_markers(forward, frozenset(("boundary",))):
-        # Boundary markers have no operands, so their transpose delimits nothing. Turn
-        # them into start/end layers in the forward program, then differentiate that:
-        # the start/end markers' transpose rule gives the mirrored backward stages.
-        layered = jaxpr_as_fun(layers_from_boundaries(forward))
-        param_leaves, param_tree = jax.tree_util.tree_flatten(params)
-        batch_leaves = jax.tree_util.tree_leaves(batch_structs)
-
-        def flat_loss(p, b):
-            return layered(*p, *b)[0]
-
-        cj = jax.make_jaxpr(jax.value_and_grad(flat_loss))(param_leaves, batch_leaves)
-        _, out_shape = jax.make_jaxpr(vag, return_shape=True)(params, batch_structs)
-        del param_tree
-    else:
-        if num_stages is None:
-            raise PipemarkError(
-                "loss_fn has no pipeline markers, so pipeline_value_and_grad cannot tell "
-                "where to cut it. Pass num_stages= to cut it automatically into balanced "
-                "stages, or mark the layers with pm.mark(..., mark_type='start'/'end') or "
-                "pm.mark_pipeline_boundary()."
-            )
-        from pipemark.passes.auto import auto_layers
-
-        cj, out_shape = jax.make_jaxpr(vag, return_shape=True)(params, batch_structs)
-        cj = auto_layers(inline_calls(cj), num_stages)
-    return slice_stages(cj), jax.tree_util.tree_structure(out_shape)
+    cj, out_shape = jax.make_jaxpr(jax.value_and_grad(loss_fn), return_shape=True)(
+        params, batch_structs
+    )
+    staged = stage_program(cj, num_stages, "loss_fn")
+    return staged, jax.tree_util.tree_structure(out_shape)
 
 
 def _pair_stages(staged: StagedJaxpr) -> tuple[list[int], list[int | None]]:
@@ -256,8 +238,8 @@ class PipelinePlan:
     units: dict[int, _Unit] = dataclasses.field(repr=False)
     readers: dict[tuple[int, int], int] = dataclasses.field(repr=False)
     loss_reduction: str = "mean"
-    # Filled by the executor on first use: the actions resolved once
-    # (executor._Program), each accumulating stage's zeros, and each worker's scale.
+    # Filled by pipemark.runtime.execution on first use: the actions resolved once
+    # (its program of steps), each accumulating stage's zeros, and each worker's scale.
     _program: Any = dataclasses.field(default=None, repr=False, compare=False)
     _zeros: dict[int, list[Any]] = dataclasses.field(
         default_factory=dict, repr=False, compare=False
@@ -371,52 +353,39 @@ def _jit_unit(
     return jax.jit(run, out_shardings=sharding), zeros
 
 
-def _build_plan(
-    loss_fn: Callable,
-    params: Any,
-    batch: Any,
-    *,
-    num_stages: int | None,
-    num_microbatches: int,
-    schedule: str | Schedule,
-    devices: Sequence[Any] | None,
-    loss_reduction: str,
+def build_plan(
+    loss_fn: Callable, params: Any, batch: Any, options: PipelineOptions
 ) -> PipelinePlan:
-    structs, micro = _microbatch_structs(batch, num_microbatches)
+    """Trace ``value_and_grad(loss_fn)`` for one microbatch of ``batch``, stage,
+    schedule and compile it: the plan :func:`pipemark.runtime.execution.run_plan`
+    runs."""
+    structs, micro = microbatch_structs(batch, options.num_microbatches)
     batch_structs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(batch), structs)
     _check_loss(loss_fn, params, batch_structs)
-    if loss_reduction == "mean":
+    if options.loss_reduction == "mean":
         _refuse_batch_normaliser(loss_fn, params, batch_structs)
-    staged, out_tree = _trace_staged(loss_fn, params, batch_structs, num_stages)
-    return _plan_from_staged(
+    staged, out_tree = _trace_staged(loss_fn, params, batch_structs, options.num_stages)
+    return plan_from_staged(
         staged,
         out_tree,
         num_param_leaves=len(jax.tree_util.tree_leaves(params)),
         microbatch_size=micro,
-        num_stages=num_stages,
-        num_microbatches=num_microbatches,
-        schedule=schedule,
-        devices=devices,
-        loss_reduction=loss_reduction,
+        options=options,
     )
 
 
-def _plan_from_staged(
+def plan_from_staged(
     staged: StagedJaxpr,
     out_tree: Any,
     *,
     num_param_leaves: int,
     microbatch_size: int,
-    num_stages: int | None,
-    num_microbatches: int,
-    schedule: str | Schedule,
-    devices: Sequence[Any] | None,
-    loss_reduction: str,
+    options: PipelineOptions,
 ) -> PipelinePlan:
     """Schedule and compile a staged program whose inputs are ``num_param_leaves``
     replicated leaves followed by the batch leaves (split into microbatches)."""
-    if num_stages is not None:
-        staged = _merge_into(staged, _check_positive(num_stages, "num_stages"))
+    if options.num_stages is not None:
+        staged = _merge_into(staged, options.num_stages)
     forward, backward = _pair_stages(staged)
     count = len(forward)
     pipeline_stage: dict[int, int] = {}
@@ -427,11 +396,11 @@ def _plan_from_staged(
     is_backward = {b for b in backward if b is not None}
     edges = _stage_edges(staged, pipeline_stage, is_backward)
 
+    devices, schedule = options.devices, options.schedule
     available = list(jax.devices() if devices is None else devices)
     if len({id(d) for d in available}) != len(available):
         raise PipemarkError("devices lists a device twice; give each pipeline device once.")
-    kind = schedule.name if isinstance(schedule, Schedule) else schedule
-    if kind == "interleaved":
+    if options.schedule_name == "interleaved":
         num_devices = len(available)
     else:
         num_devices = count
@@ -447,7 +416,7 @@ def _plan_from_staged(
     plan_schedule = make_schedule(
         schedule,
         count,
-        num_microbatches,
+        options.num_microbatches,
         stage_graph=sorted(edges),
         num_devices=num_devices,
     )
@@ -478,5 +447,5 @@ def _plan_from_staged(
         out_tree=out_tree,
         units=units,
         readers=readers,
-        loss_reduction=loss_reduction,
+        loss_reduction=options.loss_reduction,
     )

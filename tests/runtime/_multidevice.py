@@ -1,7 +1,7 @@
 """Run pipelines on 4 host CPU devices and print one JSON line per case.
 
 XLA reads ``--xla_force_host_platform_device_count`` only when JAX starts its backend, so
-this runs as its own process (see ``test_executor.py``): ``python _multidevice.py``.
+this runs as its own process (see ``test_pipeline.py``): ``python _multidevice.py``.
 Importing this module does nothing.
 """
 

@@ -172,10 +172,10 @@ def _values_freed(jax, pm) -> None:
         pipeline = pm.pipeline_value_and_grad(ex.loss_fn, num_microbatches=8, schedule=schedule)
         for parallel in (True, False):
             timings = {}
-            from pipemark.runtime.executor import _run_plan
+            from pipemark.runtime.execution import run_plan
 
             jax.block_until_ready(
-                _run_plan(pipeline.plan(*ex.args), *ex.args, timings, parallel=parallel)
+                run_plan(pipeline.plan(*ex.args), *ex.args, timings, parallel=parallel)
             )
             _emit(
                 case=f"freed/{schedule}-{'threaded' if parallel else 'serial'}",
@@ -220,14 +220,14 @@ def main() -> None:
     import jax
 
     import pipemark as pm
-    from pipemark.runtime.executor import _run_plan
+    from pipemark.runtime.execution import run_plan
 
     _emit(case="devices", count=len(jax.devices()))
-    _bit_identical(jax, pm, _run_plan)
+    _bit_identical(jax, pm, run_plan)
     _errors(jax, pm)
     _errors_inside_programs(jax, pm)
     _values_freed(jax, pm)
-    _overlap(jax, pm, _run_plan)
+    _overlap(jax, pm, run_plan)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Tests of the executor's threaded dispatch (one worker thread per device).
+"""Tests of the threaded dispatch of pipemark.runtime.execution (one worker thread per device).
 
 The checks run in one subprocess with 4 host CPU devices (``_threads.py``), as the
 multi-device equivalence cases do; each printed line is then asserted here.

@@ -1,4 +1,4 @@
-"""Tests for pipemark.runtime.executor: pipeline_value_and_grad.
+"""Tests for pipemark.runtime.pipeline: pipeline_value_and_grad and pipeline_train_step.
 
 The multi-device cases run in one subprocess (``_multidevice.py``) with 4 host CPU
 devices, because XLA reads ``--xla_force_host_platform_device_count`` only when JAX

@@ -1,0 +1,396 @@
+"""Run a pipeline plan: dispatch each device's column of the schedule, move values
+between devices, and accumulate the results (:func:`run_plan`).
+
+How a call runs (the plan was traced, sliced and compiled by
+:mod:`pipemark.runtime.plan`):
+
+4. **Dispatch** on one worker thread per device (the caller's thread is device 0's).
+   The actions are resolved once per plan (inputs, readers, per device). Each worker
+   places its parameters and batch slices on its device in one transfer per call, then
+   walks its device's column of the schedule in tick order: an action takes its inputs
+   (waiting on its worker's condition for a value another device has not published
+   yet), dispatches its stage program and publishes the results at once, already
+   copied to each reader's device, without waiting for them to be computed: a reader
+   dispatches against a value still being computed and XLA starts its program when the
+   value is there, so no host thread has to wake up between the two. XLA's CPU client
+   runs a small program (and one that calls back into Python) on the dispatching thread
+   when its inputs are ready, so one dispatching thread would serialise the devices;
+   one thread per device lets them overlap. A value is dropped once its last reader on
+   each device has taken it. The first error of any worker wakes the others, which
+   stop, and is raised in the caller; an error inside a program that ran asynchronously
+   is raised when the caller waits for the accumulators, before returning. With one
+   device the schedule is walked on the caller's thread (``run_plan(...,
+   parallel=False)`` does that for any number of devices: same programs in the same
+   order per device, hence bit-identical results).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pipemark._compat import copy_to_device
+from pipemark.runtime.plan import PipelinePlan
+from pipemark.runtime.schedules import FORWARD
+
+__all__ = ["run_plan", "split_leaf"]
+
+
+# ---------------------------------------------------------------------- running
+
+
+def split_leaf(leaf: Any, num_microbatches: int, micro: int) -> list[Any]:
+    if isinstance(leaf, jax.Array):
+        # One compiled program for all the slices: slicing a jax.Array op by op costs a
+        # dispatch (about 0.3 ms) per microbatch.
+        return list(_splitter(num_microbatches)(leaf))
+    array = np.asarray(leaf)
+    return [array[m * micro : (m + 1) * micro] for m in range(num_microbatches)]
+
+
+@functools.lru_cache(maxsize=64)
+def _splitter(num_microbatches: int) -> Callable[[Any], list[Any]]:
+    return jax.jit(lambda x: jnp.split(x, num_microbatches))
+
+
+class _Cancelled(Exception):
+    """Raised in a worker waiting for a value when another worker has failed."""
+
+
+# Where an action's input comes from (the first item of each entry of _Step.inputs).
+_PARAM, _BATCH, _STAGE = 0, 1, 2
+
+
+class _Step(NamedTuple):
+    """One action with everything resolved that does not change between calls."""
+
+    index: int  # sliced stage
+    microbatch: int
+    accumulate: bool
+    # (_PARAM, leaf) | (_BATCH, leaf) | (_STAGE, (microbatch, stage, output))
+    inputs: tuple[tuple[int, Any], ...]
+    # per passed output: (its position among the program's passed outputs, its key, and
+    # how many readers each worker has: ((worker, count), ...))
+    sends: tuple[tuple[int, tuple[int, int, int], tuple[tuple[int, int], ...]], ...]
+
+
+class _Program(NamedTuple):
+    """A plan's actions resolved once (cached on the plan): per device worker, its steps
+    in run order, and the parameter and batch leaves it reads."""
+
+    columns: tuple[tuple[_Step, ...], ...]
+    serial: tuple[tuple[int, _Step], ...]  # (worker, step) in schedule order
+    devices: tuple[Any, ...]  # per worker
+    params: tuple[tuple[int, ...], ...]  # per worker: parameter leaves it reads
+    batch: tuple[tuple[int, ...], ...]  # per worker: batch leaves it reads
+    num_actions: int
+
+
+def _program(plan: PipelinePlan) -> _Program:
+    program = plan._program
+    if program is not None:
+        return program
+    staged, schedule = plan.staged, plan.schedule
+    num_params = plan.num_param_leaves
+    worker_of: dict[Any, int] = {}  # device -> worker position
+    for device in plan.devices:
+        worker_of.setdefault(device, len(worker_of))
+    devices = tuple(worker_of)
+    # How many reader stages of each value run on each worker.
+    readers: dict[tuple[int, int], dict[int, int]] = {}
+    for c, stage in enumerate(staged.stages):
+        if c not in plan.units:
+            continue
+        w = worker_of[plan.units[c].device]
+        for ref in stage.inputs:
+            if ref.kind == "stage":
+                per = readers.setdefault((ref.stage, ref.index), {})
+                per[w] = per.get(w, 0) + 1
+    columns: list[list[_Step]] = [[] for _ in devices]
+    serial: list[tuple[int, _Step]] = []
+    params: list[set[int]] = [set() for _ in devices]
+    batch: list[set[int]] = [set() for _ in devices]
+    for _, _, action in schedule.actions():
+        k, m = action.stage, action.microbatch
+        index = plan.forward_stages[k] if action.kind == FORWARD else plan.backward_stages[k]
+        if index is None:  # a stage without a backward program
+            continue
+        unit = plan.units[index]
+        w = worker_of[unit.device]
+        inputs = []
+        for ref in staged.stages[index].inputs:
+            if ref.kind == "input" and ref.index < num_params:
+                inputs.append((_PARAM, ref.index))
+                params[w].add(ref.index)
+            elif ref.kind == "input":
+                inputs.append((_BATCH, ref.index - num_params))
+                batch[w].add(ref.index - num_params)
+            else:
+                inputs.append((_STAGE, (m, ref.stage, ref.index)))
+        sends = tuple(
+            (
+                position,
+                (m, index, o),
+                tuple(sorted(readers[(index, o)].items())),
+            )
+            for position, o in enumerate(unit.passed)
+        )
+        step = _Step(index, m, bool(unit.accumulated), tuple(inputs), sends)
+        columns[w].append(step)
+        serial.append((w, step))
+    program = _Program(
+        columns=tuple(tuple(c) for c in columns),
+        serial=tuple(serial),
+        devices=devices,
+        params=tuple(tuple(sorted(p)) for p in params),
+        batch=tuple(tuple(sorted(b)) for b in batch),
+        num_actions=len(serial),
+    )
+    plan._program = program
+    return program
+
+
+class _Exchange:
+    """The values stages hand to each other, shared by the device workers.
+
+    A producer publishes its outputs as soon as it has dispatched the program that
+    computes them (an array not yet computed is a future: a reader can dispatch its own
+    program against it, which XLA starts once the value is there), already copied to
+    each reader's device; a reader takes its copy, waiting on its worker's condition if
+    the producer has not dispatched yet. A copy is dropped once the last reader on its
+    device has taken it (the runtime keeps the buffer alive while a program that reads
+    it is pending)."""
+
+    def __init__(self, num_workers: int) -> None:
+        self._lock = threading.Lock()
+        self._arrived = [threading.Condition(self._lock) for _ in range(num_workers)]
+        self._values: dict[tuple[tuple[int, int, int], int], list[Any]] = {}
+        self.peak = 0
+        self.error: BaseException | None = None
+
+    def publish(self, entries: list[tuple[tuple[int, int, int], int, Any, int]]) -> None:
+        with self._lock:
+            for key, worker, value, count in entries:
+                self._values[(key, worker)] = [value, count]
+                self._arrived[worker].notify()  # one worker waits per condition
+            self.peak = max(self.peak, len(self._values))
+
+    def take(self, key: tuple[int, int, int], worker: int) -> tuple[Any, float]:
+        """The copy of a value for ``worker`` (on its device), and the seconds spent
+        waiting for its producer."""
+        waited = 0.0
+        with self._lock:
+            slot = self._values.get((key, worker))
+            if slot is None and self.error is None:
+                start = time.perf_counter()
+                arrived = self._arrived[worker]
+                while slot is None and self.error is None:
+                    arrived.wait()
+                    slot = self._values.get((key, worker))
+                waited = time.perf_counter() - start
+            if self.error is not None:
+                raise _Cancelled
+            slot[1] -= 1
+            if not slot[1]:  # the last reader on this device has it
+                del self._values[(key, worker)]
+        return slot[0], waited
+
+    def fail(self, error: BaseException) -> None:
+        """Record the first error and wake every waiting worker so that it stops."""
+        with self._lock:
+            if self.error is None:
+                self.error = error
+            for arrived in self._arrived:
+                arrived.notify_all()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._values)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._values.clear()
+
+
+def run_plan(
+    plan: PipelinePlan,
+    params: Any,
+    batch: Any,
+    timings: dict | None,
+    *,
+    parallel: bool = True,
+) -> Any:
+    program = _program(plan)
+    staged = plan.staged
+    num_micro = plan.schedule.num_microbatches
+    param_leaves = jax.tree_util.tree_leaves(params)
+    batch_leaves = jax.tree_util.tree_leaves(batch)
+    num_params = plan.num_param_leaves
+    slices = [split_leaf(x, num_micro, plan.microbatch_size) for x in batch_leaves]
+    exchange = _Exchange(len(program.devices))
+    accs: dict[int, list[Any]] = {}  # per stage; each stage's worker alone writes its entry
+    units = plan.units
+    for index, unit in units.items():
+        if unit.zeros is not None:
+            # Immutable arrays: the zeros one call starts from serve every later call.
+            zeros = plan._zeros.get(index)
+            if zeros is None:
+                zeros = plan._zeros[index] = unit.zeros()
+            accs[index] = zeros
+    scale = np.float32(1.0 / num_micro if plan.loss_reduction == "mean" else 1.0)
+    threaded = parallel and len(program.devices) > 1
+    host_times: list[float] = []
+    timed = timings is not None
+
+    def place(worker: int) -> tuple[dict[int, Any], list[list[Any]], Any]:
+        """This worker's parameters, batch slices and scale, on its device, in one
+        transfer (the scale, the same every call, only once per plan)."""
+        device = program.devices[worker]
+        need_params, need_batch = program.params[worker], program.batch[worker]
+        sources = [param_leaves[i] for i in need_params]
+        for j in need_batch:
+            sources.extend(slices[j])
+        device_scale = plan._scales.get(worker)
+        if device_scale is None:
+            device_scale = plan._scales[worker] = jax.device_put(scale, device)
+        placed = copy_to_device(sources, device)
+        on_device = dict(zip(need_params, placed))
+        batch_on: list[list[Any]] = [[] for _ in batch_leaves]
+        start = len(need_params)
+        for j in need_batch:
+            batch_on[j] = placed[start : start + num_micro]
+            start += num_micro
+        return on_device, batch_on, device_scale
+
+    def run_step(
+        worker: int, step: _Step, placed: tuple[dict[int, Any], list[list[Any]], Any]
+    ) -> float:
+        """Dispatch one action and publish its results; the host seconds it spent
+        waiting for another worker's value."""
+        on_device, batch_on, device_scale = placed
+        m = step.microbatch
+        inputs = []
+        waited = 0.0
+        for source, where in step.inputs:
+            if source == _STAGE:
+                value, w = exchange.take(where, worker)
+                waited += w
+            elif source == _PARAM:
+                value = on_device[where]
+            else:
+                value = batch_on[where][m]
+            inputs.append(value)
+        index = step.index
+        new_accs, outs = units[index].run(accs.get(index, ()), inputs, device_scale)
+        if step.accumulate:
+            accs[index] = new_accs
+        if step.sends:
+            entries = []
+            copies: dict[int, list[Any]] = {}
+            for position, key, targets in step.sends:
+                for reader, count in targets:
+                    if reader == worker:
+                        entries.append((key, reader, outs[position], count))
+                    else:
+                        copies.setdefault(reader, []).append((key, position, count))
+            for reader, wanted in copies.items():
+                # Pushed by the producer, one transfer per reader device: the copy is
+                # enqueued behind the producing program, and the reader finds it there.
+                moved = copy_to_device([outs[p] for _, p, _ in wanted], program.devices[reader])
+                entries.extend((key, reader, v, n) for (key, _, n), v in zip(wanted, moved))
+            exchange.publish(entries)
+        return waited
+
+    def walk(worker: int, steps: Sequence[_Step]) -> None:
+        start = time.perf_counter()
+        placed = place(worker)
+        waited = 0.0
+        for step in steps:
+            waited += run_step(worker, step, placed)
+        host_times.append(time.perf_counter() - start - waited)
+
+    # threads[k] runs device worker k + 1 (the caller is worker 0).
+    threads: list[threading.Thread] = []
+
+    def guarded(worker: int) -> None:
+        try:
+            # Each worker first starts the next one's thread. Starting a thread costs
+            # about 150 µs here; started one after another by the caller, S - 1 of them
+            # would delay device 0's first action, which everything else waits for. In
+            # the cascade the caller pays one, and worker w starts w thread-starts after
+            # the call began, long before a pipeline's first value reaches device w.
+            if worker < len(threads):
+                threads[worker].start()
+            walk(worker, program.columns[worker])
+        except _Cancelled:
+            pass
+        except BaseException as error:  # handed to the caller, which re-raises it
+            exchange.fail(error)
+
+    start = time.perf_counter()
+    try:
+        if threaded:
+            threads.extend(
+                threading.Thread(target=guarded, args=(w,), name=f"pipemark-device{w}")
+                for w in range(1, len(program.devices))
+            )
+            guarded(0)  # the caller is the first device's worker
+            # In order: once worker w has finished it has started worker w + 1, unless
+            # starting it failed (then the error is in the exchange).
+            for thread in threads:
+                if thread.ident is None:
+                    break
+                thread.join()
+            if exchange.error is not None:
+                raise exchange.error
+            # The call returns once every action is dispatched, like any JAX computation
+            # (and like the single-device walk): an error inside a program that runs
+            # asynchronously reaches the accumulated results, and is raised where they
+            # are used (jax.block_until_ready, printing, conversion to NumPy). Waiting
+            # here cost the caller a thread wake-up and the chance to dispatch more work.
+        else:
+            begin = time.perf_counter()
+            placed = [place(w) for w in range(len(program.devices))]
+            waited = 0.0
+            for worker, step in program.serial:
+                waited += run_step(worker, step, placed[worker])
+            host_times.append(time.perf_counter() - begin - waited)
+        values_left = len(exchange)
+    finally:
+        exchange.clear()  # after a failure, values nobody will read
+    if timed:
+        timings["dispatch_s"] = time.perf_counter() - start
+        timings["host_s"] = sum(host_times)
+        timings["num_actions"] = program.num_actions
+        timings["num_ticks"] = plan.schedule.num_ticks
+        timings["values_left"] = values_left
+        timings["peak_values"] = exchange.peak
+
+    results: list[Any] = [None] * len(staged.outputs)
+    for index, unit in plan.units.items():
+        for slot, (r, _) in enumerate(unit.accumulated):
+            results[r] = accs[index][slot]
+    for r, ref in enumerate(staged.outputs):
+        if ref.kind == "stage":
+            continue
+        # A result that is a program input or a constant: the same reduction, on the host.
+        if ref.kind == "input":
+            parts = [
+                np.asarray(param_leaves[ref.index])
+                if ref.index < num_params
+                else np.asarray(slices[ref.index - num_params][m])
+                for m in range(num_micro)
+            ]
+        else:
+            value = getattr(ref.value, "val", ref.value)
+            parts = [np.asarray(value)] * num_micro
+        total = sum(parts[1:], parts[0])
+        results[r] = jnp.asarray(total * scale if plan.loss_reduction == "mean" else total)
+    return jax.tree_util.tree_unflatten(plan.out_tree, results)

@@ -1,0 +1,88 @@
+"""The options of a pipeline, checked once: :class:`PipelineOptions`.
+
+:func:`pipemark.pipeline_value_and_grad` and :func:`pipemark.pipeline_train_step`
+take them as keywords and build one of these; the planner reads it.
+
+>>> PipelineOptions(num_microbatches=4, schedule="gpipe").schedule
+'gpipe'
+>>> PipelineOptions(num_microbatches=0)
+Traceback (most recent call last):
+...
+pipemark.errors.PipemarkError: num_microbatches must be a positive int, got 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipemark.errors import PipemarkError
+from pipemark.runtime.losses import LOSS_REDUCTIONS
+from pipemark.runtime.schedules import Schedule
+
+__all__ = ["PipelineOptions", "check_positive"]
+
+#: The schedules named by a string (a :class:`~pipemark.runtime.schedules.Schedule`
+#: object is taken as it is).
+NAMED_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
+
+
+def check_positive(value: Any, what: str) -> int:
+    """``value`` when it is a positive ``int`` (not a ``bool``), else a
+    :class:`PipemarkError` naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PipemarkError(f"{what} must be a positive int, got {value!r}.")
+    return value
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """How to run a pipeline.
+
+    Attributes
+    ----------
+    num_microbatches:
+        How many microbatches each batch argument's leading axis is split into.
+    num_stages:
+        How many pipeline stages; ``None``: one per marked stage. Fewer than the marked
+        stages merges consecutive ones; without markers the program is balanced
+        automatically.
+    schedule:
+        ``"1f1b"``, ``"gpipe"``, ``"interleaved"`` or a
+        :class:`~pipemark.runtime.schedules.Schedule`.
+    devices:
+        The devices to use (``None``: ``jax.devices()``).
+    loss_reduction:
+        One of :data:`~pipemark.runtime.losses.LOSS_REDUCTIONS`.
+    """
+
+    num_microbatches: int
+    num_stages: int | None = None
+    schedule: str | Schedule = "1f1b"
+    devices: Sequence[Any] | None = field(default=None)
+    loss_reduction: str = "mean"
+
+    def __post_init__(self) -> None:
+        check_positive(self.num_microbatches, "num_microbatches")
+        if self.num_stages is not None:
+            check_positive(self.num_stages, "num_stages")
+        if self.loss_reduction not in LOSS_REDUCTIONS:
+            raise PipemarkError(
+                f"Unknown loss_reduction {self.loss_reduction!r}; use 'mean' for a loss "
+                "averaged over the batch, 'sum' for a loss summed over it, or "
+                "'sum_over_count' for a loss that returns (sum, count): a masked or "
+                "weighted mean."
+            )
+        if not isinstance(self.schedule, Schedule) and self.schedule not in NAMED_SCHEDULES:
+            raise PipemarkError(
+                f"Unknown schedule {self.schedule!r}; choose 'gpipe', '1f1b' or "
+                "'interleaved', or pass a pm.Schedule."
+            )
+        if self.devices is not None:
+            object.__setattr__(self, "devices", tuple(self.devices))
+
+    @property
+    def schedule_name(self) -> str:
+        """The schedule's name (``"interleaved"`` places several stages per device)."""
+        return self.schedule.name if isinstance(self.schedule, Schedule) else self.schedule

@@ -1,0 +1,379 @@
+"""The pipeline API: :func:`pipeline_value_and_grad` and :func:`pipeline_train_step`
+run a loss function's forward and backward stages on several devices, microbatch by
+microbatch, following a pipeline schedule.
+
+How a call runs:
+
+1. **Trace once per input shape.** ``jax.value_and_grad(loss_fn)`` is traced for *one
+   microbatch* (the batch's leading axis divided by ``num_microbatches``). Stage markers
+   in ``loss_fn`` (start/end pairs, or boundary markers turned into layers) give forward
+   stages and, through the marker's transpose rule, mirrored ``<name>_backward`` stages.
+   Without markers, :func:`pipemark.passes.auto.auto_layers` cuts the program into
+   ``num_stages`` balanced layers. The program is staged by
+   :func:`pipemark.split_jaxpr`, so it is cut, named and its backward routed as
+   :func:`pipemark.split` does (:mod:`pipemark.runtime.plan`).
+2. **Slice** with :func:`pipemark.passes.slice_stages`. Pipeline stage ``k`` is forward
+   stage ``k`` with its mirrored backward stage; both run on the same device, so the
+   residuals the backward reads (activations saved by the forward) never move.
+3. **Compile** each stage program once with ``jax.jit`` for its device. The compiled
+   program also adds the stage's share of the result (the loss, the gradients) into an
+   accumulator that stays on the device.
+4. **Dispatch** on one worker thread per device (the caller's thread is device 0's).
+   The actions are resolved once per plan (inputs, readers, per device). Each worker
+   places its parameters and batch slices on its device in one transfer per call, then
+   walks its device's column of the schedule in tick order: an action takes its inputs
+   (waiting on its worker's condition for a value another device has not published
+   yet), dispatches its stage program and publishes the results at once, already
+   copied to each reader's device, without waiting for them to be computed: a reader
+   dispatches against a value still being computed and XLA starts its program when the
+   value is there, so no host thread has to wake up between the two. XLA's CPU client
+   runs a small program (and one that calls back into Python) on the dispatching thread
+   when its inputs are ready, so one dispatching thread would serialise the devices;
+   one thread per device lets them overlap. A value is dropped once its last reader on
+   each device has taken it. The first error of any worker wakes the others, which
+   stop, and is raised in the caller; an error inside a program that ran asynchronously
+   is raised when the caller waits for the accumulators, before returning. With one
+   device the schedule is walked on the caller's thread (:func:`~pipemark.runtime.execution.run_plan` with
+   ``parallel=False``) does that for any number of devices: same programs in the same
+   order per device, hence bit-identical results).
+
+**Sum or mean.** With ``loss_reduction="mean"`` (the default) the microbatch results are
+averaged: a loss that is a mean over the batch (``jnp.mean``) has, for equal microbatches,
+``loss(batch) = mean_m loss(microbatch_m)`` and, by linearity of the derivative, the
+same for the gradients. With ``loss_reduction="sum"`` they are added, which is right
+for a loss summed over the batch. A loss that is neither (normalised by something that
+depends on the whole batch, batch statistics) cannot be split into microbatches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import jaxpr_as_fun
+
+from pipemark.errors import PipemarkError
+from pipemark.runtime.arguments import (
+    PartitionedParams,
+    batch_arg_names,
+    check_batch_args,
+    partition_params,
+)
+from pipemark.runtime.execution import run_plan
+from pipemark.runtime.losses import LOSS_REDUCTIONS, split_count
+from pipemark.runtime.options import PipelineOptions
+from pipemark.runtime.plan import (
+    PipelinePlan,
+    build_plan,
+    microbatch_structs,
+    plan_from_staged,
+    stage_program,
+)
+from pipemark.runtime.schedules import Schedule
+
+__all__ = [
+    "LOSS_REDUCTIONS",
+    "Pipeline",
+    "PipelinePlan",
+    "PipelinedStep",
+    "pipeline_value_and_grad",
+    "pipeline_train_step",
+]
+
+
+# ------------------------------------------------------------------------ public
+
+
+class Pipeline:
+    """``(params, *batch) -> (loss, grads)`` computed as a pipeline; made by
+    :func:`pipeline_value_and_grad`.
+
+    The first call for a given input structure and shape traces, slices and compiles
+    (:meth:`plan` does only that); later calls reuse the compiled stages.
+    """
+
+    def __init__(self, loss_fn: Callable, options: PipelineOptions) -> None:
+        self.loss_fn = loss_fn
+        self.options = options
+        self._plans: dict[Any, PipelinePlan] = {}
+        self._losses: dict[Any, tuple[Callable, Callable | None]] = {}
+
+    def _key(self, params: Any, batch: Any) -> Any:
+        leaves, tree = jax.tree_util.tree_flatten((params, batch))
+        return tree, tuple((np.shape(x), str(jnp.result_type(x))) for x in leaves)
+
+    def _bind(self, params: Any, batch_args: tuple) -> tuple[Any, Any, Any, Any]:
+        """``(key, dynamic params, batch, part)``: the params' arrays, the batch (one
+        argument, or a tuple of several), and the loss over them for this static part."""
+        if not batch_args:
+            raise PipemarkError(
+                "The pipeline takes loss_fn's arguments: (params, batch, ...); no batch "
+                "argument was given."
+            )
+        if len(batch_args) > 1:
+            names = batch_arg_names(self.loss_fn, len(batch_args))
+            check_batch_args(names, batch_args, self.options.num_microbatches)
+        part = partition_params(params)
+        batch = batch_args[0] if len(batch_args) == 1 else tuple(batch_args)
+        key = (part.key, len(batch_args))
+        if key not in self._losses:
+            self._losses[key] = self._make_losses(part, len(batch_args))
+        return key, part.dynamic, batch, part
+
+    def _make_losses(self, part: PartitionedParams, num_batch: int):
+        """The loss the plan differentiates (of the params' arrays and the batch) and,
+        for ``"sum_over_count"``, the count over a whole batch."""
+        loss_fn = self.loss_fn
+
+        def full(dynamic: Any, batch: Any) -> Any:
+            params = part.combine(dynamic)
+            return loss_fn(params, *batch) if num_batch > 1 else loss_fn(params, batch)
+
+        if self.options.loss_reduction != "sum_over_count":
+            return full, None
+        # Under jit XLA drops whatever the count does not need (the model itself).
+        count = jax.jit(lambda dynamic, batch: split_count(full(dynamic, batch))[1])
+        return (lambda dynamic, batch: split_count(full(dynamic, batch))[0]), count
+
+    def plan(self, params: Any, *batch: Any) -> PipelinePlan:
+        """Trace, slice, schedule and compile for inputs shaped like these (cached)."""
+        key, dynamic, batch, _ = self._bind(params, batch)
+        return self._plan(key, dynamic, batch)
+
+    def _plan(self, key: Any, dynamic: Any, batch: Any) -> PipelinePlan:
+        full_key = (key, self._key(dynamic, batch))
+        plan = self._plans.get(full_key)
+        if plan is None:
+            options = self.options
+            if options.loss_reduction == "sum_over_count":
+                # The plan adds the sums; the call divides by the whole batch's count.
+                options = dataclasses.replace(options, loss_reduction="sum")
+            plan = self._plans[full_key] = build_plan(self._losses[key][0], dynamic, batch, options)
+        return plan
+
+    def _call(self, params: Any, batch_args: tuple, timings: dict | None) -> tuple[Any, Any]:
+        key, dynamic, batch, _ = self._bind(params, batch_args)
+        loss, grads = run_plan(self._plan(key, dynamic, batch), dynamic, batch, timings)
+        count_fn = self._losses[key][1]
+        if count_fn is None:
+            return loss, grads
+        count = count_fn(dynamic, batch)
+        return loss / count, jax.tree_util.tree_map(lambda g: g / count, grads)
+
+    def __call__(self, params: Any, *batch: Any) -> tuple[Any, Any]:
+        return self._call(params, batch, None)
+
+    def timed_call(self, params: Any, *batch: Any) -> tuple[tuple[Any, Any], dict[str, float]]:
+        """Like calling the pipeline, and also return timings: ``dispatch_s`` (wall time
+        to walk the schedule; it includes the computation only where a worker waited
+        for it: programs that XLA runs inline, on the dispatching thread), ``host_s``
+        (host time spent placing inputs, dispatching and publishing, summed over the
+        workers, without the waits for other devices), ``num_actions``, ``num_ticks``,
+        and ``values_left`` / ``peak_values`` (values handed between stages still held
+        after the call, which is 0, and the most held at once)."""
+        timings: dict[str, float] = {}
+        out = self._call(params, batch, timings)
+        return out, timings
+
+
+def pipeline_value_and_grad(
+    loss_fn: Callable[[Any, Any], Any],
+    *,
+    num_stages: int | None = None,
+    num_microbatches: int,
+    schedule: str | Schedule = "1f1b",
+    devices: Sequence[Any] | None = None,
+    loss_reduction: str = "mean",
+) -> Pipeline:
+    """``jax.value_and_grad(loss_fn)`` computed as a pipeline over several devices.
+
+    Parameters
+    ----------
+    loss_fn:
+        ``loss_fn(params, *batch)`` returning a scalar loss; gradients are taken with
+        respect to ``params`` (its array leaves: other leaves, like an equinox
+        module's functions, are static and get ``None`` gradients, as with
+        ``eqx.filter_value_and_grad``). Each batch argument is split into microbatches
+        along its leading axis. Its layers are marked with :func:`pipemark.mark`
+        start/end pairs or :func:`pipemark.mark_pipeline_boundary`; without markers,
+        ``num_stages`` cuts it automatically.
+    num_stages:
+        How many pipeline stages. ``None``: one per marked stage. Fewer than the
+        marked stages: consecutive marked stages are merged. Without markers: balanced
+        automatically (:func:`pipemark.passes.auto.auto_layers`).
+    num_microbatches:
+        How many microbatches the batch's leading axis is split into.
+    schedule:
+        ``"1f1b"`` (default), ``"gpipe"``, ``"interleaved"`` (several stages per device:
+        ``num_stages`` a multiple of the number of devices) or a
+        :class:`~pipemark.runtime.schedules.Schedule`.
+    devices:
+        The devices to use; default ``jax.devices()``. Pipeline stage ``i`` runs on
+        ``devices[i]`` (on ``devices[i % len(devices)]`` when interleaved).
+    loss_reduction:
+        ``"mean"`` (default) averages the microbatch losses and gradients, right for a
+        loss that is a mean over the batch; ``"sum"`` adds them, right for a sum;
+        ``"sum_over_count"`` takes a loss returning ``(sum, count)`` and divides the
+        sums over the whole batch by the whole batch's count: a masked or weighted
+        mean (see :mod:`pipemark.runtime.losses`). With ``"mean"``, a loss divided by a
+        count computed from the batch is refused, naming the division.
+
+    Returns
+    -------
+    Pipeline
+        A function ``(params, *batch) -> (loss, grads)`` equal to
+        ``jax.value_and_grad(loss_fn)(params, *batch)`` up to float rounding. Each
+        gradient stays on the device of the stage that computed it.
+
+    Raises
+    ------
+    PipemarkError
+        When the batch does not split into ``num_microbatches`` equal parts, there are
+        more stages than devices, ``loss_fn`` does not return a scalar, or no markers and
+        no ``num_stages`` say where to cut.
+
+    Examples
+    --------
+    >>> import jax, numpy as np, pipemark as pm
+    >>> from pipemark import examples
+    >>> loss_fn, params, batch = examples.mlp(num_layers=2, batch=4)
+    >>> step = pm.pipeline_value_and_grad(loss_fn, num_stages=1, num_microbatches=2)
+    >>> loss, grads = step(params, batch)
+    >>> want_loss, want_grads = jax.value_and_grad(loss_fn)(params, batch)
+    >>> bool(np.allclose(loss, want_loss, rtol=1e-5))
+    True
+    """
+    if not callable(loss_fn):
+        raise PipemarkError(
+            f"pipeline_value_and_grad: loss_fn must be callable, got {type(loss_fn).__name__}."
+        )
+    options = PipelineOptions(
+        num_microbatches=num_microbatches,
+        num_stages=num_stages,
+        schedule=schedule,
+        devices=devices,
+        loss_reduction=loss_reduction,
+    )
+    return Pipeline(loss_fn, options)
+
+
+# ------------------------------------------------------------------ training step
+
+
+class PipelinedStep:
+    """A training step whose gradient part runs as a pipeline; made by
+    :func:`pipeline_train_step`."""
+
+    def __init__(self, step_fn: Callable, options: PipelineOptions) -> None:
+        self.step_fn = step_fn
+        self.options = options
+        self._prepared: dict[Any, tuple[PipelinePlan, Callable, Any]] = {}
+
+    def plan(self, *args: Any) -> PipelinePlan:
+        """The pipeline plan of the gradient part, for arguments shaped like these."""
+        return self._prepare(args)[0]
+
+    def _prepare(self, args: tuple[Any, ...]) -> tuple[PipelinePlan, Callable, Any]:
+        from pipemark.passes import split_at_gradient
+
+        if not args:
+            raise PipemarkError(
+                "A pipelined training step needs at least the batch argument (the last one)."
+            )
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        key = (tree, tuple((np.shape(x), str(jnp.result_type(x))) for x in leaves))
+        prepared = self._prepared.get(key)
+        if prepared is not None:
+            return prepared
+        *replicated, batch = args
+        structs, micro = microbatch_structs(batch, self.options.num_microbatches)
+        batch_structs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(batch), structs)
+        # The gradient part is traced for one microbatch (it runs per microbatch); the
+        # update is traced for the whole batch (it runs once, and may read the batch).
+        compute, _ = split_at_gradient(jax.make_jaxpr(self.step_fn)(*replicated, batch_structs))
+        full, out_shape = jax.make_jaxpr(self.step_fn, return_shape=True)(*args)
+        compute_full, apply = split_at_gradient(full)
+        micro_avals = [v.aval for v in compute.jaxpr.outvars]
+        full_avals = [v.aval for v in compute_full.jaxpr.outvars]
+        for i, (a, b) in enumerate(zip(micro_avals, full_avals)):
+            if a.shape != b.shape:
+                raise PipemarkError(
+                    f"Value {i} that the update after pm.mark_gradient reads from the "
+                    f"gradient part has shape {a.shape} for one microbatch but {b.shape} for "
+                    "the whole batch; only values that do not depend on the batch size "
+                    "(gradients, a mean loss) can be accumulated over microbatches. Reduce "
+                    "it over the batch before the grad marker."
+                )
+        plan = plan_from_staged(
+            stage_program(compute, self.options.num_stages, "The gradient part of the step"),
+            jax.tree_util.tree_structure([0] * len(micro_avals)),
+            num_param_leaves=len(jax.tree_util.tree_leaves(tuple(replicated))),
+            microbatch_size=micro,
+            options=self.options,
+        )
+        prepared = (
+            plan,
+            jax.jit(jaxpr_as_fun(apply)),
+            jax.tree_util.tree_structure(out_shape),
+        )
+        self._prepared[key] = prepared
+        return prepared
+
+    def __call__(self, *args: Any) -> Any:
+        plan, apply, out_tree = self._prepare(args)
+        *replicated, batch = args
+        accumulated = run_plan(plan, tuple(replicated), batch, None)
+        # The update runs once, on the first stage's device, over the whole inputs and
+        # the accumulated gradients.
+        inputs = jax.device_put([*jax.tree_util.tree_leaves(args), *accumulated], plan.devices[0])
+        return jax.tree_util.tree_unflatten(out_tree, apply(*inputs))
+
+
+def pipeline_train_step(
+    step_fn: Callable[..., Any],
+    *,
+    num_stages: int | None = None,
+    num_microbatches: int,
+    schedule: str | Schedule = "1f1b",
+    devices: Sequence[Any] | None = None,
+    loss_reduction: str = "mean",
+) -> PipelinedStep:
+    """A training step ``step_fn(*state, batch)`` whose gradients are computed as a
+    pipeline and then applied once.
+
+    ``step_fn`` computes gradients with ``jax.grad``/``jax.value_and_grad`` of a loss
+    whose layers are marked, marks them with :func:`pipemark.mark_gradient`, and updates
+    (see :func:`pipemark.examples.train_step`). It is cut at the grad marker with
+    :func:`pipemark.passes.split_at_gradient`: the part before runs as a pipeline over
+    ``num_microbatches`` microbatches of ``batch`` (its last argument), every value it
+    hands to the update (the gradients, the loss) averaged over microbatches (or added,
+    with ``loss_reduction="sum"``); the part after runs once, on the first stage's
+    device, with those values. The other options are those of
+    :func:`pipeline_value_and_grad`.
+
+    >>> import jax, numpy as np, pipemark as pm
+    >>> from pipemark import examples
+    >>> ex = examples.mlp(num_layers=2, batch=4)
+    >>> step, init_state = examples.train_step(ex.loss_fn, optimizer="adam")
+    >>> state = init_state(ex.params)
+    >>> pipelined = pm.pipeline_train_step(step, num_stages=1, num_microbatches=2)
+    >>> new_params, new_state, loss = pipelined(ex.params, state, ex.batch)
+    >>> bool(np.allclose(loss, step(ex.params, state, ex.batch)[2], rtol=1e-5))
+    True
+    """
+    if not callable(step_fn):
+        raise PipemarkError(
+            f"pipeline_train_step: step_fn must be callable, got {type(step_fn).__name__}."
+        )
+    options = PipelineOptions(
+        num_microbatches=num_microbatches,
+        num_stages=num_stages,
+        schedule=schedule,
+        devices=devices,
+        loss_reduction=loss_reduction,
+    )
+    return PipelinedStep(step_fn, options)
