@@ -122,7 +122,7 @@ def run(
     ``model`` overrides :data:`MODEL` (tests use a smaller model).
     """
     from pipemark.plot import plot
-    from pipemark.views.html import write_report
+    from pipemark.views.html_view import write_report
     from pipemark.views.text import print_summary
 
     sizes = {**MODEL, **(model or {})}

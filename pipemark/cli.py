@@ -236,7 +236,7 @@ def _inspect(args: argparse.Namespace) -> int:
         staged = pm.split_jaxpr(cj, num_stages=args.num_stages).with_signature(signature)
     if args.html:
         with progress.step(f"writing {args.html}"):
-            from pipemark.views.html import write_report
+            from pipemark.views.html_view import write_report
 
             try:
                 write_report(

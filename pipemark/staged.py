@@ -632,6 +632,6 @@ class StagedJaxpr:
 
     def _repr_html_(self) -> str:
         """The notebook view: :func:`pipemark.views.to_html`."""
-        from pipemark.views.html import to_html
+        from pipemark.views.html_view import to_html
 
         return to_html(self)

@@ -21,7 +21,7 @@ from pipemark.passes.slice import slice_stages
 from pipemark.primitive import is_marker
 from pipemark.signature import Signature
 from pipemark.staged import StagedJaxpr
-from pipemark.views.html import HTMLView, to_html
+from pipemark.views.html_view import HTMLView, to_html
 
 __all__ = ["has_stage_markers", "show", "split", "split_jaxpr"]
 

@@ -71,3 +71,108 @@ def test_mark_type_roles_and_stage_naming_live_in_marks(module):
         f"{module} lists mark types itself at lines {sets}; read the roles from "
         "pipemark.marks (OPENERS, CLOSERS, PAIRED_MARK_TYPES, STAGE_MARK_TYPES, ...)"
     )
+
+
+def _is_type_checking_block(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    )
+
+
+def _imports(module: str) -> list[tuple[str, str | None, int]]:
+    """``(imported module, imported name or None, line)`` for every import of a
+    pipemark module in ``module``, at any depth (a lazy import inside a function counts),
+    except under ``if TYPE_CHECKING:``."""
+    found = []
+    is_package = MODULES[module].name == "__init__.py"
+
+    def visit(node: ast.AST) -> None:
+        if _is_type_checking_block(node):
+            return
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = module.split(".") if is_package else module.split(".")[:-1]
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            if base.split(".")[0] == "pipemark":
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    if full in MODULES:
+                        found.append((full, None, node.lineno))
+                    else:
+                        found.append((base, alias.name, node.lineno))
+        elif isinstance(node, ast.Import):
+            found.extend(
+                (a.name, None, node.lineno)
+                for a in node.names
+                if a.name.split(".")[0] == "pipemark"
+            )
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(TREES[module])
+    return found
+
+
+def test_no_private_names_are_imported_across_modules():
+    bad = []
+    for module in MODULES:
+        for target, name, line in _imports(module):
+            if name is not None and name.startswith("_"):
+                bad.append(f"{module}:{line} imports {name} from {target}")
+            # A private module belongs to its package: only that package imports it.
+            private = [i for i, p in enumerate(target.split(".")) if p.startswith("_")]
+            if private:
+                owner = ".".join(target.split(".")[: private[0]])
+                if not (module == owner or module.startswith(owner + ".")):
+                    bad.append(f"{module}:{line} imports the private module {target}")
+    assert not bad, "\n".join(bad)
+
+
+def _edges() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {module: set() for module in MODULES}
+    for module in MODULES:
+        for target, _, _ in _imports(module):
+            # A package's __init__ re-exports; an import of a name from it depends on the
+            # package's modules, which its own imports list, so packages are left out.
+            if target in MODULES and target != module and MODULES[target].name != "__init__.py":
+                graph[module].add(target)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+    cycles = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                cycles.append([*path[path.index(target) :], target])
+            elif target not in state:
+                visit(target)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    return cycles
+
+
+def test_no_import_cycles():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+    cycles = _cycles(_edges())
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_module_shadows_the_standard_library():
+    import sys
+
+    shadowing = [m for m in MODULES if m.split(".")[-1] in sys.stdlib_module_names]
+    assert not shadowing, shadowing

@@ -3,7 +3,7 @@ and an HTML view for notebooks and reports.
 
 Everything is a thin layer over the same rows (:func:`stage_rows`, in
 :mod:`pipemark.views.rows`): :mod:`pipemark.views.text` renders them as plain text or
-with ``rich``; :mod:`pipemark.views.html` renders them, and the program, as HTML.
+with ``rich``; :mod:`pipemark.views.html_view` renders them, and the program, as HTML.
 :func:`pipemark.show` slices a program and returns its HTML view.
 
 >>> import jax, jax.numpy as jnp, pipemark as pm
@@ -13,9 +13,9 @@ with ``rich``; :mod:`pipemark.views.html` renders them, and the program, as HTML
 ['stage0', 'stage1']
 """
 
-from pipemark.views.html import HTMLView as HTMLView
-from pipemark.views.html import to_html as to_html
-from pipemark.views.html import write_report as write_report
+from pipemark.views.html_view import HTMLView as HTMLView
+from pipemark.views.html_view import to_html as to_html
+from pipemark.views.html_view import write_report as write_report
 from pipemark.views.rows import StageRow as StageRow
 from pipemark.views.rows import format_bytes as format_bytes
 from pipemark.views.rows import format_count as format_count
