@@ -10,6 +10,7 @@
 
 from pipemark import passes as passes
 from pipemark import views as views
+from pipemark.caches import clear_caches as clear_caches
 from pipemark.cost import Cost as Cost
 from pipemark.cost import estimate_cost as estimate_cost
 from pipemark.errors import MarkerError as MarkerError

@@ -19,6 +19,8 @@ from jax.extend.core import ClosedJaxpr as _ClosedJaxpr
 from jax.extend.core import Jaxpr as _Jaxpr
 from jax.sharding import SingleDeviceSharding as _SingleDeviceSharding
 
+from pipemark.caches import register_cache
+
 LOWERING_MODES = ("barrier", "identity", "custom_call")
 
 
@@ -108,6 +110,9 @@ _fast_copy_failed = False
 def _device_target(device: Any) -> tuple[Any, Any]:
     sharding = _SingleDeviceSharding(device)
     return sharding, sharding._internal_device_list
+
+
+register_cache(_device_target.cache_clear)
 
 
 def copy_to_device(arrays: list[Any], device: Any) -> list[Any]:

@@ -31,10 +31,10 @@ for its number.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import math
-import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -337,21 +337,36 @@ def _as_closed(jaxpr: Any) -> ClosedJaxpr:
     return jaxpr if isinstance(jaxpr, ClosedJaxpr) else ClosedJaxpr(jaxpr, ())
 
 
-# The cost of a body by the body (Jaxpr objects hash by identity and no pass changes
-# one): a scan split into chunks, or a function jitted once and called many times,
-# shares one body among many equations.
-_BODY_COSTS: weakref.WeakKeyDictionary[Any, Cost] = weakref.WeakKeyDictionary()
+# The cost of each body, for the length of one public call (estimate_cost, eqn_costs):
+# a scan split into chunks, or a function jitted once and called many times, shares
+# one body among many equations, which is then costed once. Scoped to the call, so
+# a program edited between calls is costed afresh.
+_BODY_MEMO: contextvars.ContextVar[dict[int, tuple[Any, Cost]] | None] = contextvars.ContextVar(
+    "pipemark_body_costs", default=None
+)
+
+
+@contextlib.contextmanager
+def _body_memo() -> Iterator[None]:
+    if _BODY_MEMO.get() is not None:  # an outer call's memo serves
+        yield
+        return
+    token = _BODY_MEMO.set({})
+    try:
+        yield
+    finally:
+        _BODY_MEMO.reset(token)
 
 
 def _body_cost(jaxpr: Any) -> Cost:
     body = _as_closed(jaxpr).jaxpr
-    try:
-        return _BODY_COSTS[body]
-    except (KeyError, TypeError):  # not seen yet, or not weak-referenceable
-        cost = _jaxpr_cost(body, with_params=False)
-    with contextlib.suppress(TypeError):
-        _BODY_COSTS[body] = cost
-    return cost
+    memo = _BODY_MEMO.get()
+    if memo is None:
+        return _jaxpr_cost(body, with_params=False)
+    entry = memo.get(id(body))
+    if entry is None or entry[0] is not body:  # the body is kept alive by the entry
+        entry = memo[id(body)] = (body, _jaxpr_cost(body, with_params=False))
+    return entry[1]
 
 
 def _call(eqn: JaxprEqn) -> Cost:
@@ -570,7 +585,8 @@ def _jaxpr_cost(jaxpr: Jaxpr, *, with_params: bool) -> Cost:
 def eqn_costs(jaxpr: ClosedJaxpr | Jaxpr) -> list[Cost]:
     """The analytic :class:`Cost` of each top-level equation, in order."""
     inner = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
-    return [_eqn_cost(e) for e in inner.eqns]
+    with _body_memo():
+        return [_eqn_cost(e) for e in inner.eqns]
 
 
 def estimate_cost(program: ClosedJaxpr | Jaxpr | JaxprEqn, cost: str = "analytic") -> Cost:
@@ -607,10 +623,14 @@ def estimate_cost(program: ClosedJaxpr | Jaxpr | JaxprEqn, cost: str = "analytic
             f"{', '.join(map(repr, COST_MODELS))}."
         )
     if isinstance(program, JaxprEqn):
-        return _xla_eqn_cost(program) if cost == "xla" else _eqn_cost(program)
+        if cost == "xla":
+            return _xla_eqn_cost(program)
+        with _body_memo():
+            return _eqn_cost(program)
     if isinstance(program, (ClosedJaxpr, Jaxpr)):
         closed = _as_closed(program)
-        analytic = _jaxpr_cost(closed.jaxpr, with_params=True)
+        with _body_memo():
+            analytic = _jaxpr_cost(closed.jaxpr, with_params=True)
         if cost == "analytic":
             return analytic
         return dataclasses.replace(_xla_cost(closed), param_bytes=analytic.param_bytes)

@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
+from pipemark.caches import register_cache
 from pipemark.errors import MarkerError, describe_eqn
 from pipemark.marks import CLOSERS, MARK_TYPES, OPENERS, STAGE_MARK_TYPES, forward_name
 from pipemark.primitive import is_marker, pipeline_p
@@ -107,38 +109,41 @@ def _is_stage_marker(eqn: JaxprEqn) -> bool:
     return is_marker(eqn, STAGE_MARK_TYPES)
 
 
-# Jaxprs found valid before, by identity (a Jaxpr hashes by identity, and passes never
-# change one): check_no_markers_in_bodies and find_stage_spans validate a program once
-# even when a pipeline of passes reads it several times, and a pass that builds a program
-# from a validated one records what it knows about the result (remember_stage_spans).
-# ``Jaxpr.eqns`` is a plain list that a user can edit in place (append, or replace an
-# equation at the same length), so each entry keeps a copy of the equation list it saw
-# and is used only while the program's list still holds the same equations (a list
-# comparison, by identity for JaxprEqn: far cheaper than validating again).
-_BODIES_CHECKED: weakref.WeakKeyDictionary[Jaxpr, tuple[list[JaxprEqn]]] = (
-    weakref.WeakKeyDictionary()
-)
-_SPANS: weakref.WeakKeyDictionary[Jaxpr, tuple[list[JaxprEqn], tuple[StageSpan, ...]]] = (
-    weakref.WeakKeyDictionary()
-)
+# The stage spans of programs validated before, by identity (a Jaxpr hashes by
+# identity): find_stage_spans validates a program once even when a pipeline of passes
+# reads it several times, and a pass that builds a program from a validated one records
+# what it knows about the result (remember_stage_spans). A Jaxpr can be edited in place
+# (its equation and result lists, a marker's params), so each entry keeps what its
+# answer depends on: the equation list, the result list and each marker's name and mark
+# type; it is used only while all three are unchanged (list comparisons by identity,
+# and a look at each marker: far cheaper than validating again).
+_SPANS: weakref.WeakKeyDictionary[Jaxpr, tuple] = weakref.WeakKeyDictionary()
+register_cache(_SPANS.clear)
 
 
-def _cached(cache: weakref.WeakKeyDictionary, jaxpr: Jaxpr) -> tuple | None:
+def _marker_snapshot(eqns: list[JaxprEqn], indices: Iterable[int]) -> tuple:
+    return tuple((i, eqns[i].params.get("name"), eqns[i].params.get("mark_type")) for i in indices)
+
+
+def _cached(jaxpr: Jaxpr) -> tuple | None:
     try:
-        entry = cache.get(jaxpr)
+        entry = _SPANS.get(jaxpr)
     except TypeError:  # not weak-referenceable
         return None
-    if entry is None:
+    if entry is None or entry[0] != jaxpr.eqns or entry[1] != jaxpr.outvars:
         return None
-    if entry[0] != jaxpr.eqns:
+    eqns = jaxpr.eqns
+    markers = entry[2]
+    if _marker_snapshot(eqns, (i for i, _, _ in markers)) != markers:
         return None
-    return entry
+    return entry[3:]
 
 
-def _remember(cache: weakref.WeakKeyDictionary, jaxpr: Jaxpr, *value: object) -> None:
+def _remember(jaxpr: Jaxpr, markers: Iterable[int], *value: object) -> None:
     # A jaxpr that is not weak-referenceable is validated every time.
+    eqns = jaxpr.eqns
     with contextlib.suppress(TypeError):
-        cache[jaxpr] = (list(jaxpr.eqns), *value)
+        _SPANS[jaxpr] = (list(eqns), list(jaxpr.outvars), _marker_snapshot(eqns, markers), *value)
 
 
 def check_no_markers_in_bodies(jaxpr: Jaxpr | ClosedJaxpr) -> None:
@@ -150,8 +155,6 @@ def check_no_markers_in_bodies(jaxpr: Jaxpr | ClosedJaxpr) -> None:
     body is scanned once); a program that passed the check before is not scanned again.
     """
     jaxpr = _as_jaxpr(jaxpr)
-    if _cached(_BODIES_CHECKED, jaxpr) is not None:
-        return
     seen: dict[int, JaxprEqn | None] = {}
     for index, eqn in enumerate(jaxpr.eqns):
         for param, body in bodies(eqn):
@@ -164,7 +167,6 @@ def check_no_markers_in_bodies(jaxpr: Jaxpr | ClosedJaxpr) -> None:
                 f"{inner.params.get('name')!r} inside its {param!r} body; stages are cut "
                 f"only at the top level of a program. {_body_advice(eqn)}"
             )
-    _remember(_BODIES_CHECKED, jaxpr)
 
 
 def remember_stage_spans(
@@ -179,15 +181,15 @@ def remember_stage_spans(
     and end-marker results, and every program result defined in a stage is an end-marker
     result, so :func:`~pipemark.passes.mark_missing_vars` has nothing to add
     (:func:`stage_spans_routed`)."""
-    _remember(_BODIES_CHECKED, jaxpr)
-    _remember(_SPANS, jaxpr, spans, routed)
+    markers = [i for i, eqn in enumerate(jaxpr.eqns) if eqn.primitive is pipeline_p]
+    _remember(jaxpr, markers, spans, routed)
 
 
 def stage_spans_routed(jaxpr: Jaxpr) -> bool:
     """Whether a pass recorded ``jaxpr`` as routed (see :func:`remember_stage_spans`)
     and its equations are still the ones it recorded."""
-    entry = _cached(_SPANS, jaxpr)
-    return entry is not None and len(entry) > 2 and bool(entry[2])
+    entry = _cached(jaxpr)
+    return entry is not None and len(entry) > 1 and bool(entry[1])
 
 
 @dataclass
@@ -239,9 +241,9 @@ def find_stage_spans(
     """
     jaxpr = _as_jaxpr(jaxpr)
     if not allow_boundaries:
-        known = _cached(_SPANS, jaxpr)
+        known = _cached(jaxpr)
         if known is not None:
-            return known[1]
+            return known[0]
     check_no_markers_in_bodies(jaxpr)
     eqns = jaxpr.eqns
     spans: list[StageSpan] = []
@@ -256,9 +258,11 @@ def find_stage_spans(
             StageSpan(stage.name, stage.first, last, tuple(stage.openers), tuple(stage.closers))
         )
 
+    markers: list[int] = []
     for index, eqn in enumerate(eqns):
         if eqn.primitive is not pipeline_p:
             continue
+        markers.append(index)
         name, mark_type = _marker_params(eqn, index)
         if mark_type == "boundary":
             if allow_boundaries:
@@ -366,7 +370,7 @@ def find_stage_spans(
             )
     result = tuple(spans)
     if not allow_boundaries:
-        _remember(_SPANS, jaxpr, result)
+        _remember(jaxpr, markers, result)
     return result
 
 

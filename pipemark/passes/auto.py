@@ -54,11 +54,11 @@ from pipemark.errors import (
     MarkerError,
     PipemarkError,
     PipemarkWarning,
-    check_closed_jaxpr,
     describe_eqn,
 )
 from pipemark.marks import APPLY_STAGE, STAGE_MARK_TYPES, backward_name
 from pipemark.passes._backward import crossing_bytes, forward_end, mirror_cuts
+from pipemark.passes.framework import jaxpr_pass
 from pipemark.passes.gradient import apply_start
 from pipemark.passes.insert import insert_markers
 from pipemark.passes.scan import SCAN_COST_FRACTION, scans_to_split, split_scan
@@ -410,6 +410,7 @@ def _check_unmarked(jaxpr: Jaxpr) -> None:
             )
 
 
+@jaxpr_pass
 def auto_layers(
     cj: ClosedJaxpr,
     num_layers: int,
@@ -485,7 +486,6 @@ def auto_layers(
     >>> [e.primitive.name for e in marked.eqns][:6]
     ['pipeline_marker', 'dot_general', 'tanh', 'dot_general', 'tanh', 'pipeline_marker']
     """
-    check_closed_jaxpr(cj, "auto_layers")
     if isinstance(num_layers, bool) or not isinstance(num_layers, (int, np.integer)):
         raise PipemarkError(f"num_layers must be a positive int, got {num_layers!r}.")
     if num_layers < 1:

@@ -11,9 +11,10 @@ from typing import Any
 
 from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, JaxprEqn, Literal, Var
 
-from pipemark.errors import MarkerError, check_closed_jaxpr, describe_eqn
+from pipemark.errors import MarkerError, describe_eqn
 from pipemark.marks import APPLY_STAGE
 from pipemark.passes._markers import find_stage_spans
+from pipemark.passes.framework import jaxpr_pass
 from pipemark.passes.rewrite import dce
 from pipemark.primitive import is_marker, mark_pipeline_jaxpreqn
 from pipemark.walk import bodies, find_eqn
@@ -106,6 +107,7 @@ def _closed(
     return ClosedJaxpr(jaxpr, [c for _, c in kept])
 
 
+@jaxpr_pass
 def split_at_gradient(cj: ClosedJaxpr) -> tuple[ClosedJaxpr, ClosedJaxpr]:
     """Cut a training step at its ``grad`` marker (:func:`pipemark.mark_gradient`).
 
@@ -187,7 +189,6 @@ def split_at_gradient(cj: ClosedJaxpr) -> tuple[ClosedJaxpr, ClosedJaxpr]:
     >>> len(compute_grad.jaxpr.outvars), len(apply_grad.jaxpr.invars)
     (2, 4)
     """
-    check_closed_jaxpr(cj, "split_at_gradient")
     jaxpr = cj.jaxpr
     eqns = jaxpr.eqns
     g = _grad_marker_index(jaxpr)
@@ -252,6 +253,7 @@ def split_at_gradient(cj: ClosedJaxpr) -> tuple[ClosedJaxpr, ClosedJaxpr]:
     return compute_grad, apply_grad
 
 
+@jaxpr_pass
 def mark_apply_stage(cj: ClosedJaxpr, name: str = APPLY_STAGE) -> ClosedJaxpr:
     """Wrap a training step's optimizer update (the equations after its ``grad``
     marker) in a stage of its own named ``name``, when they are outside every stage.
@@ -278,7 +280,6 @@ def mark_apply_stage(cj: ClosedJaxpr, name: str = APPLY_STAGE) -> ClosedJaxpr:
     >>> [s.name for s in staged.stages]
     ['layer0', 'apply_grad']
     """
-    check_closed_jaxpr(cj, "mark_apply_stage")
     jaxpr = cj.jaxpr
     begin = apply_start(jaxpr)
     if begin is None:

@@ -53,10 +53,9 @@ from jax.extend.core import (
 )
 
 from pipemark._compat import CLOSED_CALL_NAMES
-from pipemark.errors import check_closed_jaxpr
 from pipemark.marks import OPENERS, STAGE_MARK_TYPES
-from pipemark.passes._collector import paused_collector
 from pipemark.passes._markers import first_stage_marker
+from pipemark.passes.framework import jaxpr_pass
 from pipemark.primitive import is_marker
 from pipemark.walk import BODY_PARAMS, open_jaxpr
 
@@ -120,6 +119,7 @@ def _wants_inlining(eqn: JaxprEqn, memo: dict[int, JaxprEqn | None]) -> bool:
     return rule.action == "inline" or first_stage_marker(_body(eqn)[0], memo) is not None
 
 
+@jaxpr_pass
 def inline_calls(cj: ClosedJaxpr) -> ClosedJaxpr:
     """Bring the bodies of call-like equations up to the top level, as
     :data:`CALL_RULES` says, so that markers inside them can cut stages.
@@ -152,7 +152,6 @@ def inline_calls(cj: ClosedJaxpr) -> ClosedJaxpr:
     A program that is one call (``jax.jit(f)`` traced) gets no scope: it would name
     every equation alike.
     """
-    check_closed_jaxpr(cj, "inline_calls")
     memo: dict[int, JaxprEqn | None] = {}
     if not any(_wants_inlining(eqn, memo) for eqn in cj.jaxpr.eqns):
         return cj
@@ -160,8 +159,7 @@ def inline_calls(cj: ClosedJaxpr) -> ClosedJaxpr:
     if body is not None:
         # jax.jit(f) traced: the program is its call's body, reused without a copy.
         return inline_calls(body)
-    with paused_collector():
-        return _Inliner(memo).run(cj)
+    return _Inliner(memo).run(cj)
 
 
 def _whole_program_body(cj: ClosedJaxpr) -> ClosedJaxpr | None:

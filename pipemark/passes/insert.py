@@ -25,16 +25,16 @@ from jax.extend.core import (
 )
 
 from pipemark._compat import name_stack_scopes
-from pipemark.errors import MarkerError, PipemarkError, check_closed_jaxpr, describe_eqn
+from pipemark.errors import MarkerError, PipemarkError, describe_eqn
 from pipemark.marks import APPLY_STAGE, STAGE_MARK_TYPES, backward_name, forward_name
 from pipemark.passes._backward import forward_end, mirror_cuts
-from pipemark.passes._collector import paused_collector
 from pipemark.passes._markers import (
     StageSpan,
     check_no_markers_in_bodies,
     new_stage_span,
     remember_stage_spans,
 )
+from pipemark.passes.framework import jaxpr_pass
 from pipemark.passes.gradient import apply_start
 from pipemark.primitive import pipeline_p
 
@@ -296,6 +296,7 @@ def _check_names(names: Sequence[str] | None, count: int, default: str) -> list[
     return names
 
 
+@jaxpr_pass
 def insert_markers(
     cj: ClosedJaxpr, cuts: Sequence[int], names: Sequence[str] | None = None
 ) -> ClosedJaxpr:
@@ -339,7 +340,6 @@ def insert_markers(
         g:f32[] = pipeline_marker[mark_type=end name=s1] f
       in (g,) }
     """
-    cj = check_closed_jaxpr(cj, "insert_markers")
     num_eqns = len(cj.jaxpr.eqns)
     if num_eqns == 0:
         raise PipemarkError("insert_markers: the program has no equations to put in stages.")
@@ -368,10 +368,10 @@ def insert_markers(
     runs = [
         (k, begin, stop) for k, (begin, stop) in enumerate(zip(starts, [*starts[1:], num_eqns]))
     ]
-    with paused_collector():
-        return _wrap_segments(cj, runs, names, keeps_markers=bool(markers))
+    return _wrap_segments(cj, runs, names, keeps_markers=bool(markers))
 
 
+@jaxpr_pass
 def layers_from_boundaries(cj: ClosedJaxpr) -> ClosedJaxpr:
     """Turn zero-operand boundary markers into start/end markers around each layer.
 
@@ -416,12 +416,10 @@ def layers_from_boundaries(cj: ClosedJaxpr) -> ClosedJaxpr:
         g:f32[] = pipeline_marker[mark_type=end name=layer1] f
       in (g,) }
     """
-    with paused_collector():
-        return _layers_from_boundaries(cj)
+    return _layers_from_boundaries(cj)
 
 
 def _layers_from_boundaries(cj: ClosedJaxpr) -> ClosedJaxpr:
-    cj = check_closed_jaxpr(cj, "layers_from_boundaries")
     markers = _marker_indices(cj.jaxpr, "layers_from_boundaries", frozenset(("boundary",)))
     check_no_markers_in_bodies(cj.jaxpr)
     eqns = cj.jaxpr.eqns
@@ -465,6 +463,7 @@ def _layers_from_boundaries(cj: ClosedJaxpr) -> ClosedJaxpr:
     return _wrap_segments(cj, runs, names, keeps_markers=len(markers) > len(boundaries))
 
 
+@jaxpr_pass
 def insert_markers_by_scope(cj: ClosedJaxpr, depth: int = 1) -> ClosedJaxpr:
     """Insert markers where the ``jax.named_scope`` / ``jax.named_call`` name changes.
 
@@ -499,7 +498,6 @@ def insert_markers_by_scope(cj: ClosedJaxpr, depth: int = 1) -> ClosedJaxpr:
     >>> [e.params["name"] for e in marked.eqns if e.primitive is pm.pipeline_p]
     ['embed', 'embed', 'head', 'head']
     """
-    cj = check_closed_jaxpr(cj, "insert_markers_by_scope")
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         raise PipemarkError(f"depth must be a positive int, got {depth!r}.")
     eqns = cj.jaxpr.eqns

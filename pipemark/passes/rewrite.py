@@ -14,9 +14,8 @@ from typing import Any
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 from jax.interpreters import partial_eval as pe
 
-from pipemark.errors import check_closed_jaxpr
-from pipemark.passes._collector import paused_collector
 from pipemark.passes._markers import find_stage_spans, stage_spans_routed
+from pipemark.passes.framework import jaxpr_pass
 from pipemark.primitive import is_marker, pipeline_p
 from pipemark.walk import find_eqn, map_bodies
 
@@ -54,6 +53,7 @@ def _remove_markers(jaxpr: Jaxpr, memo: dict[int, JaxprEqn | None]) -> Jaxpr:
     return jaxpr.replace(eqns=new_eqns, outvars=outvars)
 
 
+@jaxpr_pass
 def remove_markers(cj: ClosedJaxpr) -> ClosedJaxpr:
     """Drop every pipeline marker, in the program and in its sub-jaxprs.
 
@@ -98,13 +98,13 @@ def remove_markers(cj: ClosedJaxpr) -> ClosedJaxpr:
     >>> [e.primitive.name for e in remove_markers(cj).eqns]
     ['sin']
     """
-    check_closed_jaxpr(cj, "remove_markers")
     return ClosedJaxpr(_remove_markers(cj.jaxpr, {}), cj.consts)
 
 
 # --------------------------------------------------------------------- mark_missing_vars
 
 
+@jaxpr_pass
 def mark_missing_vars(cj: ClosedJaxpr) -> ClosedJaxpr:
     """Route every value that crosses a stage boundary through the stage's markers.
 
@@ -183,12 +183,10 @@ def mark_missing_vars(cj: ClosedJaxpr) -> ClosedJaxpr:
     >>> [len(e.invars) for e in cj.eqns if e.primitive is pm.pipeline_p]
     [1, 2, 3, 1]
     """
-    with paused_collector():
-        return _mark_missing_vars(cj)
+    return _mark_missing_vars(cj)
 
 
 def _mark_missing_vars(cj: ClosedJaxpr) -> ClosedJaxpr:
-    check_closed_jaxpr(cj, "mark_missing_vars")
     jaxpr = cj.jaxpr
     eqns = jaxpr.eqns
     spans = find_stage_spans(jaxpr)
@@ -322,6 +320,7 @@ def _mark_missing_vars(cj: ClosedJaxpr) -> ClosedJaxpr:
 # ---------------------------------------------------------------------------------- dce
 
 
+@jaxpr_pass
 def dce(cj: ClosedJaxpr) -> ClosedJaxpr:
     """Marker-aware dead-code elimination.
 
@@ -380,12 +379,10 @@ def dce(cj: ClosedJaxpr) -> ClosedJaxpr:
     >>> [(e.primitive.name, len(e.invars)) for e in cj.eqns]
     [('pipeline_marker', 1), ('sin', 1), ('pipeline_marker', 1)]
     """
-    with paused_collector():
-        return _dce(cj)
+    return _dce(cj)
 
 
 def _dce(cj: ClosedJaxpr) -> ClosedJaxpr:
-    check_closed_jaxpr(cj, "dce")
     jaxpr = cj.jaxpr
     # One backward sweep, like jax.interpreters.partial_eval.dce_jaxpr, but with a fast
     # path for the common case of a primitive without a DCE rule of its own: such an

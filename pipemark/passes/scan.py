@@ -33,9 +33,11 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal, Var, new_jaxpr_eqn, no_effects
 from jax.extend.core import primitives as _primitives
 
+from pipemark.caches import register_cache
 from pipemark.cost import eqn_costs
-from pipemark.errors import MarkerError, PipemarkError, check_closed_jaxpr, describe_eqn
+from pipemark.errors import MarkerError, PipemarkError, describe_eqn
 from pipemark.marks import PAIRED_MARK_TYPES, backward_name, forward_name
+from pipemark.passes.framework import jaxpr_pass
 from pipemark.primitive import is_marker, mark_pipeline_jaxpreqn
 
 __all__ = [
@@ -108,6 +110,7 @@ def scans_to_split(
     ]
 
 
+@jaxpr_pass
 def split_scan(
     cj: ClosedJaxpr,
     num_chunks: int,
@@ -134,7 +137,6 @@ def split_scan(
     >>> [e.params["length"] for e in split.eqns if e.primitive.name == "scan"]
     [2, 2, 2, 1]
     """
-    check_closed_jaxpr(cj, "split_scan")
     _check_args(num_chunks, min_cost_fraction)
     if scans is None:
         scans = scans_to_split(cj, min_cost_fraction) if num_chunks > 1 else []
@@ -215,10 +217,16 @@ def _template(kind: str) -> tuple[Any, dict[str, Any]]:
     return eqn.primitive, dict(eqn.params)
 
 
+register_cache(_template.cache_clear)
+
+
 @functools.lru_cache(maxsize=4096)
 def _chunk_aval(aval: Any, length: int) -> Any:
     # Avals hash by value; the chunks of one scan share a few lengths.
     return aval.update(shape=(length, *aval.shape[1:]))
+
+
+register_cache(_chunk_aval.cache_clear)
 
 
 def _stacked_var(var: Any, length: int) -> Var:
@@ -348,6 +356,7 @@ def _unmarked_scan(eqn: JaxprEqn, index: int) -> tuple[JaxprEqn, str]:
     return eqn.replace(params=dict(eqn.params, jaxpr=new_body)), names.pop()
 
 
+@jaxpr_pass
 def layers_from_scans(cj: ClosedJaxpr, num_stages: int | None = None) -> ClosedJaxpr:
     """Cut every top-level scan whose body is marked as one layer (start/end markers
     named ``N`` inside the body) into stages ``N0``, ``N1``, …: one per iteration, or
@@ -368,7 +377,6 @@ def layers_from_scans(cj: ClosedJaxpr, num_stages: int | None = None) -> ClosedJ
     >>> [s.name for s in pm.passes.slice_stages(layers_from_scans(cj)).stages]
     ['block0', 'block1', 'block2']
     """
-    check_closed_jaxpr(cj, "layers_from_scans")
     if num_stages is not None:
         _check_args(num_stages, 0.0)
     plans = {}

@@ -11,16 +11,15 @@ from pipemark.errors import (
     MarkerError,
     PipemarkError,
     StageGraphError,
-    check_closed_jaxpr,
     describe_eqn,
 )
-from pipemark.passes._collector import paused_collector
 from pipemark.passes._markers import (
     StageSpan,
     find_stage_spans,
     stage_index_of_equations,
     stage_spans_routed,
 )
+from pipemark.passes.framework import jaxpr_pass
 from pipemark.staged import (
     Stage,
     StagedJaxpr,
@@ -82,6 +81,7 @@ def _assign_unmarked(jaxpr: Jaxpr, stage_of: list[int | None], spans) -> list[in
     return assigned  # type: ignore[return-value]
 
 
+@jaxpr_pass
 def slice_stages(cj: ClosedJaxpr, unmarked: str = "assign") -> StagedJaxpr:
     """Cut a program at its start/end markers into a :class:`~pipemark.StagedJaxpr`.
 
@@ -156,12 +156,10 @@ def slice_stages(cj: ClosedJaxpr, unmarked: str = "assign") -> StagedJaxpr:
     >>> staged.stages[1].inputs
     (ValueRef(kind='stage', index=0, stage=0, value=None),)
     """
-    with paused_collector():
-        return _slice_stages(cj, unmarked)
+    return _slice_stages(cj, unmarked)
 
 
 def _slice_stages(cj: ClosedJaxpr, unmarked: str = "assign") -> StagedJaxpr:
-    check_closed_jaxpr(cj, "slice_stages")
     if unmarked not in _UNMARKED_MODES:
         raise PipemarkError(
             f"unmarked must be one of {', '.join(map(repr, _UNMARKED_MODES))}, got {unmarked!r}."

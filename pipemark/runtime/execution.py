@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pipemark._compat import copy_to_device
+from pipemark.caches import register_cache
 from pipemark.runtime.plan import PipelinePlan
 from pipemark.runtime.schedules import FORWARD
 
@@ -58,6 +59,9 @@ def split_leaf(leaf: Any, num_microbatches: int, micro: int) -> list[Any]:
 @functools.lru_cache(maxsize=64)
 def _splitter(num_microbatches: int) -> Callable[[Any], list[Any]]:
     return jax.jit(lambda x: jnp.split(x, num_microbatches))
+
+
+register_cache(_splitter.cache_clear)
 
 
 class _Cancelled(Exception):

@@ -18,6 +18,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from jax.sharding import SingleDeviceSharding
 
+from pipemark.caches import register_cache
 from pipemark.errors import PipemarkError, StageGraphError
 from pipemark.marks import backward_name, forward_name
 from pipemark.runtime.losses import LOSS_REDUCTIONS, find_batch_normaliser
@@ -288,6 +289,7 @@ def _stage_edges(
 _HIDDEN_ADDRESS = re.compile(r"\bat 0xX+>")
 _UNIT_CACHE: dict[Any, tuple[Callable, Callable | None]] = {}
 _UNIT_CACHE_SIZE = 256
+register_cache(_UNIT_CACHE.clear)
 
 
 def _unit_key(closed: ClosedJaxpr, accumulated: list[int], passed: list[int], device: Any) -> Any:

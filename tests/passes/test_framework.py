@@ -1,4 +1,5 @@
-"""The public passes pause Python's cyclic garbage collector while they run."""
+"""pipemark.passes.framework: every public pass checks its input, pauses the cyclic
+garbage collector while it runs, and checks what it returns under jax_enable_checks."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import pytest
 import pipemark as pm
 from pipemark import examples
 from pipemark.errors import MarkerError, PipemarkError
-from pipemark.passes import _collector, insert, rewrite, slice
-from pipemark.passes._collector import paused_collector
+from pipemark.passes import framework, insert, rewrite, slice
+from pipemark.passes.framework import paused_collector
 
 
 @pytest.fixture(autouse=True)
@@ -121,9 +122,9 @@ def test_nested_paused_collectors_restore_the_outer_state():
 
 def test_paused_collector_uses_only_disable_and_enable(monkeypatch):
     calls = []
-    monkeypatch.setattr(_collector.gc, "disable", lambda: calls.append("disable"))
-    monkeypatch.setattr(_collector.gc, "enable", lambda: calls.append("enable"))
-    monkeypatch.setattr(_collector.gc, "isenabled", lambda: True)
+    monkeypatch.setattr(framework.gc, "disable", lambda: calls.append("disable"))
+    monkeypatch.setattr(framework.gc, "enable", lambda: calls.append("enable"))
+    monkeypatch.setattr(framework.gc, "isenabled", lambda: True)
     with paused_collector():
         assert calls == ["disable"]
     assert calls == ["disable", "enable"]
@@ -240,3 +241,47 @@ def test_pipeline_of_passes_and_split_keep_the_collector_enabled():
     marked = pm.passes.auto_layers(examples.mlp(num_layers=4, markers=None).trace(), 2)
     pm.passes.slice_stages(pm.passes.dce(pm.passes.mark_missing_vars(marked)))
     assert gc.isenabled()
+
+
+def test_the_test_suite_runs_with_jax_checks():
+    assert jax.config.jax_enable_checks
+
+
+def test_a_pass_that_returns_an_ill_typed_program_fails_under_checks():
+    from jax.extend.core import ClosedJaxpr
+
+    @framework.jaxpr_pass
+    def drop_first_equation(cj):
+        # Reads a variable no equation defines any more: an ill-formed program.
+        return ClosedJaxpr(cj.jaxpr.replace(eqns=cj.jaxpr.eqns[1:]), cj.consts)
+
+    cj = jax.make_jaxpr(lambda x: jnp.cos(jnp.sin(x)))(1.0)
+    with pytest.raises(Exception, match=r"Variable '.*' not defined"):
+        drop_first_equation(cj)
+    with jax.enable_checks(False):
+        assert len(drop_first_equation(cj).eqns) == 1  # unchecked without jax checks
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "inline_calls",
+        "insert_markers",
+        "layers_from_boundaries",
+        "insert_markers_by_scope",
+        "slice_stages",
+        "remove_markers",
+        "mark_missing_vars",
+        "dce",
+        "auto_layers",
+        "split_scan",
+        "layers_from_scans",
+        "split_at_gradient",
+        "mark_apply_stage",
+    ],
+)
+def test_every_pass_refuses_what_is_not_a_closed_jaxpr(name):
+    fn = getattr(pm.passes, name)
+    cj = jax.make_jaxpr(jnp.sin)(1.0)
+    with pytest.raises(PipemarkError, match=rf"^{name} takes a jax.extend.core.ClosedJaxpr"):
+        fn(cj.jaxpr, 1) if name in ("insert_markers", "auto_layers", "split_scan") else fn(cj.jaxpr)
