@@ -67,96 +67,14 @@ def stage_layout(staged: StagedJaxpr) -> dict[str, tuple[float, float]]:
 
 
 def _draw_graph(ax: Any, staged: StagedJaxpr, colors: list[str]) -> None:
-    from matplotlib.patches import FancyArrowPatch
-
     layout = stage_layout(staged)
-    graph = staged.graph
-    edges = [(u, v, int(d.get("bytes", 0))) for u, v, d in graph.edges(data=True)]
+    edges = [(u, v, int(d.get("bytes", 0))) for u, v, d in staged.graph.edges(data=True)]
     largest = max((b for _, _, b in edges), default=0)
     two_rows = len({y for _, y in layout.values()}) > 1
     for u, v, size in edges:
-        (x0, y0), (x1, y1) = layout[u], layout[v]
-        # Edges between neighbours in a row are straight; longer jumps bow away from
-        # the other row (upwards in a single row) so that they do not run through the
-        # stages in between. arc3 bends left of the direction of travel for rad > 0.
-        same_row = y0 == y1
-        upward = y0 > 0 or not two_rows
-        rad = 0.0
-        if same_row and abs(x1 - x0) > 1:
-            rad = (-0.3 if upward else 0.3) * (1 if x1 > x0 else -1)
-        elif not same_row and x0 != x1:
-            rad = 0.15
-        width = 1.0 + 7.0 * math.sqrt(size / largest) if largest else 1.0
-        arrow = FancyArrowPatch(
-            (x0, y0),
-            (x1, y1),
-            arrowstyle="-|>",
-            mutation_scale=10 + 1.5 * width,
-            linewidth=width,
-            color="#7b8794",
-            alpha=0.7,
-            shrinkA=19,
-            shrinkB=19,
-            connectionstyle=f"arc3,rad={rad}",
-            zorder=1,
-        )
-        ax.add_patch(arrow)
-        # The label sits on the arrow's own bounding box, which matplotlib knows only
-        # when it draws: beside a vertical arrow, on top of a straight or upward one.
-        if not same_row:
-            where, offset, ha, va = (1.0, 0.5), (4, 0), "left", "center"
-        elif rad == 0 or upward:
-            where, offset, ha, va = (0.5, 1.0), (0, 3), "center", "bottom"
-        else:
-            where, offset, ha, va = (0.5, 0.0), (0, -3), "center", "top"
-        ax.annotate(
-            format_bytes(size),
-            where,
-            xycoords=arrow,
-            xytext=offset,
-            textcoords="offset points",
-            fontsize=8,
-            color="#3d4752",
-            ha=ha,
-            va=va,
-            zorder=3,
-        )
+        _draw_edge(ax, layout[u], layout[v], size, largest, two_rows)
     for k, (stage, color) in enumerate(zip(staged.stages, colors)):
-        x, y = layout[stage.name]
-        backward = forward_name(stage.name) is not None
-        ax.scatter(
-            [x],
-            [y],
-            s=900,
-            c=[color],
-            edgecolors="#1f2933" if not backward else color,
-            linewidths=1.2,
-            hatch="////" if backward else None,
-            zorder=2,
-        )
-        ax.text(
-            x,
-            y,
-            str(k),
-            ha="center",
-            va="center",
-            fontsize=10,
-            color="white",
-            zorder=4,
-            fontweight="bold",
-        )
-        # Labels go where no arc bows: above the top row of a U, below a single row.
-        above = two_rows and y > 0
-        ax.annotate(
-            stage.name,
-            (x, y),
-            xytext=(0, 22 if above else -22),
-            textcoords="offset points",
-            ha="center",
-            va="bottom" if above else "top",
-            fontsize=9,
-            zorder=4,
-        )
+        _draw_stage(ax, k, stage.name, layout[stage.name], color, two_rows)
     xs = [x for x, _ in layout.values()]
     ys = [y for _, y in layout.values()]
     ax.set_xlim(min(xs) - 0.6, max(xs) + 0.6)
@@ -165,6 +83,88 @@ def _draw_graph(ax: Any, staged: StagedJaxpr, colors: list[str]) -> None:
     note = f"arrow width grows with the bytes sent (largest {format_bytes(largest)})"
     ax.set_title("stage graph", fontsize=11, loc="left")
     ax.text(0.0, -0.02, note, transform=ax.transAxes, fontsize=8, color="#52606d", va="top")
+
+
+def _draw_edge(ax: Any, start: tuple, stop: tuple, size: int, largest: int, two_rows: bool) -> None:
+    from matplotlib.patches import FancyArrowPatch
+
+    (x0, y0), (x1, y1) = start, stop
+    # Edges between neighbours in a row are straight; longer jumps bow away from
+    # the other row (upwards in a single row) so that they do not run through the
+    # stages in between. arc3 bends left of the direction of travel for rad > 0.
+    same_row = y0 == y1
+    upward = y0 > 0 or not two_rows
+    rad = 0.0
+    if same_row and abs(x1 - x0) > 1:
+        rad = (-0.3 if upward else 0.3) * (1 if x1 > x0 else -1)
+    elif not same_row and x0 != x1:
+        rad = 0.15
+    width = 1.0 + 7.0 * math.sqrt(size / largest) if largest else 1.0
+    arrow = FancyArrowPatch(
+        (x0, y0),
+        (x1, y1),
+        arrowstyle="-|>",
+        mutation_scale=10 + 1.5 * width,
+        linewidth=width,
+        color="#7b8794",
+        alpha=0.7,
+        shrinkA=19,
+        shrinkB=19,
+        connectionstyle=f"arc3,rad={rad}",
+        zorder=1,
+    )
+    ax.add_patch(arrow)
+    # The label sits on the arrow's own bounding box, which matplotlib knows only
+    # when it draws: beside a vertical arrow, on top of a straight or upward one.
+    if not same_row:
+        where, offset, ha, va = (1.0, 0.5), (4, 0), "left", "center"
+    elif rad == 0 or upward:
+        where, offset, ha, va = (0.5, 1.0), (0, 3), "center", "bottom"
+    else:
+        where, offset, ha, va = (0.5, 0.0), (0, -3), "center", "top"
+    ax.annotate(
+        format_bytes(size),
+        where,
+        xycoords=arrow,
+        xytext=offset,
+        textcoords="offset points",
+        fontsize=8,
+        color="#3d4752",
+        ha=ha,
+        va=va,
+        zorder=3,
+    )
+
+
+def _draw_stage(ax: Any, k: int, name: str, at: tuple, color: str, two_rows: bool) -> None:
+    x, y = at
+    backward = forward_name(name) is not None
+    ax.scatter(
+        [x],
+        [y],
+        s=900,
+        c=[color],
+        edgecolors="#1f2933" if not backward else color,
+        linewidths=1.2,
+        hatch="////" if backward else None,
+        zorder=2,
+    )
+    ax.text(
+        x, y, str(k), ha="center", va="center", fontsize=10, color="white", zorder=4,
+        fontweight="bold",
+    )  # fmt: skip
+    # Labels go where no arc bows: above the top row of a U, below a single row.
+    above = two_rows and y > 0
+    ax.annotate(
+        name,
+        (x, y),
+        xytext=(0, 22 if above else -22),
+        textcoords="offset points",
+        ha="center",
+        va="bottom" if above else "top",
+        fontsize=9,
+        zorder=4,
+    )
 
 
 def _draw_costs(ax: Any, staged: StagedJaxpr, colors: list[str]) -> None:

@@ -318,31 +318,11 @@ class Schedule:
         return self.to_text()
 
 
-def _validate(schedule: Schedule) -> dict[Action, int]:
-    """Check a schedule; return the tick at which each action runs."""
-    m_count = _check_count(
-        schedule.num_microbatches, "num_microbatches", "Split the batch into at least one."
-    )
+def _action_ticks(schedule: Schedule, num_stages: int, m_count: int) -> dict[Action, int]:
+    """The tick of each action of ``schedule``, every cell checked (its type, that it
+    belongs to this pipeline and to its stage's device, that it runs once)."""
     stage_devices = schedule.stage_devices
-    num_stages = len(stage_devices)
-    if num_stages == 0:
-        raise StageGraphError("A schedule needs at least one stage.")
-    if len(schedule.predecessors) != num_stages:
-        raise StageGraphError(
-            f"The schedule has {num_stages} stage devices but a stage graph of "
-            f"{len(schedule.predecessors)} stages; give one predecessor list per stage."
-        )
-    preds = normalize_stage_graph(dict(enumerate(schedule.predecessors)), num_stages)
-    succ = _successors(preds)
-    if not schedule.ticks:
-        raise StageGraphError("The schedule has no ticks; every action must run once.")
     num_devices = len(schedule.ticks[0])
-    for j, d in enumerate(stage_devices):
-        if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < num_devices:
-            raise StageGraphError(
-                f"Stage {j} is placed on device {d!r}, but the schedule has "
-                f"{num_devices} devices (0..{num_devices - 1})."
-            )
     when: dict[Action, int] = {}
     for t, tick in enumerate(schedule.ticks):
         if len(tick) != num_devices:
@@ -377,6 +357,35 @@ def _validate(schedule: Schedule) -> dict[Action, int]:
                     "remove one."
                 )
             when[action] = t
+    return when
+
+
+def _validate(schedule: Schedule) -> dict[Action, int]:
+    """Check a schedule; return the tick at which each action runs."""
+    m_count = _check_count(
+        schedule.num_microbatches, "num_microbatches", "Split the batch into at least one."
+    )
+    stage_devices = schedule.stage_devices
+    num_stages = len(stage_devices)
+    if num_stages == 0:
+        raise StageGraphError("A schedule needs at least one stage.")
+    if len(schedule.predecessors) != num_stages:
+        raise StageGraphError(
+            f"The schedule has {num_stages} stage devices but a stage graph of "
+            f"{len(schedule.predecessors)} stages; give one predecessor list per stage."
+        )
+    preds = normalize_stage_graph(dict(enumerate(schedule.predecessors)), num_stages)
+    succ = _successors(preds)
+    if not schedule.ticks:
+        raise StageGraphError("The schedule has no ticks; every action must run once.")
+    num_devices = len(schedule.ticks[0])
+    for j, d in enumerate(stage_devices):
+        if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < num_devices:
+            raise StageGraphError(
+                f"Stage {j} is placed on device {d!r}, but the schedule has "
+                f"{num_devices} devices (0..{num_devices - 1})."
+            )
+    when = _action_ticks(schedule, num_stages, m_count)
     missing = [
         Action(j, m, k)
         for j in range(num_stages)

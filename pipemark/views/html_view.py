@@ -277,7 +277,25 @@ def to_html(
     namer = _Namer()
     for i, var in enumerate(staged.invars):
         namer.alias(var, _var_name(i))
-    # Every variable a stage receives from another stage or hands on to one.
+    boundary, readers = _crossings(staged)
+    parts = [
+        f'<div class="pipemark-view"><style>{_css()}</style>',
+        f'<p class="pm-caption">{len(rows)} stages, {total.equations} equations, '
+        f"{html.escape(format_count(total.flops))} FLOPs. Values sent between stages are "
+        '<span class="pm-b">highlighted</span>.</p>',
+        _table_html(rows, total, colors),
+    ]
+    outvar_names: list[list[str]] = []
+    for k, (row, color) in enumerate(zip(rows, colors)):
+        view = _StageView(staged, k, namer, (outvar_names, boundary, readers), max_eqns_per_stage)
+        parts.append(view.html(row, color, open_stages))
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def _crossings(staged: StagedJaxpr) -> tuple[set[Var], dict[tuple[int, int], list[str]]]:
+    """Every variable a stage receives from another stage, and who reads each stage
+    result (stage names, or ``result k`` for the program's results)."""
     boundary: set[Var] = set()
     readers: dict[tuple[int, int], list[str]] = {}
     for stage in staged.stages:
@@ -288,46 +306,49 @@ def to_html(
     for k, ref in enumerate(staged.outputs):
         if ref.kind == "stage":
             readers.setdefault((ref.stage, ref.index), []).append(f"result {k}")
-    parts = [
-        f'<div class="pipemark-view"><style>{_css()}</style>',
-        f'<p class="pm-caption">{len(rows)} stages, {total.equations} equations, '
-        f"{html.escape(format_count(total.flops))} FLOPs. Values sent between stages are "
-        '<span class="pm-b">highlighted</span>.</p>',
-        _table_html(rows, total, colors),
-    ]
-    outvar_names: list[list[str]] = []
-    for k, (stage, row, color) in enumerate(zip(staged.stages, rows, colors)):
-        jaxpr = stage.closed_jaxpr.jaxpr
-        received = []
-        for ref, var in zip(stage.inputs, jaxpr.invars):
+    return boundary, readers
+
+
+class _StageView:
+    """One stage's ``<details>`` block. Names its variables in ``namer`` in the order
+    they appear (a received value takes the name its stage gave it, in
+    ``outvar_names``) and appends its own result names to ``outvar_names``."""
+
+    def __init__(self, staged, k, namer, crossings, limit: int) -> None:
+        outvar_names, boundary, readers = crossings
+        self.staged, self.k, self.namer = staged, k, namer
+        self.stage = staged.stages[k]
+        self.jaxpr = self.stage.closed_jaxpr.jaxpr
+        self.received = []
+        for ref, var in zip(self.stage.inputs, self.jaxpr.invars):
             if ref.kind == "stage":
                 namer.alias(var, outvar_names[ref.stage][ref.index])
-                received.append(
-                    (namer.name(var), type_text(var.aval), f"from {staged.stages[ref.stage].name}")
-                )
+                source = f"from {staged.stages[ref.stage].name}"
+                self.received.append((namer.name(var), type_text(var.aval), source))
             elif ref.kind == "input":
                 namer.alias(var, _var_name(ref.index))
-        stage_boundary = boundary | {v for v in jaxpr.outvars if isinstance(v, Var)}
-        # One block per equation: a long one wraps with a hanging indent.
-        lines = [
-            f'<div class="pm-e">{_eqn_html(eqn, namer, stage_boundary)}</div>'
-            for eqn in jaxpr.eqns[:max_eqns_per_stage]
-        ]
-        if len(jaxpr.eqns) > max_eqns_per_stage:
-            lines.append(
-                f'<div class="pm-e pm-more">… {len(jaxpr.eqns) - max_eqns_per_stage} more '
-                "equations</div>"
-            )
-        names = [namer.name(v) if isinstance(v, Var) else _literal_text(v) for v in jaxpr.outvars]
+        outvars = self.jaxpr.outvars
+        self.boundary = boundary | {v for v in outvars if isinstance(v, Var)}
+        self.eqns_html = self.equations(limit)
+        names = [namer.name(v) if isinstance(v, Var) else _literal_text(v) for v in outvars]
         outvar_names.append(names)
-        sent = [
-            (
-                names[i],
-                type_text(v.aval),
-                "to " + ", ".join(readers.get((k, i), ["nobody"])),
-            )
-            for i, v in enumerate(jaxpr.outvars)
+        self.sent = [
+            (names[i], type_text(v.aval), "to " + ", ".join(readers.get((k, i), ["nobody"])))
+            for i, v in enumerate(outvars)
         ]
+
+    def equations(self, limit: int) -> str:
+        # One block per equation: a long one wraps with a hanging indent.
+        eqns = self.jaxpr.eqns
+        lines = [
+            f'<div class="pm-e">{_eqn_html(eqn, self.namer, self.boundary)}</div>'
+            for eqn in eqns[:limit]
+        ]
+        if len(eqns) > limit:
+            lines.append(f'<div class="pm-e pm-more">… {len(eqns) - limit} more equations</div>')
+        return f'<div class="pm-eqns">{"".join(lines)}</div>'
+
+    def html(self, row: StageRow, color: str, open_stages: bool) -> str:
         style = f"--pm-color: {color}; --pm-tint: {_rgba(color, 0.09)}"
         meta = (
             f"{row.equations} equations · {format_count(row.flops)} FLOPs · "
@@ -335,33 +356,27 @@ def to_html(
             f"out {format_bytes(row.bytes_out)}"
         )
         open_attr = ' open="open"' if open_stages else ""
-        parts.append(
-            f'<details class="pm-stage" style="{style}"{open_attr}>'
-            f'<summary><span class="pm-name">{k} · {html.escape(stage.name)}</span>'
-            f'<span class="pm-meta">{html.escape(meta)}</span></summary>'
-        )
         read = [
-            (name, type_text(aval), "program input") for name, aval in program_inputs(staged, stage)
+            (name, type_text(aval), "program input")
+            for name, aval in program_inputs(self.staged, self.stage)
         ]
-        if read:
-            parts.append(
-                '<div class="pm-io"><span class="pm-io-label">reads</span>'
-                f"{_value_list(read)}</div>"
-            )
-        if received:
-            parts.append(
-                '<div class="pm-io"><span class="pm-io-label">receives</span>'
-                f"{_value_list(received)}</div>"
-            )
-        parts.append(f'<div class="pm-eqns">{"".join(lines)}</div>')
-        if sent:
-            parts.append(
-                '<div class="pm-io"><span class="pm-io-label">sends</span>'
-                f"{_value_list(sent)}</div>"
-            )
-        parts.append("</details>")
-    parts.append("</div>")
-    return "".join(parts)
+        parts = [
+            f'<details class="pm-stage" style="{style}"{open_attr}>'
+            f'<summary><span class="pm-name">{self.k} · {html.escape(self.stage.name)}</span>'
+            f'<span class="pm-meta">{html.escape(meta)}</span></summary>',
+            _io("reads", read),
+            _io("receives", self.received),
+            self.eqns_html,
+            _io("sends", self.sent),
+            "</details>",
+        ]
+        return "".join(parts)
+
+
+def _io(label: str, values: list[tuple[str, str, str]]) -> str:
+    if not values:
+        return ""
+    return f'<div class="pm-io"><span class="pm-io-label">{label}</span>{_value_list(values)}</div>'
 
 
 class HTMLView:
