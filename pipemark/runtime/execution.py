@@ -231,42 +231,70 @@ def run_plan(
     *,
     parallel: bool = True,
 ) -> Any:
-    program = _program(plan)
-    staged = plan.staged
-    num_micro = plan.schedule.num_microbatches
-    param_leaves = jax.tree_util.tree_leaves(params)
-    batch_leaves = jax.tree_util.tree_leaves(batch)
-    num_params = plan.num_param_leaves
-    slices = [split_leaf(x, num_micro, plan.microbatch_size) for x in batch_leaves]
-    exchange = _Exchange(len(program.devices))
-    accs: dict[int, list[Any]] = {}  # per stage; each stage's worker alone writes its entry
-    units = plan.units
-    for index, unit in units.items():
-        if unit.zeros is not None:
-            # Immutable arrays: the zeros one call starts from serve every later call.
-            zeros = plan._zeros.get(index)
-            if zeros is None:
-                zeros = plan._zeros[index] = unit.zeros()
-            accs[index] = zeros
-    scale = np.float32(1.0 / num_micro if plan.loss_reduction == "mean" else 1.0)
-    threaded = parallel and len(program.devices) > 1
-    host_times: list[float] = []
-    timed = timings is not None
+    """Run ``plan`` on ``params`` and a whole ``batch`` (split into microbatches here)
+    and return the accumulated results in the plan's output tree. ``timings``, when a
+    dict, receives the dispatch timings (see :meth:`pipemark.Pipeline.timed_call`);
+    ``parallel=False`` walks every device's actions on the caller's thread."""
+    call = _Call(plan, params, batch)
+    start = time.perf_counter()
+    try:
+        if parallel and len(call.program.devices) > 1:
+            call.run_threaded()
+        else:
+            call.run_serial()
+        values_left = len(call.exchange)
+    finally:
+        call.exchange.clear()  # after a failure, values nobody will read
+    if timings is not None:
+        timings["dispatch_s"] = time.perf_counter() - start
+        timings["host_s"] = sum(call.host_times)
+        timings["num_actions"] = call.program.num_actions
+        timings["num_ticks"] = plan.schedule.num_ticks
+        timings["values_left"] = values_left
+        timings["peak_values"] = call.exchange.peak
+    return jax.tree_util.tree_unflatten(plan.out_tree, call.results())
 
-    def place(worker: int) -> tuple[dict[int, Any], list[list[Any]], Any]:
+
+class _Call:
+    """One call of a plan: its inputs, the values in flight, the accumulators."""
+
+    def __init__(self, plan: PipelinePlan, params: Any, batch: Any) -> None:
+        self.plan = plan
+        self.program = program = _program(plan)
+        self.num_micro = num_micro = plan.schedule.num_microbatches
+        self.param_leaves = jax.tree_util.tree_leaves(params)
+        batch_leaves = jax.tree_util.tree_leaves(batch)
+        self.slices = [split_leaf(x, num_micro, plan.microbatch_size) for x in batch_leaves]
+        self.exchange = _Exchange(len(program.devices))
+        # Per stage; each stage's worker alone writes its entry.
+        self.accs: dict[int, list[Any]] = {}
+        for index, unit in plan.units.items():
+            if unit.zeros is not None:
+                # Immutable arrays: the zeros one call starts from serve every later call.
+                zeros = plan._zeros.get(index)
+                if zeros is None:
+                    zeros = plan._zeros[index] = unit.zeros()
+                self.accs[index] = zeros
+        self.scale = np.float32(1.0 / num_micro if plan.loss_reduction == "mean" else 1.0)
+        self.host_times: list[float] = []
+        # threads[k] runs device worker k + 1 (the caller is worker 0).
+        self.threads: list[threading.Thread] = []
+
+    def place(self, worker: int) -> tuple[dict[int, Any], list[list[Any]], Any]:
         """This worker's parameters, batch slices and scale, on its device, in one
         transfer (the scale, the same every call, only once per plan)."""
+        program, plan, num_micro = self.program, self.plan, self.num_micro
         device = program.devices[worker]
         need_params, need_batch = program.params[worker], program.batch[worker]
-        sources = [param_leaves[i] for i in need_params]
+        sources = [self.param_leaves[i] for i in need_params]
         for j in need_batch:
-            sources.extend(slices[j])
+            sources.extend(self.slices[j])
         device_scale = plan._scales.get(worker)
         if device_scale is None:
-            device_scale = plan._scales[worker] = jax.device_put(scale, device)
+            device_scale = plan._scales[worker] = jax.device_put(self.scale, device)
         placed = copy_to_device(sources, device)
         on_device = dict(zip(need_params, placed))
-        batch_on: list[list[Any]] = [[] for _ in batch_leaves]
+        batch_on: list[list[Any]] = [[] for _ in self.slices]
         start = len(need_params)
         for j in need_batch:
             batch_on[j] = placed[start : start + num_micro]
@@ -274,7 +302,7 @@ def run_plan(
         return on_device, batch_on, device_scale
 
     def run_step(
-        worker: int, step: _Step, placed: tuple[dict[int, Any], list[list[Any]], Any]
+        self, worker: int, step: _Step, placed: tuple[dict[int, Any], list[list[Any]], Any]
     ) -> float:
         """Dispatch one action and publish its results; the host seconds it spent
         waiting for another worker's value."""
@@ -284,7 +312,7 @@ def run_plan(
         waited = 0.0
         for source, where in step.inputs:
             if source == _STAGE:
-                value, w = exchange.take(where, worker)
+                value, w = self.exchange.take(where, worker)
                 waited += w
             elif source == _PARAM:
                 value = on_device[where]
@@ -292,109 +320,104 @@ def run_plan(
                 value = batch_on[where][m]
             inputs.append(value)
         index = step.index
-        new_accs, outs = units[index].run(accs.get(index, ()), inputs, device_scale)
+        new_accs, outs = self.plan.units[index].run(self.accs.get(index, ()), inputs, device_scale)
         if step.accumulate:
-            accs[index] = new_accs
+            self.accs[index] = new_accs
         if step.sends:
-            entries = []
-            copies: dict[int, list[Any]] = {}
-            for position, key, targets in step.sends:
-                for reader, count in targets:
-                    if reader == worker:
-                        entries.append((key, reader, outs[position], count))
-                    else:
-                        copies.setdefault(reader, []).append((key, position, count))
-            for reader, wanted in copies.items():
-                # Pushed by the producer, one transfer per reader device: the copy is
-                # enqueued behind the producing program, and the reader finds it there.
-                moved = copy_to_device([outs[p] for _, p, _ in wanted], program.devices[reader])
-                entries.extend((key, reader, v, n) for (key, _, n), v in zip(wanted, moved))
-            exchange.publish(entries)
+            self.publish(worker, step, outs)
         return waited
 
-    def walk(worker: int, steps: Sequence[_Step]) -> None:
+    def publish(self, worker: int, step: _Step, outs: Sequence[Any]) -> None:
+        entries = []
+        copies: dict[int, list[Any]] = {}
+        for position, key, targets in step.sends:
+            for reader, count in targets:
+                if reader == worker:
+                    entries.append((key, reader, outs[position], count))
+                else:
+                    copies.setdefault(reader, []).append((key, position, count))
+        for reader, wanted in copies.items():
+            # Pushed by the producer, one transfer per reader device: the copy is
+            # enqueued behind the producing program, and the reader finds it there.
+            moved = copy_to_device([outs[p] for _, p, _ in wanted], self.program.devices[reader])
+            entries.extend((key, reader, v, n) for (key, _, n), v in zip(wanted, moved))
+        self.exchange.publish(entries)
+
+    def walk(self, worker: int) -> None:
         start = time.perf_counter()
-        placed = place(worker)
+        placed = self.place(worker)
         waited = 0.0
-        for step in steps:
-            waited += run_step(worker, step, placed)
-        host_times.append(time.perf_counter() - start - waited)
+        for step in self.program.columns[worker]:
+            waited += self.run_step(worker, step, placed)
+        self.host_times.append(time.perf_counter() - start - waited)
 
-    # threads[k] runs device worker k + 1 (the caller is worker 0).
-    threads: list[threading.Thread] = []
-
-    def guarded(worker: int) -> None:
+    def guarded(self, worker: int) -> None:
         try:
             # Each worker first starts the next one's thread. Starting a thread costs
             # about 150 µs here; started one after another by the caller, S - 1 of them
             # would delay device 0's first action, which everything else waits for. In
             # the cascade the caller pays one, and worker w starts w thread-starts after
             # the call began, long before a pipeline's first value reaches device w.
-            if worker < len(threads):
-                threads[worker].start()
-            walk(worker, program.columns[worker])
+            if worker < len(self.threads):
+                self.threads[worker].start()
+            self.walk(worker)
         except _Cancelled:
             pass
         except BaseException as error:  # handed to the caller, which re-raises it
-            exchange.fail(error)
+            self.exchange.fail(error)
 
-    start = time.perf_counter()
-    try:
-        if threaded:
-            threads.extend(
-                threading.Thread(target=guarded, args=(w,), name=f"pipemark-device{w}")
-                for w in range(1, len(program.devices))
-            )
-            guarded(0)  # the caller is the first device's worker
-            # In order: once worker w has finished it has started worker w + 1, unless
-            # starting it failed (then the error is in the exchange).
-            for thread in threads:
-                if thread.ident is None:
-                    break
-                thread.join()
-            if exchange.error is not None:
-                raise exchange.error
-            # The call returns once every action is dispatched, like any JAX computation
-            # (and like the single-device walk): an error inside a program that runs
-            # asynchronously reaches the accumulated results, and is raised where they
-            # are used (jax.block_until_ready, printing, conversion to NumPy). Waiting
-            # here cost the caller a thread wake-up and the chance to dispatch more work.
-        else:
-            begin = time.perf_counter()
-            placed = [place(w) for w in range(len(program.devices))]
-            waited = 0.0
-            for worker, step in program.serial:
-                waited += run_step(worker, step, placed[worker])
-            host_times.append(time.perf_counter() - begin - waited)
-        values_left = len(exchange)
-    finally:
-        exchange.clear()  # after a failure, values nobody will read
-    if timed:
-        timings["dispatch_s"] = time.perf_counter() - start
-        timings["host_s"] = sum(host_times)
-        timings["num_actions"] = program.num_actions
-        timings["num_ticks"] = plan.schedule.num_ticks
-        timings["values_left"] = values_left
-        timings["peak_values"] = exchange.peak
+    def run_threaded(self) -> None:
+        self.threads.extend(
+            threading.Thread(target=self.guarded, args=(w,), name=f"pipemark-device{w}")
+            for w in range(1, len(self.program.devices))
+        )
+        self.guarded(0)  # the caller is the first device's worker
+        # In order: once worker w has finished it has started worker w + 1, unless
+        # starting it failed (then the error is in the exchange).
+        for thread in self.threads:
+            if thread.ident is None:
+                break
+            thread.join()
+        if self.exchange.error is not None:
+            raise self.exchange.error
+        # The call returns once every action is dispatched, like any JAX computation
+        # (and like the single-device walk): an error inside a program that runs
+        # asynchronously reaches the accumulated results, and is raised where they
+        # are used (jax.block_until_ready, printing, conversion to NumPy). Waiting
+        # here cost the caller a thread wake-up and the chance to dispatch more work.
 
-    results: list[Any] = [None] * len(staged.outputs)
-    for index, unit in plan.units.items():
-        for slot, (r, _) in enumerate(unit.accumulated):
-            results[r] = accs[index][slot]
-    for r, ref in enumerate(staged.outputs):
-        if ref.kind == "stage":
-            continue
-        # A result that is a program input or a constant: the same reduction, on the host.
-        if ref.kind == "input":
-            parts = [
-                np.asarray(param_leaves[ref.index])
-                if ref.index < num_params
-                else np.asarray(slices[ref.index - num_params][m])
-                for m in range(num_micro)
-            ]
-        else:
-            value = getattr(ref.value, "val", ref.value)
-            parts = [np.asarray(value)] * num_micro
-        total = sum(parts[1:], parts[0])
-        results[r] = jnp.asarray(total * scale if plan.loss_reduction == "mean" else total)
-    return jax.tree_util.tree_unflatten(plan.out_tree, results)
+    def run_serial(self) -> None:
+        begin = time.perf_counter()
+        placed = [self.place(w) for w in range(len(self.program.devices))]
+        waited = 0.0
+        for worker, step in self.program.serial:
+            waited += self.run_step(worker, step, placed[worker])
+        self.host_times.append(time.perf_counter() - begin - waited)
+
+    def results(self) -> list[Any]:
+        """The accumulated results, in the staged program's output order."""
+        plan, num_micro = self.plan, self.num_micro
+        staged = plan.staged
+        results: list[Any] = [None] * len(staged.outputs)
+        for index, unit in plan.units.items():
+            for slot, (r, _) in enumerate(unit.accumulated):
+                results[r] = self.accs[index][slot]
+        num_params = plan.num_param_leaves
+        for r, ref in enumerate(staged.outputs):
+            if ref.kind == "stage":
+                continue
+            # A result that is a program input or a constant: the same reduction, on the host.
+            if ref.kind == "input":
+                parts = [
+                    np.asarray(self.param_leaves[ref.index])
+                    if ref.index < num_params
+                    else np.asarray(self.slices[ref.index - num_params][m])
+                    for m in range(num_micro)
+                ]
+            else:
+                value = getattr(ref.value, "val", ref.value)
+                parts = [np.asarray(value)] * num_micro
+            total = sum(parts[1:], parts[0])
+            mean = plan.loss_reduction == "mean"
+            results[r] = jnp.asarray(total * self.scale if mean else total)
+        return results
