@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import heapq
 from collections.abc import Mapping, Sequence
 
@@ -95,6 +96,44 @@ def merge_stages(
     """
     if not isinstance(staged, StagedJaxpr):
         raise PipemarkError(f"merge_stages takes a StagedJaxpr, got {type(staged).__name__}.")
+    node_members, node_names, node_of = _nodes(staged, groups)
+    order = _merged_order(staged, node_of, node_names)
+    old_stages = staged.stages
+    produced: dict[tuple[int, int], tuple[int, int]] = {}  # (old stage, out) -> (new, out)
+    read_outside: set[tuple[int, int]] = set()  # old outputs read by another node
+    for k, stage in enumerate(old_stages):
+        for ref in stage.inputs:
+            if ref.kind == "stage" and node_of[ref.stage] != node_of[k]:
+                read_outside.add((ref.stage, ref.index))
+    for ref in staged.outputs:
+        if ref.kind == "stage":
+            read_outside.add((ref.stage, ref.index))
+    new_stages: list[Stage] = []
+    for node in order:
+        members = node_members[node]
+        if len(members) == 1:
+            old = old_stages[members[0]]
+            inputs = tuple(_remap(ref, produced) for ref in old.inputs)
+            for i in range(len(old.closed_jaxpr.jaxpr.outvars)):
+                produced[(members[0], i)] = (len(new_stages), i)
+            # A group of one given a name in a mapping takes that name.
+            new_stages.append(Stage(node_names[node], old.closed_jaxpr, inputs, old.eqn_indices))
+        else:
+            merged = _merge_group(
+                staged, members, node_names[node], len(new_stages), produced, read_outside
+            )
+            new_stages.append(merged)
+    outputs = [_remap(ref, produced) for ref in staged.outputs]
+    return StagedJaxpr(
+        new_stages, staged.invars, outputs, staged.debug_info, signature=staged.signature
+    )
+
+
+def _nodes(
+    staged: StagedJaxpr, groups: Mapping[str, Sequence[int | str]] | Sequence[Sequence[int | str]]
+) -> tuple[list[list[int]], list[str], list[int]]:
+    """The stages of the merged program (each group, and each stage in no group, keyed
+    by its first member): their members, their names, and each old stage's node."""
     if isinstance(groups, Mapping):
         named = [(name, list(members)) for name, members in groups.items()]
     else:
@@ -118,8 +157,6 @@ def merge_stages(
         if name is not None and not isinstance(name, str):
             raise PipemarkError(f"merge_stages: stage name {name!r} is not a str.")
         group_names.append(name or "+".join(old_stages[k].name for k in indices))
-
-    # New nodes: each group, and each stage in no group; keyed by first member.
     node_of: list[int] = []
     node_members: list[list[int]] = []
     node_names: list[str] = []
@@ -137,20 +174,22 @@ def merge_stages(
             node_of.append(group_node[g])
             node_members.append(group_members[g])
             node_names.append(group_names[g])
-    seen_names: set[str] = set()
-    for name in node_names:
-        if name in seen_names:
-            raise PipemarkError(f"merge_stages: two stages would be named {name!r}.")
-        seen_names.add(name)
+    duplicates = sorted(n for n, count in collections.Counter(node_names).items() if count > 1)
+    if duplicates:
+        raise PipemarkError(f"merge_stages: two stages would be named {duplicates[0]!r}.")
+    return node_members, node_names, node_of
 
-    num_nodes = len(node_members)
+
+def _merged_order(staged: StagedJaxpr, node_of: list[int], node_names: list[str]) -> list[int]:
+    """A topological order of the merged stages, earliest first member first (Kahn with
+    a heap: deterministic); a :class:`StageGraphError` naming a cycle if merging makes
+    one."""
+    num_nodes = len(node_names)
     deps: list[set[int]] = [set() for _ in range(num_nodes)]
-    for k, stage in enumerate(old_stages):
+    for k, stage in enumerate(staged.stages):
         for ref in stage.inputs:
             if ref.kind == "stage" and node_of[ref.stage] != node_of[k]:
                 deps[node_of[k]].add(node_of[ref.stage])
-
-    # Topological order, earliest first member first (Kahn with a heap: deterministic).
     waiting = [len(d) for d in deps]
     readers: list[list[int]] = [[] for _ in range(num_nodes)]
     for node, d in enumerate(deps):
@@ -174,81 +213,60 @@ def merge_stages(
             f"merge_stages: the merged stages depend on each other in a cycle: {path}. "
             "Merge only stages with no other stage between them in the data flow."
         )
+    return order
 
-    # Where each old stage output lives: the merged node and its position there.
-    new_position: list[int] = [0] * num_nodes
-    for position, node in enumerate(order):
-        new_position[node] = position
-    produced: dict[tuple[int, int], tuple[int, int]] = {}  # (old stage, out) -> (new, out)
-    read_outside: set[tuple[int, int]] = set()  # old outputs read by another node
-    for k, stage in enumerate(old_stages):
-        for ref in stage.inputs:
-            if ref.kind == "stage" and node_of[ref.stage] != node_of[k]:
-                read_outside.add((ref.stage, ref.index))
-    for ref in staged.outputs:
-        if ref.kind == "stage":
-            read_outside.add((ref.stage, ref.index))
 
-    new_stages: list[Stage] = []
-    for node in order:
-        members = node_members[node]
-        if len(members) == 1:
-            old = old_stages[members[0]]
-            inputs = tuple(_remap(ref, produced) for ref in old.inputs)
-            for i in range(len(old.closed_jaxpr.jaxpr.outvars)):
-                produced[(members[0], i)] = (len(new_stages), i)
-            # A group of one given a name in a mapping takes that name.
-            new_stages.append(Stage(node_names[node], old.closed_jaxpr, inputs, old.eqn_indices))
-            continue
-        invars: dict[Var, ValueRef] = {}
-        outside_key: dict[tuple, Var] = {}  # one invar per outside value
-        local: dict[tuple[int, int], object] = {}  # member output -> atom in merged body
-        constvars: dict[Var, object] = {}
-        eqns = []
-        outvars: list[object] = []
-        indices: list[int] = []
-        for k in members:
-            jaxpr = old_stages[k].closed_jaxpr.jaxpr
-            sub: dict[Var, object] = {}
-            for var, ref in zip(jaxpr.invars, old_stages[k].inputs):
-                if ref.kind == "stage" and (ref.stage, ref.index) in local:
-                    atom = local[(ref.stage, ref.index)]
-                else:
-                    new_ref = _remap(ref, produced)
-                    key = (new_ref.kind, new_ref.stage, new_ref.index)
-                    if key not in outside_key:
-                        outside_key[key] = var
-                        invars[var] = new_ref
-                    atom = outside_key[key]
-                if atom is not var:
-                    sub[var] = atom
-            for var, value in zip(jaxpr.constvars, old_stages[k].closed_jaxpr.consts):
-                constvars.setdefault(var, value)
-            eqns.extend(substitute_operands(jaxpr.eqns, sub))
-            for i, v in enumerate(jaxpr.outvars):
-                atom = sub.get(v, v) if isinstance(v, Var) else v
-                local[(k, i)] = atom
-                if (k, i) in read_outside:
-                    produced[(k, i)] = (len(new_stages), len(outvars))
-                    outvars.append(atom)
-            indices.extend(old_stages[k].eqn_indices)
-        effects = set()
-        for eqn in eqns:
-            effects |= set(eqn.effects)
-        merged = Jaxpr(
-            list(constvars),
-            list(invars),
-            outvars,
-            eqns,
-            effects,
-            stage_debug_info(node_names[node], list(invars.values()), len(outvars)),
-        )
-        closed = ClosedJaxpr(merged, list(constvars.values()))
-        new_stages.append(Stage(node_names[node], closed, tuple(invars.values()), tuple(indices)))
-    outputs = [_remap(ref, produced) for ref in staged.outputs]
-    return StagedJaxpr(
-        new_stages, staged.invars, outputs, staged.debug_info, signature=staged.signature
-    )
+def _merge_group(
+    staged: StagedJaxpr,
+    members: list[int],
+    name: str,
+    position: int,
+    produced: dict[tuple[int, int], tuple[int, int]],
+    read_outside: set[tuple[int, int]],
+) -> Stage:
+    """One stage running ``members`` in order: a value one member hands another stays
+    inside; what another stage or the program reads is a result. Records in
+    ``produced`` where each of those results now lives (new stage ``position``)."""
+    old_stages = staged.stages
+    invars: dict[Var, ValueRef] = {}
+    outside_key: dict[tuple, Var] = {}  # one invar per outside value
+    local: dict[tuple[int, int], object] = {}  # member output -> atom in merged body
+    constvars: dict[Var, object] = {}
+    eqns = []
+    outvars: list[object] = []
+    indices: list[int] = []
+    for k in members:
+        jaxpr = old_stages[k].closed_jaxpr.jaxpr
+        sub: dict[Var, object] = {}
+        for var, ref in zip(jaxpr.invars, old_stages[k].inputs):
+            if ref.kind == "stage" and (ref.stage, ref.index) in local:
+                atom = local[(ref.stage, ref.index)]
+            else:
+                new_ref = _remap(ref, produced)
+                key = (new_ref.kind, new_ref.stage, new_ref.index)
+                if key not in outside_key:
+                    outside_key[key] = var
+                    invars[var] = new_ref
+                atom = outside_key[key]
+            if atom is not var:
+                sub[var] = atom
+        for var, value in zip(jaxpr.constvars, old_stages[k].closed_jaxpr.consts):
+            constvars.setdefault(var, value)
+        eqns.extend(substitute_operands(jaxpr.eqns, sub))
+        for i, v in enumerate(jaxpr.outvars):
+            atom = sub.get(v, v) if isinstance(v, Var) else v
+            local[(k, i)] = atom
+            if (k, i) in read_outside:
+                produced[(k, i)] = (position, len(outvars))
+                outvars.append(atom)
+        indices.extend(old_stages[k].eqn_indices)
+    effects = set()
+    for eqn in eqns:
+        effects |= set(eqn.effects)
+    info = stage_debug_info(name, list(invars.values()), len(outvars))
+    merged = Jaxpr(list(constvars), list(invars), outvars, eqns, effects, info)
+    closed = ClosedJaxpr(merged, list(constvars.values()))
+    return Stage(name, closed, tuple(invars.values()), tuple(indices))
 
 
 def _remap(ref: ValueRef, produced: dict[tuple[int, int], tuple[int, int]]) -> ValueRef:
