@@ -24,16 +24,13 @@ Two shapes that JAX makes are accepted on purpose:
 
 from __future__ import annotations
 
-import contextlib
-import weakref
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
-from pipemark.caches import register_cache
 from pipemark.errors import MarkerError, describe_eqn
 from pipemark.marks import CLOSERS, MARK_TYPES, OPENERS, STAGE_MARK_TYPES, forward_name
+from pipemark.passes.memo import ProgramMemo
 from pipemark.primitive import is_marker, pipeline_p
 from pipemark.walk import CALL_PRIMITIVES, bodies, find_eqn
 
@@ -42,9 +39,7 @@ __all__ = [
     "StageSpan",
     "check_no_markers_in_bodies",
     "find_stage_spans",
-    "remember_stage_spans",
     "stage_index_of_equations",
-    "stage_spans_routed",
 ]
 
 
@@ -109,41 +104,9 @@ def _is_stage_marker(eqn: JaxprEqn) -> bool:
     return is_marker(eqn, STAGE_MARK_TYPES)
 
 
-# The stage spans of programs validated before, by identity (a Jaxpr hashes by
-# identity): find_stage_spans validates a program once even when a pipeline of passes
-# reads it several times, and a pass that builds a program from a validated one records
-# what it knows about the result (remember_stage_spans). A Jaxpr can be edited in place
-# (its equation and result lists, a marker's params), so each entry keeps what its
-# answer depends on: the equation list, the result list and each marker's name and mark
-# type; it is used only while all three are unchanged (list comparisons by identity,
-# and a look at each marker: far cheaper than validating again).
-_SPANS: weakref.WeakKeyDictionary[Jaxpr, tuple] = weakref.WeakKeyDictionary()
-register_cache(_SPANS.clear)
-
-
-def _marker_snapshot(eqns: list[JaxprEqn], indices: Iterable[int]) -> tuple:
-    return tuple((i, eqns[i].params.get("name"), eqns[i].params.get("mark_type")) for i in indices)
-
-
-def _cached(jaxpr: Jaxpr) -> tuple | None:
-    try:
-        entry = _SPANS.get(jaxpr)
-    except TypeError:  # not weak-referenceable
-        return None
-    if entry is None or entry[0] != jaxpr.eqns or entry[1] != jaxpr.outvars:
-        return None
-    eqns = jaxpr.eqns
-    markers = entry[2]
-    if _marker_snapshot(eqns, (i for i, _, _ in markers)) != markers:
-        return None
-    return entry[3:]
-
-
-def _remember(jaxpr: Jaxpr, markers: Iterable[int], *value: object) -> None:
-    # A jaxpr that is not weak-referenceable is validated every time.
-    eqns = jaxpr.eqns
-    with contextlib.suppress(TypeError):
-        _SPANS[jaxpr] = (list(eqns), list(jaxpr.outvars), _marker_snapshot(eqns, markers), *value)
+# The stage spans of programs validated before: find_stage_spans validates a program
+# once even when a pipeline of passes reads it several times.
+_SPANS = ProgramMemo()
 
 
 def check_no_markers_in_bodies(jaxpr: Jaxpr | ClosedJaxpr) -> None:
@@ -167,29 +130,6 @@ def check_no_markers_in_bodies(jaxpr: Jaxpr | ClosedJaxpr) -> None:
                 f"{inner.params.get('name')!r} inside its {param!r} body; stages are cut "
                 f"only at the top level of a program. {_body_advice(eqn)}"
             )
-
-
-def remember_stage_spans(
-    jaxpr: Jaxpr, spans: tuple[StageSpan, ...], *, routed: bool = False
-) -> None:
-    """Record that ``jaxpr`` (built by a pass) has well-formed markers with these
-    ``spans`` and no stage marker in a sub-jaxpr, so that :func:`find_stage_spans` need
-    not validate it again. Only for a program whose bodies come from a checked one.
-
-    ``routed``: every equation of a stage reads only values its stage defines (its start
-    marker's results included), every start marker reads only program inputs, constants
-    and end-marker results, and every program result defined in a stage is an end-marker
-    result, so :func:`~pipemark.passes.mark_missing_vars` has nothing to add
-    (:func:`stage_spans_routed`)."""
-    markers = [i for i, eqn in enumerate(jaxpr.eqns) if eqn.primitive is pipeline_p]
-    _remember(jaxpr, markers, spans, routed)
-
-
-def stage_spans_routed(jaxpr: Jaxpr) -> bool:
-    """Whether a pass recorded ``jaxpr`` as routed (see :func:`remember_stage_spans`)
-    and its equations are still the ones it recorded."""
-    entry = _cached(jaxpr)
-    return entry is not None and len(entry) > 1 and bool(entry[1])
 
 
 @dataclass
@@ -241,9 +181,9 @@ def find_stage_spans(
     """
     jaxpr = _as_jaxpr(jaxpr)
     if not allow_boundaries:
-        known = _cached(jaxpr)
+        known = _SPANS.get(jaxpr)
         if known is not None:
-            return known[0]
+            return known
     check_no_markers_in_bodies(jaxpr)
     eqns = jaxpr.eqns
     spans: list[StageSpan] = []
@@ -370,7 +310,7 @@ def find_stage_spans(
             )
     result = tuple(spans)
     if not allow_boundaries:
-        _remember(jaxpr, markers, result)
+        _SPANS.put(jaxpr, result, markers=markers)
     return result
 
 
@@ -405,19 +345,3 @@ def _body_advice(eqn: JaxprEqn) -> str:
 
 def _article(word: str) -> str:
     return "an" if word[:1] in ("a", "e", "i", "o", "u") else "a"
-
-
-def new_stage_span(
-    name: str, first: int, last: int, openers: tuple[int, ...], closers: tuple[int, ...]
-) -> StageSpan:
-    """``StageSpan(name, first, last, openers, closers)``, for passes that make one per
-    stage: filling the frozen dataclass's instance dict directly skips its per-field
-    ``object.__setattr__``. Same object, same fields."""
-    span = object.__new__(StageSpan)
-    fields = span.__dict__
-    fields["name"] = name
-    fields["first"] = first
-    fields["last"] = last
-    fields["openers"] = openers
-    fields["closers"] = closers
-    return span

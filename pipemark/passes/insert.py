@@ -28,12 +28,8 @@ from pipemark._compat import name_stack_scopes
 from pipemark.errors import MarkerError, PipemarkError, describe_eqn
 from pipemark.marks import APPLY_STAGE, STAGE_MARK_TYPES, backward_name, forward_name
 from pipemark.passes._backward import forward_end, mirror_cuts
-from pipemark.passes._markers import (
-    StageSpan,
-    check_no_markers_in_bodies,
-    new_stage_span,
-    remember_stage_spans,
-)
+from pipemark.passes._markers import StageSpan, check_no_markers_in_bodies
+from pipemark.passes.flow import remember_routed
 from pipemark.passes.framework import jaxpr_pass
 from pipemark.passes.gradient import apply_start
 from pipemark.primitive import pipeline_p
@@ -249,7 +245,7 @@ def _wrap_segments(
             )
         )
         closer = len(new_eqns) - 1
-        spans.append(new_stage_span(name, opener, closer, (opener,), (closer,)))
+        spans.append(StageSpan(name, opener, closer, (opener,), (closer,)))
         count = len(reexported[segment])
         passed_on[segment] = dict(zip(reexported[segment], results[:count]))
         outside_copy.update(zip(leaving[count:], results[count:]))
@@ -267,11 +263,9 @@ def _wrap_segments(
         jaxpr.debug_info,
     )
     if not keeps_markers:
-        # The callers checked the program's bodies, and the stages are exactly the
-        # segments: slice_stages and mark_missing_vars need not validate them again.
-        # Every value crossing a segment boundary goes through the markers, so
-        # mark_missing_vars has nothing to route either.
-        remember_stage_spans(new_jaxpr, tuple(spans), routed=True)
+        # The stages are exactly the segments and every value crossing a segment
+        # boundary goes through the markers: slicing reads the flow off the markers.
+        remember_routed(new_jaxpr, tuple(spans))
     return ClosedJaxpr(new_jaxpr, cj.consts)
 
 

@@ -14,7 +14,8 @@ from typing import Any
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 from jax.interpreters import partial_eval as pe
 
-from pipemark.passes._markers import find_stage_spans, stage_spans_routed
+from pipemark.passes._markers import find_stage_spans
+from pipemark.passes.flow import cached_flow, routed_flow
 from pipemark.passes.framework import jaxpr_pass
 from pipemark.primitive import is_marker, pipeline_p
 from pipemark.walk import find_eqn, map_bodies
@@ -189,12 +190,13 @@ def mark_missing_vars(cj: ClosedJaxpr) -> ClosedJaxpr:
 def _mark_missing_vars(cj: ClosedJaxpr) -> ClosedJaxpr:
     jaxpr = cj.jaxpr
     eqns = jaxpr.eqns
-    spans = find_stage_spans(jaxpr)
+    known = cached_flow(jaxpr)
+    spans = known.spans if known is not None else find_stage_spans(jaxpr)
     if not spans:
         return ClosedJaxpr(jaxpr.replace(eqns=list(eqns)), cj.consts)
-    if stage_spans_routed(jaxpr):
-        # Built by a pass that routed every crossing value through the markers (the
-        # insert passes): the sweep below would change nothing.
+    if (known is not None and known.routed) or routed_flow(jaxpr, spans) is not None:
+        # Every crossing value goes through the markers already (what the insert
+        # passes build): the sweep below would change nothing.
         return ClosedJaxpr(jaxpr.replace(eqns=list(eqns), outvars=list(jaxpr.outvars)), cj.consts)
 
     # For every value defined in a stage, one int: twice the stage index, plus one when

@@ -10,7 +10,10 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, check_jaxpr
 
 import pipemark as pm
 from pipemark import examples
-from pipemark.passes import _markers
+from pipemark.passes import flow as flow_module
+from pipemark.passes import rewrite
+from pipemark.passes._markers import find_stage_spans
+from pipemark.passes.flow import routed_flow
 from pipemark.passes.insert import insert_markers, insert_markers_by_scope, layers_from_boundaries
 from pipemark.passes.rewrite import mark_missing_vars
 from pipemark.passes.slice import slice_stages
@@ -38,29 +41,49 @@ def _programs():
     for kind in ("mlp", "transformer", "resnet"):
         for grad in (False, True):
             cj = examples.sized(kind, 150, markers="boundary").trace(grad=grad)
-            yield f"{kind}-boundary-grad={grad}", layers_from_boundaries(cj)
+            yield f"{kind}-boundary-grad={grad}", lambda cj=cj: layers_from_boundaries(cj)
     cj = examples.sized("mlp", 120, markers=None).trace(grad=True)
     n = len(cj.eqns)
-    yield "mlp-cuts", insert_markers(cj, [0, 5, n // 3, n // 2, n - 1])
+    yield "mlp-cuts", lambda: insert_markers(cj, [0, 5, n // 3, n // 2, n - 1])
     x, w = jnp.ones((2, 3)), jnp.ones((3, 3))
-    yield "scope", insert_markers_by_scope(jax.make_jaxpr(jax.value_and_grad(_scoped, 1))(x, w))
+    scoped = jax.make_jaxpr(jax.value_and_grad(_scoped, 1))(x, w)
+    yield "scope", lambda: insert_markers_by_scope(scoped)
 
 
-PROGRAMS = dict(_programs())
+BUILDERS = dict(_programs())
+PROGRAMS = {name: build() for name, build in BUILDERS.items()}
+
+
+def _no_shortcut(monkeypatch):
+    """Make the passes take their general sweep, as for a program that is not routed."""
+    pm.clear_caches()  # forget the flows the insert passes remembered
+    monkeypatch.setattr(flow_module, "routed_flow", lambda jaxpr, spans: None)
+    monkeypatch.setattr(rewrite, "routed_flow", lambda jaxpr, spans: None)
+    monkeypatch.setattr(rewrite, "cached_flow", lambda jaxpr: None)
 
 
 @pytest.mark.parametrize("name", list(PROGRAMS))
-def test_inserted_programs_are_recorded_as_routed(name):
-    cj = PROGRAMS[name]
-    assert _markers.stage_spans_routed(cj.jaxpr)
-    assert not _markers.stage_spans_routed(_copy(cj).jaxpr)
+def test_inserted_programs_are_routed(name):
+    cj = BUILDERS[name]()
+    # What the insert pass remembered equals what the flow analysis finds afresh.
+    remembered = flow_module.cached_flow(cj.jaxpr)
+    assert remembered is not None and remembered.routed
+    pm.clear_caches()
+    fresh = flow_module.stage_flow(cj.jaxpr)
+    assert fresh.spans == remembered.spans and fresh.reads == remembered.reads
+    assert fresh.exported == remembered.exported and fresh.leaving == remembered.leaving
+    flow = routed_flow(cj.jaxpr, find_stage_spans(cj))
+    assert flow is not None and flow.routed
+    # A property of the program, not of the object: a copy is routed too.
+    assert routed_flow(_copy(cj).jaxpr, find_stage_spans(_copy(cj))) is not None
 
 
 @pytest.mark.parametrize("name", list(PROGRAMS))
-def test_mark_missing_vars_shortcut_matches_the_full_sweep(name):
+def test_mark_missing_vars_shortcut_matches_the_full_sweep(name, monkeypatch):
     cj = PROGRAMS[name]
     fast = mark_missing_vars(cj)
-    full = mark_missing_vars(_copy(cj))
+    _no_shortcut(monkeypatch)
+    full = mark_missing_vars(cj)
     assert fast.jaxpr is not cj.jaxpr and fast.jaxpr.eqns is not cj.jaxpr.eqns
     assert len(fast.eqns) == len(full.eqns)
     assert all(a is b for a, b in zip(fast.eqns, full.eqns))
@@ -73,10 +96,11 @@ def test_mark_missing_vars_shortcut_matches_the_full_sweep(name):
 
 
 @pytest.mark.parametrize("name", list(PROGRAMS))
-def test_slice_shortcut_matches_the_full_sweep(name):
+def test_slice_shortcut_matches_the_full_sweep(name, monkeypatch):
     cj = PROGRAMS[name]
     fast = slice_stages(cj)
-    full = slice_stages(_copy(cj))
+    _no_shortcut(monkeypatch)
+    full = slice_stages(cj)
     assert len(fast.stages) == len(full.stages)
     for a, b in zip(fast.stages, full.stages):
         assert a.name == b.name
@@ -94,16 +118,13 @@ def test_slice_shortcut_matches_the_full_sweep(name):
     assert fast.invars == full.invars
 
 
-def test_an_edited_program_is_no_longer_routed():
+def test_a_value_leaving_a_stage_around_its_end_marker_is_not_routed():
     cj = PROGRAMS["mlp-cuts"]
-    edited = ClosedJaxpr(cj.jaxpr.replace(eqns=list(cj.eqns)), cj.consts)
-    assert not _markers.stage_spans_routed(edited.jaxpr)
-    eqns = list(cj.eqns)
-    # Same length, one equation swapped for another object: the record no longer holds.
-    cj.jaxpr.eqns[1] = eqns[1].replace()
-    try:
-        assert not _markers.stage_spans_routed(cj.jaxpr)
-    finally:
-        cj.jaxpr.eqns[1] = eqns[1]
-    assert _markers.stage_spans_routed(cj.jaxpr)
-    assert pm.passes.mark_missing_vars(cj).eqns[1] is eqns[1]
+    spans = find_stage_spans(cj)
+    inner = cj.eqns[spans[0].first + 1].outvars[0]  # defined inside stage 0
+    edited = ClosedJaxpr(cj.jaxpr.replace(outvars=[*cj.jaxpr.outvars, inner]), cj.consts)
+    assert routed_flow(edited.jaxpr, spans) is None
+    # The general sweep routes it: the result now leaves through an end marker.
+    routed = pm.passes.mark_missing_vars(edited)
+    assert routed_flow(routed.jaxpr, find_stage_spans(routed)) is not None
+    check_jaxpr(routed.jaxpr)
