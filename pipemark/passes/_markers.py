@@ -185,21 +185,9 @@ def find_stage_spans(
         if known is not None:
             return known
     check_no_markers_in_bodies(jaxpr)
-    eqns = jaxpr.eqns
-    spans: list[StageSpan] = []
-    where_named: dict[str, int] = {}  # stage name -> opening eqn index, for duplicates
-    current: _Open | None = None
-    # The span closed last, while no other stage has opened since: a tangent marker of
-    # the same name may still extend it (see the module docstring).
-    just_closed: _Open | None = None
-
-    def close(stage: _Open, last: int) -> None:
-        spans.append(
-            StageSpan(stage.name, stage.first, last, tuple(stage.openers), tuple(stage.closers))
-        )
-
+    finder = _SpanFinder(jaxpr.eqns)
     markers: list[int] = []
-    for index, eqn in enumerate(eqns):
+    for index, eqn in enumerate(jaxpr.eqns):
         if eqn.primitive is not pipeline_p:
             continue
         markers.append(index)
@@ -214,104 +202,132 @@ def find_stage_spans(
                 "start/end markers (pm.split does this for you)."
             )
         if mark_type in OPENERS:
-            if current is not None:
-                if current.name == name and OPENERS[mark_type] not in current.pending:
-                    # The tangent opener of a stage whose primal start is open.
-                    current.openers.append(index)
-                    current.pending.add(OPENERS[mark_type])
-                    continue
-                advice = ""
-                if forward_name(name) or forward_name(current.name):
-                    advice = (
-                        " In a gradient program this happens when a stage reads values "
-                        "that bypass its start marker, so the backward markers "
-                        "interleave: pass every value the stage reads through its start "
-                        "marker (pm.mark((x, w, ...), ...)), or mark layers with boundary "
-                        "markers and use pm.passes.layers_from_boundaries."
-                    )
-                raise MarkerError(
-                    f"{describe_eqn(eqn, index)} opens stage {name!r} inside stage "
-                    f"{current.name!r}, opened at "
-                    f"{describe_eqn(eqns[current.first], current.first)}; stages cannot "
-                    f"nest. Close {current.name!r} with an end marker first.{advice}"
-                )
-            if name in where_named:
-                first = where_named[name]
-                raise MarkerError(
-                    f"{describe_eqn(eqn, index)} opens a second stage named {name!r}; the "
-                    f"first one opened at {describe_eqn(eqns[first], first)}. Stage names "
-                    "must be unique: rename one of them (jax.checkpoint over a marked "
-                    "function duplicates its markers; checkpoint inside each stage "
-                    "instead)."
-                )
-            where_named[name] = index
-            current = _Open(name, index, [index], [], {OPENERS[mark_type]})
-            just_closed = None
-            continue
-        if mark_type in CLOSERS:
-            if current is None:
-                if (
-                    just_closed is not None
-                    and just_closed.name == name
-                    and mark_type == "jvp_end"
-                    and "jvp_end" not in {eqns[i].params["mark_type"] for i in just_closed.closers}
-                ):
-                    just_closed.closers.append(index)
-                    spans[-1] = StageSpan(
-                        name,
-                        just_closed.first,
-                        index,
-                        tuple(just_closed.openers),
-                        tuple(just_closed.closers),
-                    )
-                    continue
-                raise MarkerError(
-                    f"{describe_eqn(eqn, index)} closes stage {name!r}, but no stage is "
-                    f"open there. Add a start marker named {name!r} before it, or remove "
-                    "this end marker."
-                )
-            if current.name != name:
-                raise MarkerError(
-                    f"{describe_eqn(eqn, index)} closes stage {name!r}, but the open stage "
-                    f"is {current.name!r}, opened at "
-                    f"{describe_eqn(eqns[current.first], current.first)}. Give the start "
-                    "and end markers of a stage the same name."
-                )
-            if mark_type not in current.pending:
-                raise MarkerError(
-                    f"{describe_eqn(eqn, index)} closes stage {name!r}, but stage {name!r} "
-                    f"has no open {CLOSERS[mark_type]} marker (opened at "
-                    f"{describe_eqn(eqns[current.first], current.first)}). Pair start with "
-                    "end and jvp_start with jvp_end."
-                )
-            current.pending.discard(mark_type)
-            current.closers.append(index)
-            if not current.pending:
-                close(current, index)
-                just_closed, current = current, None
-            continue
+            finder.opener(index, name, mark_type)
+        elif mark_type in CLOSERS:
+            finder.closer(index, name, mark_type)
         # hook and grad markers are ordinary equations for stage structure.
-
-    if current is not None:
-        forward = forward_name(current.name)
-        mirrored = (
-            forward is not None
-            and forward in where_named
-            and not current.closers
-            and all(eqns[i].params["mark_type"] == "start" for i in current.openers)
-        )
-        if mirrored:
-            close(current, len(eqns) - 1)
-        else:
-            raise MarkerError(
-                f"{describe_eqn(eqns[current.first], current.first)} opens stage "
-                f"{current.name!r}, which is never closed. Add an end marker named "
-                f"{current.name!r} after the stage's last equation."
-            )
-    result = tuple(spans)
+    result = finder.finish()
     if not allow_boundaries:
         _SPANS.put(jaxpr, result, markers=markers)
     return result
+
+
+class _SpanFinder:
+    """The stages of a program, marker by marker (see :func:`find_stage_spans`)."""
+
+    def __init__(self, eqns: list[JaxprEqn]) -> None:
+        self.eqns = eqns
+        self.spans: list[StageSpan] = []
+        self.where_named: dict[str, int] = {}  # stage name -> opening eqn index
+        self.current: _Open | None = None
+        # The span closed last, while no other stage has opened since: a tangent marker
+        # of the same name may still extend it (see the module docstring).
+        self.just_closed: _Open | None = None
+
+    def close(self, stage: _Open, last: int) -> None:
+        span = StageSpan(stage.name, stage.first, last, tuple(stage.openers), tuple(stage.closers))
+        self.spans.append(span)
+
+    def where(self, index: int) -> str:
+        return describe_eqn(self.eqns[index], index)
+
+    def opener(self, index: int, name: str, mark_type: str) -> None:
+        current = self.current
+        if current is not None:
+            if current.name == name and OPENERS[mark_type] not in current.pending:
+                # The tangent opener of a stage whose primal start is open.
+                current.openers.append(index)
+                current.pending.add(OPENERS[mark_type])
+                return
+            advice = ""
+            if forward_name(name) or forward_name(current.name):
+                advice = (
+                    " In a gradient program this happens when a stage reads values "
+                    "that bypass its start marker, so the backward markers "
+                    "interleave: pass every value the stage reads through its start "
+                    "marker (pm.mark((x, w, ...), ...)), or mark layers with boundary "
+                    "markers and use pm.passes.layers_from_boundaries."
+                )
+            raise MarkerError(
+                f"{self.where(index)} opens stage {name!r} inside stage "
+                f"{current.name!r}, opened at {self.where(current.first)}; stages cannot "
+                f"nest. Close {current.name!r} with an end marker first.{advice}"
+            )
+        if name in self.where_named:
+            raise MarkerError(
+                f"{self.where(index)} opens a second stage named {name!r}; the "
+                f"first one opened at {self.where(self.where_named[name])}. Stage names "
+                "must be unique: rename one of them (jax.checkpoint over a marked "
+                "function duplicates its markers; checkpoint inside each stage "
+                "instead)."
+            )
+        self.where_named[name] = index
+        self.current = _Open(name, index, [index], [], {OPENERS[mark_type]})
+        self.just_closed = None
+
+    def closer(self, index: int, name: str, mark_type: str) -> None:
+        current = self.current
+        if current is None:
+            self.late_tangent_closer(index, name, mark_type)
+            return
+        if current.name != name:
+            raise MarkerError(
+                f"{self.where(index)} closes stage {name!r}, but the open stage "
+                f"is {current.name!r}, opened at {self.where(current.first)}. Give the "
+                "start and end markers of a stage the same name."
+            )
+        if mark_type not in current.pending:
+            raise MarkerError(
+                f"{self.where(index)} closes stage {name!r}, but stage {name!r} "
+                f"has no open {CLOSERS[mark_type]} marker (opened at "
+                f"{self.where(current.first)}). Pair start with end and jvp_start with "
+                "jvp_end."
+            )
+        current.pending.discard(mark_type)
+        current.closers.append(index)
+        if not current.pending:
+            self.close(current, index)
+            self.just_closed, self.current = current, None
+
+    def late_tangent_closer(self, index: int, name: str, mark_type: str) -> None:
+        """A closer with no stage open: the ``jvp_end`` of the stage just closed (its
+        tangent opener was never made), which extends it; else an error."""
+        last = self.just_closed
+        if (
+            last is not None
+            and last.name == name
+            and mark_type == "jvp_end"
+            and "jvp_end" not in {self.eqns[i].params["mark_type"] for i in last.closers}
+        ):
+            last.closers.append(index)
+            self.spans[-1] = StageSpan(
+                name, last.first, index, tuple(last.openers), tuple(last.closers)
+            )
+            return
+        raise MarkerError(
+            f"{self.where(index)} closes stage {name!r}, but no stage is "
+            f"open there. Add a start marker named {name!r} before it, or remove "
+            "this end marker."
+        )
+
+    def finish(self) -> tuple[StageSpan, ...]:
+        current = self.current
+        if current is not None:
+            forward = forward_name(current.name)
+            mirrored = (
+                forward is not None
+                and forward in self.where_named
+                and not current.closers
+                and all(self.eqns[i].params["mark_type"] == "start" for i in current.openers)
+            )
+            if not mirrored:
+                raise MarkerError(
+                    f"{self.where(current.first)} opens stage {current.name!r}, which is "
+                    f"never closed. Add an end marker named {current.name!r} after the "
+                    "stage's last equation."
+                )
+            self.close(current, len(self.eqns) - 1)
+        return tuple(self.spans)
 
 
 def stage_index_of_equations(spans: tuple[StageSpan, ...], num_eqns: int) -> list[int | None]:
