@@ -99,9 +99,24 @@ def mirror_cuts(
     """
     eqns = jaxpr.eqns if stop is None else jaxpr.eqns[:stop]
     count = len(eqns) - forward_end
-    bounds = [0, *forward_cuts, forward_end]
-    # Which forward layers hold each value, in increasing order: the layer that makes
-    # it and every layer that reads it. Program inputs belong to the layers reading them.
+    holders = _holders(eqns, [0, *forward_cuts, forward_end], layers)
+    reads = _BackwardReads(eqns, forward_end, holders)
+    # runs[s]: first and last position of the chosen anchors of backward stage s, which
+    # mirrors forward layer layers-1-s; None when no anchor was chosen for it.
+    runs: list[tuple[int, int] | None] = [None] * layers
+    for i in _heaviest_descent(reads.anchors, reads.weights):
+        s = layers - 1 - reads.anchors[i]
+        run = runs[s]
+        b = reads.positions[i]
+        runs[s] = (b, b) if run is None else (min(run[0], b), max(run[1], b))
+    cut_bytes = _cumulative_crossing(reads.defined, reads.last_use, count)
+    starts = _stage_starts(runs, reads.gains, cut_bytes, count)
+    return [forward_end + c for c in starts[1:layers]]
+
+
+def _holders(eqns: list, bounds: list[int], layers: int) -> dict[Var, list[int]]:
+    """Which forward layers hold each value, in increasing order: the layer that makes
+    it and every layer that reads it. Program inputs belong to the layers reading them."""
     holders: dict[Var, list[int]] = {}
     holders_get = holders.get
     for layer in range(layers):
@@ -116,47 +131,58 @@ def mirror_cuts(
                     held.append(layer)
             for v in eqn.outvars:
                 holders[v] = [layer]
+    return holders
 
-    # gains[b]: the bytes backward equation b reads from each forward layer (None when
-    # it reads no forward value).
-    gains: list[dict[int, int] | None] = [None] * count
-    positions: list[int] = []
-    anchors: list[int] = []
-    weights: list[int] = []
-    size_of: dict[Var, int] = {}
-    # What crossing_bytes(jaxpr, forward_end) counts, gathered in the same sweep: the
-    # backward equation defining each backward value, and its last backward reader.
-    defined: dict[Var, int] = {}
-    defined_get = defined.get
-    last_use: dict[Var, int] = {}
-    for b, eqn in enumerate(eqns[forward_end:]):
-        gain: dict[int, int] | None = None
-        counted: set[Var] | None = None
-        for v in eqn.invars:
-            if type(v) is Literal:
-                continue
-            held = holders_get(v)
-            if held is None:
-                if defined_get(v) is not None:
-                    last_use[v] = b
-                continue
-            if gain is None:
-                gain = {}
-                counted = {v}
-            elif v in counted:  # type: ignore[operator]
-                continue  # a value read twice counts once
-            else:
-                counted.add(v)  # type: ignore[union-attr]
-            size = size_of.get(v)
-            if size is None:
-                size = size_of[v] = nbytes(v.aval)
-            for layer in held:
-                gain[layer] = gain.get(layer, 0) + size
-        for v in eqn.outvars:
-            defined[v] = b
-        if gain is None:
-            continue
-        gains[b] = gain
+
+class _BackwardReads:
+    """One sweep over the backward equations. ``gains[b]``: the bytes backward
+    equation ``b`` reads from each forward layer (``None`` when it reads no forward
+    value); ``positions``, ``anchors``, ``weights``: each equation with a single
+    heaviest layer, that layer and its bytes; ``defined``, ``last_use``: what
+    :func:`crossing_bytes` counts over the backward part (the backward equation
+    defining each backward value, and its last backward reader)."""
+
+    def __init__(self, eqns: list, forward_end: int, holders: dict[Var, list[int]]) -> None:
+        count = len(eqns) - forward_end
+        self.gains: list[dict[int, int] | None] = [None] * count
+        self.positions: list[int] = []
+        self.anchors: list[int] = []
+        self.weights: list[int] = []
+        self.defined: dict[Var, int] = {}
+        self.last_use: dict[Var, int] = {}
+        holders_get, defined, defined_get = holders.get, self.defined, self.defined.get
+        last_use = self.last_use
+        size_of: dict[Var, int] = {}
+        for b, eqn in enumerate(eqns[forward_end:]):
+            gain: dict[int, int] | None = None
+            counted: set[Var] | None = None
+            for v in eqn.invars:
+                if type(v) is Literal:
+                    continue
+                held = holders_get(v)
+                if held is None:
+                    if defined_get(v) is not None:
+                        last_use[v] = b
+                    continue
+                if gain is None:
+                    gain = {}
+                    counted = {v}
+                elif v in counted:  # type: ignore[operator]
+                    continue  # a value read twice counts once
+                else:
+                    counted.add(v)  # type: ignore[union-attr]
+                size = size_of.get(v)
+                if size is None:
+                    size = size_of[v] = nbytes(v.aval)
+                for layer in held:
+                    gain[layer] = gain.get(layer, 0) + size
+            for v in eqn.outvars:
+                defined[v] = b
+            if gain is not None:
+                self.gains[b] = gain
+                self.anchor(b, gain)
+
+    def anchor(self, b: int, gain: dict[int, int]) -> None:
         best_layer = best_bytes = -1
         tied = False
         for layer, size_read in gain.items():
@@ -167,21 +193,18 @@ def mirror_cuts(
         if tied:
             # Equally at home in several layers (say, it reads an activation that one
             # layer makes and the next reads): the cut placement decides.
-            continue
-        positions.append(b)
-        anchors.append(best_layer)
-        weights.append(best_bytes + 1)  # + 1: a read of a token still counts a little
+            return
+        self.positions.append(b)
+        self.anchors.append(best_layer)
+        self.weights.append(best_bytes + 1)  # + 1: a read of a token still counts a little
 
-    # runs[s]: first and last position of the chosen anchors of backward stage s, which
-    # mirrors forward layer layers-1-s; None when no anchor was chosen for it.
-    runs: list[tuple[int, int] | None] = [None] * layers
-    for i in _heaviest_descent(anchors, weights):
-        s = layers - 1 - anchors[i]
-        run = runs[s]
-        b = positions[i]
-        runs[s] = (b, b) if run is None else (min(run[0], b), max(run[1], b))
-    cut_bytes = _cumulative_crossing(defined, last_use, count)
-    # starts[s]: where backward stage s begins (relative to forward_end).
+
+def _stage_starts(
+    runs: list[tuple[int, int] | None], gains: list, cut_bytes: np.ndarray, count: int
+) -> list[int]:
+    """Where each backward stage begins (relative to the backward part; one more entry,
+    ``count``): the cuts placed in the gaps between the stages' runs."""
+    layers = len(runs)
     starts = [0] * (layers + 1)
     starts[layers] = count
     previous, previous_last = 0, -1
@@ -234,7 +257,7 @@ def mirror_cuts(
         starts[s] = max(starts[s], starts[s - 1] + 1)
     for s in range(layers - 1, 0, -1):
         starts[s] = min(starts[s], starts[s + 1] - 1)
-    return [forward_end + c for c in starts[1:layers]]
+    return starts
 
 
 def _heaviest_descent(layers: list[int], weights: list[int]) -> list[int]:
@@ -314,25 +337,61 @@ def _place_cuts(
             starts[first_stage + j] = lowest + (j - 1) * span // cuts
         return
     if cuts == 1:
-        layer_a = layers - 1 - first_stage
-        layer_b = layer_a - 1
-        # cost(x) = cut_bytes[x] - sum_{e<x} gain_a[e] - sum_{e>=x} gain_b[e]
-        #         = cut_bytes[x] - total_b - sum_{e<x} (gain_a[e] - gain_b[e])
-        running = 0
-        best_cost = None
-        best_cut = lowest
-        for x in range(low, highest + 1):
-            if x >= lowest:
-                cost = int(cut_bytes[x]) - running
-                if best_cost is None or cost <= best_cost:
-                    best_cost, best_cut = cost, x
-            if x < high:
-                gain = gains[x]
-                if gain is not None:
-                    running += gain.get(layer_a, 0) - gain.get(layer_b, 0)
-        starts[first_stage + 1] = best_cut
+        starts[first_stage + 1] = _one_cut(
+            low, lowest, highest, high, layers - 1 - first_stage, gains, cut_bytes
+        )
         return
     # Several stages share the gap: a dynamic program over it, O(n * stages).
+    ends = _cuts_by_dynamic_program(
+        low, high, first_stage, cuts, (first_nonempty, last_nonempty), gains, cut_bytes, layers
+    )
+    for j, end in enumerate(ends, start=1):
+        starts[first_stage + j] = low + end
+
+
+def _one_cut(
+    low: int,
+    lowest: int,
+    highest: int,
+    high: int,
+    layer_a: int,
+    gains: list[dict[int, int] | None],
+    cut_bytes: np.ndarray,
+) -> int:
+    """The one cut between the stages mirroring layers ``layer_a`` and ``layer_a - 1``
+    in ``lowest .. highest`` (the gap runs from ``low`` to ``high``); ties go later."""
+    layer_b = layer_a - 1
+    # cost(x) = cut_bytes[x] - sum_{e<x} gain_a[e] - sum_{e>=x} gain_b[e]
+    #         = cut_bytes[x] - total_b - sum_{e<x} (gain_a[e] - gain_b[e])
+    running = 0
+    best_cost = None
+    best_cut = lowest
+    for x in range(low, highest + 1):
+        if x >= lowest:
+            cost = int(cut_bytes[x]) - running
+            if best_cost is None or cost <= best_cost:
+                best_cost, best_cut = cost, x
+        if x < high:
+            gain = gains[x]
+            if gain is not None:
+                running += gain.get(layer_a, 0) - gain.get(layer_b, 0)
+    return best_cut
+
+
+def _cuts_by_dynamic_program(
+    low: int,
+    high: int,
+    first_stage: int,
+    cuts: int,
+    nonempty: tuple[bool, bool],
+    gains: list[dict[int, int] | None],
+    cut_bytes: np.ndarray,
+    layers: int,
+) -> list[int]:
+    """The ``cuts`` cuts (relative to ``low``) between stages ``first_stage ..
+    first_stage + cuts`` sharing the gap ``low .. high-1``, by a dynamic program."""
+    first_nonempty, last_nonempty = nonempty
+    n = high - low
     index = np.arange(n + 1)
     crossing = cut_bytes[low : high + 1].astype(np.float64)
 
@@ -370,9 +429,11 @@ def _place_cuts(
     # The last stage runs from its start to the end of the gap and gains what it reads.
     final = best + gained - gained[n]
     end = int(np.flatnonzero(final == final.min())[-1])
+    ends = [0] * cuts
     for j in range(cuts, 0, -1):
-        starts[first_stage + j] = low + end
+        ends[j - 1] = end
         end = int(choices[j - 1][end])
+    return ends
 
 
 def forward_end(jaxpr: Jaxpr) -> int | None:
