@@ -14,7 +14,7 @@ from typing import Any
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 from jax.interpreters import partial_eval as pe
 
-from pipemark.passes._markers import find_stage_spans
+from pipemark.passes._markers import StageSpan, find_stage_spans
 from pipemark.passes.flow import cached_flow, routed_flow
 from pipemark.passes.framework import jaxpr_pass
 from pipemark.primitive import is_marker, pipeline_p
@@ -199,46 +199,57 @@ def _mark_missing_vars(cj: ClosedJaxpr) -> ClosedJaxpr:
         # passes build): the sweep below would change nothing.
         return ClosedJaxpr(jaxpr.replace(eqns=list(eqns), outvars=list(jaxpr.outvars)), cj.consts)
 
-    # For every value defined in a stage, one int: twice the stage index, plus one when
-    # the value is already published (a result of one of the stage's end markers). One
-    # dict lookup per operand then answers both questions.
-    home: dict[Var, int] = {}
-    opener_of: list[int] = []
-    closer_of: list[int | None] = []
-    for k, span in enumerate(spans):
-        opener_of.append(span.openers[0])
-        # The last closer comes after every equation of the stage, so any value of the
-        # stage can be added there.
-        closer_of.append(span.closers[-1] if span.closers else None)
-        inner = 2 * k
-        for eqn in eqns[span.first : span.last + 1]:
-            for v in eqn.outvars:
-                home[v] = inner
-        for i in span.closers:
-            for v in eqns[i].outvars:
-                home[v] = inner + 1
+    router = _Router(eqns, spans)
+    router.route_outside()
+    router.route_stages()
+    outvars = [router.published(v) for v in jaxpr.outvars]
+    return ClosedJaxpr(jaxpr.replace(eqns=router.finish(), outvars=outvars), cj.consts)
 
-    # The operand/result pairs added to each stage's start and end markers, and maps
-    # from a value to the marker result that carries it. They start from the pairs the
-    # markers already have, so an existing pair is reused rather than duplicated.
-    added_in: dict[int, tuple[list[Any], list[Var]]] = {}
-    added_out: dict[int, tuple[list[Any], list[Var]]] = {}
-    carried_in: list[dict[Var, Var] | None] = [None] * len(spans)
-    carried_out: list[dict[Var, Var] | None] = [None] * len(spans)
 
-    def existing_pairs(eqn: JaxprEqn) -> dict[Var, Var]:
-        pairs: dict[Var, Var] = {}
-        for operand, result in zip(eqn.invars, eqn.outvars):
-            if type(operand) is not Literal and operand not in pairs:
-                pairs[operand] = result
-        return pairs
+class _Router:
+    """Routes every value that crosses a stage boundary around the markers through
+    them (see :func:`mark_missing_vars`), adding operand/result pairs to the markers."""
 
-    def carry(carried_by, added, k: int, marker: int, v: Any) -> Var:
+    def __init__(self, eqns: list[JaxprEqn], spans: tuple[StageSpan, ...]) -> None:
+        self.eqns, self.spans = eqns, spans
+        # For every value defined in a stage, one int: twice the stage index, plus one
+        # when the value is already published (a result of one of the stage's end
+        # markers). One dict lookup per operand then answers both questions.
+        home: dict[Var, int] = {}
+        self.home = home
+        self.opener_of: list[int] = []
+        self.closer_of: list[int | None] = []
+        for k, span in enumerate(spans):
+            self.opener_of.append(span.openers[0])
+            # The last closer comes after every equation of the stage, so any value of
+            # the stage can be added there.
+            self.closer_of.append(span.closers[-1] if span.closers else None)
+            inner = 2 * k
+            for eqn in eqns[span.first : span.last + 1]:
+                for v in eqn.outvars:
+                    home[v] = inner
+            for i in span.closers:
+                for v in eqns[i].outvars:
+                    home[v] = inner + 1
+        # The operand/result pairs added to each stage's start and end markers, and
+        # maps from a value to the marker result that carries it. They start from the
+        # pairs the markers already have, so an existing pair is reused, not duplicated.
+        self.added_in: dict[int, tuple[list[Any], list[Var]]] = {}
+        self.added_out: dict[int, tuple[list[Any], list[Var]]] = {}
+        self.carried_in: list[dict[Var, Var] | None] = [None] * len(spans)
+        self.carried_out: list[dict[Var, Var] | None] = [None] * len(spans)
+        self.new_eqns = list(eqns)
+
+    def carry(self, carried_by: list, added: dict, k: int, marker: int, v: Any) -> Var:
         """The result of stage ``k``'s marker ``eqns[marker]`` that carries ``v``; a new
         operand/result pair when the marker has none for it yet."""
         carried = carried_by[k]
         if carried is None:
-            carried = carried_by[k] = existing_pairs(eqns[marker])
+            carried = carried_by[k] = {}
+            eqn = self.eqns[marker]
+            for operand, result in zip(eqn.invars, eqn.outvars):
+                if type(operand) is not Literal and operand not in carried:
+                    carried[operand] = result
         result = carried.get(v)
         if result is None:
             result = carried[v] = Var(v.aval)
@@ -247,76 +258,79 @@ def _mark_missing_vars(cj: ClosedJaxpr) -> ClosedJaxpr:
             results.append(result)
         return result
 
-    def published(v: Any) -> Any:
+    def published(self, v: Any) -> Any:
         """``v``, or the end-marker result that carries it out of its stage."""
         if type(v) is Literal:
             return v
-        code = home.get(v, 1)
+        code = self.home.get(v, 1)
         if code & 1:  # not defined in a stage, or already published
             return v
         k = code >> 1
-        closer = closer_of[k]
+        closer = self.closer_of[k]
         if closer is None:  # a backward stage left open by JAX: nothing can follow it
             return v
-        return carry(carried_out, added_out, k, closer, v)
+        return self.carry(self.carried_out, self.added_out, k, closer, v)
 
-    def entering(j: int, v: Any) -> Any:
+    def entering(self, j: int, v: Any) -> Any:
         """The start-marker result of stage ``j`` that carries ``v`` into it."""
-        if type(v) is Literal or home.get(v, -2) >> 1 == j:
+        if type(v) is Literal or self.home.get(v, -2) >> 1 == j:
             return v
-        return carry(carried_in, added_in, j, opener_of[j], published(v))
+        return self.carry(self.carried_in, self.added_in, j, self.opener_of[j], self.published(v))
 
-    def from_another_stage(j: int, v: Any) -> Any:
+    def from_another_stage(self, j: int, v: Any) -> Any:
         """For a marker through which values enter stage ``j``: ``v``, published when
         it is another stage's inner value."""
-        if type(v) is Literal or home.get(v, -2) >> 1 == j:
+        if type(v) is Literal or self.home.get(v, -2) >> 1 == j:
             return v
-        return published(v)
+        return self.published(v)
 
-    new_eqns = list(eqns)
-    home_get = home.get
-
-    def rewrite(i: int, eqn: JaxprEqn, route) -> None:
+    def rewrite(self, i: int, route) -> None:
+        eqn = self.eqns[i]
         new_invars = [route(v) for v in eqn.invars]
         if any(a is not b for a, b in zip(new_invars, eqn.invars)):
-            new_eqns[i] = eqn.replace(invars=new_invars)
+            self.new_eqns[i] = eqn.replace(invars=new_invars)
 
-    # Equations outside every stage: reads of a stage's inner values go through that
-    # stage's end marker. (A value no stage defines has no entry: code 1.)
-    start = 0
-    for stop, resume in [*((span.first, span.last + 1) for span in spans), (len(eqns), 0)]:
-        for i in range(start, stop):
-            eqn = eqns[i]
-            for v in eqn.invars:
-                if type(v) is not Literal and not home_get(v, 1) & 1:
-                    rewrite(i, eqn, published)
-                    break
-        start = resume
-    for j, span in enumerate(spans):
-        openers = span.openers
-        for i in range(span.first, span.last + 1):
-            eqn = eqns[i]
-            for v in eqn.invars:
-                if type(v) is not Literal and home_get(v, -2) >> 1 != j:
-                    if i in openers:
-                        rewrite(i, eqn, lambda v, j=j: from_another_stage(j, v))
-                    else:
-                        rewrite(i, eqn, lambda v, j=j: entering(j, v))
-                    break
-    outvars = [published(v) for v in jaxpr.outvars]
+    def route_outside(self) -> None:
+        """Equations outside every stage: reads of a stage's inner values go through
+        that stage's end marker. (A value no stage defines has no entry: code 1.)"""
+        eqns, home_get = self.eqns, self.home.get
+        start = 0
+        bounds = [*((span.first, span.last + 1) for span in self.spans), (len(eqns), 0)]
+        for stop, resume in bounds:
+            for i in range(start, stop):
+                for v in eqns[i].invars:
+                    if type(v) is not Literal and not home_get(v, 1) & 1:
+                        self.rewrite(i, self.published)
+                        break
+            start = resume
 
-    for j, (operands, results) in added_in.items():
-        eqn = new_eqns[opener_of[j]]
-        new_eqns[opener_of[j]] = eqn.replace(
-            invars=[*eqn.invars, *operands], outvars=[*eqn.outvars, *results]
-        )
-    for k, (operands, results) in added_out.items():
-        closer = closer_of[k]
-        eqn = new_eqns[closer]
-        new_eqns[closer] = eqn.replace(
-            invars=[*eqn.invars, *operands], outvars=[*eqn.outvars, *results]
-        )
-    return ClosedJaxpr(jaxpr.replace(eqns=new_eqns, outvars=outvars), cj.consts)
+    def route_stages(self) -> None:
+        """Equations of each stage: what they read from elsewhere enters through the
+        stage's start marker (which itself reads other stages' published values)."""
+        eqns, home_get = self.eqns, self.home.get
+        for j, span in enumerate(self.spans):
+            openers = span.openers
+            for i in range(span.first, span.last + 1):
+                for v in eqns[i].invars:
+                    if type(v) is not Literal and home_get(v, -2) >> 1 != j:
+                        if i in openers:
+                            self.rewrite(i, lambda v, j=j: self.from_another_stage(j, v))
+                        else:
+                            self.rewrite(i, lambda v, j=j: self.entering(j, v))
+                        break
+
+    def finish(self) -> list[JaxprEqn]:
+        """The equations, with the pairs added to the markers."""
+        new_eqns = self.new_eqns
+        markers = [(self.opener_of, self.added_in), (self.closer_of, self.added_out)]
+        for marker_of, added in markers:
+            for k, (operands, results) in added.items():
+                index = marker_of[k]
+                eqn = new_eqns[index]
+                new_eqns[index] = eqn.replace(
+                    invars=[*eqn.invars, *operands], outvars=[*eqn.outvars, *results]
+                )
+        return new_eqns
 
 
 # ---------------------------------------------------------------------------------- dce
