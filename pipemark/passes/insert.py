@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 from jax.extend.core import (
     ClosedJaxpr,
@@ -80,8 +81,27 @@ def _wrap_segments(
     program's results last).
     """
     jaxpr = cj.jaxpr
-    eqns = jaxpr.eqns
-    num_segments = len(names)
+    flow = _SegmentFlow(jaxpr, runs, names)
+    writer = _SegmentWriter(jaxpr.eqns, flow, names)
+    for segment in range(len(names)):
+        if flow.runs_of[segment]:
+            writer.segment(segment)
+    outvars = []
+    for atom in jaxpr.outvars:
+        atom = flow.resolve(atom)
+        outvars.append(writer.outside_copy.get(atom, atom) if type(atom) is not Literal else atom)
+    new_jaxpr = Jaxpr(
+        jaxpr.constvars, jaxpr.invars, outvars, writer.new_eqns, jaxpr.effects, jaxpr.debug_info
+    )
+    if not keeps_markers:
+        # The stages are exactly the segments and every value crossing a segment
+        # boundary goes through the markers: slicing reads the flow off the markers.
+        remember_routed(new_jaxpr, tuple(writer.spans))
+    return ClosedJaxpr(new_jaxpr, cj.consts)
+
+
+def _mirrors(names: Sequence[str]) -> dict[int, int]:
+    """Segment -> the earlier segment it mirrors (``<name>_backward`` -> ``<name>``)."""
     segment_named = {name: k for k, name in enumerate(names)}
     mirror_of: dict[int, int] = {}
     for k, name in enumerate(names):
@@ -89,134 +109,163 @@ def _wrap_segments(
         forward = k if mirrored is None else segment_named.get(mirrored, k)
         if forward < k:
             mirror_of[k] = forward
+    return mirror_of
 
-    # One sweep in program order (segments never go back, and a value is defined before
-    # it is read) finds the segment defining each value, what enters each segment from
-    # where (None for the defining segment's end marker, or no marker for program inputs
-    # and constants; else the segment whose entered copy it is), what leaves each
-    # segment, and the equations that read a value from outside their segment: only
-    # those are rebuilt, to read the start marker's results; every other equation is
-    # reused as it is.
-    alias: dict[Var, object] = {}  # results of dropped markers stand for their operands
-    defined_in: dict[Var, int] = {}
-    runs_of: list[list[tuple[int, int]]] = [[] for _ in names]
-    renamed: list[list[int]] = [[] for _ in names]
-    entering_from: list[dict[Var, int | None]] = [{} for _ in names]
-    exported: dict[Var, None] = {}  # defined values leaving their defining segment
-    exported_from: list[list[Var]] = [[] for _ in names]
-    reexported: list[dict[Var, None]] = [{} for _ in names]  # entered copies leaving
-    defined_get = defined_in.get
-    current = -1
-    entering: dict[Var, int | None] = {}
-    mirror_entering: dict[Var, int | None] | None = None
-    mirror = None
-    segment_renamed: list[int] = []
-    for segment, start, stop in runs:
-        run = eqns[start:stop]
-        if segment is None:
-            for eqn in run:
-                for inner, outer in zip(eqn.invars, eqn.outvars):
-                    alias[outer] = inner if type(inner) is Literal else alias.get(inner, inner)
-            continue
-        if segment != current:
-            current = segment
-            entering = entering_from[segment]
-            segment_renamed = renamed[segment]
-            mirror = mirror_of.get(segment)
-            mirror_entering = None if mirror is None else entering_from[mirror]
-        runs_of[segment].append((start, stop))
-        for index, eqn in enumerate(run, start):
-            outside = False
-            for atom in eqn.invars:
-                if type(atom) is Literal:
-                    continue
-                if alias:
-                    resolved = alias.get(atom, atom)
-                    if resolved is not atom:
-                        outside = True  # reads through a dropped marker: rebuilt
-                        atom = resolved
-                        if type(atom) is Literal:
-                            continue
-                home = defined_get(atom)
-                if home == segment:
-                    continue
-                outside = True
-                if atom in entering:
-                    continue
-                if mirror_entering is not None and atom in mirror_entering:
-                    entering[atom] = mirror
-                    reexported[mirror][atom] = None  # type: ignore[index]
-                else:
-                    entering[atom] = None
-                    if home is not None and atom not in exported:
-                        exported[atom] = None
-                        exported_from[home].append(atom)
-            if outside:
-                segment_renamed.append(index)
-            for v in eqn.outvars:
-                defined_in[v] = segment
 
-    def resolve(atom):
+class _SegmentFlow:
+    """One sweep in program order (segments never go back, and a value is defined
+    before it is read) finds the segment defining each value, what enters each segment
+    from where (``None`` for the defining segment's end marker, or no marker for
+    program inputs and constants; else the segment whose entered copy it is), what
+    leaves each segment, and the equations that read a value from outside their
+    segment: only those are rebuilt, to read the start marker's results; every other
+    equation is reused as it is."""
+
+    def __init__(
+        self, jaxpr: Jaxpr, runs: Sequence[tuple[int | None, int, int]], names: Sequence[str]
+    ) -> None:
+        self.alias: dict[Var, object] = {}  # results of dropped markers: their operands
+        self.defined_in: dict[Var, int] = {}
+        self.runs_of: list[list[tuple[int, int]]] = [[] for _ in names]
+        self.renamed: list[list[int]] = [[] for _ in names]
+        self.entering_from: list[dict[Var, int | None]] = [{} for _ in names]
+        self.exported: dict[Var, None] = {}  # defined values leaving their segment
+        self.exported_from: list[list[Var]] = [[] for _ in names]
+        self.reexported: list[dict[Var, None]] = [{} for _ in names]  # entered copies leaving
+        self.sweep(jaxpr.eqns, runs, _mirrors(names))
+        for atom in jaxpr.outvars:
+            atom = self.resolve(atom)
+            if type(atom) is not Literal and atom not in self.exported:
+                home = self.defined_in.get(atom)
+                if home is not None:
+                    self.exported[atom] = None
+                    self.exported_from[home].append(atom)
+
+    def resolve(self, atom: Any) -> Any:
         if type(atom) is Literal:
             return atom
-        return alias.get(atom, atom)
+        return self.alias.get(atom, atom)
 
-    for atom in jaxpr.outvars:
-        atom = resolve(atom)
-        if type(atom) is not Literal and atom not in exported:
-            home = defined_get(atom)
-            if home is not None:
-                exported[atom] = None
-                exported_from[home].append(atom)
+    def sweep(self, eqns: list, runs: Sequence, mirror_of: dict[int, int]) -> None:
+        alias, defined_in, exported = self.alias, self.defined_in, self.exported
+        defined_get = defined_in.get
+        current = -1
+        entering: dict[Var, int | None] = {}
+        mirror_entering: dict[Var, int | None] | None = None
+        mirror = None
+        segment_renamed: list[int] = []
+        for segment, start, stop in runs:
+            run = eqns[start:stop]
+            if segment is None:
+                for eqn in run:
+                    for inner, outer in zip(eqn.invars, eqn.outvars):
+                        alias[outer] = inner if type(inner) is Literal else alias.get(inner, inner)
+                continue
+            if segment != current:
+                current = segment
+                entering = self.entering_from[segment]
+                segment_renamed = self.renamed[segment]
+                mirror = mirror_of.get(segment)
+                mirror_entering = None if mirror is None else self.entering_from[mirror]
+            self.runs_of[segment].append((start, stop))
+            for index, eqn in enumerate(run, start):
+                outside = False
+                for atom in eqn.invars:
+                    if type(atom) is Literal:
+                        continue
+                    if alias:
+                        resolved = alias.get(atom, atom)
+                        if resolved is not atom:
+                            outside = True  # reads through a dropped marker: rebuilt
+                            atom = resolved
+                            if type(atom) is Literal:
+                                continue
+                    home = defined_get(atom)
+                    if home == segment:
+                        continue
+                    outside = True
+                    if atom in entering:
+                        continue
+                    if mirror_entering is not None and atom in mirror_entering:
+                        entering[atom] = mirror
+                        self.reexported[mirror][atom] = None  # type: ignore[index]
+                    else:
+                        entering[atom] = None
+                        if home is not None and atom not in exported:
+                            exported[atom] = None
+                            self.exported_from[home].append(atom)
+                if outside:
+                    segment_renamed.append(index)
+                for v in eqn.outvars:
+                    defined_in[v] = segment
 
-    outside_copy: dict[Var, Var] = {}  # value -> the end-marker result later segments read
-    passed_on: list[dict[Var, Var]] = [{} for _ in names]  # entered copy -> end result
-    new_eqns: list[JaxprEqn] = []
-    append = new_eqns.append
-    spans: list[StageSpan] = []
-    # Every marker is this one with its operands, results, parameters and source
-    # replaced (built directly, as eqn.replace would): cheaper than building each from
-    # scratch, and the same equation.
-    marker = new_jaxpr_eqn([], [], pipeline_p, {}, no_effects)
-    marker_effects, marker_ctx = marker.effects, marker.ctx
-    for segment in range(num_segments):
-        segment_runs = runs_of[segment]
-        if not segment_runs:
-            continue
+
+class _SegmentWriter:
+    """Writes the segments, each between its start and end marker, in order."""
+
+    def __init__(self, eqns: list, flow: _SegmentFlow, names: Sequence[str]) -> None:
+        self.eqns, self.flow, self.names = eqns, flow, names
+        self.outside_copy: dict[Var, Var] = {}  # value -> the end result later segments read
+        self.passed_on: list[dict[Var, Var]] = [{} for _ in names]  # entered copy -> end result
+        self.new_eqns: list[JaxprEqn] = []
+        self.spans: list[StageSpan] = []
+        # Every marker is this one with its operands, results, parameters and source
+        # replaced (built directly, as eqn.replace would): cheaper than building each
+        # from scratch, and the same equation.
+        marker = new_jaxpr_eqn([], [], pipeline_p, {}, no_effects)
+        self.marker_effects, self.marker_ctx = marker.effects, marker.ctx
+
+    def marker(self, operands: list, results: list, name: str, mark_type: str, at: int):
+        return JaxprEqn(
+            operands,
+            results,
+            pipeline_p,
+            {"name": name, "mark_type": mark_type},
+            self.marker_effects,
+            self.eqns[at].source_info,
+            self.marker_ctx,
+        )
+
+    def segment(self, segment: int) -> None:
+        flow, new_eqns = self.flow, self.new_eqns
+        segment_runs = flow.runs_of[segment]
         first, last = segment_runs[0][0], segment_runs[-1][1] - 1
-        name = names[segment]
-        entering = entering_from[segment]
+        name = self.names[segment]
+        entering = flow.entering_from[segment]
         # What the segment's equations read instead: the start marker's results, or
         # (through dropped markers) the operands.
         remap: dict[Var, object] = {v: Var(v.aval) for v in entering}
         sources = [
-            outside_copy.get(v, v) if source is None else passed_on[source][v]
+            self.outside_copy.get(v, v) if source is None else self.passed_on[source][v]
             for v, source in entering.items()
         ]
         opener = len(new_eqns)
-        append(
-            JaxprEqn(
-                sources,
-                list(remap.values()),
-                pipeline_p,
-                {"name": name, "mark_type": "start"},
-                marker_effects,
-                eqns[first].source_info,
-                marker_ctx,
-            )
-        )
-        leaving: list[Var] = [remap[v] for v in reexported[segment]]  # type: ignore[misc]
-        if alias:
-            for outer, inner in alias.items():
+        new_eqns.append(self.marker(sources, list(remap.values()), name, "start", first))
+        leaving: list[Var] = [remap[v] for v in flow.reexported[segment]]  # type: ignore[misc]
+        if flow.alias:
+            for outer, inner in flow.alias.items():
                 if type(inner) is not Literal:
                     inner = remap.get(inner, inner)  # type: ignore[arg-type]
                 remap.setdefault(outer, inner)
+        self.copy_runs(segment_runs, flow.renamed[segment], remap)
+        leaving += flow.exported_from[segment]
+        results = [Var(v.aval) for v in leaving]
+        new_eqns.append(self.marker(leaving, results, name, "end", last))
+        closer = len(new_eqns) - 1
+        self.spans.append(StageSpan(name, opener, closer, (opener,), (closer,)))
+        count = len(flow.reexported[segment])
+        self.passed_on[segment] = dict(zip(flow.reexported[segment], results[:count]))
+        self.outside_copy.update(zip(leaving[count:], results[count:]))
+
+    def copy_runs(self, segment_runs: list, renamed: list[int], remap: dict) -> None:
+        """The segment's equations, those in ``renamed`` reading through ``remap``."""
+        eqns, new_eqns = self.eqns, self.new_eqns
         # Equation ``index`` of a run lands at ``index + shift`` of the new list.
         shifts: list[tuple[int, int]] = []
         for start, stop in segment_runs:
             shifts.append((stop, len(new_eqns) - start))
             new_eqns.extend(eqns[start:stop])
-        for index in renamed[segment]:
+        for index in renamed:
             shift = shifts[0][1]
             if len(shifts) > 1:
                 shift = next(s for stop, s in shifts if index < stop)
@@ -231,42 +280,6 @@ def _wrap_segments(
                 eqn.source_info,
                 eqn.ctx,
             )
-        leaving += exported_from[segment]
-        results = [Var(v.aval) for v in leaving]
-        append(
-            JaxprEqn(
-                leaving,
-                results,
-                pipeline_p,
-                {"name": name, "mark_type": "end"},
-                marker_effects,
-                eqns[last].source_info,
-                marker_ctx,
-            )
-        )
-        closer = len(new_eqns) - 1
-        spans.append(StageSpan(name, opener, closer, (opener,), (closer,)))
-        count = len(reexported[segment])
-        passed_on[segment] = dict(zip(reexported[segment], results[:count]))
-        outside_copy.update(zip(leaving[count:], results[count:]))
-
-    outvars = []
-    for atom in jaxpr.outvars:
-        atom = resolve(atom)
-        outvars.append(outside_copy.get(atom, atom) if type(atom) is not Literal else atom)
-    new_jaxpr = Jaxpr(
-        jaxpr.constvars,
-        jaxpr.invars,
-        outvars,
-        new_eqns,
-        jaxpr.effects,
-        jaxpr.debug_info,
-    )
-    if not keeps_markers:
-        # The stages are exactly the segments and every value crossing a segment
-        # boundary goes through the markers: slicing reads the flow off the markers.
-        remember_routed(new_jaxpr, tuple(spans))
-    return ClosedJaxpr(new_jaxpr, cj.consts)
 
 
 def _check_names(names: Sequence[str] | None, count: int, default: str) -> list[str]:
