@@ -176,3 +176,27 @@ def test_no_module_shadows_the_standard_library():
 
     shadowing = [m for m in MODULES if m.split(".")[-1] in sys.stdlib_module_names]
     assert not shadowing, shadowing
+
+
+def _long_functions(limit: int = 80) -> list[str]:
+    """Functions whose code (the docstring aside) runs over ``limit`` lines, unless
+    their docstring gives the reason in a line starting with ``Long:``."""
+    found = []
+    for module, tree in TREES.items():
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            doc = ast.get_docstring(node) or ""
+            first = node.body[0]
+            skip = first.end_lineno - first.lineno + 1 if doc else 0
+            length = node.end_lineno - node.lineno + 1 - skip
+            reason = any(line.strip().startswith("Long:") for line in doc.splitlines())
+            if length > limit and not reason:
+                found.append(f"{module}.{node.name}: {length} lines")
+    return found
+
+
+def test_functions_fit_on_a_screen():
+    long = _long_functions()
+    assert not long, "\n".join(long)
+    assert _long_functions(limit=40), "the check finds functions longer than 40 lines"
