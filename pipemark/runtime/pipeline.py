@@ -18,24 +18,9 @@ How a call runs:
 3. **Compile** each stage program once with ``jax.jit`` for its device. The compiled
    program also adds the stage's share of the result (the loss, the gradients) into an
    accumulator that stays on the device.
-4. **Dispatch** on one worker thread per device (the caller's thread is device 0's).
-   The actions are resolved once per plan (inputs, readers, per device). Each worker
-   places its parameters and batch slices on its device in one transfer per call, then
-   walks its device's column of the schedule in tick order: an action takes its inputs
-   (waiting on its worker's condition for a value another device has not published
-   yet), dispatches its stage program and publishes the results at once, already
-   copied to each reader's device, without waiting for them to be computed: a reader
-   dispatches against a value still being computed and XLA starts its program when the
-   value is there, so no host thread has to wake up between the two. XLA's CPU client
-   runs a small program (and one that calls back into Python) on the dispatching thread
-   when its inputs are ready, so one dispatching thread would serialise the devices;
-   one thread per device lets them overlap. A value is dropped once its last reader on
-   each device has taken it. The first error of any worker wakes the others, which
-   stop, and is raised in the caller; an error inside a program that ran asynchronously
-   is raised when the caller waits for the accumulators, before returning. With one
-   device the schedule is walked on the caller's thread (:func:`~pipemark.runtime.execution.run_plan` with
-   ``parallel=False``) does that for any number of devices: same programs in the same
-   order per device, hence bit-identical results).
+4. **Dispatch** (:func:`pipemark.runtime.execution.run_plan`): one worker thread per
+   device walks its device's column of the schedule, and values move between devices
+   as soon as they are dispatched; the module's docstring says how.
 
 **Sum or mean.** With ``loss_reduction="mean"`` (the default) the microbatch results are
 averaged: a loss that is a mean over the batch (``jnp.mean``) has, for equal microbatches,
