@@ -14,6 +14,7 @@ from pipemark.marks import forward_name
 from pipemark.staged import StagedJaxpr
 from pipemark.views.rows import (
     check_staged,
+    display_name,
     format_bytes,
     format_count,
     format_share,
@@ -74,7 +75,7 @@ def _draw_graph(ax: Any, staged: StagedJaxpr, colors: list[str]) -> None:
     for u, v, size in edges:
         _draw_edge(ax, layout[u], layout[v], size, largest, two_rows)
     for k, (stage, color) in enumerate(zip(staged.stages, colors)):
-        _draw_stage(ax, k, stage.name, layout[stage.name], color, two_rows)
+        _draw_stage(ax, k, display_name(stage.name), layout[stage.name], color, two_rows)
     xs = [x for x, _ in layout.values()]
     ys = [y for _, y in layout.values()]
     ax.set_xlim(min(xs) - 0.6, max(xs) + 0.6)
@@ -179,7 +180,7 @@ def _draw_costs(ax: Any, staged: StagedJaxpr, colors: list[str]) -> None:
         if forward_name(name) is not None:
             bar.set_hatch("////")
             bar.set_edgecolor("white")
-    ax.set_yticks(positions, labels=[f"{r.index} {r.name}" for r in rows], fontsize=9)
+    ax.set_yticks(positions, labels=[f"{r.index} {display_name(r.name)}" for r in rows], fontsize=9)
     ax.invert_yaxis()
     largest = max(values, default=0)
     for position, row in zip(positions, rows):

@@ -72,3 +72,13 @@ def failing_args():
 def wrong_args():
     """Returns something that is not a tuple of arguments."""
     return 3
+
+
+def hostile_names(x, w):
+    """Stages named with rich markup and an ANSI escape sequence."""
+    x = pm.mark((x, w), name="[bold]x[/]", mark_type="start")[0]
+    x = pm.mark(jnp.tanh(x @ w), name="[bold]x[/]", mark_type="end")
+    x = pm.mark((x, w), name="[/]", mark_type="start")[0]
+    x = pm.mark(jnp.tanh(x @ w), name="[/]", mark_type="end")
+    x = pm.mark((x, w), name="red\x1b[31m[link=http://x]", mark_type="start")[0]
+    return jnp.sum(pm.mark(x, name="red\x1b[31m[link=http://x]", mark_type="end") ** 2)

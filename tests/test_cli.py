@@ -344,3 +344,13 @@ def test_parse_arg_spec():
     with pytest.raises(CommandError) as info:
         parse_arg_spec("[4]")
     assert info.value.status == 2
+
+
+def test_inspect_shows_hostile_stage_names_as_text(capsys):
+    status = main(
+        ["inspect", "tests._cli_targets:hostile_names", "--arg", "f32[4,8]", "--arg", "f32[8,8]"]
+    )
+    assert status == 0
+    out = capsys.readouterr().out
+    assert "[bold]x[/]" in out and "[/]" in out
+    assert "\x1b" not in out and "red\\x1b[31m[link=http://x]" in out

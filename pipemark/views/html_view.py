@@ -20,6 +20,7 @@ from pipemark.views.rows import (
     LEFT_COLUMNS,
     StageRow,
     check_staged,
+    display_name,
     format_bytes,
     format_count,
     format_share,
@@ -79,7 +80,7 @@ def _param_text(value: Any) -> str:
         return f"{{jaxpr: {len(jaxpr.eqns)} equations}}"
     if isinstance(value, (tuple, list)) and any(isinstance(v, (ClosedJaxpr, Jaxpr)) for v in value):
         return f"({len(value)} jaxprs)"
-    text = str(value)
+    text = display_name(value)  # a marker name with control characters, say
     return text if len(text) <= 48 else text[:45] + "..."
 
 
@@ -302,7 +303,7 @@ def _crossings(staged: StagedJaxpr) -> tuple[set[Var], dict[tuple[int, int], lis
         for ref, var in zip(stage.inputs, stage.closed_jaxpr.jaxpr.invars):
             if ref.kind == "stage":
                 boundary.add(var)
-                readers.setdefault((ref.stage, ref.index), []).append(stage.name)
+                readers.setdefault((ref.stage, ref.index), []).append(display_name(stage.name))
     for k, ref in enumerate(staged.outputs):
         if ref.kind == "stage":
             readers.setdefault((ref.stage, ref.index), []).append(f"result {k}")
@@ -323,7 +324,7 @@ class _StageView:
         for ref, var in zip(self.stage.inputs, self.jaxpr.invars):
             if ref.kind == "stage":
                 namer.alias(var, outvar_names[ref.stage][ref.index])
-                source = f"from {staged.stages[ref.stage].name}"
+                source = f"from {display_name(staged.stages[ref.stage].name)}"
                 self.received.append((namer.name(var), type_text(var.aval), source))
             elif ref.kind == "input":
                 namer.alias(var, _var_name(ref.index))
@@ -357,12 +358,12 @@ class _StageView:
         )
         open_attr = ' open="open"' if open_stages else ""
         read = [
-            (name, type_text(aval), "program input")
+            (display_name(name), type_text(aval), "program input")
             for name, aval in program_inputs(self.staged, self.stage)
         ]
         parts = [
             f'<details class="pm-stage" style="{style}"{open_attr}>'
-            f'<summary><span class="pm-name">{self.k} · {html.escape(self.stage.name)}</span>'
+            f'<summary><span class="pm-name">{self.k} · {html.escape(display_name(self.stage.name))}</span>'
             f'<span class="pm-meta">{html.escape(meta)}</span></summary>',
             _io("reads", read),
             _io("receives", self.received),

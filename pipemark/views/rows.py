@@ -10,6 +10,7 @@ bytes), number formatting, and one colour per stage.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,7 @@ __all__ = [
     "PALETTE",
     "StageRow",
     "check_staged",
+    "display_name",
     "format_bytes",
     "format_count",
     "format_share",
@@ -224,11 +226,26 @@ COLUMNS = (
 LEFT_COLUMNS = frozenset({0, 1})
 
 
+# C0 and C1 control characters: ESC starts the terminal's escape sequences.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def display_name(name: Any) -> str:
+    r"""``name`` with control characters (ANSI escape sequences among them) written as
+    Python writes them in a string literal, so that a name can neither recolour a
+    terminal nor move its cursor.
+
+    >>> display_name("layer\x1b[31m0")
+    'layer\\x1b[31m0'
+    """
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), str(name))
+
+
 def row_cells(row: StageRow) -> tuple[str, ...]:
     """The cells of one row, under :data:`COLUMNS`."""
     return (
         "" if row.index < 0 else str(row.index),
-        row.name,
+        display_name(row.name),
         str(row.equations),
         str(row.inputs),
         str(row.outputs),

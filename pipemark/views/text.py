@@ -25,6 +25,7 @@ from pipemark.views.rows import (
     COLUMNS,
     LEFT_COLUMNS,
     check_staged,
+    display_name,
     program_inputs,
     row_cells,
     stage_colors,
@@ -66,13 +67,14 @@ def _rich_table(
     rows: Sequence[tuple[str, ...]], total: tuple[str, ...], colors: list[str], swatches: bool
 ):
     from rich import box
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(box=box.SIMPLE, show_footer=True, pad_edge=False)
     for c, title in enumerate(COLUMNS):
         table.add_column(
             title,
-            footer=total[c],
+            footer=escape(total[c]),
             justify="left" if c in LEFT_COLUMNS else "right",
             header_style="bold",
             footer_style="bold",
@@ -80,6 +82,8 @@ def _rich_table(
         )
     for cells, color in zip(rows, colors):
         # The colour swatch only means something on a terminal that shows colours.
+        # Cells are text, never markup: a stage named "[bold]x[/]" is shown as named.
+        cells = [escape(cell) for cell in cells]
         first = f"[{color}]■[/] {cells[0]}" if swatches else cells[0]
         table.add_row(first, f"[bold {color}]{cells[1]}[/]", *cells[2:])
     return table
@@ -153,9 +157,13 @@ def stage_inputs(staged: StagedJaxpr, *, limit: int = 6) -> str:
     staged = check_staged(staged, "stage_inputs")
     lines = ["program inputs each stage reads:"]
     for stage in staged.stages:
-        read = [f"{name} {type_text(aval)}" for name, aval in program_inputs(staged, stage)]
+        read = [
+            f"{display_name(name)} {type_text(aval)}"
+            for name, aval in program_inputs(staged, stage)
+        ]
         more = f", … {len(read) - limit} more" if len(read) > limit else ""
-        lines.append(f"  {stage.name}: {', '.join(read[:limit]) or '(none)'}{more}")
+        name = display_name(stage.name)
+        lines.append(f"  {name}: {', '.join(read[:limit]) or '(none)'}{more}")
     return "\n".join(lines)
 
 
@@ -257,7 +265,7 @@ def print_stage_inputs(staged: StagedJaxpr, file: Any = None) -> None:
     if ends:
         print("each stage ends in:", file=file)
         for name, scope in ends.items():
-            print(f"  {name}: after {scope}", file=file)
+            print(f"  {display_name(name)}: after {display_name(scope)}", file=file)
 
 
 def print_summary(staged: StagedJaxpr, file: Any = None) -> None:

@@ -404,3 +404,37 @@ def test_view_save_and_report_are_valid_pages(tmp_path):
     assert "x &lt; y" in text and "1 &lt; 2 &amp; 3" in text
     assert 'src="data:image/png;base64,iVBORyBmYWtl"' in text
     assert "<title>a &amp; b</title>" in saved.read_text(encoding="utf-8")
+
+
+HOSTILE = ["[bold]x[/]", "[/]", "[link=http://example.com]y", "red\x1b[31mz\x07"]
+
+
+def _hostile_staged():
+    def f(x):
+        for name in HOSTILE:
+            x = pm.mark(x, name=name, mark_type="start")
+            x = pm.mark(jnp.sin(x), name=name, mark_type="end")
+        return x
+
+    return pm.split(f, 1.0)
+
+
+@pytest.mark.parametrize("style", ["plain", "rich"])
+def test_hostile_stage_names_are_shown_as_written(style):
+    pytest.importorskip("rich") if style == "rich" else None
+    text = pmi.summary(_hostile_staged(), style=style)
+    assert "\x1b" not in text and "\x07" not in text
+    for name in ["[bold]x[/]", "[/]", "[link=http://example.com]y", "red\\x1b[31mz\\x07"]:
+        assert name in text, name
+
+
+def test_hostile_stage_names_in_the_other_views(capsys):
+    staged = _hostile_staged()
+    print(staged)
+    pmi.print_stage_inputs(staged)
+    pmi.print_summary(staged)
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "[bold]x[/]" in out
+    page = pmi.to_html(staged)
+    ET.fromstring(page)  # still well-formed
+    assert "\x1b" not in page and "[bold]x[/]" in page
