@@ -267,7 +267,9 @@ def mark_gradient(grad: Any) -> Any:
     return mark(grad, name="grad", mark_type="grad")
 
 
-def _check_eqn_vars(invars: Sequence[Any], outvars: Sequence[Any], what: str) -> None:
+def check_marker_vars(invars: Sequence[Any], outvars: Sequence[Any], what: str) -> None:
+    """A :class:`MarkerError` (naming ``what``) unless a marker's operands and results
+    pair up: as many of each, each result a ``Var`` of its operand's shape and dtype."""
     if len(invars) != len(outvars):
         raise MarkerError(
             f"{what}: a marker has one result per operand, got {len(invars)} operands "
@@ -297,7 +299,7 @@ def mark_pipeline_jaxpreqn(
             "end, jvp_start and jvp_end markers; use mark_hook_jaxpreqn for hooks."
         )
     _check_params(name, mark_type)
-    _check_eqn_vars(invars, outvars, f"mark_pipeline_jaxpreqn(name={name!r})")
+    check_marker_vars(invars, outvars, f"mark_pipeline_jaxpreqn(name={name!r})")
     return new_jaxpr_eqn(
         list(invars),
         list(outvars),
@@ -309,7 +311,7 @@ def mark_pipeline_jaxpreqn(
 
 def mark_hook_jaxpreqn(invars: Sequence[Any], outvars: Sequence[Var]) -> JaxprEqn:
     """Make a ``hook`` marker equation (name ``"hook"``) from jaxpr variables."""
-    _check_eqn_vars(invars, outvars, "mark_hook_jaxpreqn")
+    check_marker_vars(invars, outvars, "mark_hook_jaxpreqn")
     return new_jaxpr_eqn(
         list(invars),
         list(outvars),

@@ -35,11 +35,13 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import jax
-from jax.extend.core import ClosedJaxpr, check_jaxpr
+from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal, check_jaxpr
 
-from pipemark.errors import check_closed_jaxpr
+from pipemark.errors import PipemarkError, check_closed_jaxpr, describe_eqn
+from pipemark.passes.memo import ProgramMemo
+from pipemark.primitive import check_marker_vars, pipeline_p
 
-__all__ = ["check_result", "jaxpr_pass", "paused_collector"]
+__all__ = ["check_program", "check_result", "jaxpr_pass", "paused_collector"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -58,6 +60,54 @@ def paused_collector() -> Iterator[None]:
         gc.enable()
 
 
+# Programs found well formed (check_program), and the programs passes built from them.
+_WELL_FORMED = ProgramMemo()
+
+
+def check_program(jaxpr: Jaxpr, who: str) -> None:
+    """Refuse a program no pass can work on, naming the equation: a variable read
+    before anything defines it or defined twice (a :class:`~pipemark.errors.PipemarkError`),
+    and a marker whose operands and results do not pair up, or whose result is its own
+    operand (a :class:`~pipemark.errors.MarkerError`). One sweep; a program checked
+    before (or built by a pass from a checked one) is not swept again."""
+    if _WELL_FORMED.get(jaxpr):
+        return
+    defined = set(jaxpr.invars)
+    defined.update(jaxpr.constvars)
+    for index, eqn in enumerate(jaxpr.eqns):
+        for a in eqn.invars:
+            if type(a) is not Literal and a not in defined:
+                raise PipemarkError(
+                    f"{who}: {describe_eqn(eqn, index)} reads {a}, which no earlier "
+                    "equation, input or constant defines. The program is malformed; build "
+                    "it with jax.make_jaxpr, or check it with jax.extend.core.check_jaxpr."
+                )
+        if eqn.primitive is pipeline_p:
+            check_marker_vars(eqn.invars, eqn.outvars, f"{who}: {describe_eqn(eqn, index)}")
+        for v in eqn.outvars:
+            if v in defined and type(v) is not DropVar:
+                raise PipemarkError(
+                    f"{who}: {describe_eqn(eqn, index)} defines {v} again. The program is "
+                    "malformed; check it with jax.extend.core.check_jaxpr."
+                )
+            defined.add(v)
+    for a in jaxpr.outvars:
+        if type(a) is not Literal and a not in defined:
+            raise PipemarkError(
+                f"{who}: the program returns {a}, which nothing defines. The program is "
+                "malformed; check it with jax.extend.core.check_jaxpr."
+            )
+    _WELL_FORMED.put(jaxpr, True, markers=())  # params do not change well-formedness
+
+
+def _remember_well_formed(result: Any) -> None:
+    if isinstance(result, ClosedJaxpr):
+        _WELL_FORMED.put(result.jaxpr, True, markers=())
+    elif isinstance(result, tuple):
+        for item in result:
+            _remember_well_formed(item)
+
+
 def check_result(result: Any) -> None:
     """``check_jaxpr`` of every jaxpr in a pass's result: a ``ClosedJaxpr``, each stage
     of a staged program, or the elements of a tuple of those."""
@@ -72,9 +122,9 @@ def check_result(result: Any) -> None:
 
 
 def jaxpr_pass(fn: F) -> F:
-    """Make ``fn(cj, ...)`` a pass: its first argument must be a ``ClosedJaxpr`` (a
-    :class:`~pipemark.errors.PipemarkError` naming the pass otherwise), the collector
-    is paused while it runs, and with ``jax.config.update("jax_enable_checks", True)``
+    """Make ``fn(cj, ...)`` a pass: its first argument must be a well-formed
+    ``ClosedJaxpr`` (:func:`check_program`; a :class:`~pipemark.errors.PipemarkError`
+    naming the pass otherwise), the collector is paused while it runs, and with ``jax.config.update("jax_enable_checks", True)``
     (as the test suite runs) every jaxpr it returns goes through ``check_jaxpr``."""
     name = fn.__name__
 
@@ -82,9 +132,13 @@ def jaxpr_pass(fn: F) -> F:
     def run(cj: Any, *args: Any, **kwargs: Any) -> Any:
         check_closed_jaxpr(cj, name)
         with paused_collector():
+            check_program(cj.jaxpr, name)
             result = fn(cj, *args, **kwargs)
-        if jax.config.jax_enable_checks:
-            check_result(result)
+            if jax.config.jax_enable_checks:
+                check_result(result)
+            # A pass builds a well-formed program from a well-formed one (the suite
+            # checks every result above): the next pass need not sweep it again.
+            _remember_well_formed(result)
         return result
 
     return run  # type: ignore[return-value]

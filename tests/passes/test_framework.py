@@ -285,3 +285,69 @@ def test_every_pass_refuses_what_is_not_a_closed_jaxpr(name):
     cj = jax.make_jaxpr(jnp.sin)(1.0)
     with pytest.raises(PipemarkError, match=rf"^{name} takes a jax.extend.core.ClosedJaxpr"):
         fn(cj.jaxpr, 1) if name in ("insert_markers", "auto_layers", "split_scan") else fn(cj.jaxpr)
+
+
+# ------------------------------------------------------------------ malformed programs
+
+
+def _hand_built(kind: str):
+    """A program with one malformed equation, built by hand as a user's pass might."""
+    from jax.extend.core import ClosedJaxpr, Var, new_jaxpr_eqn, no_effects
+
+    cj = jax.make_jaxpr(lambda x: jnp.cos(jnp.sin(x)))(jnp.ones(3))
+    jaxpr = cj.jaxpr
+    sin, cos = jaxpr.eqns
+    a, b = jaxpr.invars[0], sin.outvars[0]
+    f32_3, f32_2 = a.aval, jax.core.ShapedArray((2,), jnp.float32)
+    params = {"name": "s", "mark_type": "start"}
+    if kind == "counts":
+        marker = new_jaxpr_eqn([b], [Var(f32_3), Var(f32_3)], pm.pipeline_p, params, no_effects)
+        read = marker.outvars[0]
+    elif kind == "avals":
+        marker = new_jaxpr_eqn([b], [Var(f32_2)], pm.pipeline_p, params, no_effects)
+        read = b
+    elif kind == "own operand":
+        c = Var(f32_3)
+        marker = new_jaxpr_eqn([c], [c], pm.pipeline_p, params, no_effects)
+        read = c
+    else:  # read before definition
+        ghost = Var(f32_3)
+        marker = new_jaxpr_eqn([ghost], [Var(f32_3)], pm.pipeline_p, params, no_effects)
+        read = marker.outvars[0]
+    eqns = [sin, marker, cos.replace(invars=[read])]
+    return ClosedJaxpr(jaxpr.replace(eqns=eqns), cj.consts)
+
+
+MALFORMED = {
+    "counts": (pm.MarkerError, r"equation 1 \(pipeline_marker start 's'.*1 operands and 2 results"),
+    "avals": (pm.MarkerError, r"equation 1 \(pipeline_marker start 's'.*f32\[2\]"),
+    "own operand": (PipemarkError, r"equation 1 \(pipeline_marker start 's'.*reads"),
+    "undefined": (PipemarkError, r"equation 1 \(pipeline_marker start 's'.*reads .* which no"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MALFORMED))
+@pytest.mark.parametrize(
+    "name",
+    [
+        "inline_calls",
+        "insert_markers",
+        "layers_from_boundaries",
+        "slice_stages",
+        "remove_markers",
+        "mark_missing_vars",
+        "dce",
+        "auto_layers",
+        "split_scan",
+        "mark_apply_stage",
+    ],
+)
+def test_every_pass_refuses_a_malformed_program(name, kind):
+    error, pattern = MALFORMED[kind]
+    cj = _hand_built(kind)
+    eqns = list(cj.jaxpr.eqns)
+    fn = getattr(pm.passes, name)
+    args = {"insert_markers": ([1],), "auto_layers": (2,), "split_scan": (2,)}.get(name, ())
+    with pytest.raises(error, match=f"^{name}: {pattern}"):
+        fn(cj, *args)
+    assert cj.jaxpr.eqns == eqns  # the input is untouched
