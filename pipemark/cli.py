@@ -132,7 +132,7 @@ def _import_target(target: str) -> Any:
             module = importlib.import_module(module_name)
     except CommandError:
         raise
-    except Exception as err:  # whatever the module raises while it is imported
+    except (Exception, SystemExit) as err:  # whatever the module raises on import
         raise CommandError(
             f"cannot import module {module_name!r}: {type(err).__name__}: {_one_line(err)}"
         ) from None
@@ -164,7 +164,7 @@ def _example_args(target: str) -> tuple[list[Any], dict[str, Any]]:
     make = _import_target(target)
     try:
         made = make()
-    except Exception as err:  # whatever the user's function raises
+    except (Exception, SystemExit) as err:  # whatever the user's function raises
         raise CommandError(
             f"--args {target} raised {type(err).__name__}: {_one_line(err)}"
         ) from None
@@ -221,7 +221,7 @@ def _inspect(args: argparse.Namespace) -> int:
         try:
             signature = Signature.of(positional, kwargs, fn=fn)
             cj = pm.passes.inline_calls(signature.trace(traced_fn, positional, kwargs))
-        except Exception as err:  # any error of the user's function
+        except (Exception, SystemExit) as err:  # any error of the user's function
             raise CommandError(
                 f"tracing {label}({shown}) failed: {type(err).__name__}: {_one_line(err)}"
             ) from None

@@ -311,6 +311,11 @@ _handlers: list[Any] = []  # XLA keeps raw pointers: the ctypes callbacks must l
 
 
 def _canonical_platform(platform: str) -> str:
+    if not isinstance(platform, str):
+        raise PipemarkError(
+            f"platform must be 'cpu' or 'cuda' (a str), got {platform!r} of type "
+            f"{type(platform).__name__}."
+        )
     platform = platform.lower()
     return "cuda" if platform == "gpu" else platform
 

@@ -82,3 +82,10 @@ def hostile_names(x, w):
     x = pm.mark(jnp.tanh(x @ w), name="[/]", mark_type="end")
     x = pm.mark((x, w), name="red\x1b[31m[link=http://x]", mark_type="start")[0]
     return jnp.sum(pm.mark(x, name="red\x1b[31m[link=http://x]", mark_type="end") ** 2)
+
+
+def exits(x, w):
+    """Calls sys.exit(0) while it is traced."""
+    import sys
+
+    sys.exit(0)

@@ -354,3 +354,16 @@ def test_inspect_shows_hostile_stage_names_as_text(capsys):
     out = capsys.readouterr().out
     assert "[bold]x[/]" in out and "[/]" in out
     assert "\x1b" not in out and "red\\x1b[31m[link=http://x]" in out
+
+
+def test_a_traced_function_that_exits_is_an_error_not_a_success(capsys):
+    status = main(["inspect", "tests._cli_targets:exits", "--arg", "f32[4,8]", "--arg", "f32[8,8]"])
+    assert status == 1
+    assert "failed: SystemExit: 0" in capsys.readouterr().err
+
+
+def test_huge_dimensions_are_counted_not_overflowed(capsys):
+    huge = "f32[99999999999999999999999,8]"
+    status = main(["inspect", "tests._cli_targets:marked", "--arg", huge, "--arg", "f32[8,8]"])
+    assert status == 0
+    assert "TiB" in capsys.readouterr().out

@@ -340,6 +340,9 @@ def test_gpu_without_cupy_says_how_to_install(monkeypatch):
 def test_unsupported_platform_is_refused():
     with pytest.raises(pm.PipemarkError, match="not 'tpu'"):
         cc.register_targets("tpu")
+    for bad in (None, 3, ["cpu"]):
+        with pytest.raises(pm.PipemarkError, match="platform must be 'cpu' or 'cuda'"):
+            cc.register_targets(bad)
 
 
 def test_cuda_sources_are_found_in_the_checkout():
