@@ -8,53 +8,94 @@
 1.0
 """
 
-from pipemark import passes as passes
-from pipemark import views as views
-from pipemark.caches import clear_caches as clear_caches
-from pipemark.cost import Cost as Cost
-from pipemark.cost import estimate_cost as estimate_cost
-from pipemark.errors import MarkerError as MarkerError
-from pipemark.errors import PipemarkError as PipemarkError
-from pipemark.errors import PipemarkWarning as PipemarkWarning
-from pipemark.errors import StageGraphError as StageGraphError
-from pipemark.graph import critical_path as critical_path
-from pipemark.graph import eqn_graph as eqn_graph
-from pipemark.graph import stage_graph as stage_graph
-from pipemark.graph import topological_order as topological_order
-from pipemark.lowering import LOWERING_MODES as LOWERING_MODES
-from pipemark.lowering import get_lowering as get_lowering
-from pipemark.lowering import lowering as lowering
-from pipemark.lowering import set_lowering as set_lowering
-from pipemark.marks import MARK_TYPES as MARK_TYPES
-from pipemark.plot import plot as plot
-from pipemark.primitive import flatten_shape_byte_sizes as flatten_shape_byte_sizes
-from pipemark.primitive import is_marker as is_marker
-from pipemark.primitive import mark as mark
-from pipemark.primitive import mark_gradient as mark_gradient
-from pipemark.primitive import mark_hook_jaxpreqn as mark_hook_jaxpreqn
-from pipemark.primitive import mark_pipeline_boundary as mark_pipeline_boundary
-from pipemark.primitive import mark_pipeline_jaxpreqn as mark_pipeline_jaxpreqn
-from pipemark.primitive import pipeline_p as pipeline_p
-from pipemark.runtime import Action as Action
-from pipemark.runtime import Pipeline as Pipeline
-from pipemark.runtime import Schedule as Schedule
-from pipemark.runtime import gpipe_schedule as gpipe_schedule
-from pipemark.runtime import ideal_bubble_fraction as ideal_bubble_fraction
-from pipemark.runtime import interleaved_schedule as interleaved_schedule
-from pipemark.runtime import make_schedule as make_schedule
-from pipemark.runtime import one_f_one_b_schedule as one_f_one_b_schedule
-from pipemark.runtime import pipeline_train_step as pipeline_train_step
-from pipemark.runtime import pipeline_value_and_grad as pipeline_value_and_grad
-from pipemark.runtime import plot_schedule as plot_schedule
-from pipemark.runtime import schedule_from_orders as schedule_from_orders
-from pipemark.signature import Signature as Signature
-from pipemark.signature import SignatureError as SignatureError
-from pipemark.staged import Stage as Stage
-from pipemark.staged import StagedJaxpr as StagedJaxpr
-from pipemark.staging import show as show
-from pipemark.staging import split as split
-from pipemark.staging import split_jaxpr as split_jaxpr
-from pipemark.views import summary as summary
-from pipemark.views import write_report as write_report
+import sys
+import types
+
+# The public names, each loaded from its module on first use (PEP 562): `import
+# pipemark` itself imports nothing, so the command line answers `--help` and `--version`
+# without importing JAX. Name -> (module, attribute), or (module, None) for a module.
+_EXPORTS: dict[str, tuple[str, str | None]] = {
+    "Action": ("pipemark.runtime", "Action"),
+    "clear_caches": ("pipemark.caches", "clear_caches"),
+    "Cost": ("pipemark.cost", "Cost"),
+    "critical_path": ("pipemark.graph", "critical_path"),
+    "eqn_graph": ("pipemark.graph", "eqn_graph"),
+    "estimate_cost": ("pipemark.cost", "estimate_cost"),
+    "flatten_shape_byte_sizes": ("pipemark.cost", "flatten_shape_byte_sizes"),
+    "get_lowering": ("pipemark.lowering", "get_lowering"),
+    "gpipe_schedule": ("pipemark.runtime", "gpipe_schedule"),
+    "ideal_bubble_fraction": ("pipemark.runtime", "ideal_bubble_fraction"),
+    "interleaved_schedule": ("pipemark.runtime", "interleaved_schedule"),
+    "is_marker": ("pipemark.primitive", "is_marker"),
+    "lowering": ("pipemark.lowering", "lowering"),
+    "LOWERING_MODES": ("pipemark.lowering", "LOWERING_MODES"),
+    "make_schedule": ("pipemark.runtime", "make_schedule"),
+    "mark": ("pipemark.primitive", "mark"),
+    "mark_gradient": ("pipemark.primitive", "mark_gradient"),
+    "mark_hook_jaxpreqn": ("pipemark.primitive", "mark_hook_jaxpreqn"),
+    "mark_pipeline_boundary": ("pipemark.primitive", "mark_pipeline_boundary"),
+    "mark_pipeline_jaxpreqn": ("pipemark.primitive", "mark_pipeline_jaxpreqn"),
+    "MARK_TYPES": ("pipemark.marks", "MARK_TYPES"),
+    "MarkerError": ("pipemark.errors", "MarkerError"),
+    "one_f_one_b_schedule": ("pipemark.runtime", "one_f_one_b_schedule"),
+    "passes": ("pipemark.passes", None),
+    "Pipeline": ("pipemark.runtime", "Pipeline"),
+    "pipeline_p": ("pipemark.primitive", "pipeline_p"),
+    "pipeline_train_step": ("pipemark.runtime", "pipeline_train_step"),
+    "pipeline_value_and_grad": ("pipemark.runtime", "pipeline_value_and_grad"),
+    "PipemarkError": ("pipemark.errors", "PipemarkError"),
+    "PipemarkWarning": ("pipemark.errors", "PipemarkWarning"),
+    "plot": ("pipemark.plot", "plot"),
+    "plot_schedule": ("pipemark.runtime", "plot_schedule"),
+    "Schedule": ("pipemark.runtime", "Schedule"),
+    "schedule_from_orders": ("pipemark.runtime", "schedule_from_orders"),
+    "set_lowering": ("pipemark.lowering", "set_lowering"),
+    "show": ("pipemark.staging", "show"),
+    "Signature": ("pipemark.signature", "Signature"),
+    "SignatureError": ("pipemark.signature", "SignatureError"),
+    "split": ("pipemark.staging", "split"),
+    "split_jaxpr": ("pipemark.staging", "split_jaxpr"),
+    "Stage": ("pipemark.staged", "Stage"),
+    "stage_graph": ("pipemark.graph", "stage_graph"),
+    "StagedJaxpr": ("pipemark.staged", "StagedJaxpr"),
+    "StageGraphError": ("pipemark.errors", "StageGraphError"),
+    "summary": ("pipemark.views", "summary"),
+    "topological_order": ("pipemark.graph", "topological_order"),
+    "views": ("pipemark.views", None),
+    "write_report": ("pipemark.views", "write_report"),
+}
 
 __version__ = "0.1.0"
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    try:
+        module_name, attribute = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module 'pipemark' has no attribute {name!r}") from None
+    import importlib
+
+    module = importlib.import_module(module_name)
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value  # later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
+
+class _Package(types.ModuleType):
+    """Importing a submodule sets it as an attribute of its package; where a public
+    name is a function of a module of the same name (``pm.lowering``, ``pm.plot``),
+    the function keeps the name."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        export = _EXPORTS.get(name)
+        if export is not None and export[1] is not None and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -271,7 +271,10 @@ def _positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pipemark import __version__
+
     parser = _Parser(prog="pipemark", description="Pipeline-stage markers for JAX jaxprs.")
+    parser.add_argument("--version", action="version", version=f"pipemark {__version__}")
     commands = parser.add_subparsers(
         dest="command", required=True, metavar="COMMAND", parser_class=_Parser
     )

@@ -44,7 +44,15 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 from pipemark.errors import PipemarkError, describe_eqn
 from pipemark.walk import CALL_PRIMITIVES, bodies
 
-__all__ = ["COST_MODELS", "Cost", "cost_rules", "estimate_cost", "eqn_costs", "nbytes"]
+__all__ = [
+    "COST_MODELS",
+    "Cost",
+    "cost_rules",
+    "estimate_cost",
+    "eqn_costs",
+    "flatten_shape_byte_sizes",
+    "nbytes",
+]
 
 COST_MODELS: tuple[str, ...] = ("analytic", "xla")
 
@@ -687,3 +695,40 @@ def _xla_eqn_cost(eqn: JaxprEqn) -> Cost:
     )
     inner = Jaxpr([], invars, outvars, [eqn.replace(outvars=outvars)], eqn.effects, debug)
     return _xla_cost(ClosedJaxpr(inner, ()), describe_eqn(eqn))
+
+
+def flatten_shape_byte_sizes(x: Any) -> np.ndarray:
+    """The byte size of each leaf of ``x``, in order, as an int64 array.
+
+    Leaves may be abstract values (``jax.core.ShapedArray``), ``jax.ShapeDtypeStruct``,
+    arrays, or jaxpr variables; tuples and lists nest.
+
+    >>> import jax, numpy as np
+    >>> flatten_shape_byte_sizes((jax.ShapeDtypeStruct((2, 3), np.float32),
+    ...                           [np.zeros(5, np.int8)]))
+    array([24,  5])
+    """
+    sizes: list[int] = []
+
+    def visit(node: Any) -> None:
+        if isinstance(node, (tuple, list)):
+            for child in node:
+                visit(child)
+        else:
+            sizes.append(_leaf_byte_size(node))
+
+    visit(x)
+    return np.array(sizes, dtype=np.int64)
+
+
+def _leaf_byte_size(leaf: Any) -> int:
+    aval = getattr(leaf, "aval", leaf)  # a jaxpr Var or Literal carries its aval
+    shape = getattr(aval, "shape", None)
+    dtype = getattr(aval, "dtype", None)
+    if shape is None or dtype is None:
+        raise PipemarkError(
+            f"flatten_shape_byte_sizes: {leaf!r} of type {type(leaf).__name__} has no "
+            "shape and dtype; pass avals, jax.ShapeDtypeStructs, arrays, or nested "
+            "tuples/lists of them."
+        )
+    return int(np.dtype(dtype).itemsize) * int(np.prod(shape, dtype=np.int64))

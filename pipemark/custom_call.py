@@ -51,8 +51,8 @@ from pipemark._ffi import (
     call_api,
     make_handler,
 )
+from pipemark.cost import flatten_shape_byte_sizes
 from pipemark.errors import PipemarkError
-from pipemark.primitive import flatten_shape_byte_sizes
 
 __all__ = [
     "TARGET_NAMES",

@@ -23,13 +23,11 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 from jax.extend.mlir.dialects import stablehlo
-from jax.interpreters import mlir
 
 from pipemark._compat import LOWERING_MODES, define_lowering_state
 from pipemark.errors import PipemarkError
-from pipemark.primitive import pipeline_p
 
-__all__ = ["LOWERING_MODES", "set_lowering", "get_lowering", "lowering"]
+__all__ = ["LOWERING_MODES", "get_lowering", "lower_marker", "lowering", "set_lowering"]
 
 _lowering_state = define_lowering_state()
 
@@ -104,7 +102,9 @@ def _lower_identity(ctx, *args, name: str, mark_type: str):
     return list(args)
 
 
-def _lower_marker(ctx, *args, name: str, mark_type: str):
+def lower_marker(ctx, *args, name: str, mark_type: str):
+    """The lowering rule of ``pipeline_marker`` (registered by
+    :mod:`pipemark.primitive`): the current mode's."""
     mode = _lowering_state.value
     if mode == "identity":
         rule = _lower_identity
@@ -113,6 +113,3 @@ def _lower_marker(ctx, *args, name: str, mark_type: str):
     else:
         rule = _lower_barrier
     return rule(ctx, *args, name=name, mark_type=mark_type)
-
-
-mlir.register_lowering(pipeline_p, _lower_marker)

@@ -37,10 +37,11 @@ import jax
 import numpy as np
 from jax.extend import source_info_util
 from jax.extend.core import JaxprEqn, Primitive, Var, new_jaxpr_eqn, no_effects
-from jax.interpreters import ad, batching
+from jax.interpreters import ad, batching, mlir
 from jax.interpreters import partial_eval as pe
 
-from pipemark.errors import MarkerError, PipemarkError
+from pipemark.errors import MarkerError
+from pipemark.lowering import lower_marker
 from pipemark.marks import KEPT_BY_DCE, MARK_ROLES, MARK_TYPES, PAIRED_MARK_TYPES, backward_name
 
 __all__ = [
@@ -51,7 +52,6 @@ __all__ = [
     "mark_gradient",
     "mark_pipeline_jaxpreqn",
     "mark_hook_jaxpreqn",
-    "flatten_shape_byte_sizes",
     "is_marker",
 ]
 
@@ -210,6 +210,9 @@ def _marker_dce(used_outputs: list[bool], eqn: JaxprEqn):
 
 pe.dce_rules[pipeline_p] = _marker_dce
 
+# Lowering to StableHLO: one of three modes (pipemark.lowering).
+mlir.register_lowering(pipeline_p, lower_marker)
+
 
 # ------------------------------------------------------------------------ public API
 
@@ -319,40 +322,3 @@ def mark_hook_jaxpreqn(invars: Sequence[Any], outvars: Sequence[Var]) -> JaxprEq
         {"name": "hook", "mark_type": "hook"},
         no_effects,
     )
-
-
-def _leaf_byte_size(leaf: Any) -> int:
-    aval = getattr(leaf, "aval", leaf)  # a jaxpr Var or Literal carries its aval
-    shape = getattr(aval, "shape", None)
-    dtype = getattr(aval, "dtype", None)
-    if shape is None or dtype is None:
-        raise PipemarkError(
-            f"flatten_shape_byte_sizes: {leaf!r} of type {type(leaf).__name__} has no "
-            "shape and dtype; pass avals, jax.ShapeDtypeStructs, arrays, or nested "
-            "tuples/lists of them."
-        )
-    return int(np.dtype(dtype).itemsize) * int(np.prod(shape, dtype=np.int64))
-
-
-def flatten_shape_byte_sizes(x: Any) -> np.ndarray:
-    """The byte size of each leaf of ``x``, in order, as an int64 array.
-
-    Leaves may be abstract values (``jax.core.ShapedArray``), ``jax.ShapeDtypeStruct``,
-    arrays, or jaxpr variables; tuples and lists nest.
-
-    >>> import jax, numpy as np
-    >>> flatten_shape_byte_sizes((jax.ShapeDtypeStruct((2, 3), np.float32),
-    ...                           [np.zeros(5, np.int8)]))
-    array([24,  5])
-    """
-    sizes: list[int] = []
-
-    def visit(node: Any) -> None:
-        if isinstance(node, (tuple, list)):
-            for child in node:
-                visit(child)
-        else:
-            sizes.append(_leaf_byte_size(node))
-
-    visit(x)
-    return np.array(sizes, dtype=np.int64)

@@ -28,8 +28,8 @@ from jax.extend.core import (
     jaxpr_as_fun,
 )
 
+from pipemark.cost import flatten_shape_byte_sizes
 from pipemark.errors import PipemarkError, StageGraphError
-from pipemark.primitive import flatten_shape_byte_sizes
 from pipemark.signature import Signature
 
 __all__ = ["Stage", "StagedJaxpr", "ValueRef"]

@@ -367,3 +367,21 @@ def test_huge_dimensions_are_counted_not_overflowed(capsys):
     status = main(["inspect", "tests._cli_targets:marked", "--arg", huge, "--arg", "f32[8,8]"])
     assert status == 0
     assert "TiB" in capsys.readouterr().out
+
+
+def test_version_and_help_do_not_import_jax():
+    import subprocess
+
+    code = (
+        "import sys\n"
+        "from pipemark.cli import main\n"
+        "for argv in (['--version'], ['--help']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print('jax' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("pipemark 0.1.0\n")
+    assert out.stdout.strip().endswith("False")
