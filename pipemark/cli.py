@@ -155,7 +155,19 @@ def _demo(args: argparse.Namespace) -> int:
     from pipemark import _demo
 
     out_dir = Path(args.out)
+    _check_writable(out_dir)  # before the demo runs, not after a minute of work
     return 0 if _demo.run(sys.stdout, out_dir, progress=sys.stderr) else 1
+
+
+def _check_writable(out_dir: Path) -> None:
+    probe = out_dir / ".pipemark-write-check"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        raise CommandError(f"--out {out_dir}: cannot write there ({reason})") from None
 
 
 def _example_args(target: str) -> tuple[list[Any], dict[str, Any]]:
@@ -206,6 +218,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
         import pipemark as pm
         from pipemark.signature import Signature
+        from pipemark.staging import has_stage_markers
         from pipemark.views.text import print_stage_inputs, print_summary
 
         fn = _import_target(args.target)
@@ -225,13 +238,18 @@ def _inspect(args: argparse.Namespace) -> int:
             raise CommandError(
                 f"tracing {label}({shown}) failed: {type(err).__name__}: {_one_line(err)}"
             ) from None
-    has_markers = any(eqn.primitive is pm.pipeline_p for eqn in cj.jaxpr.eqns)
+    has_markers = has_stage_markers(cj)
     what = f"cutting into {args.num_stages} balanced stages" if args.num_stages else "slicing"
     with progress.step(what):
         if args.num_stages is None and not has_markers:
             raise CommandError(
                 f"{args.target} has no stage markers; pass --num-stages K to cut it into "
                 "K balanced stages"
+            )
+        if args.num_stages is not None and has_markers:
+            raise CommandError(
+                f"{args.target} already has stage markers, and --num-stages cuts a program "
+                "without any; drop --num-stages to cut it at its markers"
             )
         staged = pm.split_jaxpr(cj, num_stages=args.num_stages).with_signature(signature)
     if args.html:
@@ -282,10 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="split a small transformer language model into 4 stages, check it and "
         "write report.html and stages.png",
-        description="Build a small transformer language model in plain JAX, trace "
-        "jax.value_and_grad of its loss, cut it into 4 balanced stages, print the stage "
-        "table, check the stages against the unsplit program, and write report.html and "
-        "stages.png into DIR; then check the markers under every JAX transformation.",
+        description="In this order: build a small transformer language model in plain "
+        "JAX, trace jax.value_and_grad of its loss, cut it into 4 balanced stages (and "
+        "print the stage table), run the stages and check them against the unsplit "
+        "program, check the markers under jit, grad, vmap and hessian, and write "
+        "report.html and stages.png into DIR.",
     )
     demo.add_argument(
         "--out", metavar="DIR", default="pipemark-demo", help="where to write (./pipemark-demo)"

@@ -385,3 +385,35 @@ def test_version_and_help_do_not_import_jax():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.startswith("pipemark 0.1.0\n")
     assert out.stdout.strip().endswith("False")
+
+
+def test_num_stages_on_a_marked_program_gives_command_line_advice(capsys):
+    args = ["--arg", "f32[4,8]", "--arg", "f32[8,8]", "--num-stages", "2"]
+    status = main(["inspect", "tests._cli_targets:marked", *args])
+    assert status == 1
+    err = _error_lines(capsys.readouterr().err)
+    assert err == [
+        "pipemark: error: tests._cli_targets:marked already has stage markers, and "
+        "--num-stages cuts a program without any; drop --num-stages to cut it at its markers"
+    ]
+
+
+def test_demo_to_an_unwritable_place_fails_before_it_runs(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    status = main(["demo", "--out", str(blocker / "out")])
+    assert status == 1
+    captured = capsys.readouterr()
+    assert _error_lines(captured.err) == [
+        f"pipemark: error: --out {blocker / 'out'}: cannot write there (Not a directory)"
+    ]
+    assert "[1/" not in captured.err  # no step of the demo ran
+
+
+def test_demo_help_lists_the_steps_in_the_order_they_run(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    steps = ["build", "trace", "cut it into 4", "run the stages", "check the markers", "write"]
+    positions = [text.index(step) for step in steps]
+    assert positions == sorted(positions)
