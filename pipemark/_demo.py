@@ -25,6 +25,7 @@ import numpy as np
 
 import pipemark as pm
 from pipemark import examples
+from pipemark._text import plural
 from pipemark.progress import Progress
 
 NUM_STAGES = 4
@@ -141,7 +142,7 @@ def run(
         f"A transformer language model ({sizes['num_layers']} blocks, d_model "
         f"{sizes['d_model']}, {sizes['num_heads']} heads, vocabulary {sizes['vocab']}, "
         f"sequence {sizes['seq']}, batch {sizes['batch']}). Its training step "
-        f"jax.value_and_grad(loss) has {len(cj.jaxpr.eqns)} equations; "
+        f"jax.value_and_grad(loss) has {plural(len(cj.jaxpr.eqns), 'equation')}; "
         f"pm.passes.auto_layers marks {num_stages} balanced forward layers ({markers} marker "
         f"equations) and the program is cut into {num_stages} forward stages and "
         f"{num_stages} mirrored backward stages."

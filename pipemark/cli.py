@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pipemark._text import plural
 from pipemark.progress import Progress
 
 __all__ = ["main", "build_parser", "parse_arg_spec", "CommandError"]
@@ -239,7 +240,11 @@ def _inspect(args: argparse.Namespace) -> int:
                 f"tracing {label}({shown}) failed: {type(err).__name__}: {_one_line(err)}"
             ) from None
     has_markers = has_stage_markers(cj)
-    what = f"cutting into {args.num_stages} balanced stages" if args.num_stages else "slicing"
+    what = (
+        f"cutting into {plural(args.num_stages, 'balanced stage')}"
+        if args.num_stages
+        else "slicing"
+    )
     with progress.step(what):
         if args.num_stages is None and not has_markers:
             raise CommandError(

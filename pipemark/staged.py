@@ -28,6 +28,7 @@ from jax.extend.core import (
     jaxpr_as_fun,
 )
 
+from pipemark._text import plural
 from pipemark.cost import flatten_shape_byte_sizes
 from pipemark.errors import PipemarkError, StageGraphError
 from pipemark.signature import Signature
@@ -389,12 +390,12 @@ class StagedJaxpr:
             return self._stages[key]
         except (IndexError, TypeError):
             raise PipemarkError(
-                f"No stage {key!r}: this program has {len(self._stages)} stages."
+                f"No stage {key!r}: this program has {plural(len(self._stages), 'stage')}."
             ) from None
 
     def __repr__(self) -> str:
         names = ", ".join(s.name for s in self._stages)
-        return f"StagedJaxpr({len(self._stages)} stages: {names})"
+        return f"StagedJaxpr({plural(len(self._stages), 'stage')}: {names})"
 
     # ------------------------------------------------------------------------ run
 

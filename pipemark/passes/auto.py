@@ -49,6 +49,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 from pipemark._compat import name_stack_scopes
+from pipemark._text import plural
 from pipemark.cost import Cost, eqn_costs, estimate_cost
 from pipemark.errors import (
     MarkerError,
@@ -286,7 +287,7 @@ def balanced_cuts(
         raise PipemarkError(f"The number of layers must be a positive int, got {num_parts!r}.")
     if n < num_parts:
         raise PipemarkError(
-            f"Cannot cut {n} equations into {num_parts} non-empty layers; ask for at "
+            f"Cannot cut {plural(n, 'equation')} into {num_parts} non-empty layers; ask for at "
             f"most {n} layers."
         )
     if n and values.min() < 0:

@@ -26,6 +26,7 @@ from jax.extend.core import (
 )
 
 from pipemark._compat import name_stack_scopes
+from pipemark._text import plural
 from pipemark.errors import MarkerError, PipemarkError, describe_eqn
 from pipemark.marks import APPLY_STAGE, STAGE_MARK_TYPES, backward_name, forward_name
 from pipemark.passes._backward import forward_end, mirror_cuts
@@ -365,7 +366,7 @@ def insert_markers(
     for cut in cut_list:
         if not 0 <= cut < num_eqns:
             raise PipemarkError(
-                f"Cut {cut} is out of range: the program has {num_eqns} equations, so a "
+                f"Cut {cut} is out of range: the program has {plural(num_eqns, 'equation')}, so a "
                 f"stage can begin at an index from 0 to {num_eqns - 1}."
             )
     markers = _marker_indices(cj.jaxpr, "insert_markers", frozenset())

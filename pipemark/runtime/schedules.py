@@ -35,6 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from pipemark._text import plural
 from pipemark.errors import PipemarkError, StageGraphError
 
 __all__ = [
@@ -302,8 +303,9 @@ class Schedule:
         """A text grid: one row per device, one column per tick, ``.`` for idle."""
         single = len(set(self.stage_devices)) == self.num_stages
         header = (
-            f"{self.name}: {self.num_stages} stages, {self.num_microbatches} microbatches, "
-            f"{self.num_devices} devices, {self.num_ticks} ticks, "
+            f"{self.name}: {plural(self.num_stages, 'stage')}, "
+            f"{plural(self.num_microbatches, 'microbatch', 'microbatches')}, "
+            f"{plural(self.num_devices, 'device')}, {plural(self.num_ticks, 'tick')}, "
             f"bubble {100 * self.bubble_fraction:.1f}%"
         )
         rows = [["tick", *map(str, range(self.num_ticks))]]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 
+from pipemark._text import plural
 from pipemark.views.rows import (
     COLUMNS,
     LEFT_COLUMNS,
@@ -77,7 +78,7 @@ class _Namer:
 def _param_text(value: Any) -> str:
     if isinstance(value, (ClosedJaxpr, Jaxpr)):
         jaxpr = value.jaxpr if isinstance(value, ClosedJaxpr) else value
-        return f"{{jaxpr: {len(jaxpr.eqns)} equations}}"
+        return f"{{jaxpr: {plural(len(jaxpr.eqns), 'equation')}}}"
     if isinstance(value, (tuple, list)) and any(isinstance(v, (ClosedJaxpr, Jaxpr)) for v in value):
         return f"({len(value)} jaxprs)"
     text = display_name(value)  # a marker name with control characters, say
@@ -281,7 +282,8 @@ def to_html(
     boundary, readers = _crossings(staged)
     parts = [
         f'<div class="pipemark-view"><style>{_css()}</style>',
-        f'<p class="pm-caption">{len(rows)} stages, {total.equations} equations, '
+        f'<p class="pm-caption">{plural(len(rows), "stage")}, '
+        f"{plural(total.equations, 'equation')}, "
         f"{html.escape(format_count(total.flops))} FLOPs. Values sent between stages are "
         '<span class="pm-b">highlighted</span>.</p>',
         _table_html(rows, total, colors),
@@ -346,13 +348,14 @@ class _StageView:
             for eqn in eqns[:limit]
         ]
         if len(eqns) > limit:
-            lines.append(f'<div class="pm-e pm-more">… {len(eqns) - limit} more equations</div>')
+            more = plural(len(eqns) - limit, "more equation", "more equations")
+            lines.append(f'<div class="pm-e pm-more">… {more}</div>')
         return f'<div class="pm-eqns">{"".join(lines)}</div>'
 
     def html(self, row: StageRow, color: str, open_stages: bool) -> str:
         style = f"--pm-color: {color}; --pm-tint: {_rgba(color, 0.09)}"
         meta = (
-            f"{row.equations} equations · {format_count(row.flops)} FLOPs · "
+            f"{plural(row.equations, 'equation')} · {format_count(row.flops)} FLOPs · "
             f"{format_share(row.share)} · in {format_bytes(row.bytes_in)} · "
             f"out {format_bytes(row.bytes_out)}"
         )
