@@ -17,6 +17,7 @@ from pipemark.views.html_view import HTMLView as HTMLView
 from pipemark.views.html_view import to_html as to_html
 from pipemark.views.html_view import write_report as write_report
 from pipemark.views.rows import StageRow as StageRow
+from pipemark.views.rows import display_name as display_name
 from pipemark.views.rows import format_bytes as format_bytes
 from pipemark.views.rows import format_count as format_count
 from pipemark.views.rows import stage_colors as stage_colors
