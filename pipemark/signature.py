@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect as _pyinspect
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from pipemark.errors import PipemarkError
+from pipemark.errors import PipemarkError, PipemarkWarning
 
 __all__ = ["Signature", "SignatureError", "is_traced_leaf", "traced_mask"]
 
@@ -238,9 +239,12 @@ class Signature:
 
     def trace(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict | None = None):
         """``jax.make_jaxpr`` of :meth:`bind` on this call's inputs, with the inputs
-        named by their paths in the jaxpr's debug info."""
+        named by their paths in the jaxpr's debug info. Warns (once per call site) when
+        64-bit array inputs are traced as 32-bit because ``jax_enable_x64`` is off."""
+        inputs = self.flatten(args, kwargs)
+        self._warn_narrowed(inputs)
         try:
-            cj = jax.make_jaxpr(self.bind(fn))(*self.flatten(args, kwargs))
+            cj = jax.make_jaxpr(self.bind(fn))(*inputs)
         except TypeError as error:
             if "is not a valid JAX type" not in str(error):
                 raise
@@ -261,6 +265,26 @@ class Signature:
             )
             cj = cj.replace(jaxpr=cj.jaxpr.replace(debug_info=info))
         return cj
+
+    def _warn_narrowed(self, inputs: Sequence[Any]) -> None:
+        if jax.config.jax_enable_x64:
+            return
+        wide = [
+            f"{name} ({np.dtype(leaf.dtype).name})"
+            for name, leaf in zip(self.names, inputs)
+            if getattr(leaf, "dtype", None) is not None
+            and np.dtype(leaf.dtype).itemsize == 8
+            and np.dtype(leaf.dtype).kind in "fiuc"
+        ]
+        if wide:
+            shown = ", ".join(wide[:3]) + (f" and {len(wide) - 3} more" if len(wide) > 3 else "")
+            warnings.warn(
+                f"{shown} will be traced as 32-bit: jax_enable_x64 is off, so JAX narrows "
+                "64-bit inputs. Pass 32-bit arrays, or turn on "
+                'jax.config.update("jax_enable_x64", True) before tracing.',
+                PipemarkWarning,
+                stacklevel=4,
+            )
 
     def flatten(self, args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> list[Any]:
         """The jaxpr inputs of a call with ``args`` and ``kwargs``.

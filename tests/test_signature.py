@@ -116,3 +116,19 @@ def test_python_numbers_inside_equinox_modules_are_static():
 
     cj = sig.trace(f, (tree,))
     assert len(cj.jaxpr.invars) == 2
+
+
+def test_64_bit_inputs_traced_as_32_bit_are_named_once():
+    def f(params, x):
+        pm.mark_pipeline_boundary()
+        return jnp.sum(params["w"] * x)
+
+    with pytest.warns(
+        pm.PipemarkWarning, match=r"params\['w'\] \(float64\) will be traced as 32-bit"
+    ):
+        pm.split(f, {"w": np.ones(3)}, np.ones(3, np.float32))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pm.split(f, {"w": np.ones(3, np.float32)}, 1.0)  # 32-bit arrays, a Python float: silent
