@@ -29,3 +29,18 @@ def test_readme_python_blocks_run(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "layer2" in proc.stdout  # print(staged) showed the stage table
+
+
+def test_readme_inspect_command_runs_as_written():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    (command,) = re.findall(r"`cd (docs/gen) && pipemark (inspect [^`]*)`", text)
+    folder, rest = command
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipemark", *rest.split()],
+        cwd=ROOT / folder,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "layer3_backward" in proc.stdout
