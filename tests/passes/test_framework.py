@@ -262,29 +262,38 @@ def test_a_pass_that_returns_an_ill_typed_program_fails_under_checks():
         assert len(drop_first_equation(cj).eqns) == 1  # unchecked without jax checks
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "inline_calls",
-        "insert_markers",
-        "layers_from_boundaries",
-        "insert_markers_by_scope",
-        "slice_stages",
-        "remove_markers",
-        "mark_missing_vars",
-        "dce",
-        "auto_layers",
-        "split_scan",
-        "layers_from_scans",
-        "split_at_gradient",
-        "mark_apply_stage",
-    ],
-)
+# Every public pass, and the arguments it takes after the program.
+PUBLIC_PASSES = {
+    "inline_calls": (),
+    "insert_markers": ([1],),
+    "layers_from_boundaries": (),
+    "insert_markers_by_scope": (),
+    "slice_stages": (),
+    "remove_markers": (),
+    "mark_missing_vars": (),
+    "dce": (),
+    "auto_layers": (2,),
+    "split_scan": (2,),
+    "layers_from_scans": (),
+    "split_at_gradient": (),
+    "mark_apply_stage": (),
+}
+
+
+def test_the_list_names_every_pass():
+    decorated = {
+        name
+        for name in pm.passes.__dict__
+        if callable(getattr(pm.passes, name)) and hasattr(getattr(pm.passes, name), "__wrapped__")
+    }
+    assert decorated == set(PUBLIC_PASSES)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC_PASSES))
 def test_every_pass_refuses_what_is_not_a_closed_jaxpr(name):
-    fn = getattr(pm.passes, name)
     cj = jax.make_jaxpr(jnp.sin)(1.0)
     with pytest.raises(PipemarkError, match=rf"^{name} takes a jax.extend.core.ClosedJaxpr"):
-        fn(cj.jaxpr, 1) if name in ("insert_markers", "auto_layers", "split_scan") else fn(cj.jaxpr)
+        getattr(pm.passes, name)(cj.jaxpr, *PUBLIC_PASSES[name])
 
 
 # ------------------------------------------------------------------ malformed programs
@@ -327,27 +336,11 @@ MALFORMED = {
 
 
 @pytest.mark.parametrize("kind", sorted(MALFORMED))
-@pytest.mark.parametrize(
-    "name",
-    [
-        "inline_calls",
-        "insert_markers",
-        "layers_from_boundaries",
-        "slice_stages",
-        "remove_markers",
-        "mark_missing_vars",
-        "dce",
-        "auto_layers",
-        "split_scan",
-        "mark_apply_stage",
-    ],
-)
+@pytest.mark.parametrize("name", sorted(PUBLIC_PASSES))
 def test_every_pass_refuses_a_malformed_program(name, kind):
     error, pattern = MALFORMED[kind]
     cj = _hand_built(kind)
     eqns = list(cj.jaxpr.eqns)
-    fn = getattr(pm.passes, name)
-    args = {"insert_markers": ([1],), "auto_layers": (2,), "split_scan": (2,)}.get(name, ())
     with pytest.raises(error, match=f"^{name}: {pattern}"):
-        fn(cj, *args)
+        getattr(pm.passes, name)(cj, *PUBLIC_PASSES[name])
     assert cj.jaxpr.eqns == eqns  # the input is untouched
