@@ -115,7 +115,7 @@ def check_no_markers_in_bodies(jaxpr: Jaxpr | ClosedJaxpr) -> None:
     Passes cut only the top level of a program; a ``start``/``end``/``jvp_*``/
     ``boundary`` marker inside a ``scan``, ``cond``, ``while``, ``pjit`` or ``remat``
     body cannot be cut there. Linear in the total number of equations (each distinct
-    body is scanned once); a program that passed the check before is not scanned again.
+    body is scanned once; :func:`find_stage_spans` remembers the programs it validated).
     """
     jaxpr = _as_jaxpr(jaxpr)
     seen: dict[int, JaxprEqn | None] = {}

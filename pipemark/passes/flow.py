@@ -90,10 +90,11 @@ def stage_flow(jaxpr: Jaxpr, unmarked: str = "assign") -> StageFlow:
     spans = find_stage_spans(jaxpr)
     if not spans:
         return StageFlow(spans, [], [], set(), [])
-    flow = routed_flow(jaxpr, spans)
-    if flow is None:
-        known = set(jaxpr.invars) | set(jaxpr.constvars)
-        flow = StageFlow(spans, *_flow(jaxpr, spans, unmarked, known))
+    known = _inputs_and_constants(jaxpr)
+    found = _routed_flow(jaxpr, spans, known)
+    if found is None:
+        found = _flow(jaxpr, spans, unmarked, known)
+    flow = StageFlow(spans, *found)
     _FLOWS.put(jaxpr, flow, unmarked)
     return flow
 
@@ -104,8 +105,7 @@ def remember_routed(jaxpr: Jaxpr, spans: tuple[StageSpan, ...]) -> None:
     read off the markers, as :func:`stage_flow`'s answer, so that slicing it need not
     validate and sweep it again. The memo is keyed on the program's contents (see
     :class:`~pipemark.passes.memo.ProgramMemo`): an edit in place drops it."""
-    known = set(jaxpr.invars) | set(jaxpr.constvars)
-    found = _routed_flow(jaxpr, spans, known, checked=True)
+    found = _routed_flow(jaxpr, spans, _inputs_and_constants(jaxpr), checked=True)
     if found is None:  # not routed after all: a bug in the pass that called this
         raise AssertionError("remember_routed: the program is not routed")
     flow = StageFlow(spans, *found)
@@ -124,9 +124,12 @@ def cached_flow(jaxpr: Jaxpr) -> StageFlow | None:
 def routed_flow(jaxpr: Jaxpr, spans: tuple[StageSpan, ...]) -> StageFlow | None:
     """The flow of ``jaxpr`` (whose stages are ``spans``) when it is routed (see the
     module docstring), else ``None``. One look at each equation's operands."""
-    known = set(jaxpr.invars) | set(jaxpr.constvars)
-    found = _routed_flow(jaxpr, spans, known)
+    found = _routed_flow(jaxpr, spans, _inputs_and_constants(jaxpr))
     return None if found is None else StageFlow(spans, *found)
+
+
+def _inputs_and_constants(jaxpr: Jaxpr) -> set[Var]:
+    return set(jaxpr.invars) | set(jaxpr.constvars)
 
 
 def _routed_flow(

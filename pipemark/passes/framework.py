@@ -100,32 +100,31 @@ def check_program(jaxpr: Jaxpr, who: str) -> None:
     _WELL_FORMED.put(jaxpr, True, markers=())  # params do not change well-formedness
 
 
-def _remember_well_formed(result: Any) -> None:
+def _result_jaxprs(result: Any, stages: bool = True) -> Iterator[Jaxpr]:
+    """The jaxprs of a pass's result: a ``ClosedJaxpr``, each stage of a staged
+    program (unless ``stages`` is false), or those of the elements of a tuple."""
     if isinstance(result, ClosedJaxpr):
-        _WELL_FORMED.put(result.jaxpr, True, markers=())
+        yield result.jaxpr
     elif isinstance(result, tuple):
         for item in result:
-            _remember_well_formed(item)
+            yield from _result_jaxprs(item, stages)
+    elif stages and hasattr(result, "stages"):  # a StagedJaxpr (it imports passes)
+        for stage in result.stages:
+            yield stage.closed_jaxpr.jaxpr
 
 
 def check_result(result: Any) -> None:
-    """``check_jaxpr`` of every jaxpr in a pass's result: a ``ClosedJaxpr``, each stage
-    of a staged program, or the elements of a tuple of those."""
-    if isinstance(result, ClosedJaxpr):
-        check_jaxpr(result.jaxpr)
-    elif isinstance(result, tuple):
-        for item in result:
-            check_result(item)
-    elif hasattr(result, "stages"):  # a StagedJaxpr (not imported: it imports passes)
-        for stage in result.stages:
-            check_jaxpr(stage.closed_jaxpr.jaxpr)
+    """``check_jaxpr`` of every jaxpr in a pass's result (see :func:`jaxpr_pass`)."""
+    for jaxpr in _result_jaxprs(result):
+        check_jaxpr(jaxpr)
 
 
 def jaxpr_pass(fn: F) -> F:
     """Make ``fn(cj, ...)`` a pass: its first argument must be a well-formed
     ``ClosedJaxpr`` (:func:`check_program`; a :class:`~pipemark.errors.PipemarkError`
-    naming the pass otherwise), the collector is paused while it runs, and with ``jax.config.update("jax_enable_checks", True)``
-    (as the test suite runs) every jaxpr it returns goes through ``check_jaxpr``."""
+    naming the pass otherwise), the collector is paused while it runs, and with
+    ``jax.config.update("jax_enable_checks", True)`` (as the test suite runs) every
+    jaxpr it returns goes through ``check_jaxpr``."""
     name = fn.__name__
 
     @functools.wraps(fn)
@@ -137,8 +136,10 @@ def jaxpr_pass(fn: F) -> F:
             if jax.config.jax_enable_checks:
                 check_result(result)
             # A pass builds a well-formed program from a well-formed one (the suite
-            # checks every result above): the next pass need not sweep it again.
-            _remember_well_formed(result)
+            # checks every result above): the next pass need not sweep it again. (Stage
+            # programs are not passes' inputs: remembering each would only cost.)
+            for jaxpr in _result_jaxprs(result, stages=False):
+                _WELL_FORMED.put(jaxpr, True, markers=())
         return result
 
     return run  # type: ignore[return-value]

@@ -194,7 +194,8 @@ def _mark_missing_vars(cj: ClosedJaxpr) -> ClosedJaxpr:
     spans = known.spans if known is not None else find_stage_spans(jaxpr)
     if not spans:
         return ClosedJaxpr(jaxpr.replace(eqns=list(eqns)), cj.consts)
-    if (known is not None and known.routed) or routed_flow(jaxpr, spans) is not None:
+    routed = known.routed if known is not None else routed_flow(jaxpr, spans) is not None
+    if routed:
         # Every crossing value goes through the markers already (what the insert
         # passes build): the sweep below would change nothing.
         return ClosedJaxpr(jaxpr.replace(eqns=list(eqns), outvars=list(jaxpr.outvars)), cj.consts)

@@ -21,6 +21,7 @@ from jax.sharding import SingleDeviceSharding
 from pipemark.caches import register_cache
 from pipemark.errors import PipemarkError, StageGraphError
 from pipemark.marks import backward_name, forward_name
+from pipemark.passes.inline import inline_calls
 from pipemark.runtime.losses import LOSS_REDUCTIONS, find_batch_normaliser
 from pipemark.runtime.options import PipelineOptions
 from pipemark.runtime.schedules import Schedule, make_schedule
@@ -117,6 +118,8 @@ def stage_program(cj: ClosedJaxpr, num_stages: int | None, what: str) -> StagedJ
     """Cut a traced program for the runtime as :func:`pipemark.split` cuts it (through
     :func:`pipemark.split_jaxpr`): at its markers, or, without any, into ``num_stages``
     balanced stages (``what`` names the program in the error when there is neither)."""
+    # Inlined once here; has_stage_markers and split_jaxpr then find nothing to inline.
+    cj = inline_calls(cj)
     if has_stage_markers(cj):
         return split_jaxpr(cj)
     if num_stages is None:
