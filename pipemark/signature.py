@@ -41,6 +41,8 @@ class SignatureError(PipemarkError, TypeError):
 
 
 _SCALARS = (bool, int, float, complex)
+# What JAX narrows without jax_enable_x64 (complex64 is two 32-bit floats: kept).
+_WIDE_DTYPES = frozenset(np.dtype(t) for t in ("float64", "int64", "uint64", "complex128"))
 
 
 def is_traced_leaf(leaf: Any) -> bool:
@@ -272,9 +274,7 @@ class Signature:
         wide = [
             f"{name} ({np.dtype(leaf.dtype).name})"
             for name, leaf in zip(self.names, inputs)
-            if getattr(leaf, "dtype", None) is not None
-            and np.dtype(leaf.dtype).itemsize == 8
-            and np.dtype(leaf.dtype).kind in "fiuc"
+            if getattr(leaf, "dtype", None) is not None and np.dtype(leaf.dtype) in _WIDE_DTYPES
         ]
         if wide:
             shown = ", ".join(wide[:3]) + (f" and {len(wide) - 3} more" if len(wide) > 3 else "")

@@ -132,3 +132,4 @@ def test_64_bit_inputs_traced_as_32_bit_are_named_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pm.split(f, {"w": np.ones(3, np.float32)}, 1.0)  # 32-bit arrays, a Python float: silent
+        pm.split(f, {"w": np.ones(3, np.complex64)}, 1.0)  # complex64 is 32-bit too
