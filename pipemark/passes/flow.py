@@ -32,8 +32,6 @@ from pipemark.passes.memo import ProgramMemo
 __all__ = [
     "StageFlow",
     "UNMARKED_MODES",
-    "cached_flow",
-    "remember_routed",
     "routed_flow",
     "stage_flow",
 ]
@@ -79,7 +77,10 @@ class StageFlow(NamedTuple):
 def stage_flow(jaxpr: Jaxpr, unmarked: str = "assign") -> StageFlow:
     """The stage dataflow of ``jaxpr`` (see the module docstring). ``unmarked``:
     ``"assign"`` gives an equation outside every stage the stage of its operands (see
-    :func:`pipemark.passes.slice_stages`), ``"error"`` refuses it."""
+    :func:`pipemark.passes.slice_stages`), ``"error"`` refuses it.
+
+    The answer is remembered per program (keyed on its contents: an edit in place is
+    analysed again), so the passes that ask about the same program share one sweep."""
     if unmarked not in UNMARKED_MODES:
         raise PipemarkError(
             f"unmarked must be one of {', '.join(map(repr, UNMARKED_MODES))}, got {unmarked!r}."
@@ -87,59 +88,45 @@ def stage_flow(jaxpr: Jaxpr, unmarked: str = "assign") -> StageFlow:
     flow = _FLOWS.get(jaxpr, unmarked)
     if flow is not None:
         return flow
-    spans = find_stage_spans(jaxpr)
-    if not spans:
-        return StageFlow(spans, [], [], set(), [])
-    known = _inputs_and_constants(jaxpr)
-    found = _routed_flow(jaxpr, spans, known)
-    if found is None:
-        found = _flow(jaxpr, spans, unmarked, known)
-    flow = StageFlow(spans, *found)
-    _FLOWS.put(jaxpr, flow, unmarked)
+    flow = routed_flow(jaxpr)
+    if flow is None:
+        spans = find_stage_spans(jaxpr)
+        if not spans:
+            flow = StageFlow(spans, [], [], set(), [])
+        else:
+            flow = StageFlow(spans, *_flow(jaxpr, spans, unmarked, _inputs_and_constants(jaxpr)))
+        _FLOWS.put(jaxpr, flow, unmarked)
     return flow
 
 
-def remember_routed(jaxpr: Jaxpr, spans: tuple[StageSpan, ...]) -> None:
-    """For a pass that built ``jaxpr`` routed by construction (see the module
-    docstring), with these ``spans`` and no stage marker in a body: remember its flow,
-    read off the markers, as :func:`stage_flow`'s answer, so that slicing it need not
-    validate and sweep it again. The memo is keyed on the program's contents (see
-    :class:`~pipemark.passes.memo.ProgramMemo`): an edit in place drops it."""
-    found = _routed_flow(jaxpr, spans, _inputs_and_constants(jaxpr), checked=True)
-    if found is None:  # not routed after all: a bug in the pass that called this
-        raise AssertionError("remember_routed: the program is not routed")
-    flow = StageFlow(spans, *found)
-    # Its markers are the spans' (the insert passes keep no other marker).
-    markers = [i for span in spans for i in (span.first, span.last)]
-    for unmarked in UNMARKED_MODES:  # a routed program has no unmarked equation
-        _FLOWS.put(jaxpr, flow, unmarked, markers=markers)
-
-
-def cached_flow(jaxpr: Jaxpr) -> StageFlow | None:
-    """:func:`stage_flow`'s remembered answer for ``jaxpr``, if any (nothing is
-    computed)."""
-    return _FLOWS.get(jaxpr, "assign")
-
-
-def routed_flow(jaxpr: Jaxpr, spans: tuple[StageSpan, ...]) -> StageFlow | None:
-    """The flow of ``jaxpr`` (whose stages are ``spans``) when it is routed (see the
-    module docstring), else ``None``. One look at each equation's operands."""
+def routed_flow(jaxpr: Jaxpr) -> StageFlow | None:
+    """:func:`stage_flow`'s answer when ``jaxpr`` is routed (see the module
+    docstring), else ``None``: the fast path, one look at each equation's operands
+    instead of the general sweep. A program without stages is not routed."""
+    flow = _FLOWS.get(jaxpr, "assign")
+    if flow is not None:
+        return flow if flow.routed else None
+    spans = find_stage_spans(jaxpr)
+    if not spans:
+        return None
     found = _routed_flow(jaxpr, spans, _inputs_and_constants(jaxpr))
-    return None if found is None else StageFlow(spans, *found)
+    if found is None:
+        return None
+    flow = StageFlow(spans, *found)
+    for unmarked in UNMARKED_MODES:  # a routed program has no unmarked equation
+        _FLOWS.put(jaxpr, flow, unmarked)
+    return flow
 
 
 def _inputs_and_constants(jaxpr: Jaxpr) -> set[Var]:
     return set(jaxpr.invars) | set(jaxpr.constvars)
 
 
-def _routed_flow(
-    jaxpr: Jaxpr, spans: tuple[StageSpan, ...], known: set[Var], checked: bool = False
-) -> tuple | None:
+def _routed_flow(jaxpr: Jaxpr, spans: tuple[StageSpan, ...], known: set[Var]) -> tuple | None:
     """What :func:`_flow` finds, read off the markers, for a routed program (see the
     module docstring): a stage reads from outside exactly its start marker's operands,
     and only its end marker's results leave it. ``None`` when the program is not
-    routed. ``checked``: the caller built the stages routed, so their equations'
-    operands are not looked at."""
+    routed."""
     eqns = jaxpr.eqns
     expected_first = 0
     for span in spans:
@@ -168,7 +155,7 @@ def _routed_flow(
                 return None
             stage_reads[a] = producer
         reads.append(stage_reads)
-        if not checked and not _reads_only_its_own(eqns, span):
+        if not _reads_only_its_own(eqns, span):
             return None
         results = eqns[span.last].outvars
         leaving.append(results)

@@ -30,8 +30,7 @@ from pipemark._text import plural
 from pipemark.errors import MarkerError, PipemarkError, describe_eqn
 from pipemark.marks import APPLY_STAGE, STAGE_MARK_TYPES, backward_name, forward_name
 from pipemark.passes._backward import forward_end, mirror_cuts
-from pipemark.passes._markers import StageSpan, check_no_markers_in_bodies
-from pipemark.passes.flow import remember_routed
+from pipemark.passes._markers import check_no_markers_in_bodies
 from pipemark.passes.framework import jaxpr_pass
 from pipemark.passes.gradient import apply_start
 from pipemark.primitive import pipeline_p
@@ -61,7 +60,6 @@ def _wrap_segments(
     cj: ClosedJaxpr,
     runs: Sequence[tuple[int | None, int, int]],
     names: Sequence[str],
-    keeps_markers: bool,
 ) -> ClosedJaxpr:
     """Wrap each segment of equations in a start/end marker pair.
 
@@ -69,7 +67,7 @@ def _wrap_segments(
     equations ``start .. stop-1`` belong to ``segment`` (non-decreasing from run to
     run; a segment may have several runs), or are dropped when ``segment`` is ``None``.
     A dropped equation must be an identity (a marker); its results are replaced by its
-    operands. ``keeps_markers``: whether a kept equation is a marker (a hook, ...).
+    operands.
 
     A value read from outside a segment comes from the segment that defines it, with
     one exception: a mirrored segment ``<name>_backward`` takes a value that also
@@ -94,10 +92,6 @@ def _wrap_segments(
     new_jaxpr = Jaxpr(
         jaxpr.constvars, jaxpr.invars, outvars, writer.new_eqns, jaxpr.effects, jaxpr.debug_info
     )
-    if not keeps_markers:
-        # The stages are exactly the segments and every value crossing a segment
-        # boundary goes through the markers: slicing reads the flow off the markers.
-        remember_routed(new_jaxpr, tuple(writer.spans))
     return ClosedJaxpr(new_jaxpr, cj.consts)
 
 
@@ -209,7 +203,6 @@ class _SegmentWriter:
         self.outside_copy: dict[Var, Var] = {}  # value -> the end result later segments read
         self.passed_on: list[dict[Var, Var]] = [{} for _ in names]  # entered copy -> end result
         self.new_eqns: list[JaxprEqn] = []
-        self.spans: list[StageSpan] = []
         # Every marker is this one with its operands, results, parameters and source
         # replaced (built directly, as eqn.replace would): cheaper than building each
         # from scratch, and the same equation.
@@ -240,7 +233,6 @@ class _SegmentWriter:
             self.outside_copy.get(v, v) if source is None else self.passed_on[source][v]
             for v, source in entering.items()
         ]
-        opener = len(new_eqns)
         new_eqns.append(self.marker(sources, list(remap.values()), name, "start", first))
         leaving: list[Var] = [remap[v] for v in flow.reexported[segment]]  # type: ignore[misc]
         if flow.alias:
@@ -252,8 +244,6 @@ class _SegmentWriter:
         leaving += flow.exported_from[segment]
         results = [Var(v.aval) for v in leaving]
         new_eqns.append(self.marker(leaving, results, name, "end", last))
-        closer = len(new_eqns) - 1
-        self.spans.append(StageSpan(name, opener, closer, (opener,), (closer,)))
         count = len(flow.reexported[segment])
         self.passed_on[segment] = dict(zip(flow.reexported[segment], results[:count]))
         self.outside_copy.update(zip(leaving[count:], results[count:]))
@@ -369,14 +359,14 @@ def insert_markers(
                 f"Cut {cut} is out of range: the program has {plural(num_eqns, 'equation')}, so a "
                 f"stage can begin at an index from 0 to {num_eqns - 1}."
             )
-    markers = _marker_indices(cj.jaxpr, "insert_markers", frozenset())
+    _marker_indices(cj.jaxpr, "insert_markers", frozenset())
     check_no_markers_in_bodies(cj.jaxpr)
     starts = sorted({0, *cut_list})
     names = _check_names(names, len(starts), "stage")
     runs = [
         (k, begin, stop) for k, (begin, stop) in enumerate(zip(starts, [*starts[1:], num_eqns]))
     ]
-    return _wrap_segments(cj, runs, names, keeps_markers=bool(markers))
+    return _wrap_segments(cj, runs, names)
 
 
 @jaxpr_pass
@@ -468,7 +458,7 @@ def _layers_from_boundaries(cj: ClosedJaxpr) -> ClosedJaxpr:
         runs.append((len(names), stop, len(eqns)))
         names.append(APPLY_STAGE)
     # Every boundary is dropped; any other marker (a hook, ...) stays.
-    return _wrap_segments(cj, runs, names, keeps_markers=len(markers) > len(boundaries))
+    return _wrap_segments(cj, runs, names)
 
 
 @jaxpr_pass

@@ -15,7 +15,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 from jax.interpreters import partial_eval as pe
 
 from pipemark.passes._markers import StageSpan, find_stage_spans
-from pipemark.passes.flow import cached_flow, routed_flow
+from pipemark.passes.flow import routed_flow
 from pipemark.passes.framework import jaxpr_pass
 from pipemark.primitive import is_marker, pipeline_p
 from pipemark.walk import find_eqn, map_bodies
@@ -190,12 +190,10 @@ def mark_missing_vars(cj: ClosedJaxpr) -> ClosedJaxpr:
 def _mark_missing_vars(cj: ClosedJaxpr) -> ClosedJaxpr:
     jaxpr = cj.jaxpr
     eqns = jaxpr.eqns
-    known = cached_flow(jaxpr)
-    spans = known.spans if known is not None else find_stage_spans(jaxpr)
+    spans = find_stage_spans(jaxpr)
     if not spans:
         return ClosedJaxpr(jaxpr.replace(eqns=list(eqns)), cj.consts)
-    routed = known.routed if known is not None else routed_flow(jaxpr, spans) is not None
-    if routed:
+    if routed_flow(jaxpr) is not None:
         # Every crossing value goes through the markers already (what the insert
         # passes build): the sweep below would change nothing.
         return ClosedJaxpr(jaxpr.replace(eqns=list(eqns), outvars=list(jaxpr.outvars)), cj.consts)

@@ -1,5 +1,5 @@
-"""The shortcuts the passes take on programs another pass built (recorded in the marker
-caches) give exactly what the full computation gives on a copy of the same program."""
+"""The fast path of the stage dataflow analysis (a *routed* program's flow read off its
+markers, what the insert passes build) gives exactly what the general sweep gives."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, check_jaxpr
 import pipemark as pm
 from pipemark import examples
 from pipemark.passes import flow as flow_module
-from pipemark.passes import rewrite
 from pipemark.passes._markers import find_stage_spans
 from pipemark.passes.flow import routed_flow
 from pipemark.passes.insert import insert_markers, insert_markers_by_scope, layers_from_boundaries
@@ -56,26 +55,29 @@ PROGRAMS = {name: build() for name, build in BUILDERS.items()}
 
 def _no_shortcut(monkeypatch):
     """Make the passes take their general sweep, as for a program that is not routed."""
-    pm.clear_caches()  # forget the flows the insert passes remembered
-    monkeypatch.setattr(flow_module, "routed_flow", lambda jaxpr, spans: None)
-    monkeypatch.setattr(rewrite, "routed_flow", lambda jaxpr, spans: None)
-    monkeypatch.setattr(rewrite, "cached_flow", lambda jaxpr: None)
+    pm.clear_caches()  # forget the flows found so far
+    monkeypatch.setattr(flow_module, "_routed_flow", lambda jaxpr, spans, known: None)
 
 
 @pytest.mark.parametrize("name", list(PROGRAMS))
-def test_inserted_programs_are_routed(name):
+def test_inserted_programs_are_routed(name, monkeypatch):
     cj = BUILDERS[name]()
-    # What the insert pass remembered equals what the flow analysis finds afresh.
-    remembered = flow_module.cached_flow(cj.jaxpr)
-    assert remembered is not None and remembered.routed
-    pm.clear_caches()
-    fresh = flow_module.stage_flow(cj.jaxpr)
-    assert fresh.spans == remembered.spans and fresh.reads == remembered.reads
-    assert fresh.exported == remembered.exported and fresh.leaving == remembered.leaving
-    flow = routed_flow(cj.jaxpr, find_stage_spans(cj))
-    assert flow is not None and flow.routed
+    # The insert passes hand nothing to the next pass: the flow is found afresh.
+    assert cj.jaxpr not in flow_module._FLOWS
+    fast = routed_flow(cj.jaxpr)
+    assert fast is not None and fast.routed and flow_module.stage_flow(cj.jaxpr) is fast
     # A property of the program, not of the object: a copy is routed too.
-    assert routed_flow(_copy(cj).jaxpr, find_stage_spans(_copy(cj))) is not None
+    assert routed_flow(_copy(cj).jaxpr) is not None
+    # The read-off equals the general sweep's answer.
+    _no_shortcut(monkeypatch)
+    full = flow_module.stage_flow(cj.jaxpr)
+    assert not full.routed
+    assert full.spans == fast.spans and full.reads == fast.reads
+    assert full.exported == fast.exported
+    assert [list(m) for m in full.members] == [list(m) for m in fast.members]
+    # What leaves each stage in the routed program is exactly its end marker's results.
+    leaving = {v for results in fast.leaving for v in results}
+    assert fast.exported <= leaving
 
 
 @pytest.mark.parametrize("name", list(PROGRAMS))
@@ -123,8 +125,8 @@ def test_a_value_leaving_a_stage_around_its_end_marker_is_not_routed():
     spans = find_stage_spans(cj)
     inner = cj.eqns[spans[0].first + 1].outvars[0]  # defined inside stage 0
     edited = ClosedJaxpr(cj.jaxpr.replace(outvars=[*cj.jaxpr.outvars, inner]), cj.consts)
-    assert routed_flow(edited.jaxpr, spans) is None
+    assert routed_flow(edited.jaxpr) is None
     # The general sweep routes it: the result now leaves through an end marker.
     routed = pm.passes.mark_missing_vars(edited)
-    assert routed_flow(routed.jaxpr, find_stage_spans(routed)) is not None
+    assert routed_flow(routed.jaxpr) is not None
     check_jaxpr(routed.jaxpr)
