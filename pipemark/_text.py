@@ -1,8 +1,9 @@
-"""Small helpers for the text pipemark shows people."""
+"""Small helpers for the text pipemark shows people: plurals, and the one way every
+view (tables, HTML, plots, schedules, the CLI) writes counts, bytes and percentages."""
 
 from __future__ import annotations
 
-__all__ = ["plural"]
+__all__ = ["format_bytes", "format_count", "format_share", "plural"]
 
 
 def plural(count: int, noun: str, nouns: str | None = None) -> str:
@@ -12,3 +13,45 @@ def plural(count: int, noun: str, nouns: str | None = None) -> str:
     ('1 equation', '3 equations', '2 entries')
     """
     return f"{count} {noun if count == 1 else (nouns or noun + 's')}"
+
+
+def format_count(n: int) -> str:
+    """``n`` exactly below 10 000, else with three significant digits and an SI prefix.
+
+    >>> format_count(9999), format_count(12345), format_count(59_219_712)
+    ('9999', '12.3k', '59.2M')
+    """
+    if abs(n) < 10_000:
+        return str(n)
+    value = n / 1000.0
+    for prefix in ("k", "M", "G", "T"):
+        if abs(value) < 999.5:
+            return f"{value:.3g}{prefix}"
+        value /= 1000.0
+    return f"{value:.3g}P" if abs(value) < 999.5 else f"{value:,.0f}P"
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in B, KiB, MiB … with three significant digits.
+
+    >>> format_bytes(16), format_bytes(489_472), format_bytes(7_106_816)
+    ('16 B', '478 KiB', '6.78 MiB')
+    """
+    if abs(n) < 1024:
+        return f"{n} B"
+    value = n / 1024.0
+    for unit in ("KiB", "MiB", "GiB"):
+        if abs(value) < 999.5:
+            return f"{value:.3g} {unit}"
+        value /= 1024.0
+    return f"{value:.3g} TiB" if abs(value) < 999.5 else f"{value:,.0f} TiB"
+
+
+def format_share(share: float | None) -> str:
+    """A fraction as a percentage with one decimal, the way every view writes shares
+    and bubbles; ``"-"`` for ``None`` (no share: nothing to divide by).
+
+    >>> format_share(0.5), format_share(1 / 3), format_share(None)
+    ('50.0 %', '33.3 %', '-')
+    """
+    return "-" if share is None else f"{100.0 * share:.1f} %"

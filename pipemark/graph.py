@@ -38,14 +38,43 @@ __all__ = ["critical_path", "eqn_graph", "stage_graph", "topological_order"]
 Node = Hashable
 
 
-def _add_use(graph: nx.DiGraph, source: Node, target: Node, var: Var) -> None:
-    data = graph.get_edge_data(source, target)
-    if data is None:
-        graph.add_edge(source, target, variables=(var,), bytes=nbytes(var.aval), num_values=1)
-    elif var not in data["variables"]:  # an operand read twice crosses once
-        data["variables"] = (*data["variables"], var)
-        data["bytes"] += nbytes(var.aval)
+class _Edges:
+    """Adds one use of a value to the edge from its producer to its reader: the edge's
+    ``types`` and ``avals`` (a value read twice by one reader crosses once), with
+    ``num_values`` and ``bytes``. The variables themselves stay here, out of the edge
+    data, so that what a user reads off an edge prints without ``Var`` ids."""
+
+    def __init__(self, graph: nx.DiGraph) -> None:
+        self.graph = graph
+        self.seen: dict[tuple[Node, Node], set[Var]] = {}
+
+    def add(self, source: Node, target: Node, var: Var, **extra: Any) -> dict | None:
+        """Record the use; the edge's data, or ``None`` when the value was there."""
+        seen = self.seen.setdefault((source, target), set())
+        if var in seen:
+            return None
+        seen.add(var)
+        aval = var.aval
+        data = self.graph.get_edge_data(source, target)
+        if data is None:
+            self.graph.add_edge(
+                source, target, types=(), avals=(), bytes=0, num_values=0, **{k: () for k in extra}
+            )
+            data = self.graph.edges[source, target]
+        data["types"] += (_type_text(aval),)
+        data["avals"] += (aval,)
+        data["bytes"] += nbytes(aval)
         data["num_values"] += 1
+        for key, value in extra.items():
+            data[key] += (value,)
+        return data
+
+
+def _type_text(aval: Any) -> str:
+    try:
+        return aval.str_short(short_dtypes=True)
+    except (AttributeError, TypeError):
+        return str(aval)
 
 
 def eqn_graph(program: ClosedJaxpr | Jaxpr, *, with_cost: bool = True) -> nx.DiGraph:
@@ -61,9 +90,12 @@ def eqn_graph(program: ClosedJaxpr | Jaxpr, *, with_cost: bool = True) -> nx.DiG
     ``("output", i)``
         The ``i``-th result; attributes ``kind``, ``variable``, ``bytes``.
 
-    Each edge joins the producer of a value to a consumer and carries ``variables`` (the
-    distinct variables that flow along it, in order of use), ``num_values`` (how many)
-    and ``bytes`` (the sum of their sizes). Literals are constants folded into their equation: they have no edge.
+    Each edge joins the producer of a value to a consumer and carries, for the distinct
+    values that flow along it in order of use: ``results`` (which result of the
+    producer each is: the index into its equation's ``outvars``; 0 for an input or
+    constant), ``types`` (``"f32[2,4]"``) and ``avals``; then ``num_values`` (how
+    many) and ``bytes`` (the sum of their sizes). Literals are constants folded into
+    their equation: they have no edge.
     Equations inside ``jit``, ``scan`` … bodies are not expanded: each is one node.
 
     >>> import jax, jax.numpy as jnp
@@ -73,6 +105,8 @@ def eqn_graph(program: ClosedJaxpr | Jaxpr, *, with_cost: bool = True) -> nx.DiG
     [(('eqn', 0), ('output', 0)), (('input', 0), ('eqn', 0))]
     >>> g.edges[("input", 0), ("eqn", 0)]["bytes"]  # x is read twice, sent once
     32
+    >>> g.edges[("eqn", 0), ("output", 0)]
+    {'types': ('f32[2,4]',), 'avals': (ShapedArray(float32[2,4]),), 'bytes': 32, 'num_values': 1, 'results': (0,)}
     """
     if isinstance(program, ClosedJaxpr):
         jaxpr = program.jaxpr
@@ -84,12 +118,13 @@ def eqn_graph(program: ClosedJaxpr | Jaxpr, *, with_cost: bool = True) -> nx.DiG
             "Trace a function first: jax.make_jaxpr(fn)(*args)."
         )
     graph = nx.DiGraph()
-    producer: dict[Var, Node] = {}
+    edges = _Edges(graph)
+    producer: dict[Var, tuple[Node, int]] = {}  # value -> (its node, which result)
     for kind, variables in (("const", jaxpr.constvars), ("input", jaxpr.invars)):
         for i, var in enumerate(variables):
             node = (kind, i)
             graph.add_node(node, kind=kind, variable=var, bytes=nbytes(var.aval))
-            producer[var] = node
+            producer[var] = (node, 0)
     costs: list[Cost | None] = list(eqn_costs(jaxpr)) if with_cost else [None] * len(jaxpr.eqns)
     for i, eqn in enumerate(jaxpr.eqns):
         node = ("eqn", i)
@@ -101,21 +136,21 @@ def eqn_graph(program: ClosedJaxpr | Jaxpr, *, with_cost: bool = True) -> nx.DiG
         for var in eqn.invars:
             source = producer.get(var) if isinstance(var, Var) else None
             if source is not None:
-                _add_use(graph, source, node, var)
-        for var in eqn.outvars:
-            producer[var] = node
+                edges.add(source[0], node, var, results=source[1])
+        for k, var in enumerate(eqn.outvars):
+            producer[var] = (node, k)
     for i, var in enumerate(jaxpr.outvars):
         node = ("output", i)
         graph.add_node(node, kind="output", variable=var, bytes=nbytes(var.aval))
         source = producer.get(var) if isinstance(var, Var) else None
         if source is not None:
-            _add_use(graph, source, node, var)
+            edges.add(source[0], node, var, results=source[1])
     return graph
 
 
 def stage_graph(
     stage_names: Sequence[str],
-    crossings: Iterable[tuple[Node, Node, Var]],
+    crossings: Iterable[tuple[Node, Node, Var] | tuple[Node, Node, Var, Any]],
     *,
     costs: Sequence[Cost] | None = None,
 ) -> nx.DiGraph:
@@ -129,11 +164,14 @@ def stage_graph(
     crossings:
         ``(producer, consumer, variable)`` triples: ``variable`` is made by stage
         ``producer`` and read by stage ``consumer``. Endpoints that are not stage names
-        (e.g. ``"input"`` or ``"output"``) become extra nodes.
+        (e.g. ``"input"`` or ``"output"``) become extra nodes. A fourth item, if
+        given, names the value (e.g. a :class:`~pipemark.staged.ValueRef`): the
+        edges then carry those names as ``refs``.
     costs:
         A :class:`~pipemark.cost.Cost` per stage, stored as the node attribute ``cost``.
 
-    Each edge carries ``variables``, ``num_values``, ``bytes`` and ``skip``: True when the value jumps
+    Each edge carries ``types`` and ``avals`` of the distinct values crossing it (in
+    order of use), ``num_values``, ``bytes`` and ``skip``: True when the value jumps
     over at least one stage in between (a skip connection, kept as its own edge rather
     than routed through the stages it passes).
 
@@ -165,11 +203,12 @@ def stage_graph(
         graph.add_node(name, kind="stage", index=i)
         if costs is not None:
             graph.nodes[name]["cost"] = costs[i]
-    for source, target, var in crossings:
+    edges = _Edges(graph)
+    for source, target, var, *ref in crossings:
         for node in (source, target):
             if node not in graph:
                 graph.add_node(node, kind=str(node))
-        _add_use(graph, source, target, var)
+        edges.add(source, target, var, **({"refs": ref[0]} if ref else {}))
         edge = graph.edges[source, target]
         if source in position and target in position:
             edge["skip"] = abs(position[target] - position[source]) > 1

@@ -69,6 +69,29 @@ class ValueRef:
             return f"stage{self.stage}[{self.index}]"
         return f"const({self.value!r})"
 
+    def __repr__(self) -> str:
+        """The call that makes this reference: ``ValueRef.stage_output(1, 0)``.
+
+        >>> ValueRef.input(2), ValueRef.stage_output(1, 0), ValueRef.const(1.5)
+        (ValueRef.input(2), ValueRef.stage_output(1, 0), ValueRef.const(1.5))
+        """
+        if self.kind == "input":
+            return f"ValueRef.input({self.index})"
+        if self.kind == "stage":
+            return f"ValueRef.stage_output({self.stage}, {self.index})"
+        value = self.value
+        # An array constant is shown by its type, not its (possibly huge) contents.
+        shown = repr(value) if isinstance(value, (bool, int, float, complex)) else _short(value)
+        return f"ValueRef.const({shown})"
+
+
+def _short(value: Any) -> str:
+    """An array by its type (``<f32[2,3]>``); a scalar or anything else as itself."""
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is None or dtype is None or not shape:
+        return repr(value)
+    return f"<{jax.core.ShapedArray(tuple(shape), dtype).str_short(short_dtypes=True)}>"
+
 
 def new_ref(kind: str, index: int, stage: int) -> ValueRef:
     # The frozen dataclass's __init__ sets each field through object.__setattr__; a
@@ -587,8 +610,9 @@ class StagedJaxpr:
     def graph(self):
         """The stage graph: a ``networkx.DiGraph`` with one node per stage name (node
         attributes ``index`` and ``num_eqns``) and an edge from each stage to every stage
-        that reads its outputs (attributes ``bytes``, ``num_values``, ``variables`` and
-        ``skip``, True for a skip connection that jumps over stages in between).
+        that reads its outputs (attributes ``refs``: the stage outputs that cross, as
+        :class:`ValueRef`; their ``types`` and ``avals``; ``bytes``, ``num_values``
+        and ``skip``, True for a skip connection that jumps over stages in between).
 
         Raises :class:`~pipemark.StageGraphError` naming the stages on a cycle, should
         the stages depend on each other in one.
@@ -597,7 +621,7 @@ class StagedJaxpr:
 
         names = [stage.name for stage in self._stages]
         crossings = [
-            (names[ref.stage], stage.name, var)
+            (names[ref.stage], stage.name, var, ref)
             for stage in self._stages
             for ref, var in zip(stage.inputs, stage.closed_jaxpr.jaxpr.invars)
             if ref.kind == "stage"
@@ -607,9 +631,10 @@ class StagedJaxpr:
             graph.nodes[stage.name]["num_eqns"] = stage.num_eqns
         return graph
 
-    def summary(self, *, style: str = "auto") -> str:
-        """The stage table: one row per stage with its equations, inputs and outputs, FLOPs, parameter
-        bytes, bytes in and out and share of the program's FLOPs, then the totals.
+    def summary(self, *, style: str = "auto", width: int | None = 80) -> str:
+        """The stage table: one row per stage with its equations, values in and out,
+        FLOPs, parameter bytes, bytes in and out and share of the program's FLOPs, then
+        the totals, fitted to ``width`` columns (``None``: every column).
 
         ``style`` is ``"plain"``, ``"rich"`` or ``"auto"`` (``rich`` when installed);
         see :func:`pipemark.views.summary`.
@@ -617,16 +642,16 @@ class StagedJaxpr:
         >>> import jax, jax.numpy as jnp, pipemark as pm
         >>> cj = jax.make_jaxpr(lambda x: jnp.cos(jnp.sin(x)))(jnp.ones(4))
         >>> print(pm.passes.slice_stages(pm.passes.insert_markers(cj, [1])).summary(style="plain"))
-        #  stage   equations  inputs  outputs  FLOPs  param bytes  bytes in  bytes out  cost share
-        -  ------  ---------  ------  -------  -----  -----------  --------  ---------  ----------
-        0  stage0          3       1        1      4         16 B       0 B       16 B      50.0 %
-        1  stage1          3       1        1      4          0 B      16 B       16 B      50.0 %
-        -  ------  ---------  ------  -------  -----  -----------  --------  ---------  ----------
-           total           6       2        2      8         16 B      16 B       32 B     100.0 %
+        #  stage   eqns  in  out  FLOPs  params  bytes in  bytes out    share
+        -  ------  ----  --  ---  -----  ------  --------  ---------  -------
+        0  stage0     3   1    1      4     0 B       0 B       16 B   50.0 %
+        1  stage1     3   1    1      4     0 B      16 B       16 B   50.0 %
+        -  ------  ----  --  ---  -----  ------  --------  ---------  -------
+           total      6   2    2      8     0 B      16 B       32 B  100.0 %
         """
         from pipemark.views.text import summary
 
-        return summary(self, style=style)
+        return summary(self, style=style, width=width)
 
     def __str__(self) -> str:
         return self.summary()

@@ -42,16 +42,20 @@ def test_edge_bytes_equal_the_avals_byte_sizes():
     graph = eqn_graph(cj)
     uses = 0
     for source, target, data in graph.edges(data=True):
-        sizes = pm.flatten_shape_byte_sizes([v.aval for v in data["variables"]])
+        sizes = pm.flatten_shape_byte_sizes(list(data["avals"]))
         assert data["bytes"] == int(sizes.sum())
-        assert data["num_values"] == len(data["variables"]) == len(set(data["variables"]))
-        # Every variable on the edge is made by the source and read by the target.
-        for var in data["variables"]:
+        assert data["num_values"] == len(data["avals"]) == len(data["types"])
+        assert len(data["results"]) == len(set(data["results"])) == data["num_values"]
+        # Every value on the edge is a result of the source that the target reads.
+        for k, aval, text in zip(data["results"], data["avals"], data["types"]):
             if source[0] == "eqn":
-                assert var in cj.eqns[source[1]].outvars
-            if target[0] == "eqn":
-                assert var in cj.eqns[target[1]].invars
-        uses += len(data["variables"])
+                var = cj.eqns[source[1]].outvars[k]
+                assert var.aval == aval and text == aval.str_short(short_dtypes=True)
+                if target[0] == "eqn":
+                    assert var in cj.eqns[target[1]].invars
+        # What an edge holds prints without jaxpr variables (no "Var(id=...)").
+        assert "Var" not in repr(data) and "id=" not in repr(data)
+        uses += data["num_values"]
     # One (producer, consumer, variable) triple per distinct Var operand and per output.
     expected = sum(len({v for v in e.invars if isinstance(v, Var)}) for e in cj.eqns)
     expected += sum(isinstance(v, Var) for v in cj.jaxpr.outvars)

@@ -96,7 +96,7 @@ def slice_stages(cj: ClosedJaxpr, unmarked: str = "assign") -> StagedJaxpr:
         d:f32[] = pipeline_marker[mark_type=end name=s1] c
       in (d,) }
     >>> staged.stages[1].inputs
-    (ValueRef(kind='stage', index=0, stage=0, value=None),)
+    (ValueRef.stage_output(0, 0),)
     """
     return _slice_stages(cj, unmarked)
 

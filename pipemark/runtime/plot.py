@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pipemark._text import format_share
 from pipemark.errors import PipemarkError
 from pipemark.runtime.schedules import FORWARD, Schedule
 
@@ -98,6 +99,6 @@ def plot_schedule(schedule: Schedule, *, ax: Any = None, title: str | None = Non
         title
         if title is not None
         else f"{schedule.name}: {schedule.num_stages} stages, {schedule.num_microbatches} "
-        f"microbatches, bubble {100 * schedule.bubble_fraction:.1f}%"
+        f"microbatches, bubble {format_share(schedule.bubble_fraction)}"
     )
     return fig

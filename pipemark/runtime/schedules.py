@@ -23,7 +23,7 @@ ready, so the same builders are correct for any stage graph.
 
 >>> s = one_f_one_b_schedule(num_stages=2, num_microbatches=3)
 >>> print(s)
-1f1b: 2 stages, 3 microbatches, 2 devices, 8 ticks, bubble 25.0%
+1f1b: 2 stages, 3 microbatches, 2 devices, 8 ticks, bubble 25.0 %
 tick      0   1   2   3   4   5   6   7
 device 0  F0  F1  .   B0  F2  B1  .   B2
 device 1  .   F0  B0  F1  B1  F2  B2  .
@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from pipemark._text import plural
+from pipemark._text import format_share, plural
 from pipemark.errors import PipemarkError, StageGraphError
 
 __all__ = [
@@ -306,7 +306,7 @@ class Schedule:
             f"{self.name}: {plural(self.num_stages, 'stage')}, "
             f"{plural(self.num_microbatches, 'microbatch', 'microbatches')}, "
             f"{plural(self.num_devices, 'device')}, {plural(self.num_ticks, 'tick')}, "
-            f"bubble {100 * self.bubble_fraction:.1f}%"
+            f"bubble {format_share(self.bubble_fraction)}"
         )
         rows = [["tick", *map(str, range(self.num_ticks))]]
         for d in range(self.num_devices):
@@ -487,7 +487,7 @@ def gpipe_schedule(num_stages: int, num_microbatches: int, *, stage_graph: Any =
     device ``j``. Peak memory: every microbatch's residuals live at once.
 
     >>> print(gpipe_schedule(2, 2))
-    gpipe: 2 stages, 2 microbatches, 2 devices, 6 ticks, bubble 33.3%
+    gpipe: 2 stages, 2 microbatches, 2 devices, 6 ticks, bubble 33.3 %
     tick      0   1   2   3   4   5
     device 0  F0  F1  .   .   B0  B1
     device 1  .   F0  F1  B0  B1  .
@@ -516,7 +516,7 @@ def one_f_one_b_schedule(
     bubble as GPipe, far less memory. Stage ``j`` on device ``j``.
 
     >>> print(one_f_one_b_schedule(3, 4))
-    1f1b: 3 stages, 4 microbatches, 3 devices, 12 ticks, bubble 33.3%
+    1f1b: 3 stages, 4 microbatches, 3 devices, 12 ticks, bubble 33.3 %
     tick      0   1   2   3   4   5   6   7   8   9   10  11
     device 0  F0  F1  F2  .   .   B0  F3  B1  .   B2  .   B3
     device 1  .   F0  F1  .   B0  F2  B1  F3  B2  .   B3  .

@@ -20,6 +20,7 @@ from pipemark.views.rows import StageRow as StageRow
 from pipemark.views.rows import display_name as display_name
 from pipemark.views.rows import format_bytes as format_bytes
 from pipemark.views.rows import format_count as format_count
+from pipemark.views.rows import parameter_inputs as parameter_inputs
 from pipemark.views.rows import stage_colors as stage_colors
 from pipemark.views.rows import stage_rows as stage_rows
 from pipemark.views.text import STYLES as STYLES

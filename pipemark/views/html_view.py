@@ -17,6 +17,7 @@ from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 
 from pipemark._text import plural
 from pipemark.views.rows import (
+    COLUMN_MEANINGS,
     COLUMNS,
     LEFT_COLUMNS,
     StageRow,
@@ -193,11 +194,11 @@ def _css() -> str:
 
 
 def _table_html(rows: list[StageRow], total: StageRow, colors: list[str]) -> str:
+    left = ' class="pm-l"'
     head = "".join(
-        f'<th class="pm-l">{html.escape(t)}</th>'
-        if c in LEFT_COLUMNS
-        else f"<th>{html.escape(t)}</th>"
-        for c, t in enumerate(COLUMNS)
+        f"<th{left if c in LEFT_COLUMNS else ''} "
+        f'title="{html.escape(meaning)}">{html.escape(t)}</th>'
+        for c, (t, meaning) in enumerate(zip(COLUMNS, COLUMN_MEANINGS))
     )
     body = []
     largest = max((r.share or 0.0 for r in rows), default=0.0)
@@ -419,7 +420,7 @@ main { max-width: 1200px; margin: 0 auto; }
 h1 { font-size: 24px; margin: 0 0 4px 0; }
 h2 { font-size: 18px; margin: 28px 0 8px 0; }
 p.pm-lead { margin: 0 0 16px 0; opacity: 0.85; }
-img.pm-plot { max-width: 100%; height: auto; background: #ffffff; border-radius: 6px;
+img.pm-plot { max-width: 100%; height: auto; border-radius: 6px;
   border: 1px solid rgba(128, 128, 128, 0.35); }
 pre.pm-text { font-size: 12.5px; overflow-x: auto; }
 """

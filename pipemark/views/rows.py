@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pipemark._compat import jaxpr_type_name
+from pipemark._text import format_bytes, format_count, format_share
 from pipemark.cost import estimate_cost, nbytes
 from pipemark.errors import PipemarkError
 from pipemark.marks import forward_name
@@ -24,7 +25,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COLUMNS",
+    "COLUMN_MEANINGS",
     "LEFT_COLUMNS",
+    "parameter_inputs",
     "program_inputs",
     "row_cells",
     "PALETTE",
@@ -76,9 +79,10 @@ class StageRow:
         FLOPs plus transcendental calls (:attr:`pipemark.cost.Cost.total_flops`), the
         number :func:`pipemark.passes.auto_layers` balances.
     param_bytes:
-        Bytes of the program inputs and constants the stage reads: what must be on the
-        stage's device before it runs, rather than sent by another stage. In the
-        totals row each program input counts once, however many stages read it.
+        Bytes of the parameters the stage reads (:func:`parameter_inputs`, and the
+        program's constants): what must be on the stage's device before it runs. Data
+        inputs (a batch) are not counted. In the totals row each parameter counts once,
+        however many stages read it.
     bytes_in, bytes_out:
         Bytes received from earlier stages; bytes handed to later stages or returned.
     share:
@@ -119,14 +123,13 @@ def stage_rows(staged: StagedJaxpr) -> tuple[list[StageRow], StageRow]:
     >>> import jax, jax.numpy as jnp, pipemark as pm
     >>> cj = jax.make_jaxpr(lambda x: jnp.sin(x) * x)(jnp.ones(4))
     >>> rows, total = stage_rows(pm.passes.slice_stages(pm.passes.insert_markers(cj, [1])))
-    >>> [(r.name, r.flops, r.param_bytes, r.bytes_in) for r in rows]
-    [('stage0', 4, 16, 0), ('stage1', 4, 16, 16)]
-    >>> total.param_bytes  # both stages read the same input
-    16
+    >>> [(r.name, r.flops, r.bytes_in) for r in rows]
+    [('stage0', 4, 0), ('stage1', 4, 16)]
     """
     staged = check_staged(staged, "stage_rows")
     costs = [estimate_cost(stage.closed_jaxpr) for stage in staged.stages]
     total_flops = sum(c.total_flops for c in costs)
+    parameters = parameter_inputs(staged)
     rows = []
     inputs_read: dict[int, int] = {}
     const_bytes = 0
@@ -137,7 +140,7 @@ def stage_rows(staged: StagedJaxpr) -> tuple[list[StageRow], StageRow]:
             size = nbytes(var.aval)
             if ref.kind == "stage":
                 received += size
-            else:
+            elif ref.index in parameters:
                 params += size
                 inputs_read[ref.index] = size
         consts = sum(nbytes(v.aval) for v in jaxpr.constvars)
@@ -173,54 +176,117 @@ def stage_rows(staged: StagedJaxpr) -> tuple[list[StageRow], StageRow]:
     return rows, total
 
 
-def format_count(n: int) -> str:
-    """``n`` exactly below 10 000, else with three significant digits and an SI prefix.
+# A pytree path's leading argument name: ``params`` in ``params['Dense_0']['kernel']``.
+_ARGUMENT = re.compile(r"[A-Za-z_]\w*")
+_UNNAMED = re.compile(r"input\[\d+\]")
 
-    >>> format_count(9999), format_count(12345), format_count(59_219_712)
-    ('9999', '12.3k', '59.2M')
+
+def _argument_groups(names: tuple[str, ...]) -> list[list[int]]:
+    """The program inputs grouped by the function argument they come from, in order."""
+    groups: dict[str, list[int]] = {}
+    for i, name in enumerate(names):
+        match = _ARGUMENT.match(name)
+        # A program with no argument names (``input[3]``): each input is its own.
+        key = name if match is None or _UNNAMED.fullmatch(name) else match.group()
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+def _type_of(aval: Any) -> tuple:
+    return (getattr(aval, "shape", None), str(getattr(aval, "dtype", aval)))
+
+
+def _result_types(staged: StagedJaxpr) -> list[tuple | None]:
+    """The type of each program result the program computes; ``None`` for an input or
+    constant it returns as it is."""
+    types: list[tuple | None] = []
+    for ref in staged.outputs:
+        if ref.kind == "stage":
+            aval = staged.stages[ref.stage].closed_jaxpr.jaxpr.outvars[ref.index].aval
+            types.append(_type_of(aval))
+        else:
+            types.append(None)
+    return types
+
+
+def _claim_run(results: list[tuple | None], wanted: list[tuple]) -> bool:
+    """Whether ``wanted`` appears, in order and contiguous, among the ``results`` not
+    claimed yet (claiming them: set to ``None``), with something else returned too
+    (the value beside the gradients, the loss beside the new state). A program
+    returning only a value of its argument's types, such as ``sin(x) * x``,
+    transforms data, not parameters."""
+    n = len(wanted)
+    if len(results) <= n:
+        return False
+    for i in range(len(results) - n + 1):
+        if results[i : i + n] == wanted:
+            results[i : i + n] = [None] * n
+            return True
+    return False
+
+
+def parameter_inputs(staged: StagedJaxpr) -> frozenset[int]:
+    """The program inputs that are parameters rather than data, by argument:
+
+    * the arguments the program returns a computed value of the same types for, in
+      the same order (each result counted for one argument, the first that matches),
+      beside other results: what ``jax.value_and_grad``
+      differentiates (it returns their gradients after the value) and what a
+      training step updates (parameters, optimizer state; beside the loss);
+    * when the program returns no such thing (a forward pass, a loss), the first
+      argument of a function of several (``apply(params, x)``, ``loss(model, x, y)``);
+    * none for a function of one argument.
+
+    Arguments are told apart by the inputs' names (:attr:`StagedJaxpr.input_names`).
+
+    >>> import jax, jax.numpy as jnp, pipemark as pm
+    >>> def loss(p, x):
+    ...     return jnp.sum(jnp.sin(x * p["w"]) + p["b"])
+    >>> p, x = {"w": jnp.ones(3), "b": jnp.ones(3)}, jnp.ones((2, 3))
+    >>> staged = pm.split(jax.value_and_grad(loss), p, x, num_stages=2)
+    >>> [staged.input_names[i] for i in sorted(parameter_inputs(staged))]
+    ["p['b']", "p['w']"]
     """
-    if abs(n) < 10_000:
-        return str(n)
-    value = n / 1000.0
-    for prefix in ("k", "M", "G", "T"):
-        if abs(value) < 999.5:
-            return f"{value:.3g}{prefix}"
-        value /= 1000.0
-    return f"{value:.3g}P" if abs(value) < 999.5 else f"{value:,.0f}P"
+    staged = check_staged(staged, "parameter_inputs")
+    groups = _argument_groups(staged.input_names)
+    results = _result_types(staged)
+    invars = staged.invars
+    # In argument order, each result matched once: of two arguments of one type, the
+    # first takes the gradient (``jax.value_and_grad`` returns them in that order).
+    returned = [
+        group for group in groups if _claim_run(results, [_type_of(invars[i].aval) for i in group])
+    ]
+    if returned:
+        return frozenset(i for group in returned for i in group)
+    return frozenset(groups[0]) if len(groups) > 1 else frozenset()
 
 
-def format_bytes(n: int) -> str:
-    """``n`` bytes in B, KiB, MiB … with three significant digits.
-
-    >>> format_bytes(16), format_bytes(489_472), format_bytes(7_106_816)
-    ('16 B', '478 KiB', '6.78 MiB')
-    """
-    if abs(n) < 1024:
-        return f"{n} B"
-    value = n / 1024.0
-    for unit in ("KiB", "MiB", "GiB"):
-        if abs(value) < 999.5:
-            return f"{value:.3g} {unit}"
-        value /= 1024.0
-    return f"{value:.3g} TiB" if abs(value) < 999.5 else f"{value:,.0f} TiB"
-
-
-def format_share(share: float | None) -> str:
-    return "-" if share is None else f"{100.0 * share:.1f} %"
-
-
-#: The stage table's columns.
+#: The stage table's columns: position, name, equations, values in and out, FLOPs,
+#: parameter bytes, bytes in and out, share of the FLOPs (see :class:`StageRow`).
 COLUMNS = (
     "#",
     "stage",
-    "equations",
-    "inputs",
-    "outputs",
+    "eqns",
+    "in",
+    "out",
     "FLOPs",
-    "param bytes",
+    "params",
     "bytes in",
     "bytes out",
-    "cost share",
+    "share",
+)
+#: What each column of :data:`COLUMNS` holds, in words (the HTML view's tooltips).
+COLUMN_MEANINGS = (
+    "position of the stage",
+    "stage name",
+    "top-level equations",
+    "values the stage takes (parameters, data, earlier stages' values)",
+    "values the stage hands on or returns",
+    "FLOPs plus transcendental calls (~: estimated)",
+    "bytes of the parameters the stage reads (not data inputs)",
+    "bytes received from earlier stages",
+    "bytes handed to later stages or returned",
+    "share of the program's FLOPs",
 )
 # Left-aligned columns; the others are numbers, aligned right.
 LEFT_COLUMNS = frozenset({0, 1})

@@ -5,12 +5,12 @@ reads and which module it ends in.
 >>> cj = jax.make_jaxpr(lambda x: jnp.cos(jnp.sin(x)))(jnp.ones(4))
 >>> staged = pm.passes.slice_stages(pm.passes.insert_markers(cj, [1]))
 >>> print(summary(staged, style="plain"))
-#  stage   equations  inputs  outputs  FLOPs  param bytes  bytes in  bytes out  cost share
--  ------  ---------  ------  -------  -----  -----------  --------  ---------  ----------
-0  stage0          3       1        1      4         16 B       0 B       16 B      50.0 %
-1  stage1          3       1        1      4          0 B      16 B       16 B      50.0 %
--  ------  ---------  ------  -------  -----  -----------  --------  ---------  ----------
-   total           6       2        2      8         16 B      16 B       32 B     100.0 %
+#  stage   eqns  in  out  FLOPs  params  bytes in  bytes out    share
+-  ------  ----  --  ---  -----  ------  --------  ---------  -------
+0  stage0     3   1    1      4     0 B       0 B       16 B   50.0 %
+1  stage1     3   1    1      4     0 B      16 B       16 B   50.0 %
+-  ------  ----  --  ---  -----  ------  --------  ---------  -------
+   total      6   2    2      8     0 B      16 B       32 B  100.0 %
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import io
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pipemark.errors import PipemarkError
 from pipemark.views.rows import (
@@ -49,44 +49,139 @@ __all__ = [
 STYLES: tuple[str, ...] = ("auto", "plain", "rich")
 
 
-def _plain_table(rows: Sequence[tuple[str, ...]], total: tuple[str, ...]) -> str:
-    widths = [max(len(r[c]) for r in (COLUMNS, *rows, total)) for c in range(len(COLUMNS))]
+#: The width :func:`summary` fits the table to by default (a terminal's classic width).
+DEFAULT_WIDTH = 80
+# Columns left out, in this order, while the table is wider than asked. The position,
+# name, FLOPs and share always stay: they say how balanced the stages are.
+_DROP_ORDER = (("in", "out"), ("bytes out",), ("eqns",), ("params",), ("bytes in",))
+# A stage name is never shortened below this many characters.
+_MIN_NAME = 12
+_NAME = COLUMNS.index("stage")
 
-    def line(cells: Sequence[str]) -> str:
+
+class _Layout(NamedTuple):
+    """Which columns a table shows and how long a stage name may be (``None``: any)."""
+
+    keep: tuple[int, ...]
+    name_width: int | None
+
+    def cells(self, row: Sequence[str]) -> tuple[str, ...]:
+        return tuple(
+            _shorten(row[c], self.name_width) if c == _NAME and self.name_width else row[c]
+            for c in self.keep
+        )
+
+    def dropped(self) -> list[str]:
+        return [title for c, title in enumerate(COLUMNS) if c not in self.keep]
+
+
+def _shorten(name: str, width: int) -> str:
+    """``name`` cut in the middle to ``width`` characters (both ends say the most:
+    ``layer11_b…kward``)."""
+    if len(name) <= width:
+        return name
+    head = width // 2
+    return name[:head] + "…" + name[len(name) - (width - 1 - head) :]
+
+
+def _fit(rows: Sequence[Sequence[str]], width: int | None, measure) -> _Layout:
+    """The layout of the widest table ``measure`` finds no wider than ``width``: drop
+    columns in :data:`_DROP_ORDER`, then shorten long stage names (to no fewer than
+    :data:`_MIN_NAME` characters; a table may stay wider than asked)."""
+    keep = list(range(len(COLUMNS)))
+    layout = _Layout(tuple(keep), None)
+    if width is None or measure(layout) <= width:
+        return layout
+    for titles in _DROP_ORDER:
+        for title in titles:
+            keep.remove(COLUMNS.index(title))
+        layout = _Layout(tuple(keep), None)
+        if measure(layout) <= width:
+            return layout
+    longest = max(len(row[_NAME]) for row in rows)
+    name_width = max(_MIN_NAME, longest - (measure(layout) - width))
+    return _Layout(tuple(keep), name_width) if name_width < longest else layout
+
+
+def _note(layout: _Layout, width: int | None) -> str:
+    """The last line(s) of a table that left columns out: which, and how to see them."""
+    import textwrap
+
+    dropped = layout.dropped()
+    if not dropped:
+        return ""
+    text = f"(left out to fit {width} columns: {', '.join(dropped)}; width=None shows all)"
+    return "\n" + "\n".join(textwrap.wrap(text, max(width or 0, 40)))
+
+
+def _plain_table(rows: Sequence[Sequence[str]], layout: _Layout) -> str:
+    titles = layout.cells(COLUMNS)
+    cells = [layout.cells(row) for row in rows]
+    widths = [max(len(r[c]) for r in (titles, *cells)) for c in range(len(titles))]
+    left = [c in LEFT_COLUMNS for c in layout.keep]
+
+    def line(row: Sequence[str]) -> str:
         text = "  ".join(
-            cell.ljust(w) if c in LEFT_COLUMNS else cell.rjust(w)
-            for c, (cell, w) in enumerate(zip(cells, widths))
+            cell.ljust(w) if is_left else cell.rjust(w)
+            for cell, w, is_left in zip(row, widths, left)
         )
         return text.rstrip()
 
     rule = line(["-" * w for w in widths])
-    return "\n".join([line(COLUMNS), rule, *map(line, rows), rule, line(total)])
+    return "\n".join([line(titles), rule, *map(line, cells[:-1]), rule, line(cells[-1])])
 
 
-def _rich_table(
-    rows: Sequence[tuple[str, ...]], total: tuple[str, ...], colors: list[str], swatches: bool
-):
+def _plain_width(rows: Sequence[Sequence[str]]):
+    def measure(layout: _Layout) -> int:
+        cells = [layout.cells(row) for row in (COLUMNS, *rows)]
+        return sum(max(len(r[c]) for r in cells) for c in range(len(layout.keep))) + 2 * (
+            len(layout.keep) - 1
+        )
+
+    return measure
+
+
+def _rich_table(rows: Sequence[Sequence[str]], layout: _Layout, colors: list[str], swatches: bool):
+    """``rows`` (the totals last) as a ``rich`` table."""
     from rich import box
-    from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
 
-    table = Table(box=box.SIMPLE, show_footer=True, pad_edge=False)
-    for c, title in enumerate(COLUMNS):
+    # No outer edge and one padded space between columns: as narrow as the plain table.
+    table = Table(
+        box=box.SIMPLE, show_footer=True, pad_edge=False, show_edge=False, collapse_padding=True
+    )
+    total = layout.cells(rows[-1])
+    for k, (c, title) in enumerate(zip(layout.keep, layout.cells(COLUMNS))):
         table.add_column(
             title,
-            footer=escape(total[c]),
+            footer=Text(total[k]),
             justify="left" if c in LEFT_COLUMNS else "right",
             header_style="bold",
             footer_style="bold",
             no_wrap=True,
         )
-    for cells, color in zip(rows, colors):
+    for row, color in zip(rows[:-1], colors):
         # The colour swatch only means something on a terminal that shows colours.
-        # Cells are text, never markup: a stage named "[bold]x[/]" is shown as named.
-        cells = [escape(cell) for cell in cells]
-        first = f"[{color}]■[/] {cells[0]}" if swatches else cells[0]
-        table.add_row(first, f"[bold {color}]{cells[1]}[/]", *cells[2:])
+        # Cells are Text, never markup: a stage named "[bold]x[/]", or a backslash and a
+        # bracket (which rich's escape() leaves for markup to read as an escaped
+        # bracket), is shown as named.
+        cells = [Text(cell) for cell in layout.cells(row)]
+        first = Text.assemble(("■ ", color), cells[0]) if swatches else cells[0]
+        table.add_row(first, Text(cells[1].plain, style=f"bold {color}"), *cells[2:])
     return table
+
+
+def _rich_width(rows: Sequence[Sequence[str]], swatches: bool):
+    from rich.console import Console
+
+    console = Console(width=10_000, color_system=None, force_terminal=False)
+
+    def measure(layout: _Layout) -> int:
+        table = _rich_table(rows, layout, ["red"] * (len(rows) - 1), swatches)
+        return console.measure(table).maximum
+
+    return measure
 
 
 def _have_rich() -> bool:
@@ -97,13 +192,14 @@ def _have_rich() -> bool:
     return True
 
 
-def summary(staged: StagedJaxpr, *, style: str = "auto") -> str:
+def summary(staged: StagedJaxpr, *, style: str = "auto", width: int | None = DEFAULT_WIDTH) -> str:
     """The stage table as text: one row per stage, then the totals.
 
-    Columns: position, name, equations, number of inputs and outputs, FLOPs (``~``
-    when approximate), parameter
-    bytes, bytes in, bytes out and each stage's share of the program's FLOPs (see
-    :class:`StageRow`).
+    Columns: position, name, equations (``eqns``), values in and out, FLOPs (``~``
+    when approximate), bytes of the parameters the stage reads (``params``: see
+    :func:`~pipemark.views.rows.parameter_inputs`; data inputs are not counted), bytes
+    in and out, and each stage's share of the program's FLOPs (see
+    :class:`~pipemark.views.rows.StageRow`).
 
     Parameters
     ----------
@@ -111,32 +207,61 @@ def summary(staged: StagedJaxpr, *, style: str = "auto") -> str:
         ``"plain"`` (columns of text), ``"rich"`` (drawn by ``rich``, which must be
         installed) or ``"auto"`` (``rich`` when installed). Both hold the same cells;
         the returned string has no terminal colour codes.
+    width:
+        The most characters a line may take (80 by default). A wider table leaves out
+        columns (values in and out, bytes out, equations, params, bytes in, in that
+        order; position, name, FLOPs and share always stay) and then shortens long stage names in the middle, and says so in a
+        last line. ``None``: every column, whatever the width.
 
     >>> import jax, jax.numpy as jnp, pipemark as pm
     >>> cj = jax.make_jaxpr(lambda x: jnp.sin(x) * x)(jnp.ones(4))
     >>> staged = pm.passes.slice_stages(pm.passes.insert_markers(cj, [1]))
-    >>> print(summary(staged, style="plain").splitlines()[2])
-    0  stage0          3       1        1      4         16 B       0 B       16 B      50.0 %
+    >>> print(summary(staged, style="plain"))
+    #  stage   eqns  in  out  FLOPs  params  bytes in  bytes out    share
+    -  ------  ----  --  ---  -----  ------  --------  ---------  -------
+    0  stage0     3   1    1      4     0 B       0 B       16 B   50.0 %
+    1  stage1     3   2    1      4     0 B      16 B       16 B   50.0 %
+    -  ------  ----  --  ---  -----  ------  --------  ---------  -------
+       total      6   3    2      8     0 B      16 B       32 B  100.0 %
+    >>> print(summary(staged, style="plain", width=40))
+    #  stage   FLOPs  bytes in    share
+    -  ------  -----  --------  -------
+    0  stage0      4       0 B   50.0 %
+    1  stage1      4      16 B   50.0 %
+    -  ------  -----  --------  -------
+       total       8      16 B  100.0 %
+    (left out to fit 40 columns: eqns, in,
+    out, params, bytes out; width=None shows
+    all)
     """
     if style not in STYLES:
         raise PipemarkError(f"Unknown style {style!r}; choose one of {', '.join(STYLES)}.")
+    _check_width(width)
     staged = check_staged(staged, "summary")
     rows, total = stage_rows(staged)
-    cells = [row_cells(r) for r in rows]
+    cells = [row_cells(r) for r in (*rows, total)]
     use_rich = style == "rich" or (style == "auto" and _have_rich())
     if not use_rich:
-        return _plain_table(cells, row_cells(total))
+        layout = _fit(cells, width, _plain_width(cells))
+        return _plain_table(cells, layout) + _note(layout, width)
     if not _have_rich():
         raise PipemarkError("style='rich' needs rich: pip install rich (or 'pipemark[viz]').")
     from rich.console import Console
 
+    layout = _fit(cells, width, _rich_width(cells, swatches=False))
     buffer = io.StringIO()
     # Wide enough never to wrap a cell; no colour codes in a returned string.
     console = Console(
-        file=buffer, width=400, color_system=None, force_terminal=False, force_jupyter=False
+        file=buffer, width=10_000, color_system=None, force_terminal=False, force_jupyter=False
     )
-    console.print(_rich_table(cells, row_cells(total), stage_colors(staged), swatches=False))
-    return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines()).strip("\n")
+    console.print(_rich_table(cells, layout, stage_colors(staged), swatches=False))
+    text = "\n".join(line.rstrip() for line in buffer.getvalue().splitlines()).strip("\n")
+    return text + _note(layout, width)
+
+
+def _check_width(width: Any) -> None:
+    if width is not None and (type(width) is not int or width < 1):
+        raise PipemarkError(f"width must be a positive int or None, got {width!r}.")
 
 
 def stage_inputs(staged: StagedJaxpr, *, limit: int = 6) -> str:
@@ -268,26 +393,32 @@ def print_stage_inputs(staged: StagedJaxpr, file: Any = None) -> None:
             print(f"  {display_name(name)}: after {display_name(scope)}", file=file)
 
 
-def print_summary(staged: StagedJaxpr, file: Any = None) -> None:
+def print_summary(staged: StagedJaxpr, file: Any = None, width: int | None = None) -> None:
     """Print the stage table to ``file`` (standard output by default): :func:`summary`,
-    except that on a terminal, with ``rich`` installed, stage names are drawn in their
-    colours."""
+    fitted to ``width`` (by default the terminal's width, or 80 columns when ``file``
+    is not a terminal), except that on a terminal, with ``rich`` installed, stage
+    names are drawn in their colours."""
+    import shutil
     import sys
 
     file = sys.stdout if file is None else file
     staged = check_staged(staged, "print_summary")
+    _check_width(width)
     is_terminal = getattr(file, "isatty", lambda: False)()
+    if width is None:
+        width = shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns if is_terminal else None
+        width = width or DEFAULT_WIDTH
     if not (is_terminal and _have_rich()):
-        print(summary(staged), file=file)
+        print(summary(staged, width=width), file=file)
         return
     from rich.console import Console
 
     rows, total = stage_rows(staged)
-    console = Console(file=file)
-    table = _rich_table(
-        [row_cells(r) for r in rows],
-        row_cells(total),
-        stage_colors(staged),
-        swatches=console.color_system is not None,
-    )
-    console.print(table)
+    cells = [row_cells(r) for r in (*rows, total)]
+    console = Console(file=file, width=max(width, 40))
+    swatches = console.color_system is not None
+    layout = _fit(cells, width, _rich_width(cells, swatches))
+    console.print(_rich_table(cells, layout, stage_colors(staged), swatches))
+    note = _note(layout, width)
+    if note:
+        print(note.strip("\n"), file=file)

@@ -40,7 +40,7 @@ def _independent_check(schedule: pm.Schedule) -> None:
 def test_gpipe_text_grid():
     expected = textwrap.dedent(
         """\
-        gpipe: 3 stages, 2 microbatches, 3 devices, 8 ticks, bubble 50.0%
+        gpipe: 3 stages, 2 microbatches, 3 devices, 8 ticks, bubble 50.0 %
         tick      0   1   2   3   4   5   6   7
         device 0  F0  F1  .   .   .   .   B0  B1
         device 1  .   F0  F1  .   .   B0  B1  .
@@ -52,7 +52,7 @@ def test_gpipe_text_grid():
 def test_one_f_one_b_text_grid_alternates_after_warmup():
     expected = textwrap.dedent(
         """\
-        1f1b: 2 stages, 4 microbatches, 2 devices, 10 ticks, bubble 20.0%
+        1f1b: 2 stages, 4 microbatches, 2 devices, 10 ticks, bubble 20.0 %
         tick      0   1   2   3   4   5   6   7   8   9
         device 0  F0  F1  .   B0  F2  B1  F3  B2  .   B3
         device 1  .   F0  B0  F1  B1  F2  B2  F3  B3  ."""
@@ -274,7 +274,7 @@ def test_plot_schedule_draws_one_box_per_action():
     assert [t.get_text() for t in ax.get_yticklabels()] == ["device 0", "device 1", "device 2"]
     labels = sorted(t.get_text() for t in ax.texts)
     assert labels.count("F0") == 3 and labels.count("B3") == 3
-    assert "bubble 33.3%" in ax.get_title()
+    assert "bubble 33.3 %" in ax.get_title()
     # drawing onto given axes returns that figure
     fig2 = matplotlib.figure.Figure()
     ax2 = fig2.add_subplot(1, 1, 1)

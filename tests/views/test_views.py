@@ -42,32 +42,79 @@ def _mlp_training_staged():
 def test_plain_table_of_a_fixed_program():
     expected = textwrap.dedent(
         """\
-        #  stage   equations  inputs  outputs  FLOPs  param bytes  bytes in  bytes out  cost share
-        -  ------  ---------  ------  -------  -----  -----------  --------  ---------  ----------
-        0  stage0          3       1        1      4         16 B       0 B       16 B      33.3 %
-        1  stage1          3       1        1      4          0 B      16 B       16 B      33.3 %
-        2  stage2          3       2        1      4          0 B      32 B       16 B      33.3 %
-        -  ------  ---------  ------  -------  -----  -----------  --------  ---------  ----------
-           total           9       4        3     12         16 B      48 B       48 B     100.0 %"""
+        #  stage   eqns  in  out  FLOPs  params  bytes in  bytes out    share
+        -  ------  ----  --  ---  -----  ------  --------  ---------  -------
+        0  stage0     3   1    1      4     0 B       0 B       16 B   33.3 %
+        1  stage1     3   1    1      4     0 B      16 B       16 B   33.3 %
+        2  stage2     3   2    1      4     0 B      32 B       16 B   33.3 %
+        -  ------  ----  --  ---  -----  ------  --------  ---------  -------
+           total      9   4    3     12     0 B      48 B       48 B  100.0 %"""
     )
     assert pmi.summary(_skip_staged(), style="plain") == expected
 
 
 def test_plain_table_of_a_training_step():
     # Weights go through the start markers, so each backward stage receives them from
-    # its forward stage: backward stages read no program input.
+    # its forward stage: backward stages read no program input. The batch is data: the
+    # params column counts the two layers' weights and biases only (4 x 4 + 4 floats).
     expected = textwrap.dedent(
         """\
-        #  stage            equations  inputs  outputs  FLOPs  param bytes  bytes in  bytes out  cost share
-        -  ---------------  ---------  ------  -------  -----  -----------  --------  ---------  ----------
-        0  layer0                   7       3        4     88        112 B       0 B      128 B      18.9 %
-        1  layer1                  12       4        6    120        112 B      32 B      196 B      25.8 %
-        2  layer1_backward         14       5        3    165          0 B     192 B      112 B      35.5 %
-        3  layer0_backward         10       4        2     92          0 B     128 B       80 B      19.8 %
-        -  ---------------  ---------  ------  -------  -----  -----------  --------  ---------  ----------
-           total                   43      16       15    465        224 B     352 B      516 B     100.0 %"""
+        #  stage            eqns  in  out  FLOPs  params  bytes in  bytes out    share
+        -  ---------------  ----  --  ---  -----  ------  --------  ---------  -------
+        0  layer0              7   3    4     88    80 B       0 B      128 B   18.9 %
+        1  layer1             12   4    6    120    80 B      32 B      196 B   25.8 %
+        2  layer1_backward    14   5    3    165     0 B     192 B      112 B   35.5 %
+        3  layer0_backward    10   4    2     92     0 B     128 B       80 B   19.8 %
+        -  ---------------  ----  --  ---  -----  ------  --------  ---------  -------
+           total              43  16   15    465   160 B     352 B      516 B  100.0 %"""
     )
     assert pmi.summary(_mlp_training_staged(), style="plain") == expected
+
+
+def _long_named_staged(length: int):
+    def f(x):
+        for i in range(3):
+            x = pm.mark(x, name=f"{'n' * length}{i}", mark_type="start")
+            x = pm.mark(jnp.sin(x) * 2.0, name=f"{'n' * length}{i}", mark_type="end")
+        return x
+
+    return pm.split(f, jnp.ones((64, 64)))
+
+
+@pytest.mark.parametrize("style", ["plain", "rich"])
+@pytest.mark.parametrize("width", [40, 56, 64, 72, 80, 100])
+def test_tables_fit_the_width_by_leaving_columns_out(style, width):
+    pytest.importorskip("rich")
+    for staged in (_mlp_training_staged(), _long_named_staged(20)):
+        text = pmi.summary(staged, style=style, width=width)
+        assert max(map(len, text.splitlines())) <= width
+        full = pmi.summary(staged, style=style, width=None)
+        if max(map(len, full.splitlines())) <= width:
+            assert text == full  # nothing left out when everything fits
+        else:
+            note = " ".join(text.split())  # the note wraps at the width
+            assert f"(left out to fit {width} columns:" in note and "width=None shows all)" in note
+        # The position, name, FLOPs and share columns always stay.
+        header = text.splitlines()[0].split()
+        assert header[:2] == ["#", "stage"] and "FLOPs" in header and "share" in header
+
+
+def test_long_names_are_shortened_in_the_middle_never_to_nothing():
+    staged = _long_named_staged(60)
+    text = pmi.summary(staged, style="plain", width=40)
+    names = [line.split()[1] for line in text.splitlines()[2:5]]
+    assert all("…" in n and len(n) >= 12 for n in names)
+    assert [n[-1] for n in names] == ["0", "1", "2"]  # the end of a name tells them apart
+    # A width nothing fits in leaves the names at 12 characters: wider than asked.
+    narrow = pmi.summary(staged, style="plain", width=10)
+    assert len(narrow.splitlines()[2].split()[1]) == 12
+
+
+def test_summary_refuses_a_bad_width():
+    with pytest.raises(pm.PipemarkError, match="width must be a positive int"):
+        pmi.summary(_skip_staged(), width=0)
+    with pytest.raises(pm.PipemarkError, match="width must be a positive int"):
+        pmi.summary(_skip_staged(), width="80")
 
 
 def _tokens(text: str) -> list[str]:
@@ -128,9 +175,52 @@ def test_rows_count_each_program_input_once_in_the_total():
         == pm.estimate_cost(staged.as_closed_jaxpr()).total_flops
     )
     assert abs(sum(r.share for r in rows) - 1.0) < 1e-12
-    # Every program input is read by some stage; the total counts each once.
-    assert total.param_bytes == sum(pm.flatten_shape_byte_sizes(list(staged.in_avals)))
+    # The total counts each parameter once (the batch is not a parameter).
+    params = sorted(pmi.parameter_inputs(staged))
+    assert [staged.input_names[i] for i in params] == [
+        "params[0][0]",
+        "params[0][1]",
+        "params[1][0]",
+        "params[1][1]",
+    ]
+    avals = [staged.in_avals[i] for i in params]
+    assert total.param_bytes == sum(pm.flatten_shape_byte_sizes(avals))
     assert sum(r.param_bytes for r in rows) >= total.param_bytes
+
+
+def test_parameters_are_the_differentiated_or_updated_arguments():
+    import optax
+
+    def loss(p, x, y):
+        return jnp.mean((jnp.tanh(x @ p["w"]) + p["b"] - y) ** 2)
+
+    p = {"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}
+    x, y = jnp.ones((8, 4)), jnp.zeros((8, 4))
+
+    def names(staged):
+        return sorted(staged.input_names[i] for i in pmi.parameter_inputs(staged))
+
+    weights = ["p['b']", "p['w']"]
+    # value_and_grad: the differentiated argument, not the data of the same shape.
+    assert names(pm.split(jax.value_and_grad(loss), p, x, y, num_stages=2)) == weights
+    by_x = pm.split(jax.value_and_grad(loss, argnums=1), p, x, y, num_stages=2)
+    assert names(by_x) == ["x"]
+    # A forward pass or a loss: the first argument.
+    assert names(pm.split(loss, p, x, y, num_stages=2)) == weights
+    # One argument returned transformed is data, not a parameter.
+    assert names(pm.split(lambda x: jnp.sin(x) * x, x, num_stages=2)) == []
+    # A training step: what it updates (the parameters and the optimizer state).
+    opt = optax.adam(1e-3)
+
+    def step(p, state, x, y):
+        value, grads = jax.value_and_grad(loss)(p, x, y)
+        updates, state = opt.update(grads, state, p)
+        return optax.apply_updates(p, updates), state, value
+
+    staged = pm.split(step, p, opt.init(p), x, y, num_stages=2)
+    found = names(staged)
+    assert weights[0] in found and weights[1] in found
+    assert not {"x", "y"} & set(found) and any(n.startswith("state") for n in found)
 
 
 def test_a_program_without_arithmetic_has_no_share():
