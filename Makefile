@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.pipemark-installed
 
-.PHONY: demo test lint docs bench clean
+.PHONY: demo test lint docs docs-assets bench clean
 
 $(STAMP): setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ lint: $(STAMP)
 
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict --site-dir site
+
+# Regenerate everything generated in the docs from the current code: the README's demo
+# output, docs/demo/ (report and picture), docs/real-models.md, the tutorial's outputs.
+docs-assets: $(STAMP)
+	$(BIN)/python docs/gen/assets.py
 
 # pytest exits 5 when it collects no test, which fails this target like any failure.
 test: lint docs

@@ -44,3 +44,27 @@ def test_readme_inspect_command_runs_as_written():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "layer3_backward" in proc.stdout
+
+
+def _summary_table(html: str) -> str:
+    (table,) = re.findall(r'<table class="pm-summary">.*?</table>', html, flags=re.S)
+    return table
+
+
+def test_readme_demo_output_and_docs_demo_are_what_the_demo_makes_today(tmp_path):
+    # docs/gen/assets.py (make docs-assets) writes both from one demo run.
+    sys.path.insert(0, str(ROOT / "docs" / "gen"))
+    try:
+        import assets
+    finally:
+        sys.path.pop(0)
+    fresh = assets.demo_output(tmp_path)
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert assets.readme_block(readme) == fresh, "run: make docs-assets"
+    assert "staged program == unsplit program: yes" in fresh
+    assert max(map(len, fresh.splitlines()[5:-2])) <= 80  # the table fits 80 columns
+    # The committed report shows the same stage table as a fresh one.
+    committed = (ROOT / "docs" / "demo" / "report.html").read_text(encoding="utf-8")
+    made = (tmp_path / "report.html").read_text(encoding="utf-8")
+    assert _summary_table(committed) == _summary_table(made), "run: make docs-assets"
+    assert (ROOT / "docs" / "demo" / "stages.png").stat().st_size > 10_000
