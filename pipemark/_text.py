@@ -3,7 +3,9 @@ view (tables, HTML, plots, schedules, the CLI) writes counts, bytes and percenta
 
 from __future__ import annotations
 
-__all__ = ["format_bytes", "format_count", "format_share", "plural"]
+from typing import Any
+
+__all__ = ["format_bytes", "format_count", "format_share", "plural", "type_text"]
 
 
 def plural(count: int, noun: str, nouns: str | None = None) -> str:
@@ -55,3 +57,11 @@ def format_share(share: float | None) -> str:
     ('50.0 %', '33.3 %', '-')
     """
     return "-" if share is None else f"{100.0 * share:.1f} %"
+
+
+def type_text(aval: Any) -> str:
+    """An aval as JAX prints it short (``f32[4,8]``)."""
+    try:
+        return aval.str_short(short_dtypes=True)
+    except (AttributeError, TypeError):
+        return str(aval)

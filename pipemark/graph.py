@@ -30,6 +30,7 @@ from typing import Any
 import networkx as nx
 from jax.extend.core import ClosedJaxpr, Jaxpr, Var
 
+from pipemark._text import type_text
 from pipemark.cost import Cost, eqn_costs, nbytes
 from pipemark.errors import PipemarkError, StageGraphError
 
@@ -61,20 +62,13 @@ class _Edges:
                 source, target, types=(), avals=(), bytes=0, num_values=0, **{k: () for k in extra}
             )
             data = self.graph.edges[source, target]
-        data["types"] += (_type_text(aval),)
+        data["types"] += (type_text(aval),)
         data["avals"] += (aval,)
         data["bytes"] += nbytes(aval)
         data["num_values"] += 1
         for key, value in extra.items():
             data[key] += (value,)
         return data
-
-
-def _type_text(aval: Any) -> str:
-    try:
-        return aval.str_short(short_dtypes=True)
-    except (AttributeError, TypeError):
-        return str(aval)
 
 
 def eqn_graph(program: ClosedJaxpr | Jaxpr, *, with_cost: bool = True) -> nx.DiGraph:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import textwrap
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -87,17 +85,9 @@ def skip(x):
 def test_summary_table():
     cj = jax.make_jaxpr(skip)(jnp.ones(4))
     staged = P.slice_stages(P.insert_markers(cj, [1, 2]))
-    expected = textwrap.dedent(
-        """\
-        #  stage   eqns  in  out  FLOPs  params  bytes in  bytes out    share
-        -  ------  ----  --  ---  -----  ------  --------  ---------  -------
-        0  stage0     3   1    1      4     0 B       0 B       16 B   33.3 %
-        1  stage1     3   1    1      4     0 B      16 B       16 B   33.3 %
-        2  stage2     3   2    1      4     0 B      32 B       16 B   33.3 %
-        -  ------  ----  --  ---  -----  ------  --------  ---------  -------
-           total      9   4    3     12     0 B      48 B       48 B  100.0 %"""
-    )
-    assert staged.summary(style="plain") == expected
+    # The table itself is tested in tests/views/test_views.py.
+    assert staged.summary(style="plain") == pm.views.summary(staged, style="plain")
+    assert staged.summary(style="plain").splitlines()[2].split()[:2] == ["0", "stage0"]
     # print(staged) shows the same table (drawn by rich when it is installed).
     assert str(staged) == staged.summary()
     assert staged._repr_html_().startswith('<div class="pipemark-view">')

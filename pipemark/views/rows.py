@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pipemark._compat import jaxpr_type_name
-from pipemark._text import format_bytes, format_count, format_share
+from pipemark._text import format_bytes, format_count, format_share, type_text
 from pipemark.cost import estimate_cost, nbytes
 from pipemark.errors import PipemarkError
 from pipemark.marks import forward_name
@@ -365,11 +365,3 @@ def stage_colors(staged: StagedJaxpr) -> list[str]:
         assigned[name] = color
         colors.append(color)
     return colors
-
-
-def type_text(aval: Any) -> str:
-    """An aval as JAX prints it short (``f32[4,8]``)."""
-    try:
-        return aval.str_short(short_dtypes=True)
-    except (AttributeError, TypeError):
-        return str(aval)
