@@ -43,7 +43,19 @@ setup(
             "equinox>=0.11",
             "optax>=0.2.4",
         ],
-        "docs": ["mkdocs>=1.6"],
+        "docs": [
+            "mkdocs>=1.6",
+            # docs/api.md: the API reference, generated from the docstrings (numpy style),
+            # with the Griffe extension in docs/hooks/griffe_docstrings.py.
+            "mkdocstrings[python]>=1.0",
+            "mkdocstrings-python>=2.0",
+            # Code highlighted at build time (no highlight.js from a CDN: works offline).
+            "pymdown-extensions>=10.0",
+            "Pygments>=2.16",
+            # docs/hooks/notebook_page.py renders docs/tutorial.ipynb as a page.
+            "nbconvert>=7.16",
+            "nbformat>=5.10",
+        ],
     },
     entry_points={"console_scripts": ["pipemark = pipemark.cli:main"]},
     classifiers=[

@@ -1,13 +1,21 @@
-"""The demo's report.html in a real browser: headless Chromium, light and dark.
+"""The demo's report.html and the docs site in a real browser: headless Chromium.
 
-Skipped where Chromium is not installed (Debian: ``apt-get install chromium``).
+The report is checked in light and dark; every page of the site (built here with
+``mkdocs build --strict``) must fit a 1280 px wide window and load nothing from the
+network. Skipped where Chromium is not installed (Debian: ``apt-get install chromium``).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import html
 import io
+import json
+import re
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -67,8 +75,134 @@ def test_report_renders_in_chromium(report, tmp_path, dark):
     # The heading is drawn in a colour that contrasts with the background.
     heading = gray[20:60, 30:600]
     assert np.abs(heading - background).max() > 0.6
-    # The plot (a white card in both schemes) sits below the heading.
-    assert (gray[150:500, 40:1200] > 0.95).mean() > 0.5
+    # The plot sits below the heading: its figure is transparent, so the page's
+    # background shows through (mostly), under bars and text drawn in contrast to it.
+    plot = np.abs(gray[150:500, 40:1200] - background)
+    assert (plot < 0.05).mean() > 0.5 and (plot > 0.3).mean() > 0.05
     # The page has content well down the screen: the stage table and the stage blocks.
     rows_with_ink = np.abs(gray - background).max(axis=1) > 0.3
     assert rows_with_ink[600:1000].mean() > 0.2
+
+
+# ----------------------------------------------------------------- the docs site
+
+ROOT = Path(__file__).resolve().parent.parent
+SITE_WIDTH, SITE_HEIGHT = 1280, 900
+RESULT_ID = "pipemark-layout-probe"
+
+# Run in each page once it has loaded (and the theme's scripts have run): how wide the
+# page is against the window, which elements stick out of it (only those outside any
+# box that scrolls or clips: inside one, wide content is fine), whether the iframes'
+# own pages fit them, and which resources came from the network.
+PROBE = """<script>
+window.addEventListener("load", function () { setTimeout(function () {
+  function describe(el) {
+    var name = el.tagName.toLowerCase();
+    if (el.id) name += "#" + el.id;
+    if (el.classList.length) name += "." + Array.from(el.classList).join(".");
+    return name;
+  }
+  function clipped(el) {
+    for (var p = el.parentElement; p && p !== document.body; p = p.parentElement) {
+      if (getComputedStyle(p).overflowX !== "visible") return true;
+    }
+    return false;
+  }
+  function measure(doc) {
+    var root = doc.documentElement, limit = root.clientWidth, culprits = [];
+    doc.querySelectorAll("body *").forEach(function (el) {
+      var right = el.getBoundingClientRect().right;
+      if (right > limit + 1 && culprits.length < 5 && !clipped(el)) {
+        culprits.push(describe(el) + " ends at " + Math.round(right) + " px");
+      }
+    });
+    return {scrollWidth: root.scrollWidth, clientWidth: limit, culprits: culprits};
+  }
+  var result = measure(document);
+  result.frames = Array.from(document.querySelectorAll("iframe")).map(function (frame) {
+    try { return measure(frame.contentDocument); } catch (error) { return String(error); }
+  });
+  result.network = performance.getEntriesByType("resource").map(function (entry) {
+    return entry.name;
+  }).filter(function (url) { return /^https?:/i.test(url); });
+  var out = document.createElement("pre");
+  out.id = "RESULT_ID";
+  out.textContent = JSON.stringify(result);
+  document.body.appendChild(out);
+}, 200); });
+</script>""".replace("RESULT_ID", RESULT_ID)
+
+# A <script src> or <link href> (stylesheet, icon, preload) on another host: the page
+# would need the network.
+EXTERNAL = re.compile(
+    r"<(?:script|link|img|iframe)\b[^>]*\b(?:src|href)\s*=\s*[\"']?(?:https?:)?//", re.I
+)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    pytest.importorskip("mkdocs")
+    site_dir = tmp_path_factory.mktemp("site")
+    build = [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "--site-dir", site_dir]
+    result = subprocess.run(build, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return site_dir
+
+
+def _pages(site_dir: Path) -> list[Path]:
+    # 404.html links its styles from the server root, so it only renders when served.
+    return sorted(p for p in site_dir.rglob("*.html") if p.name != "404.html")
+
+
+def _layout(page: Path, profile: Path) -> dict:
+    """Load ``page`` (with the probe added) in headless Chromium at the site width."""
+    text = page.read_text(encoding="utf-8")
+    page.write_text(text.replace("</body>", PROBE + "</body>", 1), encoding="utf-8")
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        # The embedded report is another file:// page; let the probe look inside it.
+        "--allow-file-access-from-files",
+        # Nothing may come from the network: send any request to a closed port.
+        "--proxy-server=127.0.0.1:9",
+        f"--user-data-dir={profile}",
+        f"--window-size={SITE_WIDTH},{SITE_HEIGHT}",
+        "--virtual-time-budget=5000",
+        "--dump-dom",
+    ]
+    run = subprocess.run([CHROMIUM, *flags, page.as_uri()], capture_output=True, timeout=120)
+    match = re.search(rf'<pre id="{RESULT_ID}">(.*?)</pre>', run.stdout.decode("utf-8"), re.S)
+    assert match, f"{page}: the probe did not report (Chromium: {run.stderr[-500:]!r})"
+    return json.loads(html.unescape(match.group(1)))
+
+
+def test_site_fits_1280_px_and_works_offline(site, tmp_path):
+    pages = _pages(site)
+    assert len(pages) > 10 and (site / "api" / "index.html") in pages
+    problems = []
+    for page in site.rglob("*.html"):
+        for tag in EXTERNAL.findall(page.read_text(encoding="utf-8")):
+            problems.append(f"{page.relative_to(site)} loads from the network: {tag}")
+    # Chromium is single-threaded enough per page that a few run side by side well,
+    # even on two cores.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        profiles = [tmp_path / f"profile{k}" for k in range(len(pages))]
+        layouts = list(pool.map(_layout, pages, profiles))
+    for page, layout in zip(pages, layouts):
+        name = page.relative_to(site)
+        if layout["scrollWidth"] > layout["clientWidth"]:
+            problems.append(
+                f"{name} is {layout['scrollWidth']} px wide in a {layout['clientWidth']} px "
+                f"window: {', '.join(layout['culprits']) or 'no single element'}"
+            )
+        for k, frame in enumerate(layout["frames"]):
+            if isinstance(frame, str) or frame["scrollWidth"] > frame["clientWidth"]:
+                problems.append(f"{name}: iframe {k} is cut off or unreadable: {frame}")
+        if layout["network"]:
+            problems.append(f"{name} fetched {layout['network']}")
+    assert not problems, "\n".join(problems)

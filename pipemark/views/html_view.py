@@ -150,6 +150,7 @@ _CSS = """
 .pipemark-view { font-family: system-ui, -apple-system, "Segoe UI", sans-serif;
   font-size: 14px; line-height: 1.45; color: inherit; max-width: 100%; }
 .pipemark-view .pm-caption { margin: 0 0 6px 0; opacity: 0.8; }
+.pipemark-view .pm-scroll { overflow-x: auto; max-width: 100%; }
 .pipemark-view table.pm-summary { border-collapse: collapse; margin: 4px 0 12px 0;
   font-variant-numeric: tabular-nums; }
 .pipemark-view .pm-summary th, .pipemark-view .pm-summary td { padding: 4px 12px;
@@ -225,12 +226,14 @@ def _table_html(rows: list[StageRow], total: StageRow, colors: list[str]) -> str
         else f"<td>{html.escape(c)}</td>"
         for i, c in enumerate(row_cells(total))
     )
+    # The table scrolls inside its own box when it is wider than the page or cell
+    # around it, so the page itself never scrolls sideways.
     return (
-        '<table class="pm-summary">'
+        '<div class="pm-scroll"><table class="pm-summary">'
         f"<thead><tr>{head}</tr></thead>"
         f"<tbody>{''.join(body)}</tbody>"
         f"<tfoot><tr>{foot}</tr></tfoot>"
-        "</table>"
+        "</table></div>"
     )
 
 

@@ -342,7 +342,7 @@ def test_html_view_is_valid_and_self_contained():
     for block, color in zip(stages, pmi.stage_colors(staged)):
         assert f"--pm-color: {color}" in block.get("style")
     # One row per stage in the table, and the totals.
-    table = root.find("table")
+    table = root.find("div[@class='pm-scroll']/table")
     assert len(table.findall("./tbody/tr")) == len(staged.stages)
     assert "total" in "".join(table.find("tfoot").itertext())
 
