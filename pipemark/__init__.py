@@ -59,6 +59,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "stage_graph": ("pipemark.graph", "stage_graph"),
     "StagedJaxpr": ("pipemark.staged", "StagedJaxpr"),
     "StageGraphError": ("pipemark.errors", "StageGraphError"),
+    "ProcessError": ("pipemark.errors", "ProcessError"),
     "summary": ("pipemark.views", "summary"),
     "topological_order": ("pipemark.graph", "topological_order"),
     "views": ("pipemark.views", None),

@@ -152,3 +152,12 @@ def copy_to_device(arrays: list[Any], device: Any) -> list[Any]:
     for i, value in zip(slow, _jax.device_put([arrays[i] for i in slow], device)):
         result[i] = value
     return result
+
+
+def shard_map(f: Any, *, mesh: Any, in_specs: Any, out_specs: Any) -> Any:
+    """``jax.shard_map`` (public since JAX 0.7; ``jax.experimental.shard_map`` before)."""
+    try:
+        from jax import shard_map as _shard_map
+    except ImportError:  # pragma: no cover - older JAX
+        from jax.experimental.shard_map import shard_map as _shard_map
+    return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)

@@ -13,6 +13,7 @@ __all__ = [
     "PipemarkWarning",
     "MarkerError",
     "StageGraphError",
+    "ProcessError",
     "check_closed_jaxpr",
     "describe_eqn",
 ]
@@ -39,6 +40,12 @@ class PipemarkWarning(UserWarning):
 class StageGraphError(PipemarkError):
     """The stages cannot form a valid program (for example, they depend on each other
     in a cycle)."""
+
+
+class ProcessError(PipemarkError):
+    """A pipeline running on several processes (``jax.distributed``) lost one: a
+    transfer to or from another process failed. The message names the stage, the
+    microbatch and the other process."""
 
 
 def check_closed_jaxpr(value: Any, who: str) -> Any:

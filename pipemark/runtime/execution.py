@@ -40,6 +40,7 @@ from pipemark._compat import copy_to_device
 from pipemark.caches import register_cache
 from pipemark.runtime.plan import PipelinePlan
 from pipemark.runtime.schedules import FORWARD
+from pipemark.runtime.transport import Transport, Watchdog
 
 __all__ = ["run_plan", "split_leaf"]
 
@@ -238,7 +239,9 @@ def run_plan(
     call = _Call(plan, params, batch)
     start = time.perf_counter()
     try:
-        if parallel and len(call.program.devices) > 1:
+        if not all(call.local):
+            call.run_processes()
+        elif parallel and len(call.program.devices) > 1:
             call.run_threaded()
         else:
             call.run_serial()
@@ -252,7 +255,21 @@ def run_plan(
         timings["num_ticks"] = plan.schedule.num_ticks
         timings["values_left"] = values_left
         timings["peak_values"] = call.exchange.peak
+        if call.transport is not None:
+            timings["bytes_sent"], timings["bytes_received"] = call.boundary_bytes
+            timings["bytes_gathered"] = call.transport.bytes_received - call.boundary_bytes[1]
+            timings["transfer_s"] = call.transport.seconds
     return jax.tree_util.tree_unflatten(plan.out_tree, call.results())
+
+
+def _process(program: _Program, worker: int) -> int:
+    return program.devices[worker].process_index
+
+
+def _describe(plan: PipelinePlan, keys: list[tuple[int, int, int]]) -> str:
+    """What a transfer carries, for an error message: the stage and microbatch."""
+    m, index, _ = keys[0]
+    return f"the outputs of stage {plan.staged.stages[index].name!r} (microbatch {m})"
 
 
 class _Call:
@@ -266,10 +283,17 @@ class _Call:
         batch_leaves = jax.tree_util.tree_leaves(batch)
         self.slices = [split_leaf(x, num_micro, plan.microbatch_size) for x in batch_leaves]
         self.exchange = _Exchange(len(program.devices))
+        # Which workers' devices belong to this process (all of them but under
+        # jax.distributed), and the values this process hands to other processes.
+        me = jax.process_index()
+        self.local = [getattr(d, "process_index", me) == me for d in program.devices]
+        self.outbox: dict[tuple[tuple[int, int, int], int], Any] = {}
+        self.transport: Transport | None = None
+        self.boundary_bytes = (0, 0)  # sent, received between stages (not gathering)
         # Per stage; each stage's worker alone writes its entry.
         self.accs: dict[int, list[Any]] = {}
         for index, unit in plan.units.items():
-            if unit.zeros is not None:
+            if unit.zeros is not None and self.local[program.devices.index(unit.device)]:
                 # Immutable arrays: the zeros one call starts from serve every later call.
                 zeros = plan._zeros.get(index)
                 if zeros is None:
@@ -334,6 +358,8 @@ class _Call:
             for reader, count in targets:
                 if reader == worker:
                     entries.append((key, reader, outs[position], count))
+                elif not self.local[reader]:  # sent when the global order reaches it
+                    self.outbox[(key, reader)] = outs[position]
                 else:
                     copies.setdefault(reader, []).append((key, position, count))
         for reader, wanted in copies.items():
@@ -393,6 +419,87 @@ class _Call:
         for worker, step in self.program.serial:
             waited += self.run_step(worker, step, placed[worker])
         self.host_times.append(time.perf_counter() - begin - waited)
+
+    def run_processes(self) -> None:
+        """Under ``jax.distributed``: run this process's workers' actions, and move
+        values to and from other processes, walking the schedule's one global order
+        (every process walks it, so the two ends of each transfer meet in the same
+        order and nothing waits on a process that waits on it). Then every process
+        receives the accumulated results of the others' stages."""
+        program, plan = self.program, self.plan
+        self.transport = Transport(Watchdog(plan.timeout_s))
+        owner = {index: program.devices.index(unit.device) for index, unit in plan.units.items()}
+        counts = {
+            (key, reader): count
+            for _, step in program.serial
+            for _, key, targets in step.sends
+            for reader, count in targets
+        }
+        start = time.perf_counter()
+        placed = {w: self.place(w) for w, mine in enumerate(self.local) if mine}
+        moved: set[tuple[tuple[int, int, int], int]] = set()
+        for worker, step in program.serial:
+            incoming: dict[int, list[tuple[int, int, int]]] = {}
+            for source, key in step.inputs:
+                if source != _STAGE or (key, worker) in moved:
+                    continue
+                producer = owner[key[1]]
+                if _process(program, producer) != _process(program, worker):
+                    moved.add((key, worker))
+                    incoming.setdefault(producer, []).append(key)
+            for producer, keys in incoming.items():
+                self.transfer(producer, worker, keys, counts)
+            if self.local[worker]:
+                self.run_step(worker, step, placed[worker])
+        self.boundary_bytes = (self.transport.bytes_sent, self.transport.bytes_received)
+        self.gather(owner)
+        self.host_times.append(time.perf_counter() - start - self.transport.seconds)
+
+    def transfer(self, producer: int, reader: int, keys: list, counts: dict) -> None:
+        """One transfer of the values ``keys`` from worker ``producer`` to worker
+        ``reader`` (of another process), if this process is one of the two ends."""
+        devices, stages = self.program.devices, self.plan.staged.stages
+        what = _describe(self.plan, keys)
+        if self.local[producer]:
+            values = [self.outbox.pop((key, reader)) for key in keys]
+            self.transport.send(values, devices[producer], devices[reader], what)
+        elif self.local[reader]:
+            types = [
+                (aval.shape, aval.dtype)
+                for aval in (stages[index].out_avals[o] for _, index, o in keys)
+            ]
+            values = self.transport.receive(types, devices[producer], devices[reader], what)
+            self.exchange.publish(
+                [(key, reader, v, counts[(key, reader)]) for key, v in zip(keys, values)]
+            )
+
+    def gather(self, owner: dict[int, int]) -> None:
+        """Every process receives the accumulated results of every other process's
+        stages (in one order all processes walk: stage by stage, process by process)."""
+        program, transport = self.program, self.transport
+        # One device of each process receives for it.
+        first: dict[int, int] = {}
+        for w, device in enumerate(program.devices):
+            first.setdefault(device.process_index, w)
+        for index in sorted(self.plan.units):
+            unit = self.plan.units[index]
+            if not unit.accumulated:
+                continue
+            source = owner[index]
+            avals = [self.plan.staged.stages[index].out_avals[o] for _, o in unit.accumulated]
+            what = f"the results of stage {self.plan.staged.stages[index].name!r}"
+            for process, w in first.items():
+                if process == _process(program, source):
+                    continue
+                if self.local[source]:
+                    transport.send(
+                        self.accs[index], program.devices[source], program.devices[w], what
+                    )
+                elif self.local[w]:
+                    types = [(a.shape, a.dtype) for a in avals]
+                    self.accs[index] = transport.receive(
+                        types, program.devices[source], program.devices[w], what
+                    )
 
     def results(self) -> list[Any]:
         """The accumulated results, in the staged program's output order."""

@@ -55,6 +55,11 @@ class PipelineOptions:
         The devices to use (``None``: ``jax.devices()``).
     loss_reduction:
         One of :data:`~pipemark.runtime.losses.LOSS_REDUCTIONS`.
+    timeout_s:
+        Under ``jax.distributed`` (stages on devices of several processes): the most
+        seconds a process waits for a value from another before it stops with an
+        error naming the stage, microbatch and process it waited for (a process that
+        died or raised cannot answer). ``None``: wait for ever.
     """
 
     num_microbatches: int
@@ -62,8 +67,17 @@ class PipelineOptions:
     schedule: str | Schedule = "1f1b"
     devices: Sequence[Any] | None = field(default=None)
     loss_reduction: str = "mean"
+    timeout_s: float | None = 120.0
 
     def __post_init__(self) -> None:
+        if self.timeout_s is not None and (
+            isinstance(self.timeout_s, bool)
+            or not isinstance(self.timeout_s, (int, float))
+            or not self.timeout_s > 0
+        ):
+            raise PipemarkError(
+                f"timeout_s must be a positive number of seconds or None, got {self.timeout_s!r}."
+            )
         check_positive(self.num_microbatches, "num_microbatches")
         if self.num_stages is not None:
             check_positive(self.num_stages, "num_stages")

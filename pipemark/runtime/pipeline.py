@@ -159,7 +159,11 @@ class Pipeline:
         (host time spent placing inputs, dispatching and publishing, summed over the
         workers, without the waits for other devices), ``num_actions``, ``num_ticks``,
         and ``values_left`` / ``peak_values`` (values handed between stages still held
-        after the call, which is 0, and the most held at once)."""
+        after the call, which is 0, and the most held at once). Under
+        ``jax.distributed`` also ``bytes_sent`` / ``bytes_received`` (between this
+        process's stages and other processes'), ``bytes_gathered`` (the results of
+        other processes' stages it received at the end) and ``transfer_s`` (time this
+        process waited for its transfers)."""
         timings: dict[str, float] = {}
         out = self._call(params, batch, timings)
         return out, timings
@@ -173,6 +177,7 @@ def pipeline_value_and_grad(
     schedule: str | Schedule = "1f1b",
     devices: Sequence[Any] | None = None,
     loss_reduction: str = "mean",
+    timeout_s: float | None = 120.0,
 ) -> Pipeline:
     """``jax.value_and_grad(loss_fn)`` computed as a pipeline over several devices.
 
@@ -198,7 +203,11 @@ def pipeline_value_and_grad(
         :class:`~pipemark.runtime.schedules.Schedule`.
     devices:
         The devices to use; default ``jax.devices()``. Pipeline stage ``i`` runs on
-        ``devices[i]`` (on ``devices[i % len(devices)]`` when interleaved).
+        ``devices[i]`` (on ``devices[i % len(devices)]`` when interleaved). Under
+        ``jax.distributed`` these may be devices of several processes (``jax.devices()``
+        is all of them): every process makes the same pipeline and calls it with the
+        same arguments, runs only its own devices' stages, and values move between
+        processes point to point; every process gets the whole result.
     loss_reduction:
         ``"mean"`` (default) averages the microbatch losses and gradients, right for a
         loss that is a mean over the batch; ``"sum"`` adds them, right for a sum;
@@ -206,6 +215,10 @@ def pipeline_value_and_grad(
         sums over the whole batch by the whole batch's count: a masked or weighted
         mean (see :mod:`pipemark.runtime.losses`). With ``"mean"``, a loss divided by a
         count computed from the batch is refused, naming the division.
+    timeout_s:
+        Under ``jax.distributed``: how long a process waits for a value from another
+        before it stops with an error naming the stage and the process (``None``:
+        for ever).
 
     Returns
     -------
@@ -242,6 +255,7 @@ def pipeline_value_and_grad(
         schedule=schedule,
         devices=devices,
         loss_reduction=loss_reduction,
+        timeout_s=timeout_s,
     )
     return Pipeline(loss_fn, options)
 
@@ -313,8 +327,11 @@ class PipelinedStep:
         *replicated, batch = args
         accumulated = run_plan(plan, tuple(replicated), batch, None)
         # The update runs once, on the first stage's device, over the whole inputs and
-        # the accumulated gradients.
-        inputs = jax.device_put([*jax.tree_util.tree_leaves(args), *accumulated], plan.devices[0])
+        # the accumulated gradients; under jax.distributed every process has them all
+        # and runs it on its own first device, so that every process holds the state.
+        me = jax.process_index()
+        device = next(d for d in plan.devices if getattr(d, "process_index", me) == me)
+        inputs = jax.device_put([*jax.tree_util.tree_leaves(args), *accumulated], device)
         return jax.tree_util.tree_unflatten(out_tree, apply(*inputs))
 
 
@@ -326,6 +343,7 @@ def pipeline_train_step(
     schedule: str | Schedule = "1f1b",
     devices: Sequence[Any] | None = None,
     loss_reduction: str = "mean",
+    timeout_s: float | None = 120.0,
 ) -> PipelinedStep:
     """A training step ``step_fn(*state, batch)`` whose gradients are computed as a
     pipeline and then applied once.
@@ -360,5 +378,6 @@ def pipeline_train_step(
         schedule=schedule,
         devices=devices,
         loss_reduction=loss_reduction,
+        timeout_s=timeout_s,
     )
     return PipelinedStep(step_fn, options)

@@ -242,6 +242,7 @@ class PipelinePlan:
     units: dict[int, _Unit] = dataclasses.field(repr=False)
     readers: dict[tuple[int, int], int] = dataclasses.field(repr=False)
     loss_reduction: str = "mean"
+    timeout_s: float | None = 120.0
     # Filled by pipemark.runtime.execution on first use: the actions resolved once
     # (its program of steps), each accumulating stage's zeros, and each worker's scale.
     _program: Any = dataclasses.field(default=None, repr=False, compare=False)
@@ -453,4 +454,5 @@ def plan_from_staged(
         units=units,
         readers=readers,
         loss_reduction=options.loss_reduction,
+        timeout_s=options.timeout_s,
     )

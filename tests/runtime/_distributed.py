@@ -1,0 +1,97 @@
+"""Run by tests/runtime/test_distributed.py in several processes (``python -m
+pipemark.launch``) or in one (``reference``): a 4-stage MLP and the demo's transformer
+language model, each with GPipe and 1F1B, their losses and gradients saved per process.
+
+    python tests/runtime/_distributed.py OUT_DIR run        # under pipemark.launch
+    python tests/runtime/_distributed.py OUT_DIR reference  # one process, N devices
+    python tests/runtime/_distributed.py OUT_DIR die        # process 1 dies first
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _setup() -> tuple[str, str, int]:
+    """Read the arguments; start jax.distributed (or ask for N CPU devices) before JAX
+    starts its backend."""
+    out, mode = sys.argv[1], sys.argv[2]
+    stages = int(os.environ.get("PIPEMARK_NUM_PROCESSES", sys.argv[3] if len(sys.argv) > 3 else 2))
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    if mode == "reference":
+        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={stages}"
+    else:
+        from pipemark.launch import initialize
+
+        initialize()
+    return out, mode, stages
+
+
+if __name__ == "__main__":
+    OUT, MODE, STAGES = _setup()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import pipemark as pm  # noqa: E402
+from pipemark import examples  # noqa: E402
+
+TIMEOUT = float(os.environ.get("PIPEMARK_TEST_TIMEOUT", "60"))
+
+
+def models():
+    mlp = examples.mlp(num_layers=4, width=16, batch=8)
+    yield "mlp", mlp.loss_fn, mlp.params, mlp.batch
+    lm = examples.language_model(
+        num_layers=4, vocab=32, d_model=16, num_heads=2, seq=8, batch=8, markers="boundary"
+    )
+    yield "lm", lm.loss_fn, lm.params, lm.batch
+
+
+def boundary_bytes(step, params, batch) -> int:
+    """The bytes this process's stages read from other processes' stages in one call:
+    each value once per reading device and microbatch (what the stage graph says)."""
+    plan = step.plan(params, batch)
+    me = jax.process_index()
+    wanted = set()
+    for index, unit in plan.units.items():
+        if unit.device.process_index != me:
+            continue
+        for ref, var in zip(
+            plan.staged.stages[index].inputs, plan.staged.stages[index].jaxpr.invars
+        ):
+            producer = plan.units[ref.stage].device if ref.kind == "stage" else None
+            if producer is not None and producer.process_index != me:
+                wanted.add(
+                    (ref.stage, ref.index, unit.device, var.aval.size * var.aval.dtype.itemsize)
+                )
+    return sum(size for *_, size in wanted) * plan.schedule.num_microbatches
+
+
+def main() -> None:
+    me = jax.process_index()
+    if MODE == "die" and me == 1:
+        os._exit(3)  # a process that dies before its first transfer
+    saved = {}
+    for name, loss_fn, params, batch in models():
+        for schedule in ("gpipe", "1f1b"):
+            step = pm.pipeline_value_and_grad(
+                loss_fn,
+                num_stages=STAGES,
+                num_microbatches=4,
+                schedule=schedule,
+                timeout_s=TIMEOUT,
+            )
+            (loss, grads), timings = step.timed_call(params, batch)
+            leaves = jax.tree_util.tree_leaves((loss, grads))
+            for i, leaf in enumerate(leaves):
+                saved[f"{name}-{schedule}-{i}"] = np.asarray(leaf)
+            saved[f"{name}-{schedule}-received"] = np.asarray(timings.get("bytes_received", 0))
+            saved[f"{name}-{schedule}-expected"] = np.asarray(boundary_bytes(step, params, batch))
+    np.savez(os.path.join(OUT, f"{MODE}-{me}.npz"), **saved)
+    print(f"process {me}: done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

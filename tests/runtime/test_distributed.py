@@ -1,0 +1,119 @@
+"""Stages in separate processes (jax.distributed, gloo on CPU), started by
+``python -m pipemark.launch``: results equal the single-process pipeline's bit for bit,
+the bytes moved are the stage graph's boundary bytes, and a process that dies stops
+the others with a clear error within the timeout."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SCRIPT = Path(__file__).with_name("_distributed.py")
+ROOT = Path(__file__).parents[2]
+
+pytestmark = pytest.mark.slow
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIPEMARK_")}
+    env.pop("XLA_FLAGS", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return {**env, **extra}
+
+
+def _run(args: list[str], timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *args],
+        env=_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.parametrize("num_processes", [2, 4])
+def test_stages_in_processes_equal_the_single_process_pipeline(tmp_path, num_processes):
+    n = str(num_processes)
+    launched = _run(["-m", "pipemark.launch", "-n", n, str(SCRIPT), str(tmp_path), "run"])
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    reference = _run([str(SCRIPT), str(tmp_path), "reference", n])
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    want = np.load(tmp_path / "reference-0.npz")
+    results = [k for k in want.files if not k.endswith(("received", "expected"))]
+    assert {k.split("-")[0] for k in results} == {"mlp", "lm"}
+    assert {k.split("-")[1] for k in results} == {"gpipe", "1f1b"}
+    for process in range(num_processes):
+        got = np.load(tmp_path / f"run-{process}.npz")
+        # Every process gets the whole result, equal bit for bit to one process's.
+        for key in results:
+            assert got[key].dtype == want[key].dtype
+            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+        # What a process received between stages is what the stage graph says
+        # crosses into its stages from other processes: no extra copies.
+        for key in got.files:
+            if key.endswith("received"):
+                expected = key.replace("received", "expected")
+                assert int(got[key]) == int(got[expected]) > 0, key
+
+
+def test_a_process_that_dies_stops_the_others_through_the_launcher(tmp_path):
+    start = time.monotonic()
+    launched = _run(
+        ["-m", "pipemark.launch", "-n", "2", str(SCRIPT), str(tmp_path), "die"], timeout=120
+    )
+    assert launched.returncode == 3
+    assert "pipemark.launch: process 1 exited with status 3; stopping the 1 still running." in (
+        launched.stderr
+    )
+    assert time.monotonic() - start < 60
+    assert not list(tmp_path.glob("die-*.npz"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_without_the_launcher_the_timeout_stops_a_process_waiting_for_a_dead_one(tmp_path):
+    env = {
+        "PIPEMARK_COORDINATOR": f"127.0.0.1:{_free_port()}",
+        "PIPEMARK_NUM_PROCESSES": "2",
+        "PIPEMARK_TEST_TIMEOUT": "5",
+    }
+    command = [sys.executable, str(SCRIPT), str(tmp_path), "die"]
+    dead = subprocess.Popen(command, env=_env(PIPEMARK_PROCESS_ID="1", **env))
+    start = time.monotonic()
+    waiting = _run(command[1:], timeout=120, PIPEMARK_PROCESS_ID="0", **env)
+    elapsed = time.monotonic() - start
+    dead.wait(60)
+    from pipemark.runtime.transport import Watchdog
+
+    assert waiting.returncode == Watchdog.EXIT_STATUS, waiting.stderr[-3000:]
+    assert (
+        "pipemark: process 0 waited more than 5 s sending the outputs of stage 'stage0' "
+        "(microbatch 0) to process 1; that process has died, raised or hangs."
+    ) in waiting.stderr
+    assert elapsed < 45  # the 5 s timeout, plus starting JAX and tracing
+
+
+def test_launcher_startup_errors_are_one_line(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        taken = _run(["-m", "pipemark.launch", "-n", "2", "--port", str(port), str(SCRIPT)])
+    assert taken.returncode == 2
+    assert taken.stderr.strip() == (
+        f"pipemark.launch: port {port} is in use; pick another with --port."
+    )
+    missing = _run(["-m", "pipemark.launch", "-n", "2", str(tmp_path / "nope.py")])
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == f"pipemark.launch: no such script: {tmp_path / 'nope.py'}"
