@@ -1,6 +1,7 @@
 """Run by tests/runtime/test_distributed.py in several processes (``python -m
-pipemark.launch``) or in one (``reference``): a 4-stage MLP and the demo's transformer
-language model, each with GPipe and 1F1B, their losses and gradients saved per process.
+pipemark.launch``) or in one (``reference``): an MLP and the demo's transformer
+language model: the MLP with GPipe, 1F1B and interleaved (two stages per process), the
+language model with GPipe and 1F1B; their losses and gradients saved per process.
 
     python tests/runtime/_distributed.py OUT_DIR run        # under pipemark.launch
     python tests/runtime/_distributed.py OUT_DIR reference  # one process, N devices
@@ -40,13 +41,17 @@ from pipemark import examples  # noqa: E402
 TIMEOUT = float(os.environ.get("PIPEMARK_TEST_TIMEOUT", "60"))
 
 
-def models():
-    mlp = examples.mlp(num_layers=4, width=16, batch=8)
-    yield "mlp", mlp.loss_fn, mlp.params, mlp.batch
+def runs():
+    """(name, loss, params, batch, schedule, stages): every schedule on the MLP (two
+    stages per device when interleaved), GPipe and 1F1B on the language model."""
+    mlp = examples.mlp(num_layers=2 * STAGES, width=16, batch=8)
+    for schedule, stages in (("gpipe", STAGES), ("1f1b", STAGES), ("interleaved", 2 * STAGES)):
+        yield "mlp", mlp.loss_fn, mlp.params, mlp.batch, schedule, stages
     lm = examples.language_model(
         num_layers=4, vocab=32, d_model=16, num_heads=2, seq=8, batch=8, markers="boundary"
     )
-    yield "lm", lm.loss_fn, lm.params, lm.batch
+    for schedule in ("gpipe", "1f1b"):
+        yield "lm", lm.loss_fn, lm.params, lm.batch, schedule, STAGES
 
 
 def boundary_bytes(step, params, batch) -> int:
@@ -74,21 +79,20 @@ def main() -> None:
     if MODE == "die" and me == 1:
         os._exit(3)  # a process that dies before its first transfer
     saved = {}
-    for name, loss_fn, params, batch in models():
-        for schedule in ("gpipe", "1f1b"):
-            step = pm.pipeline_value_and_grad(
-                loss_fn,
-                num_stages=STAGES,
-                num_microbatches=4,
-                schedule=schedule,
-                timeout_s=TIMEOUT,
-            )
-            (loss, grads), timings = step.timed_call(params, batch)
-            leaves = jax.tree_util.tree_leaves((loss, grads))
-            for i, leaf in enumerate(leaves):
-                saved[f"{name}-{schedule}-{i}"] = np.asarray(leaf)
-            saved[f"{name}-{schedule}-received"] = np.asarray(timings.get("bytes_received", 0))
-            saved[f"{name}-{schedule}-expected"] = np.asarray(boundary_bytes(step, params, batch))
+    for name, loss_fn, params, batch, schedule, stages in runs():
+        step = pm.pipeline_value_and_grad(
+            loss_fn,
+            num_stages=stages,
+            num_microbatches=4,
+            schedule=schedule,
+            timeout_s=TIMEOUT,
+        )
+        (loss, grads), timings = step.timed_call(params, batch)
+        leaves = jax.tree_util.tree_leaves((loss, grads))
+        for i, leaf in enumerate(leaves):
+            saved[f"{name}-{schedule}-{i}"] = np.asarray(leaf)
+        saved[f"{name}-{schedule}-received"] = np.asarray(timings.get("bytes_received", 0))
+        saved[f"{name}-{schedule}-expected"] = np.asarray(boundary_bytes(step, params, batch))
     np.savez(os.path.join(OUT, f"{MODE}-{me}.npz"), **saved)
     print(f"process {me}: done", flush=True)
 
