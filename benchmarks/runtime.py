@@ -1,6 +1,6 @@
 """Benchmark of the pipeline runtime (pipemark.pipeline_value_and_grad) on host CPU devices.
 
-Prints three markdown tables:
+Prints four markdown tables:
 
 1. **Bubble fraction with equal stages of fixed duration**, which isolates the runtime
    from the number of cores: every stage is tiny, and its forward and its backward each
@@ -23,6 +23,10 @@ Prints three markdown tables:
    measured bubble says so (the stages take turns on the cores).
 3. **Host overhead**: with tiny stages, the host time to fetch inputs and dispatch, per
    action, and the wall time per tick.
+4. **Stages in separate processes** (``--tables processes``; ``benchmarks/distributed.py``
+   has the details and runs 2 and 4 processes): per-step overhead against the same
+   stages in one process, bytes moved against the stage graph's boundary bytes, and a
+   transfer per MiB against a raw ``ppermute``.
 
 The script sets ``--xla_force_host_platform_device_count`` (at least 4) and makes XLA run
 each device's computation on one thread.
@@ -297,7 +301,7 @@ def overhead_table(stages: int, micro: list[int], repeat: int) -> str:
 
 
 STAGE_KINDS = ("native", "callback")
-TABLES = ("equal", "compute", "overhead")
+TABLES = ("equal", "compute", "overhead", "processes")
 
 
 def _stage_kinds(requested: list[str] | None) -> tuple[str, ...]:
@@ -358,6 +362,14 @@ def main(argv: list[str] | None = None) -> None:
         print()
     if "overhead" in args.tables:
         print(overhead_table(args.stages, micro, repeat))
+    if "processes" in args.tables:
+        # Stages in separate processes (jax.distributed): its own script, since each
+        # process must start JAX its own way (benchmarks/distributed.py).
+        sys.stdout.flush()
+        import distributed
+
+        print()
+        distributed.main(["--processes", "2", *(["--quick"] if args.quick else [])])
     sys.stdout.flush()
 
 

@@ -74,3 +74,15 @@ def test_scan_benchmark_prints_balance_and_time():
     assert len(rows) == 4 and all(row.count("|") == header.count("|") for row in rows)
     assert rows[0].split("|")[3].strip() == "2-2-2-2"  # 8 blocks into 4 stages
     assert any(line.startswith("- balance when the trip count divides") for line in lines)
+
+
+def test_distributed_benchmark_prints_its_table():
+    lines = _output_lines("distributed.py", "--processes", "2", "--quick")
+    header = next(line for line in lines if line.startswith("| processes |"))
+    assert "transport / raw" in header and "boundary bytes per step" in header
+    rows = [line for line in lines if line.startswith("| 2 |")]
+    assert len(rows) == 2  # 1 and 16 MiB transfers
+    cells = [c.strip() for c in rows[0].split("|")[1:-1]]
+    titles = [c.strip() for c in header.split("|")[1:-1]]
+    moved = cells[titles.index("bytes moved per step")]
+    assert moved == cells[titles.index("boundary bytes per step")] and moved != "0"

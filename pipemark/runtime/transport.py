@@ -142,8 +142,7 @@ class Transport:
         start = time.perf_counter()
         with self.watchdog.waiting(what):
             try:
-                mesh, program = _transfer_program(source, target, types)
-                sharding = NamedSharding(mesh, P("pair"))
+                sharding, program = _transfer_program(source, target, types)
                 arrays = [
                     jax.make_array_from_single_device_arrays(
                         (2 * shard.shape[0], *shard.shape[1:]), sharding, [shard]
@@ -174,8 +173,11 @@ def _placeholder(shape: tuple, dtype: Any, device: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=256)
-def _transfer_program(source: Any, target: Any, types: tuple) -> tuple[Mesh, Any]:
-    """The mesh of the two devices and the compiled transfer of values of ``types``."""
+def _transfer_program(source: Any, target: Any, types: tuple) -> tuple[NamedSharding, Any]:
+    """The sharding of a transfer's global arrays over the two devices, and the compiled
+    transfer of values of ``types``. One sharding object per pair and types: jit's fast
+    dispatch path recognises an argument's sharding by identity, and a new (equal)
+    one each call sent every transfer down the slow path (about 0.15 ms each)."""
     del types  # part of the key: one compiled program per list of types
     mesh = Mesh(np.array([source, target]), ("pair",))
 
@@ -184,4 +186,4 @@ def _transfer_program(source: Any, target: Any, types: tuple) -> tuple[Mesh, Any
 
     spec = P("pair")
     program = jax.jit(shard_map(move, mesh=mesh, in_specs=(spec,), out_specs=spec))
-    return mesh, program
+    return NamedSharding(mesh, spec), program

@@ -117,3 +117,18 @@ def test_launcher_startup_errors_are_one_line(tmp_path):
     missing = _run(["-m", "pipemark.launch", "-n", "2", str(tmp_path / "nope.py")])
     assert missing.returncode == 2
     assert missing.stderr.strip() == f"pipemark.launch: no such script: {tmp_path / 'nope.py'}"
+
+
+def test_the_docs_example_prints_what_the_page_shows():
+    page = (ROOT / "docs" / "runtime.md").read_text(encoding="utf-8")
+    marker = "`python -m pipemark.launch -n 4 docs/gen/multiprocess.py` prints"
+    block = page[page.index(marker) :]
+    shown = block[block.index("```text\n") + 8 : block.index("```", block.index("```text\n") + 8)]
+    launched = _run(["-m", "pipemark.launch", "-n", "4", str(ROOT / "docs/gen/multiprocess.py")])
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    # gloo writes its connection messages to standard output too, from every process,
+    # in pieces that interleave; Python writes each printed line whole. So: the page's
+    # lines, in order, each printed once, are what the example printed.
+    expected = shown.splitlines()
+    printed = [line for line in launched.stdout.splitlines() if line in expected]
+    assert printed == expected
