@@ -36,6 +36,9 @@ from dataclasses import dataclass
 __all__ = [
     "APPLY_STAGE",
     "BACKWARD_SUFFIX",
+    "WEIGHT_SUFFIX",
+    "weight_name",
+    "owner_name",
     "CLOSERS",
     "KEPT_BY_DCE",
     "MARK_ROLES",
@@ -129,6 +132,9 @@ KEPT_BY_DCE = frozenset(t for t, r in MARK_ROLES.items() if r.kept_by_dce)
 
 #: What a mirrored backward stage's name adds to its forward stage's name.
 BACKWARD_SUFFIX = "_backward"
+#: What :func:`pipemark.passes.split_backward` appends to a forward stage's name for the
+#: weight-gradient half of its backward stage (``layer0`` -> ``layer0_weight``).
+WEIGHT_SUFFIX = "_weight"
 #: The name of the stage holding a training step's update (after its ``grad`` marker).
 APPLY_STAGE = "apply_grad"
 
@@ -136,6 +142,22 @@ APPLY_STAGE = "apply_grad"
 def backward_name(name: str) -> str:
     """The name of the backward stage mirroring stage ``name``."""
     return name + BACKWARD_SUFFIX
+
+
+def weight_name(name: str) -> str:
+    """The name of the weight-gradient stage split off backward stage ``name``
+    (``layer0_backward`` -> ``layer0_weight``)."""
+    forward = forward_name(name)
+    return (name if forward is None else forward) + WEIGHT_SUFFIX
+
+
+def owner_name(name: str) -> str | None:
+    """The forward stage a backward stage (``layer0_backward``) or a weight-gradient
+    stage (``layer0_weight``) belongs to; ``None`` for a forward stage's name."""
+    forward = forward_name(name)
+    if forward is None and isinstance(name, str) and name.endswith(WEIGHT_SUFFIX):
+        forward = name[: -len(WEIGHT_SUFFIX)] or None
+    return forward
 
 
 def forward_name(name: str) -> str | None:

@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 from pipemark.errors import PipemarkError
-from pipemark.marks import forward_name
+from pipemark.marks import forward_name, owner_name
 from pipemark.staged import StagedJaxpr
 from pipemark.views.rows import (
     check_staged,
@@ -57,18 +57,20 @@ def stage_layout(staged: StagedJaxpr) -> dict[str, tuple[float, float]]:
     staged = check_staged(staged, "stage_layout")
     names = [s.name for s in staged.stages]
     known = set(names)
-    backward = [n for n in names if forward_name(n) is not None]
-    paired = backward and all(forward_name(n) in known for n in backward)
+    backward = [n for n in names if owner_name(n) is not None]
+    paired = backward and all(owner_name(n) in known for n in backward)
     if not paired:
         return {name: (float(k), 0.0) for k, name in enumerate(names)}
     layout: dict[str, tuple[float, float]] = {}
     column = 0
     for name in names:
-        if forward_name(name) is None:
+        if owner_name(name) is None:
             layout[name] = (float(column), 1.0)
             column += 1
     for name in backward:
-        layout[name] = (layout[forward_name(name)][0], 0.0)
+        # A weight-gradient stage (pm.passes.split_backward) sits under its backward.
+        row = 0.0 if forward_name(name) is not None else -1.0
+        layout[name] = (layout[owner_name(name)][0], row)
     return {name: layout[name] for name in names}
 
 
@@ -144,7 +146,7 @@ def _draw_edge(ax: Any, start: tuple, stop: tuple, size: int, largest: int, two_
 
 def _draw_stage(ax: Any, k: int, name: str, at: tuple, color: str, two_rows: bool) -> None:
     x, y = at
-    backward = forward_name(name) is not None
+    backward = owner_name(name) is not None
     ax.scatter(
         [x],
         [y],
@@ -183,7 +185,7 @@ def _draw_costs(ax: Any, staged: StagedJaxpr, colors: list[str]) -> None:
     positions = list(range(len(rows)))
     bars = ax.barh(positions, values, color=colors, edgecolor=INK, linewidth=0.6)
     for bar, name in zip(bars, names):
-        if forward_name(name) is not None:
+        if owner_name(name) is not None:
             bar.set_hatch("////")
             bar.set_edgecolor("white")
     ax.set_yticks(positions, labels=[f"{r.index} {display_name(r.name)}" for r in rows], fontsize=9)

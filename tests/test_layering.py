@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipemark.marks import BACKWARD_SUFFIX, MARK_TYPES
+from pipemark.marks import BACKWARD_SUFFIX, MARK_TYPES, WEIGHT_SUFFIX
 
 PACKAGE = Path(__file__).resolve().parent.parent / "pipemark"
 
@@ -44,17 +44,30 @@ def _strings(tree: ast.AST) -> list[ast.Constant]:
     ]
 
 
+def _all_names(tree: ast.AST) -> set[str]:
+    """The strings of the module's ``__all__``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return {e.value for e in getattr(node.value, "elts", ()) if isinstance(e, ast.Constant)}
+    return set()
+
+
 @pytest.mark.parametrize("module", sorted(set(MODULES) - {"pipemark.marks"}))
 def test_mark_type_roles_and_stage_naming_live_in_marks(module):
     tree = TREES[module]
+    exported = _all_names(tree)  # a function named like the suffix is not a stage name
     suffixes = [
         node.lineno
         for node in _strings(tree)
-        if node.value.endswith(BACKWARD_SUFFIX) and "\n" not in node.value
+        if node.value.endswith((BACKWARD_SUFFIX, WEIGHT_SUFFIX))
+        and "\n" not in node.value
+        and node.value not in exported
     ]
     assert not suffixes, (
         f"{module} spells the backward suffix at lines {suffixes}; use "
-        "pipemark.marks.backward_name / forward_name"
+        "pipemark.marks.backward_name / forward_name / weight_name"
     )
     sets = []
     for node in ast.walk(tree):

@@ -18,7 +18,7 @@ from pipemark._compat import jaxpr_type_name
 from pipemark._text import format_bytes, format_count, format_share, type_text
 from pipemark.cost import estimate_cost, nbytes
 from pipemark.errors import PipemarkError
-from pipemark.marks import forward_name
+from pipemark.marks import owner_name
 
 if TYPE_CHECKING:
     from pipemark.staged import StagedJaxpr
@@ -339,8 +339,9 @@ def program_inputs(staged: StagedJaxpr, stage: Any) -> list[tuple[str, Any]]:
 
 
 def stage_colors(staged: StagedJaxpr) -> list[str]:
-    """One ``#rrggbb`` colour per stage. A backward stage ``<name>_backward`` gets the
-    colour of its forward stage ``<name>``, so a layer reads as one colour both ways.
+    """One ``#rrggbb`` colour per stage. A backward stage ``<name>_backward`` (and a
+    weight-gradient stage ``<name>_weight``) gets the colour of its forward stage
+    ``<name>``, so a layer reads as one colour both ways.
 
     >>> import jax, pipemark as pm
     >>> from pipemark import examples
@@ -356,7 +357,7 @@ def stage_colors(staged: StagedJaxpr) -> list[str]:
     next_color = 0
     for stage in staged.stages:
         name = stage.name
-        partner = forward_name(name)
+        partner = owner_name(name)
         if partner is not None and partner in assigned:
             color = assigned[partner]
         else:
