@@ -49,6 +49,8 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "plot_schedule": ("pipemark.runtime", "plot_schedule"),
     "Schedule": ("pipemark.runtime", "Schedule"),
     "schedule_from_orders": ("pipemark.runtime", "schedule_from_orders"),
+    "simulate_schedule": ("pipemark.runtime", "simulate_schedule"),
+    "zero_bubble_schedule": ("pipemark.runtime", "zero_bubble_schedule"),
     "set_lowering": ("pipemark.lowering", "set_lowering"),
     "show": ("pipemark.staging", "show"),
     "Signature": ("pipemark.signature", "Signature"),

@@ -16,6 +16,7 @@ from pipemark.runtime.plot import plot_schedule as plot_schedule
 from pipemark.runtime.schedules import BACKWARD as BACKWARD
 from pipemark.runtime.schedules import FORWARD as FORWARD
 from pipemark.runtime.schedules import SCHEDULES as SCHEDULES
+from pipemark.runtime.schedules import WEIGHT as WEIGHT
 from pipemark.runtime.schedules import Action as Action
 from pipemark.runtime.schedules import Schedule as Schedule
 from pipemark.runtime.schedules import gpipe_schedule as gpipe_schedule
@@ -24,3 +25,7 @@ from pipemark.runtime.schedules import interleaved_schedule as interleaved_sched
 from pipemark.runtime.schedules import make_schedule as make_schedule
 from pipemark.runtime.schedules import one_f_one_b_schedule as one_f_one_b_schedule
 from pipemark.runtime.schedules import schedule_from_orders as schedule_from_orders
+from pipemark.runtime.simulation import ZERO_BUBBLE_VARIANTS as ZERO_BUBBLE_VARIANTS
+from pipemark.runtime.simulation import Simulation as Simulation
+from pipemark.runtime.simulation import simulate_schedule as simulate_schedule
+from pipemark.runtime.simulation import zero_bubble_schedule as zero_bubble_schedule

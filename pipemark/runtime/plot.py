@@ -9,7 +9,7 @@ from typing import Any
 
 from pipemark._text import format_share
 from pipemark.errors import PipemarkError
-from pipemark.runtime.schedules import FORWARD, Schedule
+from pipemark.runtime.schedules import FORWARD, WEIGHT, Schedule
 
 __all__ = ["plot_schedule"]
 
@@ -70,6 +70,8 @@ def plot_schedule(schedule: Schedule, *, ax: Any = None, title: str | None = Non
     for t, d, action in schedule.actions():
         color = cmap(action.microbatch % 10)
         forward = action.kind == FORWARD
+        # Forward light, backward hatched, weight (split backward) cross-hatched.
+        hatch = None if forward else ("xx" if action.kind == WEIGHT else "//")
         ax.add_patch(
             Rectangle(
                 (t, d - 0.4),
@@ -79,7 +81,7 @@ def plot_schedule(schedule: Schedule, *, ax: Any = None, title: str | None = Non
                 alpha=0.45 if forward else 0.95,
                 edgecolor="black",
                 linewidth=0.5,
-                hatch=None if forward else "//",
+                hatch=hatch,
             )
         )
         ax.text(

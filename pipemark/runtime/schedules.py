@@ -14,7 +14,11 @@ A schedule is valid when every action runs after everything it needs:
 * the forward of stage ``j`` for microbatch ``m`` after the forward of every
   predecessor of ``j`` for ``m``;
 * the backward of stage ``j`` for ``m`` after the forward of ``j`` for ``m`` and after
-  the backward of every successor of ``j`` for ``m``.
+  the backward of every successor of ``j`` for ``m``;
+* in a zero-bubble schedule, whose backward is split in two
+  (:func:`pipemark.passes.split_backward`: B, the activation cotangents, and W, the
+  parameter gradients), the weight action of ``j`` for ``m`` after its backward
+  action. Either every stage has weight actions, or none has.
 
 The builders (:func:`gpipe_schedule`, :func:`one_f_one_b_schedule`,
 :func:`interleaved_schedule`) give each device an *order* of actions and let
@@ -41,6 +45,7 @@ from pipemark.errors import PipemarkError, StageGraphError
 __all__ = [
     "FORWARD",
     "BACKWARD",
+    "WEIGHT",
     "SCHEDULES",
     "Action",
     "Schedule",
@@ -54,13 +59,16 @@ __all__ = [
 
 FORWARD = "forward"
 BACKWARD = "backward"
-_KINDS = (FORWARD, BACKWARD)
+#: The parameter-gradient half of a backward split by :func:`pipemark.passes.split_backward`.
+WEIGHT = "weight"
+_KINDS = (FORWARD, BACKWARD, WEIGHT)
 
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
 
 
 class Action(NamedTuple):
-    """The forward or backward of one stage for one microbatch.
+    """The forward, backward (or, split, its weight half) of one stage for one
+    microbatch.
 
     >>> Action(stage=1, microbatch=0, kind="backward")
     Action(stage=1, microbatch=0, kind='backward')
@@ -73,7 +81,7 @@ class Action(NamedTuple):
     kind: str
 
     def label(self, one_stage_per_device: bool = False) -> str:
-        """``F3`` / ``B3`` (``F3s1`` when a device holds several stages)."""
+        """``F3`` / ``B3`` / ``W3`` (``F3s1`` when a device holds several stages)."""
         text = f"{self.kind[0].upper()}{self.microbatch}"
         return text if one_stage_per_device else f"{text}s{self.stage}"
 
@@ -206,6 +214,8 @@ def dependencies(
     j, m = action.stage, action.microbatch
     if action.kind == FORWARD:
         return [Action(p, m, FORWARD) for p in preds[j]]
+    if action.kind == WEIGHT:
+        return [Action(j, m, BACKWARD)]
     return [Action(j, m, FORWARD)] + [Action(s, m, BACKWARD) for s in succ[j]]
 
 
@@ -281,6 +291,11 @@ class Schedule:
         return _successors(self.predecessors)
 
     @property
+    def splits_backward(self) -> bool:
+        """Whether the backward is split into backward and weight actions."""
+        return any(a.kind == WEIGHT for tick in self.ticks for a in tick if a)
+
+    @property
     def bubble_fraction(self) -> float:
         """The fraction of device × tick cells that are idle."""
         cells = self.num_ticks * self.num_devices
@@ -345,7 +360,7 @@ def _action_ticks(schedule: Schedule, num_stages: int, m_count: int) -> dict[Act
                 raise StageGraphError(
                     f"Tick {t}, device {d}: {action!r} is not an action of this pipeline "
                     f"(stages 0..{num_stages - 1}, microbatches 0..{m_count - 1}, kind "
-                    "'forward' or 'backward')."
+                    "'forward', 'backward' or 'weight')."
                 )
             if stage_devices[action.stage] != d:
                 raise StageGraphError(
@@ -388,18 +403,21 @@ def _validate(schedule: Schedule) -> dict[Action, int]:
                 f"{num_devices} devices (0..{num_devices - 1})."
             )
     when = _action_ticks(schedule, num_stages, m_count)
+    split = any(a.kind == WEIGHT for a in when)
+    kinds = _KINDS if split else (FORWARD, BACKWARD)
     missing = [
         Action(j, m, k)
         for j in range(num_stages)
         for m in range(m_count)
-        for k in _KINDS
+        for k in kinds
         if Action(j, m, k) not in when
     ]
     if missing:
         shown = "; ".join(a.describe() for a in missing[:3])
         raise StageGraphError(
             f"{len(missing)} action(s) never run, e.g. the {shown}. Every stage runs "
-            "its forward and its backward once per microbatch."
+            "its forward and its backward once per microbatch"
+            + (" (and, split, its weight action)." if split else ".")
         )
     for action, t in when.items():
         for need in dependencies(action, preds, succ):

@@ -1,0 +1,259 @@
+"""Compare pipeline schedules before running them: :func:`simulate_schedule` gives the makespan
+and bubble fraction of any :class:`~pipemark.runtime.schedules.Schedule` for given
+per-action costs, and :func:`zero_bubble_schedule` builds the zero-bubble schedules
+(ZB-H1, ZB-V) that a backward split in two (:func:`pipemark.passes.split_backward`)
+makes possible.
+
+Costs are per kind of action: ``forward`` (F), ``backward`` (B: the activation
+cotangents) and ``weight`` (W: the parameter gradients), each a number or one number per
+stage. In a schedule that does not split its backward, a backward action costs B + W.
+
+>>> from pipemark.runtime.schedules import one_f_one_b_schedule
+>>> costs = {"forward": 1.0, "backward": 1.0, "weight": 1.0}
+>>> round(simulate_schedule(one_f_one_b_schedule(4, 8), costs).bubble_fraction, 3)
+0.273
+>>> round(simulate_schedule(zero_bubble_schedule(4, 8, costs=costs), costs).bubble_fraction, 3)
+0.111
+>>> simulate_schedule(one_f_one_b_schedule(4, 8), costs).bubble  # idle time per device
+9.0
+>>> simulate_schedule(zero_bubble_schedule(4, 8, costs=costs), costs).bubble  # a third of it
+3.0
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from pipemark.errors import PipemarkError, StageGraphError
+from pipemark.runtime.schedules import (
+    BACKWARD,
+    FORWARD,
+    WEIGHT,
+    Action,
+    Schedule,
+    dependencies,
+    normalize_stage_graph,
+    schedule_from_orders,
+)
+
+__all__ = ["ZERO_BUBBLE_VARIANTS", "Simulation", "simulate_schedule", "zero_bubble_schedule"]
+
+#: The zero-bubble schedules :func:`zero_bubble_schedule` builds.
+ZERO_BUBBLE_VARIANTS: tuple[str, ...] = ("zb-h1", "zb-v")
+
+Costs = Mapping[str, float | Sequence[float]] | Callable[[Action], float] | None
+
+
+class Simulation(NamedTuple):
+    """What :func:`simulate_schedule` found: when each action starts and ends (in cost units),
+    the makespan, the busy time per device, the idle fraction of devices × makespan,
+    and the idle time per device (the *bubble*, in cost units, averaged over devices)."""
+
+    start: dict[Action, float]
+    finish: dict[Action, float]
+    makespan: float
+    busy: tuple[float, ...]
+    bubble_fraction: float
+    bubble: float
+
+
+def _cost_function(costs: Costs, split: bool) -> Callable[[Action], float]:
+    """``costs`` as a function of an action (an unsplit backward costs B + W)."""
+    if callable(costs):
+        return costs
+    table = {FORWARD: 1.0, BACKWARD: 1.0, WEIGHT: 1.0, **(costs or {})}
+    for kind, value in table.items():
+        values = value if isinstance(value, Sequence) else [value]
+        if kind not in (FORWARD, BACKWARD, WEIGHT) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 and math.isfinite(v)
+            for v in values
+        ):
+            raise PipemarkError(
+                f"costs[{kind!r}] = {value!r}: give 'forward', 'backward' and 'weight' "
+                "each a non-negative number, or one per stage."
+            )
+
+    def of(kind: str, stage: int) -> float:
+        value = table[kind]
+        return float(value[stage] if isinstance(value, Sequence) else value)
+
+    def cost(action: Action) -> float:
+        own = of(action.kind, action.stage)
+        if action.kind == BACKWARD and not split:
+            own += of(WEIGHT, action.stage)
+        return own
+
+    return cost
+
+
+def simulate_schedule(schedule: Schedule, costs: Costs = None) -> Simulation:
+    """Run ``schedule`` on paper: each device runs its actions in the schedule's order,
+    each as soon as the device is free and everything it needs has finished.
+
+    Parameters
+    ----------
+    schedule:
+        Any schedule (GPipe, 1F1B, interleaved, zero-bubble, your own).
+    costs:
+        ``{"forward": F, "backward": B, "weight": W}`` (numbers, or one per stage;
+        1 by default), or a function of an :class:`Action`. A schedule that does not
+        split its backward pays B + W per backward action.
+    """
+    cost = _cost_function(costs, schedule.splits_backward)
+    preds = schedule.predecessors
+    succ = schedule.successors
+    orders = schedule.device_orders()
+    position = [0] * len(orders)
+    free = [0.0] * len(orders)
+    busy = [0.0] * len(orders)
+    start: dict[Action, float] = {}
+    finish: dict[Action, float] = {}
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for d, order in enumerate(orders):
+            while position[d] < len(order):
+                action = order[position[d]]
+                needs = dependencies(action, preds, succ)
+                if any(n not in finish for n in needs):
+                    break
+                begin = max([free[d], *(finish[n] for n in needs)])
+                length = cost(action)
+                start[action], finish[action] = begin, begin + length
+                free[d] = begin + length
+                busy[d] += length
+                position[d] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:  # a valid schedule never deadlocks
+            raise StageGraphError("The schedule's device orders deadlock.")
+    makespan = max(finish.values(), default=0.0)
+    idle = 1.0 - sum(busy) / (len(orders) * makespan) if makespan else 0.0
+    bubble = makespan - sum(busy) / len(orders)
+    return Simulation(start, finish, makespan, tuple(busy), idle, bubble)
+
+
+def zero_bubble_schedule(
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    variant: str = "zb-h1",
+    costs: Costs = None,
+    stage_graph: Any = None,
+) -> Schedule:
+    """A zero-bubble schedule: the backward split into B and W, each W run where the
+    device would otherwise idle.
+
+    ``"zb-h1"``: one stage per device (``num_stages`` devices); 1F1B's order with every
+    W deferred until the device has nothing else ready, and no more microbatches in
+    flight per device than 1F1B (so about the same activation memory).
+    ``"zb-v"``: ``num_stages`` must be even; two stages per device in a V (device ``d``
+    holds stages ``d`` and ``num_stages - 1 - d``), so that the first and last stages,
+    which bound the pipeline's fill and drain, share a device.
+
+    The order is found by running the pipeline on paper (:func:`simulate_schedule`'s model)
+    with ``costs`` (1 each by default): whenever a device is free it runs a ready B,
+    else a ready F (within the in-flight limit), else a pending W.
+    """
+    if variant not in ZERO_BUBBLE_VARIANTS:
+        raise PipemarkError(
+            f"Unknown zero-bubble variant {variant!r}; choose one of "
+            f"{', '.join(map(repr, ZERO_BUBBLE_VARIANTS))}."
+        )
+    for value, what in ((num_stages, "num_stages"), (num_microbatches, "num_microbatches")):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PipemarkError(f"{what} must be a positive int, got {value!r}.")
+    if variant == "zb-v":
+        if num_stages % 2:
+            raise PipemarkError(
+                f"zb-v puts two stages on each device in a V, so num_stages must be even, "
+                f"got {num_stages}."
+            )
+        half = num_stages // 2
+        devices = tuple(j if j < half else num_stages - 1 - j for j in range(num_stages))
+    else:
+        devices = tuple(range(num_stages))
+    preds = normalize_stage_graph(stage_graph, num_stages)
+    # In flight per device (forwards whose backward has not run): 1F1B's count for
+    # ZB-H1, so about 1F1B's activation memory; for the V, twice the device count (a
+    # device holds two stages), which measured best among the bounds tried.
+    count = max(devices) + 1
+    limit = [count - d for d in range(count)] if variant == "zb-h1" else [2 * count] * count
+    cost = _cost_function(costs, True)
+    orders = _greedy_orders(devices, preds, num_microbatches, cost, limit)
+    return schedule_from_orders(
+        orders,
+        stage_devices=devices,
+        num_microbatches=num_microbatches,
+        stage_graph=dict(enumerate(preds)),
+        name=variant,
+    )
+
+
+def _greedy_orders(
+    devices: tuple[int, ...],
+    preds: Sequence[Sequence[int]],
+    num_micro: int,
+    cost: Callable[[Action], float],
+    limit: list[int],
+) -> list[list[Action]]:
+    """Each device's order, from list scheduling on paper (see
+    :func:`zero_bubble_schedule`). Long: one event loop; its pick is
+    :func:`_pick`."""
+    num_devices = max(devices) + 1
+    succ = [tuple(k for k, ps in enumerate(preds) if j in ps) for j in range(len(devices))]
+    pending = [
+        {Action(j, m, k) for j in range(len(devices)) if devices[j] == d for m in range(num_micro)
+         for k in (FORWARD, BACKWARD, WEIGHT)}
+        for d in range(num_devices)
+    ]  # fmt: skip
+    in_flight = [0] * num_devices
+    stuck = False  # nothing could run: let forwards past the limit rather than deadlock
+    finish: dict[Action, float] = {}
+    free = [0.0] * num_devices
+    orders: list[list[Action]] = [[] for _ in range(num_devices)]
+    time = 0.0
+    while any(pending):
+        for d in range(num_devices):
+            if free[d] > time or not pending[d]:
+                continue
+            may_start = stuck or in_flight[d] < limit[d]
+            action = _pick(pending[d], finish, time, preds, succ, may_start)
+            if action is None:
+                continue
+            pending[d].discard(action)
+            finish[action] = free[d] = time + cost(action)
+            orders[d].append(action)
+            in_flight[d] += {FORWARD: 1, BACKWARD: -1}.get(action.kind, 0)
+        later = [t for t in (*free, *finish.values()) if t > time]
+        if later:
+            time, stuck = min(later), False
+        elif stuck:
+            raise StageGraphError("zero_bubble_schedule: no action can run (a bug).")
+        else:
+            stuck = True
+    return orders
+
+
+def _pick(pending, finish, time, preds, succ, may_start) -> Action | None:
+    """The action a free device runs now: a ready B, else a ready F (when it may start
+    another microbatch), else a pending W whose B is done; the earliest microbatch
+    first, and among a device's stages the one nearer the loss for B."""
+    ready = [
+        a
+        for a in pending
+        if all(finish.get(n, math.inf) <= time for n in dependencies(a, preds, succ))
+    ]
+    for kind, order in (
+        (BACKWARD, lambda a: (a.microbatch, -a.stage)),
+        (FORWARD, lambda a: (a.microbatch, a.stage)),
+        (WEIGHT, lambda a: (a.microbatch, -a.stage)),
+    ):
+        if kind == FORWARD and not may_start:
+            continue
+        chosen = [a for a in ready if a.kind == kind]
+        if chosen:
+            return min(chosen, key=order)
+    return None
