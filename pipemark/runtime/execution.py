@@ -39,7 +39,7 @@ import numpy as np
 from pipemark._compat import copy_to_device
 from pipemark.caches import register_cache
 from pipemark.runtime.plan import PipelinePlan
-from pipemark.runtime.schedules import FORWARD
+from pipemark.runtime.schedules import BACKWARD, FORWARD, WEIGHT
 from pipemark.runtime.transport import Transport, Watchdog
 
 __all__ = ["run_plan", "split_leaf"]
@@ -124,8 +124,12 @@ def _program(plan: PipelinePlan) -> _Program:
     batch: list[set[int]] = [set() for _ in devices]
     for _, _, action in schedule.actions():
         k, m = action.stage, action.microbatch
-        index = plan.forward_stages[k] if action.kind == FORWARD else plan.backward_stages[k]
-        if index is None:  # a stage without a backward program
+        index = {
+            FORWARD: plan.forward_stages,
+            BACKWARD: plan.backward_stages,
+            WEIGHT: plan.weight_stages,
+        }[action.kind][k]
+        if index is None:  # a stage without a backward (or weight) program
             continue
         unit = plan.units[index]
         w = worker_of[unit.device]

@@ -25,7 +25,7 @@ __all__ = ["PipelineOptions", "check_positive"]
 
 #: The schedules named by a string (a :class:`~pipemark.runtime.schedules.Schedule`
 #: object is taken as it is).
-NAMED_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
+NAMED_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 
 
 def check_positive(value: Any, what: str) -> int:
@@ -49,7 +49,9 @@ class PipelineOptions:
         stages merges consecutive ones; without markers the program is balanced
         automatically.
     schedule:
-        ``"1f1b"``, ``"gpipe"``, ``"interleaved"`` or a
+        ``"1f1b"``, ``"gpipe"``, ``"interleaved"``, the zero-bubble ``"zb-h1"`` or
+        ``"zb-v"`` (each backward split into B and W,
+        :func:`pipemark.passes.split_backward`) or a
         :class:`~pipemark.runtime.schedules.Schedule`.
     devices:
         The devices to use (``None``: ``jax.devices()``).
@@ -90,11 +92,18 @@ class PipelineOptions:
             )
         if not isinstance(self.schedule, Schedule) and self.schedule not in NAMED_SCHEDULES:
             raise PipemarkError(
-                f"Unknown schedule {self.schedule!r}; choose 'gpipe', '1f1b' or "
-                "'interleaved', or pass a pm.Schedule."
+                f"Unknown schedule {self.schedule!r}; choose 'gpipe', '1f1b', "
+                "'interleaved', 'zb-h1' or 'zb-v', or pass a pm.Schedule."
             )
         if self.devices is not None:
             object.__setattr__(self, "devices", tuple(self.devices))
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the schedule runs the backward as B and W (a zero-bubble schedule)."""
+        if isinstance(self.schedule, Schedule):
+            return self.schedule.splits_backward
+        return self.schedule in ("zb-h1", "zb-v")
 
     @property
     def schedule_name(self) -> str:

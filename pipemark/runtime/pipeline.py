@@ -199,8 +199,10 @@ def pipeline_value_and_grad(
         How many microbatches the batch's leading axis is split into.
     schedule:
         ``"1f1b"`` (default), ``"gpipe"``, ``"interleaved"`` (several stages per device:
-        ``num_stages`` a multiple of the number of devices) or a
-        :class:`~pipemark.runtime.schedules.Schedule`.
+        ``num_stages`` a multiple of the number of devices), the zero-bubble ``"zb-h1"``
+        and ``"zb-v"`` (each backward split into B and W by
+        :func:`pipemark.passes.split_backward`; ZB-V puts two stages on each device) or
+        a :class:`~pipemark.runtime.schedules.Schedule`.
     devices:
         The devices to use; default ``jax.devices()``. Pipeline stage ``i`` runs on
         ``devices[i]`` (on ``devices[i % len(devices)]`` when interleaved). Under

@@ -20,11 +20,13 @@ from jax.sharding import SingleDeviceSharding
 
 from pipemark.caches import register_cache
 from pipemark.errors import PipemarkError, StageGraphError
-from pipemark.marks import backward_name, forward_name
+from pipemark.marks import backward_name, owner_name, weight_name
+from pipemark.passes.backward_split import split_backward
 from pipemark.passes.inline import inline_calls
 from pipemark.runtime.losses import LOSS_REDUCTIONS, find_batch_normaliser
 from pipemark.runtime.options import PipelineOptions
 from pipemark.runtime.schedules import Schedule, make_schedule
+from pipemark.runtime.simulation import ZERO_BUBBLE_VARIANTS, zero_bubble_schedule
 from pipemark.staged import StagedJaxpr
 from pipemark.staging import has_stage_markers, split_jaxpr
 
@@ -144,22 +146,26 @@ def _trace_staged(
     return staged, jax.tree_util.tree_structure(out_shape)
 
 
-def _pair_stages(staged: StagedJaxpr) -> tuple[list[int], list[int | None]]:
-    """Sliced-stage indices of each pipeline stage's forward and backward programs."""
+def _pair_stages(
+    staged: StagedJaxpr,
+) -> tuple[list[int], list[int | None], list[int | None]]:
+    """Sliced-stage indices of each pipeline stage's forward, backward and (for a
+    backward split by :func:`pipemark.passes.split_backward`) weight programs."""
     names = [s.name for s in staged.stages]
-    forward = [k for k, n in enumerate(names) if forward_name(n) is None]
+    forward = [k for k, n in enumerate(names) if owner_name(n) is None]
     position = {names[k]: k for k in range(len(names))}
     backward: list[int | None] = [position.get(backward_name(names[k])) for k in forward]
-    paired = {b for b in backward if b is not None}
+    weight: list[int | None] = [position.get(weight_name(names[k])) for k in forward]
+    paired = {b for b in (*backward, *weight) if b is not None}
     for k, name in enumerate(names):
-        if forward_name(name) is not None and k not in paired:
+        if owner_name(name) is not None and k not in paired:
             raise StageGraphError(
                 f"Stage {name!r} has no forward stage named "
-                f"{forward_name(name)!r} to pair with; the runtime runs each "
+                f"{owner_name(name)!r} to pair with; the runtime runs each "
                 "backward stage on the device of its forward stage. Do not name a forward "
                 "stage with a '_backward' suffix."
             )
-    return forward, backward
+    return forward, backward, weight
 
 
 def _merge_into(staged: StagedJaxpr, num_stages: int) -> StagedJaxpr:
@@ -167,7 +173,7 @@ def _merge_into(staged: StagedJaxpr, num_stages: int) -> StagedJaxpr:
     ``num_stages`` pipeline stages of about equal equation counts."""
     from pipemark.passes import merge_stages
 
-    forward, backward = _pair_stages(staged)
+    forward, backward, _ = _pair_stages(staged)
     if num_stages == len(forward):
         return staged
     if num_stages > len(forward):
@@ -236,6 +242,7 @@ class PipelinePlan:
     devices: tuple[Any, ...]
     forward_stages: tuple[int, ...]
     backward_stages: tuple[int | None, ...]
+    weight_stages: tuple[int | None, ...]
     microbatch_size: int
     num_param_leaves: int
     out_tree: Any
@@ -380,6 +387,50 @@ def build_plan(
     )
 
 
+def _schedule(
+    options: PipelineOptions, count: int, edges: set[tuple[int, int]]
+) -> tuple[Schedule, list[Any]]:
+    """The pipeline's schedule for ``count`` pipeline stages and the devices available,
+    checked against each other."""
+    devices, schedule = options.devices, options.schedule
+    available = list(jax.devices() if devices is None else devices)
+    if len({id(d) for d in available}) != len(available):
+        raise PipemarkError("devices lists a device twice; give each pipeline device once.")
+    if options.schedule_name == "interleaved":
+        num_devices = len(available)
+    elif options.schedule_name == "zb-v":
+        num_devices = (count + 1) // 2  # two stages per device, in a V
+    else:
+        num_devices = count
+        if count > len(available):
+            raise PipemarkError(
+                f"The pipeline has {count} stages but only {len(available)} device(s) "
+                f"({', '.join(str(d) for d in available)}); each stage needs its own "
+                f"device. Pass num_stages={len(available)} (consecutive marked stages are "
+                "merged), give more devices (on CPU, set XLA_FLAGS="
+                f"--xla_force_host_platform_device_count={count} before JAX starts), or use "
+                "schedule='interleaved' to put several stages on each device."
+            )
+    if schedule in ZERO_BUBBLE_VARIANTS:
+        plan_schedule = zero_bubble_schedule(
+            count, options.num_microbatches, variant=schedule, stage_graph=sorted(edges)
+        )
+    else:
+        plan_schedule = make_schedule(
+            schedule,
+            count,
+            options.num_microbatches,
+            stage_graph=sorted(edges),
+            num_devices=num_devices,
+        )
+    if plan_schedule.num_devices > len(available):
+        raise PipemarkError(
+            f"The schedule {plan_schedule.name!r} uses {plan_schedule.num_devices} devices "
+            f"but only {len(available)} are available; pass devices= with enough devices."
+        )
+    return plan_schedule, available
+
+
 def plan_from_staged(
     staged: StagedJaxpr,
     out_tree: Any,
@@ -392,45 +443,21 @@ def plan_from_staged(
     replicated leaves followed by the batch leaves (split into microbatches)."""
     if options.num_stages is not None:
         staged = _merge_into(staged, options.num_stages)
-    forward, backward = _pair_stages(staged)
+    if options.splits_backward:
+        # A zero-bubble schedule runs each backward's parameter gradients (W) apart.
+        staged = split_backward(staged)
+    forward, backward, weight = _pair_stages(staged)
     count = len(forward)
     pipeline_stage: dict[int, int] = {}
-    for k, (f, b) in enumerate(zip(forward, backward)):
+    for k, (f, b, w) in enumerate(zip(forward, backward, weight)):
         pipeline_stage[f] = k
-        if b is not None:
-            pipeline_stage[b] = k
-    is_backward = {b for b in backward if b is not None}
+        for other in (b, w):
+            if other is not None:
+                pipeline_stage[other] = k
+    is_backward = {b for b in (*backward, *weight) if b is not None}
     edges = _stage_edges(staged, pipeline_stage, is_backward)
 
-    devices, schedule = options.devices, options.schedule
-    available = list(jax.devices() if devices is None else devices)
-    if len({id(d) for d in available}) != len(available):
-        raise PipemarkError("devices lists a device twice; give each pipeline device once.")
-    if options.schedule_name == "interleaved":
-        num_devices = len(available)
-    else:
-        num_devices = count
-        if count > len(available):
-            raise PipemarkError(
-                f"The pipeline has {count} stages but only {len(available)} device(s) "
-                f"({', '.join(str(d) for d in available)}); each stage needs its own "
-                f"device. Pass num_stages={len(available)} (consecutive marked stages are "
-                "merged), give more devices (on CPU, set XLA_FLAGS="
-                f"--xla_force_host_platform_device_count={count} before JAX starts), or use "
-                "schedule='interleaved' to put several stages on each device."
-            )
-    plan_schedule = make_schedule(
-        schedule,
-        count,
-        options.num_microbatches,
-        stage_graph=sorted(edges),
-        num_devices=num_devices,
-    )
-    if plan_schedule.num_devices > len(available):
-        raise PipemarkError(
-            f"The schedule {plan_schedule.name!r} uses {plan_schedule.num_devices} devices "
-            f"but only {len(available)} are available; pass devices= with enough devices."
-        )
+    plan_schedule, available = _schedule(options, count, edges)
     stage_devices = tuple(available[d] for d in plan_schedule.stage_devices)
 
     readers: dict[tuple[int, int], int] = {}
@@ -448,6 +475,7 @@ def plan_from_staged(
         devices=stage_devices,
         forward_stages=tuple(forward),
         backward_stages=tuple(backward),
+        weight_stages=tuple(weight),
         microbatch_size=microbatch_size,
         num_param_leaves=num_param_leaves,
         out_tree=out_tree,

@@ -1,6 +1,7 @@
 """Run by tests/runtime/test_distributed.py in several processes (``python -m
 pipemark.launch``) or in one (``reference``): an MLP and the demo's transformer
-language model: the MLP with GPipe, 1F1B and interleaved (two stages per process), the
+language model: the MLP with GPipe, 1F1B, interleaved (two stages per process) and
+ZB-H1 (backward split into B and W), the
 language model with GPipe and 1F1B; their losses and gradients saved per process.
 
     python tests/runtime/_distributed.py OUT_DIR run        # under pipemark.launch
@@ -45,7 +46,8 @@ def runs():
     """(name, loss, params, batch, schedule, stages): every schedule on the MLP (two
     stages per device when interleaved), GPipe and 1F1B on the language model."""
     mlp = examples.mlp(num_layers=2 * STAGES, width=16, batch=8)
-    for schedule, stages in (("gpipe", STAGES), ("1f1b", STAGES), ("interleaved", 2 * STAGES)):
+    runs = (("gpipe", STAGES), ("1f1b", STAGES), ("interleaved", 2 * STAGES), ("zb-h1", STAGES))
+    for schedule, stages in runs:
         yield "mlp", mlp.loss_fn, mlp.params, mlp.batch, schedule, stages
     lm = examples.language_model(
         num_layers=4, vocab=32, d_model=16, num_heads=2, seq=8, batch=8, markers="boundary"

@@ -1,0 +1,57 @@
+"""Run by tests/runtime/test_zero_bubble.py with 4 host CPU devices (XLA reads the flag
+only when JAX starts): ZB-H1 and ZB-V pipelines against 1F1B and jax.value_and_grad."""
+
+from __future__ import annotations
+
+import os
+
+if __name__ == "__main__":
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax
+import numpy as np
+
+import pipemark as pm
+from pipemark import examples
+
+
+def models():
+    mlp = examples.mlp(num_layers=4, width=8, batch=8)
+    yield "mlp", mlp.loss_fn, mlp.params, mlp.batch
+    lm = examples.language_model(
+        num_layers=4, vocab=32, d_model=16, num_heads=2, seq=8, batch=8, markers="boundary"
+    )
+    yield "lm", lm.loss_fn, lm.params, lm.batch
+
+
+def main() -> None:
+    for name, loss_fn, params, batch in models():
+        want = jax.tree_util.tree_leaves(jax.value_and_grad(loss_fn)(params, batch))
+        reference = None
+        for schedule in ("1f1b", "zb-h1", "zb-v"):
+            step = pm.pipeline_value_and_grad(
+                loss_fn, num_stages=4, num_microbatches=4, schedule=schedule
+            )
+            got = jax.tree_util.tree_leaves(step(params, batch))
+            plan = step.plan(params, batch)
+            assert plan.schedule.name == schedule
+            assert all(np.allclose(a, b, rtol=2e-5, atol=1e-6) for a, b in zip(got, want))
+            if reference is None:
+                reference = got
+            else:
+                # The same equations, each stage accumulating microbatches in order; B and
+                # W compile as two XLA programs where 1F1B compiles one, and XLA may fuse
+                # a reduction differently in each: equal to the last bits or so.
+                assert all(
+                    np.allclose(a, b, rtol=1e-6, atol=1e-8) for a, b in zip(got, reference)
+                ), schedule
+                weights = [s.name for s in plan.staged.stages if s.name.endswith("_weight")]
+                assert len(weights) == 3, weights  # the first layer's backward is all W
+            devices = {"zb-v": 2}.get(schedule, 4)
+            assert plan.schedule.num_devices == devices
+            print(f"{name} {schedule}: ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()
