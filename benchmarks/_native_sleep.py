@@ -293,6 +293,48 @@ def sleeping(
     return Example(loss_fn, params, jnp.ones((batch, width), jnp.float32))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _slow_matmul(x: jax.Array, w: jax.Array, microseconds: int) -> jax.Array:
+    return _sleep_call(x @ w, microseconds)
+
+
+def _slow_matmul_fwd(x, w, microseconds):
+    return _sleep_call(x @ w, microseconds), (x, w)
+
+
+def _slow_matmul_bwd(microseconds, residuals, g):
+    # The input cotangent (B) and the weight gradient (W) each wait: two separate waits,
+    # so pipemark.passes.split_backward puts one in each half.
+    x, w = residuals
+    return _sleep_call(g @ w.T, microseconds), _sleep_call(x.T @ g, microseconds)
+
+
+_slow_matmul.defvjp(_slow_matmul_fwd, _slow_matmul_bwd)
+
+
+def sleeping_split(
+    num_stages: int = 2, seconds: float = 0.005, batch: int = 8, width: int = 32
+) -> Example:
+    """Like :func:`sleeping`, but each stage's backward waits ``seconds`` twice, once for
+    the input cotangent (B) and once for the weight gradient (W), so that a zero-bubble
+    schedule has equal F, B and W of ``seconds`` each."""
+    microseconds = _microseconds(seconds)
+    _load()
+    params = [jnp.eye(width, dtype=jnp.float32) * 0.5 for _ in range(num_stages)]
+
+    def loss_fn(params, batch):
+        x = batch
+        for i, w in enumerate(params):
+            x, w = mark((x, w), name=f"stage{i}", mark_type="start")
+            x = _slow_matmul(x, w, microseconds)
+            if i == len(params) - 1:
+                x = jnp.mean(x * x)
+            x = mark(x, name=f"stage{i}", mark_type="end")
+        return x
+
+    return Example(loss_fn, params, jnp.ones((batch, width), jnp.float32))
+
+
 def dispatch_seconds(example: Example) -> tuple[float, float]:
     """How long dispatching ``jax.jit(jax.value_and_grad(example.loss_fn))`` takes, and
     how long until its results are ready, both from the call (compiled first). A

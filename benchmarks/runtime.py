@@ -1,6 +1,6 @@
 """Benchmark of the pipeline runtime (pipemark.pipeline_value_and_grad) on host CPU devices.
 
-Prints four markdown tables:
+Prints five markdown tables:
 
 1. **Bubble fraction with equal stages of fixed duration**, which isolates the runtime
    from the number of cores: every stage is tiny, and its forward and its backward each
@@ -23,7 +23,11 @@ Prints four markdown tables:
    measured bubble says so (the stages take turns on the cores).
 3. **Host overhead**: with tiny stages, the host time to fetch inputs and dispatch, per
    action, and the wall time per tick.
-4. **Stages in separate processes** (``--tables processes``; ``benchmarks/distributed.py``
+4. **Zero-bubble schedules** (``--tables zero-bubble``): ZB-H1 and ZB-V against 1F1B
+   with stages whose forward, input-cotangent (B) and weight-gradient (W) parts each
+   wait ``t`` (the largest ``--sleep-ms``), the measured bubble beside the one
+   ``pm.simulate_schedule`` predicts (target: within 10 %, for ``t`` ≥ 20 ms).
+5. **Stages in separate processes** (``--tables processes``; ``benchmarks/distributed.py``
    has the details and runs 2 and 4 processes): per-step overhead against the same
    stages in one process, bytes moved against the stage graph's boundary bytes, and a
    transfer per MiB against a raw ``ppermute``.
@@ -213,6 +217,44 @@ def sleep_table(
     return "\n".join([*lines, "", *notes])
 
 
+def zero_bubble_table(devices: int, micro: list[int], sleep_ms: float, repeat: int) -> str:
+    """ZB-H1 and ZB-V against 1F1B on stages whose F, B and W each wait ``sleep_ms``:
+    the measured bubble beside the simulated one (``pm.simulate_schedule``)."""
+    import jax
+    import jax.numpy as jnp
+
+    import pipemark as pm
+
+    native = _native_sleep()
+    t = sleep_ms / 1e3
+    costs = {"forward": t, "backward": t, "weight": t}
+    lines = [
+        f"Zero-bubble schedules: F, B and W each wait t = {sleep_ms:g} ms (native sleep), "
+        f"{devices} devices, median of {repeat}",
+        "",
+        "| schedule | stages | M | step ms | simulated ms | step / simulated | measured bubble "
+        "| simulated bubble | measured / simulated |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for m in micro:
+        for schedule, stages in (("1f1b", devices), ("zb-h1", devices), ("zb-v", 2 * devices)):
+            loss_fn, params, _ = native.sleeping_split(stages, t)
+            batch = jnp.ones((2 * m, params[0].shape[-1]), jnp.float32)
+            pipe = pm.pipeline_value_and_grad(
+                loss_fn, num_microbatches=m, devices=jax.devices()[:devices], schedule=schedule
+            )
+            ts = _median_time(lambda p=pipe, b=batch, w=params: p(w, b), repeat)
+            sim = pm.simulate_schedule(pipe.plan(params, batch).schedule, costs)
+            work = 3 * t * stages * m  # F + B + W per stage and microbatch
+            measured = max(0.0, 1.0 - work / (devices * ts))
+            lines.append(
+                f"| {schedule} | {stages} | {m} | {1e3 * ts:.1f} | {1e3 * sim.makespan:.1f} | "
+                f"{ts / sim.makespan:.3f} | {measured:.3f} | {sim.bubble_fraction:.3f} | "
+                f"{measured / sim.bubble_fraction:.2f} |"
+            )
+    return "\n".join(lines)
+
+
 def _needed_stage_time(work: float, seconds: float, overhead: float, budget: float) -> float:
     """The smallest ``t`` for which a per-tick ``overhead`` stays within the budget.
 
@@ -301,7 +343,7 @@ def overhead_table(stages: int, micro: list[int], repeat: int) -> str:
 
 
 STAGE_KINDS = ("native", "callback")
-TABLES = ("equal", "compute", "overhead", "processes")
+TABLES = ("equal", "compute", "overhead", "zero-bubble", "processes")
 
 
 def _stage_kinds(requested: list[str] | None) -> tuple[str, ...]:
@@ -362,6 +404,9 @@ def main(argv: list[str] | None = None) -> None:
         print()
     if "overhead" in args.tables:
         print(overhead_table(args.stages, micro, repeat))
+    if "zero-bubble" in args.tables:
+        print()
+        print(zero_bubble_table(4, [4, 8] if args.quick else [8, 16], max(args.sleep_ms), repeat))
     if "processes" in args.tables:
         # Stages in separate processes (jax.distributed): its own script, since each
         # process must start JAX its own way (benchmarks/distributed.py).

@@ -86,3 +86,21 @@ def test_distributed_benchmark_prints_its_table():
     titles = [c.strip() for c in header.split("|")[1:-1]]
     moved = cells[titles.index("bytes moved per step")]
     assert moved == cells[titles.index("boundary bytes per step")] and moved != "0"
+
+
+def test_zero_bubble_benchmark_prints_its_table():
+    if str(REPO / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+    import _native_sleep
+
+    if not _native_sleep.available():
+        import pytest
+
+        pytest.skip("no C compiler for the native sleep stage")
+    lines = _output_lines(
+        "runtime.py", "--quick", "--tables", "zero-bubble", "--sleep-ms", "0.5", "--repeat", "1"
+    )
+    header = next(line for line in lines if line.startswith("| schedule | stages |"))
+    assert "simulated bubble" in header and "measured / simulated" in header
+    rows = [line for line in lines if line.startswith(("| 1f1b |", "| zb-h1 |", "| zb-v |"))]
+    assert len(rows) == 6 and all(row.count("|") == header.count("|") for row in rows)

@@ -114,8 +114,8 @@ def _halves(stage: Stage, c: int, read_by_stages: set, results: set) -> _Halves 
     producer = {v: (i, k) for i, e in enumerate(eqns) for k, v in enumerate(e.outvars)}
     # The outputs another stage reads (activation cotangents) root B; effects stay in B.
     b_roots = [outvars[o] for o in range(len(outvars)) if (c, o) in read_by_stages]
-    b_roots += [v for e in eqns if e.effects and e.primitive is not pipeline_p for v in e.outvars]
-    b_whole, b_parts = _needs(eqns, b_roots, producer)
+    effects = [i for i, e in enumerate(eqns) if e.effects and e.primitive is not pipeline_p]
+    b_whole, b_parts = _needs(eqns, b_roots, producer, effects)
     w_outputs = [
         o
         for o in range(len(outvars))
@@ -127,12 +127,26 @@ def _halves(stage: Stage, c: int, read_by_stages: set, results: set) -> _Halves 
     ]
     if not w_outputs:
         return None
-    w_whole, w_parts = _needs(eqns, [outvars[o] for o in w_outputs], producer)
-    w_whole -= b_whole
-    w_parts = {i: ks - b_parts.get(i, set()) for i, ks in w_parts.items()}
-    b_eqns, w_eqns = _partition(eqns, w_whole, w_parts, weight_name(stage.name))
-    if not any(e.primitive is not pipeline_p for e in b_eqns):
-        return None  # nothing but markers before the gradients: the stage is all W
+    w_all_whole, w_all_parts = _needs(eqns, [outvars[o] for o in w_outputs], producer)
+    while True:
+        w_whole = w_all_whole - b_whole
+        w_parts = {i: ks - b_parts.get(i, set()) for i, ks in w_all_parts.items()}
+        b_eqns, w_eqns = _partition(eqns, w_whole, w_parts, weight_name(stage.name))
+        # What stays in B (dead code among it) must not read what W computes: such a
+        # value moves to B, with what it needs, until B reads only its own.
+        defined_in_w = {v for e in w_eqns for v in e.outvars}
+        wanted = [
+            a for e in b_eqns for a in e.invars if type(a) is not Literal and a in defined_in_w
+        ]
+        if not wanted:
+            break
+        more_whole, more_parts = _needs(eqns, wanted, producer)
+        b_whole |= more_whole
+        for i, ks in more_parts.items():
+            b_parts.setdefault(i, set()).update(ks)
+    w_outputs = [o for o in w_outputs if not _in(b_whole, b_parts, *producer[outvars[o]])]
+    if not w_outputs or not any(e.primitive is not pipeline_p for e in b_eqns):
+        return None  # W would be empty, or B holds nothing but markers (the stage is all W)
     defined_in_b = {v for e in b_eqns for v in e.outvars}
     exports: dict[Var, None] = {}
     for e in w_eqns:
@@ -148,15 +162,18 @@ def _in(whole: set[int], parts: dict[int, set[int]], i: int, k: int) -> bool:
 
 
 def _needs(
-    eqns: Sequence[Any], roots: Sequence[Any], producer: dict[Var, tuple[int, int]]
+    eqns: Sequence[Any],
+    roots: Sequence[Any],
+    producer: dict[Var, tuple[int, int]],
+    seeds: Sequence[int] = (),
 ) -> tuple[set[int], dict[int, set[int]]]:
-    """What the values ``roots`` depend on: whole equations, and for each marker the
-    result positions (a marker is an identity per operand/result pair, so its result
-    ``k`` needs only its operand ``k``)."""
-    whole: set[int] = set()
+    """What the values ``roots`` (and the equations ``seeds``) depend on: whole
+    equations, and for each marker the result positions (a marker is an identity per
+    operand/result pair, so its result ``k`` needs only its operand ``k``)."""
+    whole: set[int] = set(seeds)
     parts: dict[int, set[int]] = {}
     seen: set[Var] = set()
-    stack = list(roots)
+    stack = [*roots, *(a for i in seeds for a in eqns[i].invars)]
     while stack:
         v = stack.pop()
         if type(v) is Literal or v in seen or v not in producer:

@@ -138,3 +138,43 @@ def test_random_mlps_split_bit_for_bit(layers, width, batch, stages):
     staged = pm.split(jax.value_and_grad(ex.loss_fn), *ex.args, num_stages=num_stages)
     split = pm.passes.split_backward(staged)
     _check_split(staged, split, ex.args)
+
+
+@jax.custom_vjp
+def _watched_layer(x, w):
+    return jnp.tanh(x @ w)
+
+
+def _watched_fwd(x, w):
+    y = jnp.tanh(x @ w)
+    return y, (x, w, y)
+
+
+def _watched_bwd(residuals, g):
+    x, w, y = residuals
+    g = g * (1 - y**2)
+    dx = g @ w.T
+    jax.debug.callback(lambda value: None, dx)  # an effect reading the input cotangent
+    return dx, x.T @ g
+
+
+_watched_layer.defvjp(_watched_fwd, _watched_bwd)
+
+
+def test_an_effect_stays_in_b_with_what_it_reads():
+    # In the first layer nothing reads the input cotangent but the effect: it and the
+    # cotangent stay in B, and W (the weight gradient) must not take the start marker's
+    # result they share from under it.
+    def loss(params, x):
+        for i, w in enumerate(params):
+            x, w = pm.mark((x, w), name=f"layer{i}", mark_type="start")
+            x = pm.mark(_watched_layer(x, w), name=f"layer{i}", mark_type="end")
+        return jnp.sum(x**2)
+
+    args = ([jnp.eye(4) * 0.5, jnp.eye(4) * 0.25], jnp.ones((2, 4)))
+    staged = pm.split(jax.value_and_grad(loss), *args)
+    split = pm.passes.split_backward(staged)
+    assert "layer0_weight" in [s.name for s in split.stages]
+    b = split["layer0_backward"]
+    assert any(e.effects for e in b.jaxpr.eqns)
+    _check_split(staged, split, args)
