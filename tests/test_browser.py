@@ -14,13 +14,13 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from pipemark import _demo
+from tests._docs import build_site
 
 CHROMIUM = next(
     (shutil.which(n) for n in ("chromium", "chromium-browser") if shutil.which(n)), None
@@ -142,11 +142,7 @@ EXTERNAL = re.compile(
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     pytest.importorskip("mkdocs")
-    site_dir = tmp_path_factory.mktemp("site")
-    build = [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "--site-dir", site_dir]
-    result = subprocess.run(build, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    return site_dir
+    return build_site(tmp_path_factory.mktemp("site"))
 
 
 def _pages(site_dir: Path) -> list[Path]:

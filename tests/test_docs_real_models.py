@@ -1,23 +1,18 @@
 """docs/real-models.md is what docs/gen/real_models.py makes today."""
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
+
+from tests._docs import docs_generator
 
 pytest.importorskip("flax")
 pytest.importorskip("equinox")
 pytest.importorskip("optax")
 
-GENERATOR = Path(__file__).resolve().parent.parent / "docs" / "gen" / "real_models.py"
-
 
 def _generator():
-    spec = importlib.util.spec_from_file_location("real_models", GENERATOR)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return docs_generator("real_models")
 
 
 def test_real_models_page_is_up_to_date():

@@ -12,7 +12,6 @@ import contextlib
 import importlib
 import importlib.util
 import re
-import subprocess
 import sys
 import zlib
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import pipemark
+from tests._docs import build_site
 
 pytest.importorskip("mkdocs")
 pytest.importorskip("griffe")
@@ -40,11 +40,7 @@ INVENTORY_LINE = re.compile(r"(.+?)\s+(\S+:\S+)\s+(-?\d+)\s+(\S*)\s+(.*)")
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
-    site_dir = tmp_path_factory.mktemp("site")
-    build = [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "--site-dir", site_dir]
-    result = subprocess.run(build, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    return site_dir
+    return build_site(tmp_path_factory.mktemp("site"))
 
 
 def _inventory(site_dir: Path) -> list[str]:

@@ -7,23 +7,17 @@ Execution and comparison are docs/gen/tutorial.py's, the script that stores the 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+
+from tests._docs import docs_generator
 
 nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 
-GENERATOR = Path(__file__).resolve().parent.parent / "docs" / "gen" / "tutorial.py"
-
 
 def _generator():
-    spec = importlib.util.spec_from_file_location("tutorial_generator", GENERATOR)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return docs_generator("tutorial")
 
 
 def test_tutorial_executes_and_its_stored_outputs_are_current():
