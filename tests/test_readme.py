@@ -68,3 +68,4 @@ def test_readme_demo_output_and_docs_demo_are_what_the_demo_makes_today(tmp_path
     made = (tmp_path / "report.html").read_text(encoding="utf-8")
     assert _summary_table(committed) == _summary_table(made), "run: make docs-assets"
     assert (ROOT / "docs" / "demo" / "stages.png").stat().st_size > 10_000
+    assert (ROOT / "docs" / "demo" / "schedules.png").stat().st_size > 10_000

@@ -8,6 +8,7 @@ What it writes:
 * the README's demo output (the block between the ``demo-output`` comments): what
   ``pipemark demo`` prints, up to its verdict line, at 80 columns;
 * ``docs/demo/report.html`` and ``docs/demo/stages.png``, written by the same run;
+* ``docs/demo/schedules.png``: 1F1B, ZB-H1 and ZB-V side by side (docs/runtime.md);
 * ``docs/real-models.md`` (``docs/gen/real_models.py``);
 * the marked output blocks of the other docs pages (``docs/gen/page_outputs.py``);
 * the stored outputs of ``docs/tutorial.ipynb`` (``docs/gen/tutorial.py``).
@@ -63,6 +64,23 @@ def _write_readme(output: str) -> bool:
     return new != text
 
 
+def schedule_plots(path: Path) -> None:
+    """1F1B, ZB-H1 and ZB-V of 4 devices and 8 microbatches, one above the other."""
+    from matplotlib.figure import Figure
+
+    import pipemark as pm
+
+    schedules = [
+        pm.make_schedule("1f1b", 4, 8),
+        pm.zero_bubble_schedule(4, 8),
+        pm.zero_bubble_schedule(8, 8, variant="zb-v"),
+    ]
+    figure = Figure(figsize=(12, 7.5), layout="constrained")
+    for ax, schedule in zip(figure.subplots(len(schedules), 1), schedules):
+        pm.plot_schedule(schedule, ax=ax)
+    figure.savefig(path, dpi=90)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="only check the README block")
@@ -77,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
     changed = _write_readme(demo_output(DEMO_DIR))
+    schedule_plots(DEMO_DIR / "schedules.png")
     print(f"{'rewrote' if changed else 'kept'} README.md's demo output; wrote {DEMO_DIR}")
     for script in ("real_models.py", "page_outputs.py", "tutorial.py"):
         path = Path(__file__).with_name(script)

@@ -146,9 +146,11 @@ def zero_bubble_schedule(
     """A zero-bubble schedule: the backward split into B and W, each W run where the
     device would otherwise idle.
 
-    ``"zb-h1"``: one stage per device (``num_stages`` devices); 1F1B's order with every
-    W deferred until the device has nothing else ready, and no more microbatches in
-    flight per device than 1F1B (so about the same activation memory).
+    ``"zb-h1"``: one stage per device (``num_stages`` devices); 1F1B's order with W
+    deferred until the device has nothing else ready, no more microbatches in flight
+    per device (forward run, backward not) than 1F1B, so 1F1B's activation memory, and
+    at most about ``num_stages`` deferred W per device (each holds its layer's input
+    and cotangent).
     ``"zb-v"``: ``num_stages`` must be even; two stages per device in a V (device ``d``
     holds stages ``d`` and ``num_stages - 1 - d``), so that the first and last stages,
     which bound the pipeline's fill and drain, share a device.
@@ -177,12 +179,16 @@ def zero_bubble_schedule(
         devices = tuple(range(num_stages))
     preds = normalize_stage_graph(stage_graph, num_stages)
     # In flight per device (forwards whose backward has not run): 1F1B's count for
-    # ZB-H1, so about 1F1B's activation memory; for the V, twice the device count (a
-    # device holds two stages), which measured best among the bounds tried.
+    # ZB-H1, so 1F1B's activation memory; for the V, twice the device count (a device
+    # holds two stages), which measured best among the bounds tried. Deferred W actions
+    # (each holding only its input and cotangent) are capped too: past the cap a W runs
+    # before the next forward. Both caps keep the bubble of the uncapped list schedule.
     count = max(devices) + 1
-    limit = [count - d for d in range(count)] if variant == "zb-h1" else [2 * count] * count
+    zb_h1 = variant == "zb-h1"
+    limit = [count - d for d in range(count)] if zb_h1 else [2 * count] * count
+    owed = [count if zb_h1 else 2 * count] * count
     cost = _cost_function(costs, True)
-    orders = _greedy_orders(devices, preds, num_microbatches, cost, limit)
+    orders = _greedy_orders(devices, preds, num_microbatches, cost, (limit, owed))
     return schedule_from_orders(
         orders,
         stage_devices=devices,
@@ -197,7 +203,7 @@ def _greedy_orders(
     preds: Sequence[Sequence[int]],
     num_micro: int,
     cost: Callable[[Action], float],
-    limit: list[int],
+    caps: tuple[list[int], list[int]],
 ) -> list[list[Action]]:
     """Each device's order, from list scheduling on paper (see
     :func:`zero_bubble_schedule`). Long: one event loop; its pick is
@@ -209,7 +215,9 @@ def _greedy_orders(
          for k in (FORWARD, BACKWARD, WEIGHT)}
         for d in range(num_devices)
     ]  # fmt: skip
-    in_flight = [0] * num_devices
+    limit, w_cap = caps
+    in_flight = [0] * num_devices  # forwards whose backward has not run
+    owed = [0] * num_devices  # backwards whose weight action has not run
     stuck = False  # nothing could run: let forwards past the limit rather than deadlock
     finish: dict[Action, float] = {}
     free = [0.0] * num_devices
@@ -220,13 +228,15 @@ def _greedy_orders(
             if free[d] > time or not pending[d]:
                 continue
             may_start = stuck or in_flight[d] < limit[d]
-            action = _pick(pending[d], finish, time, preds, succ, may_start)
+            w_first = owed[d] > w_cap[d]
+            action = _pick(pending[d], finish, time, preds, succ, may_start, w_first)
             if action is None:
                 continue
             pending[d].discard(action)
             finish[action] = free[d] = time + cost(action)
             orders[d].append(action)
             in_flight[d] += {FORWARD: 1, BACKWARD: -1}.get(action.kind, 0)
+            owed[d] += {BACKWARD: 1, WEIGHT: -1}.get(action.kind, 0)
         later = [t for t in (*free, *finish.values()) if t > time]
         if later:
             time, stuck = min(later), False
@@ -237,20 +247,24 @@ def _greedy_orders(
     return orders
 
 
-def _pick(pending, finish, time, preds, succ, may_start) -> Action | None:
+def _pick(pending, finish, time, preds, succ, may_start, w_first) -> Action | None:
     """The action a free device runs now: a ready B, else a ready F (when it may start
-    another microbatch), else a pending W whose B is done; the earliest microbatch
-    first, and among a device's stages the one nearer the loss for B."""
+    another microbatch), else a pending W whose B is done (before the F when
+    ``w_first``: too many W are owed); the earliest microbatch first, and among a
+    device's stages the one nearer the loss for B."""
     ready = [
         a
         for a in pending
         if all(finish.get(n, math.inf) <= time for n in dependencies(a, preds, succ))
     ]
-    for kind, order in (
+    kinds = [
         (BACKWARD, lambda a: (a.microbatch, -a.stage)),
         (FORWARD, lambda a: (a.microbatch, a.stage)),
         (WEIGHT, lambda a: (a.microbatch, -a.stage)),
-    ):
+    ]
+    if w_first:
+        kinds = [kinds[0], kinds[2], kinds[1]]
+    for kind, order in kinds:
         if kind == FORWARD and not may_start:
             continue
         chosen = [a for a in ready if a.kind == kind]

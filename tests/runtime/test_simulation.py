@@ -41,13 +41,16 @@ def test_zb_h1_has_a_third_of_1f1b_bubble(stages, factor):
     assert zb_sim.bubble <= one_f_one_b.bubble / 3 + 1e-9
     # The same work: F + B + W per stage and microbatch.
     assert sum(zb_sim.busy) == pytest.approx(3 * stages * micro)
-    # No more microbatches in flight (forward run, backward not yet) than 1F1B.
+    # No more microbatches in flight (forward run, backward not yet) than 1F1B, and a
+    # bounded number of deferred weight actions, whatever the number of microbatches.
     for d, order in enumerate(zb.device_orders()):
-        in_flight = peak = 0
+        in_flight = peak = owed = most_owed = 0
         for action in order:
             in_flight += {FORWARD: 1, BACKWARD: -1}.get(action.kind, 0)
-            peak = max(peak, in_flight)
+            owed += {BACKWARD: 1, WEIGHT: -1}.get(action.kind, 0)
+            peak, most_owed = max(peak, in_flight), max(most_owed, owed)
         assert peak <= stages - d
+        assert most_owed <= stages + 1
 
 
 @pytest.mark.parametrize("devices", [2, 4, 8])
