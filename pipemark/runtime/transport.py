@@ -128,7 +128,7 @@ class Transport:
         shards = [_placeholder(s, d, target) for s, d in types]
         what = f"for {what} from process {source.process_index}"
         out = self._transfer(shards, types, source, target, what)
-        values = [a.addressable_shards[0].data for a in out]
+        values = [a.addressable_data(0) for a in out]
         values = [v.reshape(s) if v.shape != s else v for v, (s, _) in zip(values, types)]
         self.bytes_received += sum(v.nbytes for v in values)
         return values
