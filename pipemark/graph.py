@@ -164,16 +164,21 @@ def stage_graph(
     costs:
         A :class:`~pipemark.cost.Cost` per stage, stored as the node attribute ``cost``.
 
-    Each edge carries ``types`` and ``avals`` of the distinct values crossing it (in
-    order of use), ``num_values``, ``bytes`` and ``skip``: True when the value jumps
-    over at least one stage in between (a skip connection, kept as its own edge rather
-    than routed through the stages it passes).
+    Returns
+    -------
+    networkx.DiGraph
+        Each edge carries ``types`` and ``avals`` of the distinct values crossing it
+        (in order of use), ``num_values``, ``bytes`` and ``skip``: True when the value
+        jumps over at least one stage in between (a skip connection, kept as its own
+        edge rather than routed through the stages it passes).
 
     Raises
     ------
     StageGraphError
         When the stages depend on each other in a cycle; the message names them.
 
+    Examples
+    --------
     >>> import jax, jax.numpy as jnp
     >>> from jax.extend.core import Var
     >>> x = Var(jax.typeof(jnp.zeros(4, jnp.float32)))
@@ -286,6 +291,8 @@ def critical_path(
         (and per byte) this is the shortest possible running time with unlimited
         parallelism.
 
+    Examples
+    --------
     >>> import jax, jax.numpy as jnp
     >>> def f(x):
     ...     return jnp.sin(x) + (x @ x) @ x

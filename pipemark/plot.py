@@ -229,6 +229,8 @@ def plot(staged: StagedJaxpr, *, title: str | None = None) -> Any:
     matplotlib.figure.Figure
         Save it with ``fig.savefig("stages.png")``; a notebook displays it.
 
+    Examples
+    --------
     >>> import jax, pipemark as pm
     >>> from pipemark import examples
     >>> ex = examples.mlp(num_layers=3)

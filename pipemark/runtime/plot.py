@@ -44,6 +44,8 @@ def plot_schedule(schedule: Schedule, *, ax: Any = None, title: str | None = Non
         The figure drawn on (no pyplot state is touched, so it works headless; call
         ``fig.savefig(path)`` or display it in a notebook).
 
+    Examples
+    --------
     >>> import pipemark as pm
     >>> fig = pm.plot_schedule(pm.make_schedule("1f1b", 4, 8))
     >>> len(fig.axes[0].patches)  # one box per action

@@ -213,6 +213,8 @@ def summary(staged: StagedJaxpr, *, style: str = "auto", width: int | None = DEF
         order; position, name, FLOPs and share always stay) and then shortens long stage names in the middle, and says so in a
         last line. ``None``: every column, whatever the width.
 
+    Examples
+    --------
     >>> import jax, jax.numpy as jnp, pipemark as pm
     >>> cj = jax.make_jaxpr(lambda x: jnp.sin(x) * x)(jnp.ones(4))
     >>> staged = pm.passes.slice_stages(pm.passes.insert_markers(cj, [1]))
