@@ -154,15 +154,17 @@ def weight_name(name: str) -> str:
 def owner_name(name: str) -> str | None:
     """The forward stage a backward stage (``layer0_backward``) or a weight-gradient
     stage (``layer0_weight``) belongs to; ``None`` for a forward stage's name."""
-    forward = forward_name(name)
-    if forward is None and isinstance(name, str) and name.endswith(WEIGHT_SUFFIX):
-        forward = name[: -len(WEIGHT_SUFFIX)] or None
-    return forward
+    return forward_name(name) or _stem(name, WEIGHT_SUFFIX)
 
 
 def forward_name(name: str) -> str | None:
     """The forward stage that backward stage ``name`` mirrors; ``None`` when ``name``
     is not a backward stage's name."""
-    if isinstance(name, str) and name.endswith(BACKWARD_SUFFIX) and name != BACKWARD_SUFFIX:
-        return name[: -len(BACKWARD_SUFFIX)]
+    return _stem(name, BACKWARD_SUFFIX)
+
+
+def _stem(name: str, suffix: str) -> str | None:
+    """``name`` without ``suffix``; ``None`` unless ``name`` is a longer str ending in it."""
+    if isinstance(name, str) and name.endswith(suffix) and name != suffix:
+        return name[: -len(suffix)]
     return None
