@@ -74,25 +74,8 @@ def _step_times(args, stages: int) -> dict:
         out, timings = step.timed_call(params, batch)
         jax.block_until_ready(out)
         best = min(best, time.perf_counter() - start)
-    return {"step_s": best, "timings": timings, "boundary": _boundary(step, params, batch)}
-
-
-def _boundary(step, params, batch) -> int:
-    """Bytes the stage graph says cross into this process's stages per step."""
-    import jax
-
-    plan = step.plan(params, batch)
-    me = jax.process_index()
-    wanted = set()
-    for index, unit in plan.units.items():
-        stage = plan.staged.stages[index]
-        if unit.device.process_index != me:
-            continue
-        for ref, var in zip(stage.inputs, stage.jaxpr.invars):
-            if ref.kind == "stage" and plan.units[ref.stage].device.process_index != me:
-                size = var.aval.size * var.aval.dtype.itemsize
-                wanted.add((ref.stage, ref.index, unit.device, size))
-    return sum(w[-1] for w in wanted) * plan.schedule.num_microbatches
+    boundary = step.plan(params, batch).bytes_into_process(jax.process_index())
+    return {"step_s": best, "timings": timings, "boundary": boundary}
 
 
 def _transfers(repeat: int) -> dict:

@@ -263,6 +263,21 @@ class PipelinePlan:
     def num_stages(self) -> int:
         return len(self.forward_stages)
 
+    def bytes_into_process(self, process: int) -> int:
+        """The bytes that cross into process ``process``'s stages from other processes'
+        per call, by the stage graph: each value once per microbatch and reading device
+        (under ``jax.distributed``; 0 in one process)."""
+        crossing = set()
+        for index, unit in self.units.items():
+            if unit.device.process_index != process:
+                continue
+            stage = self.staged.stages[index]
+            for ref, var in zip(stage.inputs, stage.jaxpr.invars):
+                if ref.kind == "stage" and self.units[ref.stage].device.process_index != process:
+                    crossing.add((ref.stage, ref.index, unit.device, var.aval))
+        size = sum(aval.size * aval.dtype.itemsize for *_, aval in crossing)
+        return size * self.schedule.num_microbatches
+
 
 def _stage_edges(
     staged: StagedJaxpr, pipeline_stage: dict[int, int], is_backward: set[int]

@@ -56,26 +56,6 @@ def runs():
         yield "lm", lm.loss_fn, lm.params, lm.batch, schedule, STAGES
 
 
-def boundary_bytes(step, params, batch) -> int:
-    """The bytes this process's stages read from other processes' stages in one call:
-    each value once per reading device and microbatch (what the stage graph says)."""
-    plan = step.plan(params, batch)
-    me = jax.process_index()
-    wanted = set()
-    for index, unit in plan.units.items():
-        if unit.device.process_index != me:
-            continue
-        for ref, var in zip(
-            plan.staged.stages[index].inputs, plan.staged.stages[index].jaxpr.invars
-        ):
-            producer = plan.units[ref.stage].device if ref.kind == "stage" else None
-            if producer is not None and producer.process_index != me:
-                wanted.add(
-                    (ref.stage, ref.index, unit.device, var.aval.size * var.aval.dtype.itemsize)
-                )
-    return sum(size for *_, size in wanted) * plan.schedule.num_microbatches
-
-
 def main() -> None:
     me = jax.process_index()
     if MODE == "die" and me == 1:
@@ -94,7 +74,8 @@ def main() -> None:
         for i, leaf in enumerate(leaves):
             saved[f"{name}-{schedule}-{i}"] = np.asarray(leaf)
         saved[f"{name}-{schedule}-received"] = np.asarray(timings.get("bytes_received", 0))
-        saved[f"{name}-{schedule}-expected"] = np.asarray(boundary_bytes(step, params, batch))
+        expected = step.plan(params, batch).bytes_into_process(jax.process_index())
+        saved[f"{name}-{schedule}-expected"] = np.asarray(expected)
     np.savez(os.path.join(OUT, f"{MODE}-{me}.npz"), **saved)
     print(f"process {me}: done", flush=True)
 
