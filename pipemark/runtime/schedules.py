@@ -183,7 +183,12 @@ def _check_acyclic(preds: Sequence[Sequence[int]]) -> None:
     )
 
 
-def _successors(preds: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+def stage_successors(preds: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    """The stages that read each stage, from the predecessors of each.
+
+    >>> stage_successors(((), (0,), (0, 1)))
+    ((1, 2), (2,), ())
+    """
     succ: list[list[int]] = [[] for _ in preds]
     for j, ps in enumerate(preds):
         for p in ps:
@@ -197,7 +202,7 @@ def _depth_to_sink(preds: Sequence[Sequence[int]]) -> list[int]:
     stage's first backward can arrive."""
     import networkx as nx
 
-    succ = _successors(preds)
+    succ = stage_successors(preds)
     graph = nx.DiGraph()
     graph.add_nodes_from(range(len(preds)))
     graph.add_edges_from((p, j) for j, ps in enumerate(preds) for p in ps)
@@ -288,7 +293,7 @@ class Schedule:
 
     @property
     def successors(self) -> tuple[tuple[int, ...], ...]:
-        return _successors(self.predecessors)
+        return stage_successors(self.predecessors)
 
     @property
     def splits_backward(self) -> bool:
@@ -392,7 +397,7 @@ def _validate(schedule: Schedule) -> dict[Action, int]:
             f"{len(schedule.predecessors)} stages; give one predecessor list per stage."
         )
     preds = normalize_stage_graph(dict(enumerate(schedule.predecessors)), num_stages)
-    succ = _successors(preds)
+    succ = stage_successors(preds)
     if not schedule.ticks:
         raise StageGraphError("The schedule has no ticks; every action must run once.")
     num_devices = len(schedule.ticks[0])
@@ -458,7 +463,7 @@ def schedule_from_orders(
     """
     num_stages = len(stage_devices)
     preds = normalize_stage_graph(stage_graph, num_stages)
-    succ = _successors(preds)
+    succ = stage_successors(preds)
     queues = [list(o) for o in orders]
     position = [0] * len(queues)
     finished: dict[Action, int] = {}

@@ -36,6 +36,7 @@ from pipemark.runtime.schedules import (
     dependencies,
     normalize_stage_graph,
     schedule_from_orders,
+    stage_successors,
 )
 
 __all__ = ["ZERO_BUBBLE_VARIANTS", "Simulation", "simulate_schedule", "zero_bubble_schedule"]
@@ -209,7 +210,7 @@ def _greedy_orders(
     :func:`zero_bubble_schedule`). Long: one event loop; its pick is
     :func:`_pick`."""
     num_devices = max(devices) + 1
-    succ = [tuple(k for k, ps in enumerate(preds) if j in ps) for j in range(len(devices))]
+    succ = stage_successors(preds)
     pending = [
         {Action(j, m, k) for j in range(len(devices)) if devices[j] == d for m in range(num_micro)
          for k in (FORWARD, BACKWARD, WEIGHT)}
