@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pipemark._compat import shard_map
+from pipemark.caches import register_cache
 from pipemark.errors import ProcessError
 
 __all__ = ["Transport", "Watchdog"]
@@ -187,3 +188,7 @@ def _transfer_program(source: Any, target: Any, types: tuple) -> tuple[NamedShar
     spec = P("pair")
     program = jax.jit(shard_map(move, mesh=mesh, in_specs=(spec,), out_specs=spec))
     return NamedSharding(mesh, spec), program
+
+
+register_cache(_placeholder.cache_clear)
+register_cache(_transfer_program.cache_clear)
