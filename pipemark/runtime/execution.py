@@ -96,6 +96,11 @@ class _Program(NamedTuple):
     params: tuple[tuple[int, ...], ...]  # per worker: parameter leaves it reads
     batch: tuple[tuple[int, ...], ...]  # per worker: batch leaves it reads
     num_actions: int
+    owner: dict[int, int]  # sliced stage -> its worker
+    readers: dict[tuple[int, int], dict[int, int]]  # stage output -> {worker: readers}
+    # Under jax.distributed, per entry of ``serial``: the transfers into its worker that
+    # precede it, as (producer worker, the keys it sends); empty in one process.
+    incoming: tuple[tuple[tuple[int, tuple[tuple[int, int, int], ...]], ...], ...]
 
 
 def _program(plan: PipelinePlan) -> _Program:
@@ -154,6 +159,7 @@ def _program(plan: PipelinePlan) -> _Program:
         step = _Step(index, m, bool(unit.accumulated), tuple(inputs), sends)
         columns[w].append(step)
         serial.append((w, step))
+    owner = {index: worker_of[unit.device] for index, unit in plan.units.items()}
     program = _Program(
         columns=tuple(tuple(c) for c in columns),
         serial=tuple(serial),
@@ -161,9 +167,32 @@ def _program(plan: PipelinePlan) -> _Program:
         params=tuple(tuple(sorted(p)) for p in params),
         batch=tuple(tuple(sorted(b)) for b in batch),
         num_actions=len(serial),
+        owner=owner,
+        readers=readers,
+        incoming=_incoming(serial, owner, devices),
     )
     plan._program = program
     return program
+
+
+def _incoming(serial: list[tuple[int, _Step]], owner: dict[int, int], devices: tuple) -> tuple:
+    """For each action in the global order, the values it reads from workers of other
+    processes that no earlier action on its worker received, grouped by producer."""
+    me = jax.process_index()
+    process = [getattr(d, "process_index", me) for d in devices]
+    moved: set[tuple[tuple[int, int, int], int]] = set()
+    incoming = []
+    for worker, step in serial:
+        per_producer: dict[int, list[tuple[int, int, int]]] = {}
+        for source, key in step.inputs:
+            if source != _STAGE or (key, worker) in moved:
+                continue
+            producer = owner[key[1]]
+            if process[producer] != process[worker]:
+                moved.add((key, worker))
+                per_producer.setdefault(producer, []).append(key)
+        incoming.append(tuple((p, tuple(keys)) for p, keys in per_producer.items()))
+    return tuple(incoming)
 
 
 class _Exchange:
@@ -266,10 +295,6 @@ def run_plan(
     return jax.tree_util.tree_unflatten(plan.out_tree, call.results())
 
 
-def _process(program: _Program, worker: int) -> int:
-    return program.devices[worker].process_index
-
-
 def _describe(plan: PipelinePlan, keys: list[tuple[int, int, int]]) -> str:
     """What a transfer carries, for an error message: the stage and microbatch."""
     m, index, _ = keys[0]
@@ -297,7 +322,7 @@ class _Call:
         # Per stage; each stage's worker alone writes its entry.
         self.accs: dict[int, list[Any]] = {}
         for index, unit in plan.units.items():
-            if unit.zeros is not None and self.local[program.devices.index(unit.device)]:
+            if unit.zeros is not None and self.local[program.owner[index]]:
                 # Immutable arrays: the zeros one call starts from serve every later call.
                 zeros = plan._zeros.get(index)
                 if zeros is None:
@@ -432,34 +457,18 @@ class _Call:
         receives the accumulated results of the others' stages."""
         program, plan = self.program, self.plan
         self.transport = Transport(Watchdog(plan.timeout_s))
-        owner = {index: program.devices.index(unit.device) for index, unit in plan.units.items()}
-        counts = {
-            (key, reader): count
-            for _, step in program.serial
-            for _, key, targets in step.sends
-            for reader, count in targets
-        }
         start = time.perf_counter()
         placed = {w: self.place(w) for w, mine in enumerate(self.local) if mine}
-        moved: set[tuple[tuple[int, int, int], int]] = set()
-        for worker, step in program.serial:
-            incoming: dict[int, list[tuple[int, int, int]]] = {}
-            for source, key in step.inputs:
-                if source != _STAGE or (key, worker) in moved:
-                    continue
-                producer = owner[key[1]]
-                if _process(program, producer) != _process(program, worker):
-                    moved.add((key, worker))
-                    incoming.setdefault(producer, []).append(key)
-            for producer, keys in incoming.items():
-                self.transfer(producer, worker, keys, counts)
+        for (worker, step), incoming in zip(program.serial, program.incoming):
+            for producer, keys in incoming:
+                self.transfer(producer, worker, keys)
             if self.local[worker]:
                 self.run_step(worker, step, placed[worker])
         self.boundary_bytes = (self.transport.bytes_sent, self.transport.bytes_received)
-        self.gather(owner)
+        self.gather()
         self.host_times.append(time.perf_counter() - start - self.transport.seconds)
 
-    def transfer(self, producer: int, reader: int, keys: list, counts: dict) -> None:
+    def transfer(self, producer: int, reader: int, keys: Sequence[tuple[int, int, int]]) -> None:
         """One transfer of the values ``keys`` from worker ``producer`` to worker
         ``reader`` (of another process), if this process is one of the two ends."""
         devices, stages = self.program.devices, self.plan.staged.stages
@@ -473,11 +482,12 @@ class _Call:
                 for aval in (stages[index].out_avals[o] for _, index, o in keys)
             ]
             values = self.transport.receive(types, devices[producer], devices[reader], what)
+            readers = self.program.readers
             self.exchange.publish(
-                [(key, reader, v, counts[(key, reader)]) for key, v in zip(keys, values)]
+                [(key, reader, v, readers[key[1:]][reader]) for key, v in zip(keys, values)]
             )
 
-    def gather(self, owner: dict[int, int]) -> None:
+    def gather(self) -> None:
         """Every process receives the accumulated results of every other process's
         stages (in one order all processes walk: stage by stage, process by process)."""
         program, transport = self.program, self.transport
@@ -489,11 +499,11 @@ class _Call:
             unit = self.plan.units[index]
             if not unit.accumulated:
                 continue
-            source = owner[index]
+            source = program.owner[index]
             avals = [self.plan.staged.stages[index].out_avals[o] for _, o in unit.accumulated]
             what = f"the results of stage {self.plan.staged.stages[index].name!r}"
             for process, w in first.items():
-                if process == _process(program, source):
+                if process == program.devices[source].process_index:
                     continue
                 if self.local[source]:
                     transport.send(
