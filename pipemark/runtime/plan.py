@@ -411,7 +411,9 @@ def _schedule(
     available = list(jax.devices() if devices is None else devices)
     if len({id(d) for d in available}) != len(available):
         raise PipemarkError("devices lists a device twice; give each pipeline device once.")
-    if options.schedule_name == "interleaved":
+    if isinstance(schedule, Schedule):  # its own placement, checked below
+        num_devices = schedule.num_devices
+    elif options.schedule_name == "interleaved":
         num_devices = len(available)
     elif options.schedule_name == "zb-v":
         num_devices = (count + 1) // 2  # two stages per device, in a V
