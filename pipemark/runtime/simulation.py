@@ -18,10 +18,24 @@ stage. In a schedule that does not split its backward, a backward action costs B
 9.0
 >>> simulate_schedule(zero_bubble_schedule(4, 8, costs=costs), costs).bubble  # a third of it
 3.0
+
+``bound`` is the least makespan that any order of the same actions on the same devices
+could reach (from the dependencies alone), so a schedule whose makespan equals it is
+optimal on paper. 1F1B reaches its own bound; splitting the backward lowers the bound
+itself, and the zero-bubble schedules reach the lower one:
+
+>>> one = simulate_schedule(one_f_one_b_schedule(4, 8), costs)
+>>> zb = simulate_schedule(zero_bubble_schedule(4, 8, costs=costs), costs)
+>>> one.makespan, one.bound, zb.makespan, zb.bound
+(33.0, 33.0, 27.0, 27.0)
+>>> zbv = simulate_schedule(zero_bubble_schedule(8, 8, variant="zb-v", costs=costs), costs)
+>>> zbv.makespan, zbv.bound  # 6 M + D - 1: device D - 1 can start no sooner than D - 1
+(51.0, 51.0)
 """
 
 from __future__ import annotations
 
+import graphlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -50,7 +64,10 @@ Costs = Mapping[str, float | Sequence[float]] | Callable[[Action], float] | None
 class Simulation(NamedTuple):
     """What :func:`simulate_schedule` found: when each action starts and ends (in cost units),
     the makespan, the busy time per device, the idle fraction of devices × makespan,
-    and the idle time per device (the *bubble*, in cost units, averaged over devices)."""
+    the idle time per device (the *bubble*, in cost units, averaged over devices), and
+    ``bound``: no order of the same actions on the same devices has a shorter makespan
+    (the longer of the critical path and, per device, its busy time plus the least time
+    before its first action can start and after its last one must end)."""
 
     start: dict[Action, float]
     finish: dict[Action, float]
@@ -58,6 +75,7 @@ class Simulation(NamedTuple):
     busy: tuple[float, ...]
     bubble_fraction: float
     bubble: float
+    bound: float
 
 
 def _cost_function(costs: Costs, split: bool) -> Callable[[Action], float]:
@@ -133,7 +151,33 @@ def simulate_schedule(schedule: Schedule, costs: Costs = None) -> Simulation:
     makespan = max(finish.values(), default=0.0)
     idle = 1.0 - sum(busy) / (len(orders) * makespan) if makespan else 0.0
     bubble = makespan - sum(busy) / len(orders)
-    return Simulation(start, finish, makespan, tuple(busy), idle, bubble)
+    bound = _makespan_bound(orders, cost, preds, succ)
+    return Simulation(start, finish, makespan, tuple(busy), idle, bubble, bound)
+
+
+def _makespan_bound(orders, cost, preds, succ) -> float:
+    """The least makespan of any order of these actions on these devices: the longest
+    chain of dependencies, and per device the earliest any of its actions can start,
+    plus its work, plus the least any of its actions leaves to run after it."""
+    needs = {a: dependencies(a, preds, succ) for order in orders for a in order}
+    readers: dict[Action, list[Action]] = {a: [] for a in needs}
+    for a, ns in needs.items():
+        for n in ns:
+            readers[n].append(a)
+    ranked = list(graphlib.TopologicalSorter(needs).static_order())
+    head: dict[Action, float] = {}
+    for a in ranked:  # the earliest each action can start
+        head[a] = max((head[n] + cost(n) for n in needs[a]), default=0.0)
+    tail: dict[Action, float] = {}
+    for a in reversed(ranked):  # the least that must run after each action ends
+        tail[a] = max((cost(r) + tail[r] for r in readers[a]), default=0.0)
+    chain = max((head[a] + cost(a) + tail[a] for a in needs), default=0.0)
+    per_device = (
+        min(head[a] for a in order) + sum(map(cost, order)) + min(tail[a] for a in order)
+        for order in orders
+        if order
+    )
+    return max(chain, *per_device)
 
 
 def zero_bubble_schedule(
@@ -181,13 +225,15 @@ def zero_bubble_schedule(
     preds = normalize_stage_graph(stage_graph, num_stages)
     # In flight per device (forwards whose backward has not run): 1F1B's count for
     # ZB-H1, so 1F1B's activation memory; for the V, twice the device count (a device
-    # holds two stages), which measured best among the bounds tried. Deferred W actions
-    # (each holding only its input and cotangent) are capped too: past the cap a W runs
-    # before the next forward. Both caps keep the bubble of the uncapped list schedule.
+    # holds two stages). Deferred W actions (each holding only its input and cotangent)
+    # are capped too: past the cap a W runs before the next forward. With equal costs
+    # these caps reach the makespan bound (Simulation.bound) for every M >= 2 x devices
+    # tried (tests/runtime/test_simulation.py); a V owed only 2 x devices W missed it
+    # by one unit at 8 devices, 32 microbatches.
     count = max(devices) + 1
     zb_h1 = variant == "zb-h1"
     limit = [count - d for d in range(count)] if zb_h1 else [2 * count] * count
-    owed = [count if zb_h1 else 2 * count] * count
+    owed = [count if zb_h1 else 3 * count] * count
     cost = _cost_function(costs, True)
     orders = _greedy_orders(devices, preds, num_microbatches, cost, (limit, owed))
     return schedule_from_orders(
@@ -225,6 +271,7 @@ def _greedy_orders(
     orders: list[list[Action]] = [[] for _ in range(num_devices)]
     time = 0.0
     while any(pending):
+        ran = False
         for d in range(num_devices):
             if free[d] > time or not pending[d]:
                 continue
@@ -233,11 +280,15 @@ def _greedy_orders(
             action = _pick(pending[d], finish, time, preds, succ, may_start, w_first)
             if action is None:
                 continue
+            ran = True
             pending[d].discard(action)
             finish[action] = free[d] = time + cost(action)
             orders[d].append(action)
             in_flight[d] += {FORWARD: 1, BACKWARD: -1}.get(action.kind, 0)
             owed[d] += {BACKWARD: 1, WEIGHT: -1}.get(action.kind, 0)
+        if ran:  # look again at the same time: an action of cost 0 may have freed more
+            stuck = False
+            continue
         later = [t for t in (*free, *finish.values()) if t > time]
         if later:
             time, stuck = min(later), False

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pipemark as pm
 from pipemark.runtime.schedules import (
@@ -64,7 +66,55 @@ def test_zb_v_puts_two_stages_per_device_in_a_v(devices):
         pm.runtime.interleaved_schedule(2 * devices, 2 * devices, num_devices=devices), EQUAL
     )
     assert sim.bubble_fraction < interleaved.bubble_fraction
-    assert sim.bubble_fraction < 0.07  # 4.0 %, 5.9 %, 6.8 % measured at M = 2S
+
+
+@pytest.mark.parametrize("devices", [2, 3, 4, 8])
+@pytest.mark.parametrize("factor", [2, 3, 4])
+def test_zb_v_reaches_the_makespan_bound(devices, factor):
+    # Device D - 1 holds stages D - 1 and D, so it cannot start before D - 1 forwards
+    # have run, and then has 6 M units of work: no order of these actions finishes
+    # before 6 M + D - 1. The V reaches that bound once M >= 2 D.
+    micro = factor * devices
+    sim = simulate_schedule(
+        zero_bubble_schedule(2 * devices, micro, variant="zb-v", costs=EQUAL), EQUAL
+    )
+    assert sim.makespan == sim.bound == 6 * micro + devices - 1
+    # So its bubble is the fill no schedule avoids: (D - 1) / (6 M + D - 1), under 5 %
+    # at M = 2 S for S = 2 D stages.
+    assert sim.bubble_fraction == pytest.approx((devices - 1) / (6 * micro + devices - 1))
+    if micro == 4 * devices:
+        assert sim.bubble_fraction <= 0.05
+
+
+@pytest.mark.parametrize("stages", [2, 4, 8])
+@pytest.mark.parametrize("factor", [1, 2, 4])
+def test_zb_h1_reaches_the_makespan_bound(stages, factor):
+    sim = simulate_schedule(zero_bubble_schedule(stages, factor * stages, costs=EQUAL), EQUAL)
+    assert sim.makespan == sim.bound == 3 * factor * stages + stages - 1
+
+
+@given(
+    kind=st.sampled_from(["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]),
+    devices=st.integers(1, 4),
+    micro=st.integers(1, 8),
+    costs=st.lists(st.floats(0.0, 5.0), min_size=3, max_size=3),
+)
+@settings(max_examples=60, deadline=None)
+def test_no_schedule_beats_the_bound(kind, devices, micro, costs):
+    # The bound is a lower bound: every schedule's simulated makespan is at least it,
+    # whatever the costs.
+    table = dict(zip(("forward", "backward", "weight"), costs, strict=True))
+    if kind.startswith("zb"):
+        stages = 2 * devices if kind == "zb-v" else devices
+        schedule = zero_bubble_schedule(stages, micro, variant=kind, costs=table)
+    elif kind == "interleaved":
+        micro = devices * micro  # microbatches go in groups of num_devices
+        schedule = pm.runtime.interleaved_schedule(2 * devices, micro, num_devices=devices)
+    else:
+        schedule = pm.make_schedule(kind, devices, micro)
+    sim = simulate_schedule(schedule, table)
+    assert sim.bound <= sim.makespan + 1e-9
+    assert sim.bound >= max(sim.busy, default=0.0) - 1e-9
 
 
 def test_weight_actions_are_checked_like_the_others():
