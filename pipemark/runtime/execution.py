@@ -38,11 +38,12 @@ import numpy as np
 
 from pipemark._compat import copy_to_device
 from pipemark.caches import register_cache
+from pipemark.errors import PipemarkError
 from pipemark.runtime.plan import PipelinePlan
-from pipemark.runtime.schedules import BACKWARD, FORWARD, WEIGHT
+from pipemark.runtime.schedules import BACKWARD, FORWARD, WEIGHT, Action
 from pipemark.runtime.transport import Transport, Watchdog
 
-__all__ = ["run_plan", "split_leaf"]
+__all__ = ["action_costs", "run_plan", "split_leaf"]
 
 
 # ---------------------------------------------------------------------- running
@@ -78,6 +79,7 @@ class _Step(NamedTuple):
 
     index: int  # sliced stage
     microbatch: int
+    action: Action  # the schedule's action it runs
     accumulate: bool
     # (_PARAM, leaf) | (_BATCH, leaf) | (_STAGE, (microbatch, stage, output))
     inputs: tuple[tuple[int, Any], ...]
@@ -156,7 +158,7 @@ def _program(plan: PipelinePlan) -> _Program:
             )
             for position, o in enumerate(unit.passed)
         )
-        step = _Step(index, m, bool(unit.accumulated), tuple(inputs), sends)
+        step = _Step(index, m, action, bool(unit.accumulated), tuple(inputs), sends)
         columns[w].append(step)
         serial.append((w, step))
     owner = {index: worker_of[unit.device] for index, unit in plan.units.items()}
@@ -295,6 +297,44 @@ def run_plan(
     return jax.tree_util.tree_unflatten(plan.out_tree, call.results())
 
 
+def action_costs(
+    plan: PipelinePlan, params: Any, batch: Any, repeat: int = 3
+) -> dict[str, tuple[float, ...]]:
+    """Each action's time on its own, per kind and stage: the plan's actions walked one
+    at a time on the caller's thread, each waited for (its inputs computed first, then
+    its results), ``repeat`` times after one warm-up walk; the median over microbatches
+    and repeats. Costs for :func:`pipemark.simulate_schedule` and
+    :func:`pipemark.zero_bubble_schedule`: ``{"forward": (per stage), "backward": ...,
+    "weight": ...}`` in seconds, 0 where a stage has no such program. In a plan whose
+    schedule does not split the backward, ``"backward"`` is the whole backward and
+    ``"weight"`` is 0."""
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise PipemarkError(f"repeat must be a positive int, got {repeat!r}.")
+    if not all(getattr(d, "process_index", 0) == jax.process_index() for d in plan.devices):
+        raise PipemarkError(
+            "action_costs times every stage on this process's devices; under "
+            "jax.distributed, measure on one process with the stages on its own devices."
+        )
+    seconds: dict[tuple[str, int], list[float]] = {}
+    for walk in range(repeat + 1):
+        call = _Call(plan, params, batch)
+        call.spans = []
+        try:
+            call.run_serial()
+        finally:
+            call.exchange.clear()
+        for action, took in call.spans if walk else ():  # the first walk warms up
+            seconds.setdefault((action.kind, action.stage), []).append(took)
+    count = len(plan.schedule.stage_devices)
+    return {
+        kind: tuple(
+            float(np.median(seconds[(kind, k)])) if (kind, k) in seconds else 0.0
+            for k in range(count)
+        )
+        for kind in (FORWARD, BACKWARD, WEIGHT)
+    }
+
+
 def _describe(plan: PipelinePlan, keys: list[tuple[int, int, int]]) -> str:
     """What a transfer carries, for an error message: the stage and microbatch."""
     m, index, _ = keys[0]
@@ -330,6 +370,9 @@ class _Call:
                 self.accs[index] = zeros
         self.scale = np.float32(1.0 / num_micro if plan.loss_reduction == "mean" else 1.0)
         self.host_times: list[float] = []
+        # When measuring (action_costs): each action's seconds, from its inputs
+        # computed to its results computed and published.
+        self.spans: list[tuple[Action, float]] | None = None
         # threads[k] runs device worker k + 1 (the caller is worker 0).
         self.threads: list[threading.Thread] = []
 
@@ -372,12 +415,18 @@ class _Call:
             else:
                 value = batch_on[where][m]
             inputs.append(value)
+        if self.spans is not None:  # measuring: the action alone, its inputs computed
+            jax.block_until_ready(inputs)
+        begin = time.perf_counter() if self.spans is not None else 0.0
         index = step.index
         new_accs, outs = self.plan.units[index].run(self.accs.get(index, ()), inputs, device_scale)
         if step.accumulate:
             self.accs[index] = new_accs
         if step.sends:
             self.publish(worker, step, outs)
+        if self.spans is not None:
+            jax.block_until_ready((new_accs, outs))
+            self.spans.append((step.action, time.perf_counter() - begin))
         return waited
 
     def publish(self, worker: int, step: _Step, outs: Sequence[Any]) -> None:

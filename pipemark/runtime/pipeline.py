@@ -48,7 +48,7 @@ from pipemark.runtime.arguments import (
     check_batch_args,
     partition_params,
 )
-from pipemark.runtime.execution import run_plan
+from pipemark.runtime.execution import action_costs, run_plan
 from pipemark.runtime.losses import LOSS_REDUCTIONS, split_count
 from pipemark.runtime.options import PipelineOptions
 from pipemark.runtime.plan import (
@@ -167,6 +167,31 @@ class Pipeline:
         timings: dict[str, float] = {}
         out = self._call(params, batch, timings)
         return out, timings
+
+    def action_costs(
+        self, params: Any, *batch: Any, repeat: int = 3
+    ) -> dict[str, tuple[float, ...]]:
+        """Measured costs of this pipeline's actions, for :func:`pipemark.simulate_schedule`
+        and :func:`pipemark.zero_bubble_schedule`: ``{"forward": (seconds per stage),
+        "backward": ..., "weight": ...}``, each action run alone on its device and waited
+        for (median of ``repeat`` walks of every microbatch). Measure with
+        ``schedule="zb-h1"`` to get B and W apart; otherwise ``"backward"`` is the whole
+        backward and ``"weight"`` is 0.
+
+        >>> import jax, pipemark as pm
+        >>> from pipemark import examples
+        >>> loss_fn, params, batch = examples.mlp(num_layers=2, batch=4)
+        >>> pipe = pm.pipeline_value_and_grad(
+        ...     loss_fn, num_stages=1, num_microbatches=2, schedule="zb-h1")
+        >>> costs = pipe.action_costs(params, batch)
+        >>> sorted(costs), len(costs["forward"])
+        (['backward', 'forward', 'weight'], 1)
+        >>> sim = pm.simulate_schedule(pipe.plan(params, batch).schedule, costs)
+        >>> bool(sim.makespan > 0)
+        True
+        """
+        key, dynamic, data, _ = self._bind(params, batch)
+        return action_costs(self._plan(key, dynamic, data), dynamic, data, repeat)
 
 
 def pipeline_value_and_grad(
@@ -323,6 +348,13 @@ class PipelinedStep:
         )
         self._prepared[key] = prepared
         return prepared
+
+    def action_costs(self, *args: Any, repeat: int = 3) -> dict[str, tuple[float, ...]]:
+        """Measured costs of the gradient part's actions, as
+        :meth:`Pipeline.action_costs` gives them (the update, run once, is not an action)."""
+        plan = self._prepare(args)[0]
+        *replicated, batch = args
+        return action_costs(plan, tuple(replicated), batch, repeat)
 
     def __call__(self, *args: Any) -> Any:
         plan, apply, out_tree = self._prepare(args)

@@ -50,6 +50,17 @@ def main() -> None:
                 assert len(weights) == 3, weights  # the first layer's backward is all W
             devices = {"zb-v": 2}.get(schedule, 4)
             assert plan.schedule.num_devices == devices
+            # Measured costs, one per stage and kind: W apart only where the backward is
+            # split, and none for the first layer (its backward is all W, kept whole).
+            costs = step.action_costs(params, batch, repeat=1)
+            assert all(len(v) == 4 for v in costs.values())
+            assert all(c > 0 for c in costs["forward"] + costs["backward"])
+            weights = costs["weight"]
+            assert weights[0] == 0 and all(w > 0 for w in weights[1:]) == (schedule != "1f1b")
+            assert pm.simulate_schedule(plan.schedule, costs).makespan > 0
+            # Measuring leaves the pipeline as it was.
+            again = jax.tree_util.tree_leaves(step(params, batch))
+            assert all(np.array_equal(a, b) for a, b in zip(again, got))
             print(f"{name} {schedule}: ok", flush=True)
 
 

@@ -115,6 +115,27 @@ def test_sleeping_example_matches_value_and_grad_on_one_device():
         ns.sleeping(width=0)
 
 
+def test_action_costs_wait_for_each_action():
+    # The stage runs asynchronously (its dispatch returns at once), so a cost that did
+    # not wait for the action would be microseconds, not the sleep's 20 ms.
+    import pipemark as pm
+
+    seconds = 0.02
+    ex = ns.sleeping_split(num_stages=1, seconds=seconds)
+    pipe = pm.pipeline_value_and_grad(
+        ex.loss_fn, num_microbatches=2, devices=jax.devices()[:1], schedule="zb-h1"
+    )
+    costs = pipe.action_costs(*ex.args, repeat=2)
+    assert seconds <= costs["forward"][0] < 5 * seconds
+    # The only stage's backward is all W: the batch's cotangent is never computed.
+    assert costs["backward"][0] < seconds <= costs["weight"][0] < 5 * seconds
+    loss, grads = pipe(*ex.args)
+    want_loss, want_grads = jax.value_and_grad(ex.loss_fn)(*ex.args)
+    assert np.allclose(loss, want_loss) and np.allclose(grads[0], want_grads[0])
+    with pytest.raises(pm.PipemarkError, match="repeat must be a positive int"):
+        pipe.action_costs(*ex.args, repeat=0)
+
+
 def _dispatch_and_total_seconds(width: int, seconds: float) -> tuple[float, float]:
     return ns.dispatch_seconds(ns.sleeping(num_stages=1, seconds=seconds, batch=2, width=width))
 

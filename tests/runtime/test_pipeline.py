@@ -212,6 +212,29 @@ def test_more_stages_than_devices_with_explicit_devices():
         )
 
 
+def test_a_schedule_object_places_its_stages_itself():
+    # A Schedule that puts every stage on one device runs on one device: the stage
+    # count needs no more devices than the schedule's own placement.
+    ex = _mlp()
+    stages = 2  # the MLP's two marked layers
+    schedule = pm.runtime.schedule_from_orders(
+        [[a for _, _, a in pm.make_schedule("1f1b", stages, 2).actions()]],
+        stage_devices=(0,) * stages,
+        num_microbatches=2,
+    )
+    pipe = pm.pipeline_value_and_grad(
+        ex.loss_fn, num_microbatches=2, devices=jax.devices()[:1], schedule=schedule
+    )
+    loss, grads = pipe(*ex.args)
+    want_loss, want_grads = jax.value_and_grad(ex.loss_fn)(*ex.args)
+    assert pipe.plan(*ex.args).schedule.num_devices == 1
+    assert np.allclose(loss, want_loss, rtol=1e-6)
+    assert all(
+        np.allclose(a, b, rtol=1e-5, atol=1e-7)
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True)
+    )
+
+
 def test_training_step_on_one_device_and_its_errors():
     ex = examples.mlp(num_layers=2, width=4, batch=4)
     step, _ = examples.train_step(ex.loss_fn, optimizer="sgd")
@@ -223,6 +246,8 @@ def test_training_step_on_one_device_and_its_errors():
         jax.tree_util.tree_leaves(new_params), jax.tree_util.tree_leaves(want_params)
     ):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    costs = pipelined.action_costs(ex.params, (), ex.batch, repeat=1)
+    assert len(costs["forward"]) == 1 and costs["forward"][0] > 0 == costs["weight"][0]
 
     def unmarked(params, batch):
         return jax.grad(ex.loss_fn)(params, batch)
