@@ -36,6 +36,10 @@ The last lines time the front end ``pm.split`` runs before these passes,
 (the whole program is one jit equation to inline). Target (issue 14): at most 10 % of
 the pipeline's time.
 
+The very last lines time ``split_backward`` (the B/W split of zero-bubble schedules)
+on the staged gradient program of 10k equations, against ``make_jaxpr`` of that
+program. Target (issue 18): at most 0.05.
+
     python benchmarks/passes.py                      # 2k, 20k, 200k
     python benchmarks/passes.py --sizes 2000 20000 --repeat 5
     python benchmarks/passes.py --markers startend   # hand-marked models, no insert
@@ -181,6 +185,30 @@ def front_end(kind: str, num_eqns: int, repeat: int, pipeline_seconds: float) ->
     )
 
 
+def backward_split_line(kind: str, num_eqns: int, repeat: int) -> str:
+    """One line: ``split_backward`` (the B/W split zero-bubble schedules run) on the
+    staged gradient program, against ``make_jaxpr`` of that program (issue 18)."""
+    from pipemark import split_jaxpr
+    from pipemark.passes import split_backward
+
+    example = examples.sized(kind, num_eqns, markers="boundary")
+    traces, splits = [], []
+    for _ in range(repeat):
+        gc.collect()
+        seconds, cj = _timed(lambda: example.trace(grad=True), collector=False)
+        traces.append(seconds)
+        staged = split_jaxpr(cj)
+        gc.collect()
+        seconds, split = _timed(lambda staged=staged: split_backward(staged), collector=False)
+        splits.append(seconds)
+    a, b = min(splits), min(traces)
+    return (
+        f"- {kind}, {len(cj.jaxpr.eqns):,} equations, {len(staged.stages)} → "
+        f"{len(split.stages)} stages: split_backward {a * 1e3:.1f} ms, make_jaxpr "
+        f"{b * 1e3:.0f} ms, ratio {a / b:.3f} (target <= 0.05)."
+    )
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     names = [name for name, _ in PASSES]
     head = (
@@ -260,6 +288,8 @@ def main(argv: list[str] | None = None) -> None:
     for kind in args.kinds:
         largest = max((r for r in rows if r["kind"] == kind), key=lambda r: r["eqns"])
         print(front_end(kind, max(args.sizes), args.repeat, largest["total"]), flush=True)
+    for kind in args.kinds:
+        print(backward_split_line(kind, 10_000, max(args.repeat, 5)), flush=True)
 
 
 if __name__ == "__main__":

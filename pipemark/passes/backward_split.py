@@ -21,13 +21,15 @@ from typing import Any, NamedTuple
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
-from pipemark.errors import PipemarkError
+from pipemark.errors import PipemarkError, StageGraphError
 from pipemark.marks import forward_name, weight_name
 from pipemark.passes.framework import check_result, paused_collector
 from pipemark.primitive import pipeline_p
 from pipemark.staged import Stage, StagedJaxpr, ValueRef, new_ref, stage_debug_info
 
 __all__ = ["split_backward"]
+
+_NO_EFFECTS: frozenset = frozenset()
 
 
 class _Halves(NamedTuple):
@@ -39,6 +41,9 @@ class _Halves(NamedTuple):
     b_outputs: list[int]  # stage output positions B returns (then the exports)
     w_outputs: list[int]  # stage output positions W returns
     exports: list[Var]  # values B defines that W reads
+    w_name: str
+    b_reads: set[Var]  # what B's equations read and B returns (the stage inputs it needs)
+    w_reads: set[Var]  # what W's equations read and W returns
 
 
 def split_backward(staged: StagedJaxpr) -> StagedJaxpr:
@@ -83,132 +88,124 @@ def _split(staged: StagedJaxpr) -> StagedJaxpr:
     read_by_stages = {(r.stage, r.index) for s in stages for r in s.inputs if r.kind == "stage"}
     results = {(r.stage, r.index) for r in staged.outputs if r.kind == "stage"}
     new_stages: list[Stage] = []
-    # (old stage, old output) -> (new stage, new output)
-    moved: dict[tuple[int, int], tuple[int, int]] = {}
+    # Per old stage, where its outputs went: None (same stage, same place), its new
+    # index (moved down by the W stages before it), or per output a new reference.
+    where: list[int | list[ValueRef] | None] = []
     for c, stage in enumerate(stages):
         halves = None
         if forward_name(stage.name) is not None:
             halves = _halves(stage, c, read_by_stages, results)
-        inputs = tuple(_remap(ref, moved) for ref in stage.inputs)
+        if len(new_stages) == c:  # nothing split before it: it reads what it read
+            inputs = stage.inputs
+        else:
+            inputs = tuple(_remap(ref, where) for ref in stage.inputs)
         if halves is None:
-            b = len(new_stages)
-            new_stages.append(Stage(stage.name, stage.closed_jaxpr, inputs, stage.eqn_indices))
-            moved.update({(c, o): (b, o) for o in range(len(stage.jaxpr.outvars))})
+            moved = len(new_stages) != c
+            where.append(len(new_stages) if moved else None)
+            if moved or inputs is not stage.inputs:
+                stage = Stage(stage.name, stage.closed_jaxpr, inputs, stage.eqn_indices)
+            new_stages.append(stage)
             continue
-        _append_halves(new_stages, stage, inputs, halves, c, moved)
-    outputs = [_remap(ref, moved) for ref in staged.outputs]
-    return StagedJaxpr(new_stages, staged.invars, outputs, staged.debug_info, staged.signature)
+        where.append(_append_halves(new_stages, stage, inputs, halves))
+    outputs = [_remap(ref, where) for ref in staged.outputs]
+    names = [s.name for s in new_stages]
+    if len(set(names)) != len(names):
+        clash = next(n for n in names if names.count(n) > 1)  # the error path only
+        raise StageGraphError(
+            f"split_backward names a W stage {clash!r} (after its backward stage), but "
+            "the program already has a stage of that name; rename that stage."
+        )
+    # Valid by construction: unique names (checked above), and every reference to a
+    # program input or to an earlier stage's output.
+    result = StagedJaxpr._trusted(new_stages, staged.invars, outputs, staged.debug_info)
+    return result.with_signature(staged.signature)
 
 
-def _remap(ref: ValueRef, moved: dict[tuple[int, int], tuple[int, int]]) -> ValueRef:
+def _remap(ref: ValueRef, where: list[int | list[ValueRef] | None]) -> ValueRef:
     if ref.kind != "stage":
         return ref
-    stage, index = moved[(ref.stage, ref.index)]
-    return new_ref("stage", index, stage)
+    went = where[ref.stage]
+    if went is None:
+        return ref
+    if type(went) is int:
+        return new_ref("stage", ref.index, went)
+    return went[ref.index]
 
 
 def _halves(stage: Stage, c: int, read_by_stages: set, results: set) -> _Halves | None:
-    """How backward stage ``c`` splits, or ``None`` when one half would be empty."""
+    """How backward stage ``c`` splits, or ``None`` when one half would be empty.
+
+    One sweep from the last equation to the first, so every reader of an equation's
+    results is placed before the equation itself: the roots of W are the parameter
+    gradients (program results no other stage reads), every other output roots B. An
+    equation goes to W when W needs one of its results and B none; everything else
+    stays in B: what B needs, effects, and dead code, so that nothing is dropped and B
+    never reads what W computes. A marker is split by its operand/result pairs."""
     jaxpr = stage.jaxpr
     eqns, outvars = jaxpr.eqns, jaxpr.outvars
-    producer = {v: (i, k) for i, e in enumerate(eqns) for k, v in enumerate(e.outvars)}
-    # The outputs another stage reads (activation cotangents) root B; effects stay in B.
-    b_roots = [outvars[o] for o in range(len(outvars)) if (c, o) in read_by_stages]
-    effects = [i for i, e in enumerate(eqns) if e.effects and e.primitive is not pipeline_p]
-    b_whole, b_parts = _needs(eqns, b_roots, producer, effects)
-    w_outputs = [
+    w_roots = [
         o
-        for o in range(len(outvars))
-        if (c, o) in results
-        and (c, o) not in read_by_stages
-        and type(outvars[o]) is not Literal
-        and outvars[o] in producer
-        and not _in(b_whole, b_parts, *producer[outvars[o]])
+        for o, v in enumerate(outvars)
+        if (c, o) in results and (c, o) not in read_by_stages and type(v) is not Literal
     ]
-    if not w_outputs:
+    if not w_roots:
         return None
-    w_all_whole, w_all_parts = _needs(eqns, [outvars[o] for o in w_outputs], producer)
-    while True:
-        w_whole = w_all_whole - b_whole
-        w_parts = {i: ks - b_parts.get(i, set()) for i, ks in w_all_parts.items()}
-        b_eqns, w_eqns = _partition(eqns, w_whole, w_parts, weight_name(stage.name))
-        # What stays in B (dead code among it) must not read what W computes: such a
-        # value moves to B, with what it needs, until B reads only its own.
-        defined_in_w = {v for e in w_eqns for v in e.outvars}
-        wanted = [
-            a for e in b_eqns for a in e.invars if type(a) is not Literal and a in defined_in_w
-        ]
-        if not wanted:
-            break
-        more_whole, more_parts = _needs(eqns, wanted, producer)
-        b_whole |= more_whole
-        for i, ks in more_parts.items():
-            b_parts.setdefault(i, set()).update(ks)
-    w_outputs = [o for o in w_outputs if not _in(b_whole, b_parts, *producer[outvars[o]])]
-    if not w_outputs or not any(e.primitive is not pipeline_p for e in b_eqns):
+    w_need = {outvars[o] for o in w_roots}
+    rooted = set(w_roots)
+    b_need = {v for o, v in enumerate(outvars) if o not in rooted and type(v) is not Literal}
+    w_name = weight_name(stage.name)
+    b_rev: list[Any] = []
+    w_rev: list[Any] = []
+    w_defined: set[Var] = set()
+    markers_in_b = 0
+    for eqn in reversed(eqns):
+        if eqn.primitive is pipeline_p:
+            mine = [k for k, v in enumerate(eqn.outvars) if v in w_need and v not in b_need]
+            if mine:
+                w_rev.append(_pairs(eqn, mine, {**eqn.params, "name": w_name}))
+                w_defined.update(eqn.outvars[k] for k in mine)
+                _need(w_need, [eqn.invars[k] for k in mine])
+            rest = [k for k in range(len(eqn.outvars)) if k not in mine] if mine else None
+            if rest is None or rest:
+                markers_in_b += 1
+                b_rev.append(eqn if rest is None else _pairs(eqn, rest, eqn.params))
+                _need(b_need, eqn.invars if rest is None else [eqn.invars[k] for k in rest])
+            continue
+        outs = eqn.outvars
+        if not eqn.effects and not w_need.isdisjoint(outs) and b_need.isdisjoint(outs):
+            w_rev.append(eqn)
+            w_defined.update(outs)
+            needed = w_need
+        else:
+            b_rev.append(eqn)
+            needed = b_need
+        try:  # _need, inline: this loop runs once per equation of every backward stage
+            needed.update(eqn.invars)
+        except TypeError:  # a Literal among them
+            needed.update(a for a in eqn.invars if type(a) is not Literal)
+    w_outputs = [o for o in w_roots if outvars[o] in w_defined]
+    if not w_outputs or len(b_rev) == markers_in_b:
         return None  # W would be empty, or B holds nothing but markers (the stage is all W)
-    defined_in_b = {v for e in b_eqns for v in e.outvars}
-    exports: dict[Var, None] = {}
+    b_eqns, w_eqns = b_rev[::-1], w_rev[::-1]
+    b_defined = {v for e in b_eqns for v in e.outvars}
+    exports: dict[Var, None] = {}  # what W reads from B, in the order W first reads it
     for e in w_eqns:
         for a in e.invars:
-            if type(a) is not Literal and a in defined_in_b:
+            if type(a) is not Literal and a in b_defined:
                 exports[a] = None
-    b_outputs = [o for o in range(len(outvars)) if o not in w_outputs]
-    return _Halves(b_eqns, w_eqns, b_outputs, w_outputs, list(exports))
+    chosen = set(w_outputs)
+    b_outputs = [o for o in range(len(outvars)) if o not in chosen]
+    w_reads = w_need
+    if len(w_outputs) < len(w_roots):  # roots B returns after all: W may not read them
+        w_reads = {a for e in w_eqns for a in e.invars if type(a) is not Literal}
+    return _Halves(b_eqns, w_eqns, b_outputs, w_outputs, list(exports), w_name, b_need, w_reads)
 
 
-def _in(whole: set[int], parts: dict[int, set[int]], i: int, k: int) -> bool:
-    return i in whole or k in parts.get(i, ())
-
-
-def _needs(
-    eqns: Sequence[Any],
-    roots: Sequence[Any],
-    producer: dict[Var, tuple[int, int]],
-    seeds: Sequence[int] = (),
-) -> tuple[set[int], dict[int, set[int]]]:
-    """What the values ``roots`` (and the equations ``seeds``) depend on: whole
-    equations, and for each marker the result positions (a marker is an identity per
-    operand/result pair, so its result ``k`` needs only its operand ``k``)."""
-    whole: set[int] = set(seeds)
-    parts: dict[int, set[int]] = {}
-    seen: set[Var] = set()
-    stack = [*roots, *(a for i in seeds for a in eqns[i].invars)]
-    while stack:
-        v = stack.pop()
-        if type(v) is Literal or v in seen or v not in producer:
-            continue
-        seen.add(v)
-        i, k = producer[v]
-        eqn = eqns[i]
-        if eqn.primitive is pipeline_p:
-            parts.setdefault(i, set()).add(k)
-            stack.append(eqn.invars[k])
-        elif i not in whole:
-            whole.add(i)
-            stack.extend(eqn.invars)
-    return whole, parts
-
-
-def _partition(
-    eqns: Sequence[Any], w_whole: set[int], w_parts: dict[int, set[int]], w_name: str
-) -> tuple[list[Any], list[Any]]:
-    """The equations of B and of W, in program order. A marker is split by its
-    operand/result pairs (W's pairs in a marker named ``w_name``); an equation neither
-    half needs (dead code) stays in B, so nothing is dropped."""
-    b_eqns: list[Any] = []
-    w_eqns: list[Any] = []
-    for i, eqn in enumerate(eqns):
-        if eqn.primitive is not pipeline_p:
-            (w_eqns if i in w_whole else b_eqns).append(eqn)
-            continue
-        mine = sorted(w_parts.get(i, ()))
-        if mine:
-            w_eqns.append(_pairs(eqn, mine, {**eqn.params, "name": w_name}))
-        rest = [k for k in range(len(eqn.outvars)) if k not in set(mine)]
-        if rest or not eqn.outvars:
-            b_eqns.append(eqn if not mine else _pairs(eqn, rest, eqn.params))
-    return b_eqns, w_eqns
+def _need(needed: set, invars: Sequence[Any]) -> None:
+    try:
+        needed.update(invars)
+    except TypeError:  # a Literal among them (unhashable, and never a result)
+        needed.update(a for a in invars if type(a) is not Literal)
 
 
 def _pairs(eqn: Any, positions: list[int], params: dict) -> Any:
@@ -224,38 +221,34 @@ def _append_halves(
     stage: Stage,
     inputs: tuple[ValueRef, ...],
     halves: _Halves,
-    c: int,
-    moved: dict[tuple[int, int], tuple[int, int]],
-) -> None:
-    """Append B and W for backward stage ``c`` and record where its outputs went."""
+) -> list[ValueRef]:
+    """Append B and W for a backward stage; per output of the stage, where it went."""
     jaxpr, consts = stage.jaxpr, stage.closed_jaxpr.consts
     b, w = len(new_stages), len(new_stages) + 1
     b_out = [jaxpr.outvars[o] for o in halves.b_outputs] + halves.exports
-    b_reads = _reads(halves.b_eqns, b_out)
+    b_reads = halves.b_reads
     b_pairs = [(ref, v) for ref, v in zip(inputs, jaxpr.invars) if v in b_reads]
     b_inputs = tuple(ref for ref, _ in b_pairs)
     b_jaxpr = _sub_jaxpr(jaxpr, stage.name, halves.b_eqns, b_out, [v for _, v in b_pairs], b_inputs)
     new_stages.append(Stage(stage.name, ClosedJaxpr(b_jaxpr, consts), b_inputs))
     # W reads the stage inputs it needs, then B's exports.
     exported_at = {v: len(halves.b_outputs) + k for k, v in enumerate(halves.exports)}
-    w_reads = _reads(halves.w_eqns, [jaxpr.outvars[o] for o in halves.w_outputs])
+    w_reads = halves.w_reads
     stage_inputs = [(ref, v) for ref, v in zip(inputs, jaxpr.invars) if v in w_reads]
     w_invars = [v for _, v in stage_inputs] + halves.exports
     w_inputs = tuple(ref for ref, _ in stage_inputs) + tuple(
         new_ref("stage", exported_at[v], b) for v in halves.exports
     )
-    w_name = weight_name(stage.name)
+    w_name = halves.w_name
     w_out = [jaxpr.outvars[o] for o in halves.w_outputs]
     w_jaxpr = _sub_jaxpr(jaxpr, w_name, halves.w_eqns, w_out, w_invars, w_inputs)
     new_stages.append(Stage(w_name, ClosedJaxpr(w_jaxpr, consts), w_inputs))
-    moved.update({(c, o): (b, k) for k, o in enumerate(halves.b_outputs)})
-    moved.update({(c, o): (w, k) for k, o in enumerate(halves.w_outputs)})
-
-
-def _reads(eqns: Sequence[Any], outvars: Sequence[Any]) -> set[Var]:
-    reads = {a for e in eqns for a in e.invars if type(a) is not Literal}
-    reads.update(v for v in outvars if type(v) is not Literal)
-    return reads
+    went: list[Any] = [None] * len(jaxpr.outvars)
+    for k, o in enumerate(halves.b_outputs):
+        went[o] = new_ref("stage", k, b)
+    for k, o in enumerate(halves.w_outputs):
+        went[o] = new_ref("stage", k, w)
+    return went
 
 
 def _sub_jaxpr(
@@ -268,8 +261,8 @@ def _sub_jaxpr(
 ) -> Jaxpr:
     """A stage jaxpr of ``eqns`` from ``invars`` to ``outvars``, with the original's
     constants and the effects of its equations."""
-    effects: set[Any] = set()
-    for e in eqns:
-        effects.update(e.effects)
+    effects = [e.effects for e in eqns if e.effects]
+    # Most stages have no effect: one shared empty set, not a new one per stage.
+    effects = frozenset().union(*effects) if effects else _NO_EFFECTS
     info = stage_debug_info(name, inputs, len(outvars))
     return Jaxpr(jaxpr.constvars, invars, outvars, eqns, effects, info)

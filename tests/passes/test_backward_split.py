@@ -123,6 +123,17 @@ def test_split_backward_refuses_what_is_not_a_staged_program():
         pm.passes.split_backward(cj)
 
 
+def test_a_w_name_already_taken_is_refused():
+    ex = examples.mlp(num_layers=2, width=4, batch=2)
+    staged = pm.split(jax.value_and_grad(ex.loss_fn), *ex.args)
+    first = staged.stages[0]
+    taken = weight_name(staged.stages[2].name)  # what layer1_backward's W would be
+    stages = [pm.Stage(taken, first.closed_jaxpr, first.inputs), *staged.stages[1:]]
+    renamed = pm.StagedJaxpr(stages, staged.invars, staged.outputs)
+    with pytest.raises(pm.StageGraphError, match=f"names a W stage '{taken}'.*rename"):
+        pm.passes.split_backward(renamed)
+
+
 @settings(max_examples=15, deadline=None)
 @given(
     layers=st.integers(1, 4),
