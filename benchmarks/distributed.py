@@ -15,8 +15,9 @@ started by ``python -m pipemark.launch``, one CPU device each), on the same tanh
   graph's boundary bytes (each value crossing a process boundary once per microbatch and
   reading device): equal when the runtime makes no extra copies;
 * the time a point-to-point transfer between two processes takes per MiB, through the
-  runtime's transport and as a raw ``shard_map(ppermute)`` of the same bytes, in the
-  same run (target: transport <= 1.2 x raw).
+  runtime's transport and as a raw ``shard_map(ppermute)`` of the same bytes (a global
+  array built once), in the same run: the median of ``10 x --repeat`` calls each way,
+  alternating which goes first (target: transport <= 1.2 x raw).
 
 Numbers come from a shared 2-core machine: with more processes than cores the
 processes take turns on the cores, and the multi-process times say so.
@@ -118,17 +119,22 @@ def _transfers(repeat: int) -> dict:
             if me in (0, 1):
                 jax.block_until_ready(raw(glob))
 
-        # Each way in a block of its own, twice (interleaving them one call each puts
-        # the other process's skew into whichever comes second); the best call counts.
+        # Call by call, alternating which way goes first (the two processes meet at
+        # each transfer, so a call's time includes waiting for the other end: with
+        # the order alternating, both ways wait alike), 10 x ``repeat`` calls each way
+        # after a warm-up; the median call counts. On a shared 2-core machine bursts
+        # of other work slow some calls by 2x, which medians of whole blocks of calls
+        # did not smooth out (0.7-1.5x between runs at 1 MiB).
         times: dict[str, list[float]] = {"transport": [], "raw": []}
-        for _ in range(2):
-            for name, move in (("raw", by_raw), ("transport", by_transport)):
-                move()  # compiles the first time
-                for _ in range(repeat):
-                    start = time.perf_counter()
-                    move()
-                    times[name].append(time.perf_counter() - start)
-        result[mib] = {k: min(v) / mib for k, v in times.items()}
+        ways = [("raw", by_raw), ("transport", by_transport)]
+        for _, move in ways:
+            move()  # compiles
+        for call in range(10 * repeat):
+            for name, move in ways if call % 2 else ways[::-1]:
+                start = time.perf_counter()
+                move()
+                times[name].append(time.perf_counter() - start)
+        result[mib] = {k: float(np.median(v)) / mib for k, v in times.items()}
     return result
 
 

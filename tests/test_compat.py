@@ -115,3 +115,23 @@ def test_copies_between_two_devices_including_a_value_still_being_computed():
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_global_array_maker_equals_the_public_constructor(monkeypatch, fast):
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    if not fast:  # a JAX without the fast constructor: the public function
+        monkeypatch.setattr(_compat, "_ArrayImpl", None)
+    device = jax.devices()[0]
+    sharding = NamedSharding(Mesh(np.array([device]), ("pair",)), P("pair"))
+    block = jax.device_put(jnp.arange(6.0, dtype=jnp.float32).reshape(3, 2), device)
+    make = _compat.global_array_maker((3, 2), np.float32, sharding)
+    got = make([block])
+    want = jax.make_array_from_single_device_arrays((3, 2), sharding, [block])
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert got.sharding == want.sharding and got.committed
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # A program takes it like the public function's array.
+    assert float(jax.jit(lambda x: x.sum())(got)) == 15.0

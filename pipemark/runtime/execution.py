@@ -101,7 +101,8 @@ class _Program(NamedTuple):
     owner: dict[int, int]  # sliced stage -> its worker
     readers: dict[tuple[int, int], dict[int, int]]  # stage output -> {worker: readers}
     # Under jax.distributed, per entry of ``serial``: the transfers into its worker that
-    # precede it, as (producer worker, the keys it sends); empty in one process.
+    # precede it, as (producer worker, the keys it sends, their (shape, dtype)); empty
+    # in one process.
     incoming: tuple[tuple[tuple[int, tuple[tuple[int, int, int], ...]], ...], ...]
 
 
@@ -171,15 +172,18 @@ def _program(plan: PipelinePlan) -> _Program:
         num_actions=len(serial),
         owner=owner,
         readers=readers,
-        incoming=_incoming(serial, owner, devices),
+        incoming=_incoming(serial, owner, devices, staged.stages),
     )
     plan._program = program
     return program
 
 
-def _incoming(serial: list[tuple[int, _Step]], owner: dict[int, int], devices: tuple) -> tuple:
+def _incoming(
+    serial: list[tuple[int, _Step]], owner: dict[int, int], devices: tuple, stages: Sequence
+) -> tuple:
     """For each action in the global order, the values it reads from workers of other
-    processes that no earlier action on its worker received, grouped by producer."""
+    processes that no earlier action on its worker received, grouped by producer: the
+    producer, the values' keys and their ``(shape, dtype)``."""
     me = jax.process_index()
     process = [getattr(d, "process_index", me) for d in devices]
     moved: set[tuple[tuple[int, int, int], int]] = set()
@@ -193,7 +197,12 @@ def _incoming(serial: list[tuple[int, _Step]], owner: dict[int, int], devices: t
             if process[producer] != process[worker]:
                 moved.add((key, worker))
                 per_producer.setdefault(producer, []).append(key)
-        incoming.append(tuple((p, tuple(keys)) for p, keys in per_producer.items()))
+        incoming.append(
+            tuple(
+                (p, tuple(keys), tuple(_type(stages[i].out_avals[o]) for _, i, o in keys))
+                for p, keys in per_producer.items()
+            )
+        )
     return tuple(incoming)
 
 
@@ -333,6 +342,10 @@ def action_costs(
         )
         for kind in (FORWARD, BACKWARD, WEIGHT)
     }
+
+
+def _type(aval: Any) -> tuple[tuple[int, ...], Any]:
+    return tuple(aval.shape), np.dtype(aval.dtype)
 
 
 def _describe(plan: PipelinePlan, keys: list[tuple[int, int, int]]) -> str:
@@ -505,31 +518,32 @@ class _Call:
         order and nothing waits on a process that waits on it). Then every process
         receives the accumulated results of the others' stages."""
         program, plan = self.program, self.plan
-        self.transport = Transport(Watchdog(plan.timeout_s))
+        if plan._watchdog is None:  # one watching thread per plan, not one per call
+            plan._watchdog = Watchdog(plan.timeout_s)
+        self.transport = Transport(plan._watchdog)
         start = time.perf_counter()
         placed = {w: self.place(w) for w, mine in enumerate(self.local) if mine}
         for (worker, step), incoming in zip(program.serial, program.incoming):
-            for producer, keys in incoming:
-                self.transfer(producer, worker, keys)
+            for producer, keys, types in incoming:
+                self.transfer(producer, worker, keys, types)
             if self.local[worker]:
                 self.run_step(worker, step, placed[worker])
         self.boundary_bytes = (self.transport.bytes_sent, self.transport.bytes_received)
         self.gather()
         self.host_times.append(time.perf_counter() - start - self.transport.seconds)
 
-    def transfer(self, producer: int, reader: int, keys: Sequence[tuple[int, int, int]]) -> None:
-        """One transfer of the values ``keys`` from worker ``producer`` to worker
-        ``reader`` (of another process), if this process is one of the two ends."""
-        devices, stages = self.program.devices, self.plan.staged.stages
-        what = _describe(self.plan, keys)
+    def transfer(
+        self, producer: int, reader: int, keys: Sequence[tuple[int, int, int]], types: tuple
+    ) -> None:
+        """One transfer of the values ``keys`` (of ``types``) from worker ``producer``
+        to worker ``reader`` (of another process), if this process is one of the two
+        ends. What it carries is put into words only if a message needs it."""
+        devices = self.program.devices
+        what = functools.partial(_describe, self.plan, keys)
         if self.local[producer]:
             values = [self.outbox.pop((key, reader)) for key in keys]
             self.transport.send(values, devices[producer], devices[reader], what)
         elif self.local[reader]:
-            types = [
-                (aval.shape, aval.dtype)
-                for aval in (stages[index].out_avals[o] for _, index, o in keys)
-            ]
             values = self.transport.receive(types, devices[producer], devices[reader], what)
             readers = self.program.readers
             self.exchange.publish(

@@ -258,6 +258,8 @@ class PipelinePlan:
     )
     # Per device worker, the microbatch scale placed on its device.
     _scales: dict[int, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    # Under jax.distributed, the watchdog of its transfers (one thread, for every call).
+    _watchdog: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def num_stages(self) -> int:

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -31,7 +31,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pipemark._compat import shard_map
+from pipemark._compat import global_array_maker, shard_map
 from pipemark.caches import register_cache
 from pipemark.errors import ProcessError
 
@@ -39,8 +39,8 @@ __all__ = ["Transport", "Watchdog"]
 
 
 class Watchdog:
-    """Stops this process, with ``message`` on standard error, when a wait started by
-    :meth:`waiting` lasts longer than ``timeout_s``. A process blocked in a collective
+    """Stops this process, saying on standard error what it waited for, when a wait started by
+    :meth:`arm` lasts longer than ``timeout_s``. A process blocked in a collective
     whose peer died or raised cannot be interrupted from Python: exiting is the only
     bounded way out (the launcher, :mod:`pipemark.launch`, then stops the others)."""
 
@@ -49,57 +49,42 @@ class Watchdog:
 
     def __init__(self, timeout_s: float | None) -> None:
         self.timeout_s = timeout_s
-        self._deadline: float | None = None
-        self._message = ""
-        self._lock = threading.Lock()
+        # What the current wait is for and when it times out, as one tuple (or None):
+        # one attribute store arms or disarms, so the hot path (a wait per transfer)
+        # takes no lock, and the watching thread reads a consistent pair.
+        self._waiting: tuple[float, Any] | None = None
         self._thread: threading.Thread | None = None
 
-    def waiting(self, message: str) -> _Wait:
-        """A context manager around one blocking wait; ``message`` says what for."""
-        return _Wait(self, message)
-
-    def _arm(self, message: str) -> None:
+    def arm(self, what: Any) -> None:
+        """A blocking wait starts; ``what`` (a string, or a function giving one, called
+        only on a timeout) says what it waits for. :meth:`disarm` when it ends."""
         if self.timeout_s is None:
             return
-        with self._lock:
-            self._deadline = time.monotonic() + self.timeout_s
-            self._message = message
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._watch, name="pipemark-watchdog", daemon=True
-                )
-                self._thread.start()
+        self._waiting = (time.monotonic() + self.timeout_s, what)
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._watch, name="pipemark-watchdog", daemon=True
+            )
+            self._thread.start()
 
-    def _disarm(self) -> None:
-        with self._lock:
-            self._deadline = None
+    def disarm(self) -> None:
+        self._waiting = None
 
     def _watch(self) -> None:
         while True:
             time.sleep(min(1.0, max(self.timeout_s or 1.0, 0.05) / 4))
-            with self._lock:
-                late = self._deadline is not None and time.monotonic() > self._deadline
-                message = self._message
-            if late:
+            waiting = self._waiting
+            if waiting is not None and time.monotonic() > waiting[0]:
+                what = waiting[1]
                 print(
                     f"pipemark: process {jax.process_index()} waited more than "
-                    f"{self.timeout_s:g} s {message}; that process has died, raised or "
-                    "hangs. Stopping this process (PipelineOptions.timeout_s).",
+                    f"{self.timeout_s:g} s {what() if callable(what) else what}; that "
+                    "process has died, raised or hangs. Stopping this process "
+                    "(PipelineOptions.timeout_s).",
                     file=sys.stderr,
                     flush=True,
                 )
                 os._exit(self.EXIT_STATUS)
-
-
-class _Wait:
-    def __init__(self, watchdog: Watchdog, message: str) -> None:
-        self.watchdog, self.message = watchdog, message
-
-    def __enter__(self) -> None:
-        self.watchdog._arm(self.message)
-
-    def __exit__(self, *exc: Any) -> None:
-        self.watchdog._disarm()
 
 
 class Transport:
@@ -112,53 +97,58 @@ class Transport:
         self.bytes_received = 0
         self.seconds = 0.0
 
-    def send(self, values: Sequence[Any], source: Any, target: Any, what: str) -> None:
-        """Send ``values`` (on ``source``, a device of this process) to ``target``;
-        the process owning ``target`` calls :meth:`receive` at the same point."""
-        types = tuple((tuple(v.shape), np.dtype(v.dtype)) for v in values)
-        shards = [_as_block(v) for v in values]
-        self._transfer(
-            shards, types, source, target, f"sending {what} to process {target.process_index}"
-        )
-        self.bytes_sent += sum(v.nbytes for v in values)
+    def send(self, values: Sequence[Any], source: Any, target: Any, what: Any) -> None:
+        """Send ``values`` (on ``source``, a device of this process: the runtime's come
+        from programs compiled for it) to ``target``; the process owning ``target``
+        calls :meth:`receive` at the same point. ``what`` names what moves, for a
+        message: a string, or a function giving one."""
+        pair = _pair(source, target, tuple((tuple(v.shape), np.dtype(v.dtype)) for v in values))
+        arrays = [make([_as_block(v)]) for make, v in zip(pair.makers, values)]
+        self._transfer(pair.program, arrays, ("sending", what, "to", target))
+        self.bytes_sent += pair.nbytes
 
-    def receive(self, types: Sequence[tuple], source: Any, target: Any, what: str) -> list[Any]:
+    def receive(self, types: Sequence[tuple], source: Any, target: Any, what: Any) -> list[Any]:
         """The values ``source``'s process sends with :meth:`send`, on ``target`` (a
         device of this process); ``types`` are their ``(shape, dtype)``."""
         types = tuple((tuple(s), np.dtype(d)) for s, d in types)
-        shards = [_placeholder(s, d, target) for s, d in types]
-        what = f"for {what} from process {source.process_index}"
-        out = self._transfer(shards, types, source, target, what)
+        pair = _pair(source, target, types)
+        out = self._transfer(pair.program, pair.placeholders, ("for", what, "from", source))
         values = [a.addressable_data(0) for a in out]
         values = [v.reshape(s) if v.shape != s else v for v, (s, _) in zip(values, types)]
-        self.bytes_received += sum(v.nbytes for v in values)
+        self.bytes_received += pair.nbytes
         return values
 
-    def _transfer(
-        self, shards: list[Any], types: tuple, source: Any, target: Any, what: str
-    ) -> list[Any]:
+    def _transfer(self, program: Any, arrays: list[Any], what: tuple) -> list[Any]:
         """Run the transfer and wait for it to finish. A collective that fails, or
         never ends, because the other process is gone becomes a clear error (starting
-        one may block too: the first transfer between two processes connects them)."""
+        one may block too: the first transfer between two processes connects them).
+        ``what`` says what moves, to or from which device; the message is only built
+        when it is needed."""
         start = time.perf_counter()
-        with self.watchdog.waiting(what):
-            try:
-                sharding, program = _transfer_program(source, target, types)
-                arrays = [
-                    jax.make_array_from_single_device_arrays(
-                        (2 * shard.shape[0], *shard.shape[1:]), sharding, [shard]
-                    )
-                    for shard in shards
-                ]
-                out = jax.block_until_ready(program(arrays))
-            except Exception as error:
-                first = str(error).splitlines()[0] if str(error) else ""
-                raise ProcessError(
-                    f"process {jax.process_index()}: the transfer {what} failed; that "
-                    f"process has probably died or raised ({type(error).__name__}: {first})."
-                ) from error
+        watchdog = self.watchdog
+        watchdog.arm(functools.partial(_says, what))
+        try:
+            out = program(arrays)
+            for array in out:
+                array.block_until_ready()
+        except Exception as error:
+            first = str(error).splitlines()[0] if str(error) else ""
+            raise ProcessError(
+                f"process {jax.process_index()}: the transfer {_says(what)} failed; that "
+                f"process has probably died or raised ({type(error).__name__}: {first})."
+            ) from error
+        finally:
+            watchdog.disarm()
         self.seconds += time.perf_counter() - start
         return out
+
+
+def _says(what: tuple) -> str:
+    """``("sending", "x", "to", device)`` -> ``"sending x to process 1"``; ``"x"`` may
+    be a function giving it (the runtime's, which words it only when needed)."""
+    verb, value, way, device = what
+    value = value() if callable(value) else value
+    return f"{verb} {value} {way} process {device.process_index}"
 
 
 def _as_block(value: Any) -> Any:
@@ -166,29 +156,45 @@ def _as_block(value: Any) -> Any:
     return value.reshape(1) if value.ndim == 0 else value
 
 
-@functools.lru_cache(maxsize=256)
-def _placeholder(shape: tuple, dtype: Any, device: Any) -> Any:
-    # Immutable: one placeholder per type serves every transfer that receives it.
-    block = shape or (1,)
-    return jax.device_put(np.zeros(block, dtype), device)
+class _Pair(NamedTuple):
+    """What transfers of values of some types between two devices share."""
+
+    program: Any  # the compiled transfer
+    makers: list[Any]  # per value: its global array from the sender's shard
+    placeholders: list[Any] | None  # the receiving end's arguments (on its process)
+    nbytes: int  # the bytes one transfer moves (jax.Array.nbytes costs ~10 µs a value)
 
 
 @functools.lru_cache(maxsize=256)
-def _transfer_program(source: Any, target: Any, types: tuple) -> tuple[NamedSharding, Any]:
-    """The sharding of a transfer's global arrays over the two devices, and the compiled
-    transfer of values of ``types``. One sharding object per pair and types: jit's fast
-    dispatch path recognises an argument's sharding by identity, and a new (equal)
-    one each call sent every transfer down the slow path (about 0.15 ms each)."""
-    del types  # part of the key: one compiled program per list of types
+def _pair(source: Any, target: Any, types: tuple) -> _Pair:
+    """The compiled transfer of values of ``types`` from ``source`` to ``target``, how
+    the sender makes its global arrays, and, where this process owns ``target``, the
+    global arrays the receiving end passes (placeholders of those types: immutable, so
+    one set serves every transfer). One sharding object per pair and types: jit's fast
+    dispatch path recognises an argument's sharding by identity, and a new (equal) one
+    each call sent every transfer down the slow path (about 0.15 ms each)."""
     mesh = Mesh(np.array([source, target]), ("pair",))
 
     def move(blocks: list[Any]) -> list[Any]:
         return [lax.ppermute(b, "pair", perm=[(0, 1)]) for b in blocks]
 
     spec = P("pair")
+    sharding = NamedSharding(mesh, spec)
     program = jax.jit(shard_map(move, mesh=mesh, in_specs=(spec,), out_specs=spec))
-    return NamedSharding(mesh, spec), program
+    # Each global array holds a value's block on each device: the first axis doubles.
+    blocks = [shape or (1,) for shape, _ in types]
+    makers = [
+        global_array_maker((2 * b[0], *b[1:]), dtype, sharding)
+        for b, (_, dtype) in zip(blocks, types)
+    ]
+    placeholders = None
+    if target.process_index == jax.process_index():
+        placeholders = [
+            make([jax.device_put(np.zeros(b, dtype), target)])
+            for make, b, (_, dtype) in zip(makers, blocks, types)
+        ]
+    nbytes = sum(int(np.prod(shape)) * dtype.itemsize for shape, dtype in types)
+    return _Pair(program, makers, placeholders, nbytes)
 
 
-register_cache(_placeholder.cache_clear)
-register_cache(_transfer_program.cache_clear)
+register_cache(_pair.cache_clear)

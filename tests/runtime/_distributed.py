@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 
 def _setup() -> tuple[str, str, int]:
@@ -56,6 +57,10 @@ def runs():
         yield "lm", lm.loss_fn, lm.params, lm.batch, schedule, STAGES
 
 
+def _watchdog_threads() -> int:
+    return sum(t.name == "pipemark-watchdog" for t in threading.enumerate())
+
+
 def main() -> None:
     me = jax.process_index()
     if MODE == "die" and me == 1:
@@ -70,6 +75,10 @@ def main() -> None:
             timeout_s=TIMEOUT,
         )
         (loss, grads), timings = step.timed_call(params, batch)
+        # Later calls reuse the plan's watchdog: no thread is left behind per call.
+        watchdogs = _watchdog_threads()
+        jax.block_until_ready(step(params, batch))
+        assert _watchdog_threads() == watchdogs, (watchdogs, _watchdog_threads())
         leaves = jax.tree_util.tree_leaves((loss, grads))
         for i, leaf in enumerate(leaves):
             saved[f"{name}-{schedule}-{i}"] = np.asarray(leaf)
