@@ -63,10 +63,11 @@ class ValueRef:
         return ValueRef("const", value=value)
 
     def __str__(self) -> str:
-        if self.kind == "input":
-            return f"input[{self.index}]"
-        if self.kind == "stage":
+        kind = self.kind
+        if kind == "stage":  # the most common: stage debug info names each input so
             return f"stage{self.stage}[{self.index}]"
+        if kind == "input":
+            return f"input[{self.index}]"
         return f"const({self.value!r})"
 
     def __repr__(self) -> str:

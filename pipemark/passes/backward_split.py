@@ -87,14 +87,18 @@ def _split(staged: StagedJaxpr) -> StagedJaxpr:
     stages = staged.stages
     read_by_stages = {(r.stage, r.index) for s in stages for r in s.inputs if r.kind == "stage"}
     results = {(r.stage, r.index) for r in staged.outputs if r.kind == "stage"}
+    # Per stage, the outputs that root W: program results no other stage reads.
+    w_roots: dict[int, list[int]] = {}
+    for c, o in sorted(results - read_by_stages):
+        w_roots.setdefault(c, []).append(o)
     new_stages: list[Stage] = []
     # Per old stage, where its outputs went: None (same stage, same place), its new
     # index (moved down by the W stages before it), or per output a new reference.
     where: list[int | list[ValueRef] | None] = []
     for c, stage in enumerate(stages):
         halves = None
-        if forward_name(stage.name) is not None:
-            halves = _halves(stage, c, read_by_stages, results)
+        if c in w_roots and forward_name(stage.name) is not None:
+            halves = _halves(stage, w_roots[c])
         if len(new_stages) == c:  # nothing split before it: it reads what it read
             inputs = stage.inputs
         else:
@@ -132,8 +136,9 @@ def _remap(ref: ValueRef, where: list[int | list[ValueRef] | None]) -> ValueRef:
     return went[ref.index]
 
 
-def _halves(stage: Stage, c: int, read_by_stages: set, results: set) -> _Halves | None:
-    """How backward stage ``c`` splits, or ``None`` when one half would be empty.
+def _halves(stage: Stage, roots: list[int]) -> _Halves | None:
+    """How a backward stage splits, given the outputs that root W (``roots``), or
+    ``None`` when one half would be empty.
 
     One sweep from the last equation to the first, so every reader of an equation's
     results is placed before the equation itself: the roots of W are the parameter
@@ -143,11 +148,7 @@ def _halves(stage: Stage, c: int, read_by_stages: set, results: set) -> _Halves 
     never reads what W computes. A marker is split by its operand/result pairs."""
     jaxpr = stage.jaxpr
     eqns, outvars = jaxpr.eqns, jaxpr.outvars
-    w_roots = [
-        o
-        for o, v in enumerate(outvars)
-        if (c, o) in results and (c, o) not in read_by_stages and type(v) is not Literal
-    ]
+    w_roots = [o for o in roots if type(outvars[o]) is not Literal]
     if not w_roots:
         return None
     w_need = {outvars[o] for o in w_roots}
