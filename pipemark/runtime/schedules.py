@@ -296,6 +296,17 @@ class Schedule:
         return stage_successors(self.predecessors)
 
     @property
+    def stage_graph(self) -> dict[int, tuple[int, ...]]:
+        """The stage graph, ``{stage: its predecessors}``: what another schedule for the
+        same pipeline is built with, e.g. ``pm.zero_bubble_schedule(S, M, costs=...,
+        stage_graph=pipe.plan(params, batch).schedule.stage_graph)``.
+
+        >>> make_schedule("1f1b", 3, 2).stage_graph
+        {0: (), 1: (0,), 2: (1,)}
+        """
+        return dict(enumerate(self.predecessors))
+
+    @property
     def splits_backward(self) -> bool:
         """Whether the backward is split into backward and weight actions."""
         return any(a.kind == WEIGHT for tick in self.ticks for a in tick if a)
@@ -658,7 +669,8 @@ def make_schedule(
             raise StageGraphError(
                 f"The schedule {kind.name!r} was built for the stage graph "
                 f"{_edges_text(kind.predecessors)}, but the pipeline's is "
-                f"{_edges_text(preds)}. Build it with stage_graph= the pipeline's graph."
+                f"{_edges_text(preds)}. Build it with stage_graph= the pipeline's graph "
+                "(pipe.plan(params, batch).schedule.stage_graph gives it)."
             )
         return kind
     if kind == "gpipe":

@@ -61,6 +61,25 @@ def main() -> None:
             # Measuring leaves the pipeline as it was.
             again = jax.tree_util.tree_leaves(step(params, batch))
             assert all(np.array_equal(a, b) for a, b in zip(again, got))
+            if schedule == "zb-h1":
+                # A schedule built on the measured costs runs like the named one.
+                graph = plan.schedule.stage_graph  # the MLP has a skip connection
+                chain = pm.zero_bubble_schedule(4, 4, costs=costs)
+                if chain.stage_graph != graph:  # built for another graph: refused
+                    other = pm.pipeline_value_and_grad(
+                        loss_fn, num_stages=4, num_microbatches=4, schedule=chain
+                    )
+                    try:
+                        other(params, batch)
+                        raise AssertionError("a schedule for another stage graph ran")
+                    except pm.StageGraphError as error:
+                        assert "schedule.stage_graph gives it" in str(error), error
+                tuned = pm.zero_bubble_schedule(4, 4, costs=costs, stage_graph=graph)
+                mine = pm.pipeline_value_and_grad(
+                    loss_fn, num_stages=4, num_microbatches=4, schedule=tuned
+                )
+                tuned_got = jax.tree_util.tree_leaves(mine(params, batch))
+                assert all(np.allclose(a, b, rtol=1e-6, atol=1e-8) for a, b in zip(tuned_got, got))
             print(f"{name} {schedule}: ok", flush=True)
 
 
