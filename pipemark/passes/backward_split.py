@@ -85,12 +85,16 @@ def split_backward(staged: StagedJaxpr) -> StagedJaxpr:
 
 def _split(staged: StagedJaxpr) -> StagedJaxpr:
     stages = staged.stages
-    read_by_stages = {(r.stage, r.index) for s in stages for r in s.inputs if r.kind == "stage"}
-    results = {(r.stage, r.index) for r in staged.outputs if r.kind == "stage"}
     # Per stage, the outputs that root W: program results no other stage reads.
-    w_roots: dict[int, list[int]] = {}
-    for c, o in sorted(results - read_by_stages):
-        w_roots.setdefault(c, []).append(o)
+    unread: dict[int, set[int]] = {}
+    for r in staged.outputs:
+        if r.kind == "stage":
+            unread.setdefault(r.stage, set()).add(r.index)
+    for s in stages:
+        for r in s.inputs:
+            if r.kind == "stage" and r.stage in unread:
+                unread[r.stage].discard(r.index)
+    w_roots = {c: sorted(os) for c, os in unread.items() if os}
     new_stages: list[Stage] = []
     # Per old stage, where its outputs went: None (same stage, same place), its new
     # index (moved down by the W stages before it), or per output a new reference.
@@ -102,7 +106,7 @@ def _split(staged: StagedJaxpr) -> StagedJaxpr:
         if len(new_stages) == c:  # nothing split before it: it reads what it read
             inputs = stage.inputs
         else:
-            inputs = tuple(_remap(ref, where) for ref in stage.inputs)
+            inputs = tuple([_remap(ref, where) for ref in stage.inputs])
         if halves is None:
             moved = len(new_stages) != c
             where.append(len(new_stages) if moved else None)
@@ -227,22 +231,26 @@ def _append_halves(
     jaxpr, consts = stage.jaxpr, stage.closed_jaxpr.consts
     b, w = len(new_stages), len(new_stages) + 1
     b_out = [jaxpr.outvars[o] for o in halves.b_outputs] + halves.exports
-    b_reads = halves.b_reads
-    b_pairs = [(ref, v) for ref, v in zip(inputs, jaxpr.invars) if v in b_reads]
-    b_inputs = tuple(ref for ref, _ in b_pairs)
-    b_jaxpr = _sub_jaxpr(jaxpr, stage.name, halves.b_eqns, b_out, [v for _, v in b_pairs], b_inputs)
+    invars = jaxpr.invars
+    b_reads, w_reads = halves.b_reads, halves.w_reads
+    b_keep = [i for i, v in enumerate(invars) if v in b_reads]
+    w_keep = [i for i, v in enumerate(invars) if v in w_reads]
+    names = list(map(str, inputs))  # each input's debug name, made once for both halves
+    b_inputs = tuple([inputs[i] for i in b_keep])
+    b_jaxpr = _sub_jaxpr(
+        jaxpr, stage.name, halves.b_eqns, b_out, [invars[i] for i in b_keep],
+        b_inputs, [names[i] for i in b_keep],
+    )  # fmt: skip
     new_stages.append(Stage(stage.name, ClosedJaxpr(b_jaxpr, consts), b_inputs))
     # W reads the stage inputs it needs, then B's exports.
-    exported_at = {v: len(halves.b_outputs) + k for k, v in enumerate(halves.exports)}
-    w_reads = halves.w_reads
-    stage_inputs = [(ref, v) for ref, v in zip(inputs, jaxpr.invars) if v in w_reads]
-    w_invars = [v for _, v in stage_inputs] + halves.exports
-    w_inputs = tuple(ref for ref, _ in stage_inputs) + tuple(
-        new_ref("stage", exported_at[v], b) for v in halves.exports
-    )
+    first = len(halves.b_outputs)
+    exported = [new_ref("stage", first + k, b) for k in range(len(halves.exports))]
+    w_inputs = tuple([inputs[i] for i in w_keep] + exported)
+    w_invars = [invars[i] for i in w_keep] + halves.exports
     w_name = halves.w_name
     w_out = [jaxpr.outvars[o] for o in halves.w_outputs]
-    w_jaxpr = _sub_jaxpr(jaxpr, w_name, halves.w_eqns, w_out, w_invars, w_inputs)
+    w_names = [names[i] for i in w_keep] + [str(ref) for ref in exported]
+    w_jaxpr = _sub_jaxpr(jaxpr, w_name, halves.w_eqns, w_out, w_invars, w_inputs, w_names)
     new_stages.append(Stage(w_name, ClosedJaxpr(w_jaxpr, consts), w_inputs))
     went: list[Any] = [None] * len(jaxpr.outvars)
     for k, o in enumerate(halves.b_outputs):
@@ -259,11 +267,12 @@ def _sub_jaxpr(
     outvars: list[Any],
     invars: list[Var],
     inputs: Sequence[ValueRef],
+    names: Sequence[str],
 ) -> Jaxpr:
     """A stage jaxpr of ``eqns`` from ``invars`` to ``outvars``, with the original's
     constants and the effects of its equations."""
     effects = [e.effects for e in eqns if e.effects]
     # Most stages have no effect: one shared empty set, not a new one per stage.
     effects = frozenset().union(*effects) if effects else _NO_EFFECTS
-    info = stage_debug_info(name, inputs, len(outvars))
+    info = stage_debug_info(name, inputs, len(outvars), names)
     return Jaxpr(jaxpr.constvars, invars, outvars, eqns, effects, info)
