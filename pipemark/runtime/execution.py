@@ -103,7 +103,7 @@ class _Program(NamedTuple):
     # Under jax.distributed, per entry of ``serial``: the transfers into its worker that
     # precede it, as (producer worker, the keys it sends, their (shape, dtype)); empty
     # in one process.
-    incoming: tuple[tuple[tuple[int, tuple[tuple[int, int, int], ...]], ...], ...]
+    incoming: tuple[tuple[tuple[int, tuple[tuple[int, int, int], ...], tuple], ...], ...]
 
 
 def _program(plan: PipelinePlan) -> _Program:
