@@ -45,9 +45,15 @@ TIMEOUT = float(os.environ.get("PIPEMARK_TEST_TIMEOUT", "60"))
 
 def runs():
     """(name, loss, params, batch, schedule, stages): every schedule on the MLP (two
-    stages per device when interleaved), GPipe and 1F1B on the language model."""
+    stages per device when interleaved or ZB-V), GPipe and 1F1B on the language model."""
     mlp = examples.mlp(num_layers=2 * STAGES, width=16, batch=8)
-    runs = (("gpipe", STAGES), ("1f1b", STAGES), ("interleaved", 2 * STAGES), ("zb-h1", STAGES))
+    runs = (
+        ("gpipe", STAGES),
+        ("1f1b", STAGES),
+        ("interleaved", 2 * STAGES),
+        ("zb-h1", STAGES),
+        ("zb-v", 2 * STAGES),  # two stages per device (so per process), in a V
+    )
     for schedule, stages in runs:
         yield "mlp", mlp.loss_fn, mlp.params, mlp.batch, schedule, stages
     lm = examples.language_model(

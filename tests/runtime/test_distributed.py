@@ -53,6 +53,7 @@ def test_stages_in_processes_equal_the_single_process_pipeline(tmp_path, num_pro
         "1f1b",
         "interleaved",
         "zb-h1",
+        "zb-v",
     }
     for process in range(num_processes):
         got = np.load(tmp_path / f"run-{process}.npz")
