@@ -37,6 +37,9 @@ def test_passes_benchmark_prints_its_table_and_verdict():
     assert any(line.startswith("- mlp: ratio") and "bare def-use sweep" in line for line in lines)
     front = next(line for line in lines if line.startswith("- mlp, 300 equations: inline_calls"))
     assert "% of the pipeline" in front and "with the program in one jit" in front
+    splits = [line for line in lines if "split_backward" in line and "ratio" in line]
+    assert len(splits) == 3 and all("(target <= 0.05)" in line for line in splits)
+    assert "a stage per layer" in splits[0] and "auto_layers into 8" in splits[1]
 
 
 def test_runtime_benchmark_prints_its_tables():
