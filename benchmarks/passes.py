@@ -125,6 +125,13 @@ def _pipeline(cj: Any, collector: bool, insert: bool = True) -> dict[str, float]
     return times
 
 
+def _fresh_trace(example: Any) -> tuple[float, Any]:
+    """The example's gradient program traced afresh, and the seconds it took (the
+    collector runs before, never inside, a timed call: see :func:`measure`)."""
+    gc.collect()
+    return _timed(lambda: example.trace(grad=True), collector=False)
+
+
 def measure(kind: str, num_eqns: int, repeat: int, markers: str = "boundary") -> dict[str, Any]:
     insert = markers == "boundary"
     example = examples.sized(kind, num_eqns, markers=markers)
@@ -135,8 +142,7 @@ def measure(kind: str, num_eqns: int, repeat: int, markers: str = "boundary") ->
     # walks the whole heap and leaves the CPU caches cold for whatever runs next.
     trace_times, pass_times = [], []
     for _ in range(repeat):
-        gc.collect()
-        seconds, cj = _timed(lambda: example.trace(grad=True), collector=False)
+        seconds, cj = _fresh_trace(example)
         trace_times.append(seconds)
         pass_times.append(_pipeline(cj, collector=False, insert=insert))
     best = {name: min(t[name] for t in pass_times) for name in pass_times[0]}
@@ -200,8 +206,7 @@ def backward_split_line(
     example = examples.sized(kind, num_eqns, markers=markers)
     traces, splits = [], []
     for _ in range(repeat):
-        gc.collect()
-        seconds, cj = _timed(lambda: example.trace(grad=True), collector=False)
+        seconds, cj = _fresh_trace(example)
         traces.append(seconds)
         staged = split_jaxpr(cj, num_stages=num_stages)
         gc.collect()
