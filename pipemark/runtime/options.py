@@ -20,12 +20,13 @@ from typing import Any
 from pipemark.errors import PipemarkError
 from pipemark.runtime.losses import LOSS_REDUCTIONS
 from pipemark.runtime.schedules import Schedule
+from pipemark.runtime.simulation import ZERO_BUBBLE_VARIANTS
 
 __all__ = ["PipelineOptions", "check_positive"]
 
 #: The schedules named by a string (a :class:`~pipemark.runtime.schedules.Schedule`
 #: object is taken as it is).
-NAMED_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+NAMED_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", *ZERO_BUBBLE_VARIANTS)
 
 
 def check_positive(value: Any, what: str) -> int:
@@ -103,7 +104,7 @@ class PipelineOptions:
         """Whether the schedule runs the backward as B and W (a zero-bubble schedule)."""
         if isinstance(self.schedule, Schedule):
             return self.schedule.splits_backward
-        return self.schedule in ("zb-h1", "zb-v")
+        return self.schedule in ZERO_BUBBLE_VARIANTS
 
     @property
     def schedule_name(self) -> str:

@@ -20,7 +20,13 @@ from jax.sharding import SingleDeviceSharding
 
 from pipemark.caches import register_cache
 from pipemark.errors import PipemarkError, StageGraphError
-from pipemark.marks import backward_name, owner_name, weight_name
+from pipemark.marks import (
+    BACKWARD_SUFFIX,
+    WEIGHT_SUFFIX,
+    backward_name,
+    owner_name,
+    weight_name,
+)
 from pipemark.passes.backward_split import split_backward
 from pipemark.passes.inline import inline_calls
 from pipemark.runtime.losses import LOSS_REDUCTIONS, find_batch_normaliser
@@ -163,7 +169,7 @@ def _pair_stages(
                 f"Stage {name!r} has no forward stage named "
                 f"{owner_name(name)!r} to pair with; the runtime runs each "
                 "backward stage on the device of its forward stage. Do not name a forward "
-                "stage with a '_backward' suffix."
+                f"stage with a {BACKWARD_SUFFIX!r} or {WEIGHT_SUFFIX!r} suffix."
             )
     return forward, backward, weight
 
@@ -413,13 +419,11 @@ def _schedule(
     available = list(jax.devices() if devices is None else devices)
     if len({id(d) for d in available}) != len(available):
         raise PipemarkError("devices lists a device twice; give each pipeline device once.")
-    if isinstance(schedule, Schedule):  # its own placement, checked below
-        num_devices = schedule.num_devices
-    elif options.schedule_name == "interleaved":
+    if isinstance(schedule, Schedule) or schedule in ("interleaved", "zb-v"):
+        # Several stages may share a device (a Schedule places its own): the devices
+        # it uses are checked against those available below.
         num_devices = len(available)
-    elif options.schedule_name == "zb-v":
-        num_devices = (count + 1) // 2  # two stages per device, in a V
-    else:
+    else:  # one stage per device
         num_devices = count
         if count > len(available):
             raise PipemarkError(

@@ -331,3 +331,14 @@ def test_flax_optax_train_step_runs_as_a_pipeline():
     np.testing.assert_allclose(got[2], want[2], rtol=1e-5, atol=1e-6)
     for a, b in zip(jax.tree_util.tree_leaves(got[:2]), jax.tree_util.tree_leaves(want[:2])):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("suffix", ["_backward", "_weight"])
+def test_a_forward_stage_named_like_a_backward_half_is_refused(suffix):
+    def loss_fn(w, x):
+        x, w = pm.mark((x, w), name="layer" + suffix, mark_type="start")
+        return jnp.mean(pm.mark(jnp.tanh(x @ w), name="layer" + suffix, mark_type="end"))
+
+    pipe = pm.pipeline_value_and_grad(loss_fn, num_microbatches=1, devices=jax.devices()[:1])
+    with pytest.raises(pm.StageGraphError, match="'_backward' or '_weight' suffix"):
+        pipe(jnp.eye(2), jnp.ones((2, 2)))
