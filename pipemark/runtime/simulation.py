@@ -124,6 +124,7 @@ def simulate_schedule(schedule: Schedule, costs: Costs = None) -> Simulation:
     preds = schedule.predecessors
     succ = schedule.successors
     orders = schedule.device_orders()
+    needs = {a: dependencies(a, preds, succ) for order in orders for a in order}
     position = [0] * len(orders)
     free = [0.0] * len(orders)
     busy = [0.0] * len(orders)
@@ -135,10 +136,9 @@ def simulate_schedule(schedule: Schedule, costs: Costs = None) -> Simulation:
         for d, order in enumerate(orders):
             while position[d] < len(order):
                 action = order[position[d]]
-                needs = dependencies(action, preds, succ)
-                if any(n not in finish for n in needs):
+                if any(n not in finish for n in needs[action]):
                     break
-                begin = max([free[d], *(finish[n] for n in needs)])
+                begin = max([free[d], *(finish[n] for n in needs[action])])
                 length = cost(action)
                 start[action], finish[action] = begin, begin + length
                 free[d] = begin + length
@@ -151,15 +151,15 @@ def simulate_schedule(schedule: Schedule, costs: Costs = None) -> Simulation:
     makespan = max(finish.values(), default=0.0)
     idle = 1.0 - sum(busy) / (len(orders) * makespan) if makespan else 0.0
     bubble = makespan - sum(busy) / len(orders)
-    bound = _makespan_bound(orders, cost, preds, succ)
+    bound = _makespan_bound(orders, cost, needs)
     return Simulation(start, finish, makespan, tuple(busy), idle, bubble, bound)
 
 
-def _makespan_bound(orders, cost, preds, succ) -> float:
-    """The least makespan of any order of these actions on these devices: the longest
-    chain of dependencies, and per device the earliest any of its actions can start,
-    plus its work, plus the least any of its actions leaves to run after it."""
-    needs = {a: dependencies(a, preds, succ) for order in orders for a in order}
+def _makespan_bound(orders, cost, needs) -> float:
+    """The least makespan of any order of these actions on these devices (``needs``:
+    what each action needs first): the longest chain of dependencies, and per device
+    the earliest any of its actions can start, plus its work, plus the least any of its
+    actions leaves to run after it."""
     readers: dict[Action, list[Action]] = {a: [] for a in needs}
     for a, ns in needs.items():
         for n in ns:
@@ -177,7 +177,7 @@ def _makespan_bound(orders, cost, preds, succ) -> float:
         for order in orders
         if order
     )
-    return max(chain, *per_device)
+    return max([chain, *per_device])
 
 
 def zero_bubble_schedule(
