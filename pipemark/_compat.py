@@ -131,7 +131,10 @@ def copy_to_device(arrays: list[Any], device: Any) -> list[Any]:
     fast: list[int] = []
     slow: list[int] = []
     for i, a in enumerate(arrays):
-        (fast if type(a) is _ArrayImpl and a.sharding.num_devices == 1 else slow).append(i)
+        # A deleted array goes the slow way, where JAX raises "Array has been deleted";
+        # the direct call would read freed memory (a segfault).
+        single = type(a) is _ArrayImpl and not a.is_deleted() and a.sharding.num_devices == 1
+        (fast if single else slow).append(i)
     if not fast:
         return _jax.device_put(list(arrays), device)
     count = len(fast)
