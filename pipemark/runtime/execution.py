@@ -554,10 +554,13 @@ class _Call:
         """Every process receives the accumulated results of every other process's
         stages (in one order all processes walk: stage by stage, process by process)."""
         program, transport = self.program, self.transport
-        # One device of each process receives for it.
-        first: dict[int, int] = {}
-        for w, device in enumerate(program.devices):
-            first.setdefault(device.process_index, w)
+        # One device of each process receives for it: a pipeline device where the
+        # process has one, else its first device (a process may own no stage: more
+        # processes than stage devices).
+        first: dict[int, Any] = {}
+        for device in (*program.devices, *jax.devices()):
+            first.setdefault(device.process_index, device)
+        me = jax.process_index()
         for index in sorted(self.plan.units):
             unit = self.plan.units[index]
             if not unit.accumulated:
@@ -566,17 +569,14 @@ class _Call:
             out_avals = self.plan.staged.stages[index].out_avals
             types = [_type(out_avals[o]) for _, o in unit.accumulated]
             what = f"the results of stage {self.plan.staged.stages[index].name!r}"
-            for process, w in first.items():
-                if process == program.devices[source].process_index:
+            sender = program.devices[source]
+            for process, receiver in first.items():
+                if process == sender.process_index:
                     continue
                 if self.local[source]:
-                    transport.send(
-                        self.accs[index], program.devices[source], program.devices[w], what
-                    )
-                elif self.local[w]:
-                    self.accs[index] = transport.receive(
-                        types, program.devices[source], program.devices[w], what
-                    )
+                    transport.send(self.accs[index], sender, receiver, what)
+                elif process == me:
+                    self.accs[index] = transport.receive(types, sender, receiver, what)
 
     def results(self) -> list[Any]:
         """The accumulated results, in the staged program's output order."""

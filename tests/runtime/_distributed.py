@@ -7,6 +7,7 @@ language model with GPipe and 1F1B; their losses and gradients saved per process
     python tests/runtime/_distributed.py OUT_DIR run        # under pipemark.launch
     python tests/runtime/_distributed.py OUT_DIR reference  # one process, N devices
     python tests/runtime/_distributed.py OUT_DIR die        # process 1 dies first
+    python tests/runtime/_distributed.py OUT_DIR spare      # one stage fewer than processes
 """
 
 from __future__ import annotations
@@ -67,10 +68,26 @@ def _watchdog_threads() -> int:
     return sum(t.name == "pipemark-watchdog" for t in threading.enumerate())
 
 
+def spare() -> None:
+    """A pipeline of one stage fewer than there are processes: the last owns no stage
+    and still returns the whole result. Saved next to JAX's own value_and_grad."""
+    mlp = examples.mlp(num_layers=STAGES - 1, width=16, batch=8)
+    step = pm.pipeline_value_and_grad(
+        mlp.loss_fn, num_stages=STAGES - 1, num_microbatches=2, schedule="1f1b", timeout_s=TIMEOUT
+    )
+    got = jax.tree_util.tree_leaves(step(mlp.params, mlp.batch))
+    want = jax.tree_util.tree_leaves(jax.jit(jax.value_and_grad(mlp.loss_fn))(*mlp.args))
+    saved = {f"got-{i}": np.asarray(v) for i, v in enumerate(got)}
+    saved.update({f"want-{i}": np.asarray(v) for i, v in enumerate(want)})
+    np.savez(os.path.join(OUT, f"{MODE}-{jax.process_index()}.npz"), **saved)
+
+
 def main() -> None:
     me = jax.process_index()
     if MODE == "die" and me == 1:
         os._exit(3)  # a process that dies before its first transfer
+    if MODE == "spare":
+        return spare()
     saved = {}
     for name, loss_fn, params, batch, schedule, stages in runs():
         step = pm.pipeline_value_and_grad(

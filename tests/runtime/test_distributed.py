@@ -82,6 +82,19 @@ def test_a_process_that_dies_stops_the_others_through_the_launcher(tmp_path):
     assert not list(tmp_path.glob("die-*.npz"))
 
 
+def test_a_process_that_owns_no_stage_returns_the_whole_result(tmp_path):
+    launched = _run(["-m", "pipemark.launch", "-n", "3", str(SCRIPT), str(tmp_path), "spare"])
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    for process in range(3):
+        saved = np.load(tmp_path / f"spare-{process}.npz")
+        count = len(saved.files) // 2
+        assert count > 2
+        for i in range(count):
+            want = saved[f"want-{i}"]
+            scale = float(np.max(np.abs(want)))
+            np.testing.assert_allclose(saved[f"got-{i}"], want, rtol=1e-5, atol=1e-5 * scale)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
