@@ -198,3 +198,15 @@ def shard_map(f: Any, *, mesh: Any, in_specs: Any, out_specs: Any) -> Any:
     except ImportError:  # pragma: no cover - older JAX
         from jax.experimental.shard_map import shard_map as _shard_map
     return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+def coordination_client() -> Any:
+    """The ``jax.distributed`` coordination client, a key-value store every process of
+    the job reaches (``key_value_set``, ``blocking_key_value_get``), or ``None``
+    outside ``jax.distributed``. JAX 0.10-0.12: ``jax._src.distributed.global_state``
+    holds it; JAX has no public name for it."""
+    try:
+        from jax._src.distributed import global_state
+    except ImportError:  # a JAX that moved it: the agreement check is skipped
+        return None
+    return getattr(global_state, "client", None)

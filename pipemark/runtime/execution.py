@@ -39,6 +39,7 @@ import numpy as np
 from pipemark._compat import copy_to_device
 from pipemark.caches import register_cache
 from pipemark.errors import PipemarkError
+from pipemark.runtime.agreement import check_agreement
 from pipemark.runtime.plan import PipelinePlan
 from pipemark.runtime.schedules import BACKWARD, FORWARD, WEIGHT, Action
 from pipemark.runtime.transport import Transport, Watchdog
@@ -518,7 +519,8 @@ class _Call:
         order and nothing waits on a process that waits on it). Then every process
         receives the accumulated results of the others' stages."""
         program, plan = self.program, self.plan
-        if plan._watchdog is None:  # one watching thread per plan, not one per call
+        if plan._watchdog is None:  # the plan's first call: one watching thread per plan
+            check_agreement(plan, plan.timeout_s)
             plan._watchdog = Watchdog(plan.timeout_s)
         self.transport = Transport(plan._watchdog)
         start = time.perf_counter()
