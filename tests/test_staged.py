@@ -209,3 +209,14 @@ def test_verify_evaluates_the_reference_without_any_pipemark_pass(monkeypatch):
     monkeypatch.setattr("pipemark.passes.inline.inline_calls", forbidden)
     report = staged.verify(f, X)
     assert report.passed and report.references == ("jit", "eager")
+
+
+def test_a_literal_result_has_the_traced_dtype():
+    # A program result that is a literal (a Python float in the jaxpr) comes back as
+    # jax.jit gives it (float32), not as numpy would make it (float64).
+    def f(x):
+        return jnp.sin(x), 2.0
+
+    staged = pm.split(f, X, num_stages=1)
+    _, literal = staged(X)
+    assert np.asarray(literal).dtype == np.asarray(jax.jit(f)(X)[1]).dtype == np.float32
