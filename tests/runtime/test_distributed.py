@@ -119,18 +119,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_without_the_launcher_the_timeout_stops_a_process_waiting_for_a_dead_one(tmp_path):
+def _without_the_launcher(tmp_path, mode: str) -> tuple[subprocess.CompletedProcess, float]:
+    """Process 1 in ``mode`` (it dies, or never calls), process 0 waiting for it with a
+    5 s timeout, no launcher: process 0's run and how long it took."""
     env = {
         "PIPEMARK_COORDINATOR": f"127.0.0.1:{_free_port()}",
         "PIPEMARK_NUM_PROCESSES": "2",
         "PIPEMARK_TEST_TIMEOUT": "5",
     }
-    command = [sys.executable, str(SCRIPT), str(tmp_path), "die"]
-    dead = subprocess.Popen(command, env=_env(PIPEMARK_PROCESS_ID="1", **env))
+    command = [sys.executable, str(SCRIPT), str(tmp_path), mode]
+    other = subprocess.Popen(command, env=_env(PIPEMARK_PROCESS_ID="1", **env))
     start = time.monotonic()
     waiting = _run(command[1:], timeout=120, PIPEMARK_PROCESS_ID="0", **env)
     elapsed = time.monotonic() - start
-    dead.wait(60)
+    other.wait(60)
+    return waiting, elapsed
+
+
+def test_without_the_launcher_the_timeout_stops_a_process_waiting_for_a_dead_one(tmp_path):
+    waiting, elapsed = _without_the_launcher(tmp_path, "die")
     from pipemark.runtime.transport import Watchdog
 
     assert waiting.returncode == Watchdog.EXIT_STATUS, waiting.stderr[-3000:]
@@ -142,17 +149,7 @@ def test_without_the_launcher_the_timeout_stops_a_process_waiting_for_a_dead_one
 
 
 def test_without_the_launcher_a_peer_that_never_calls_ends_this_process_soon(tmp_path):
-    env = {
-        "PIPEMARK_COORDINATOR": f"127.0.0.1:{_free_port()}",
-        "PIPEMARK_NUM_PROCESSES": "2",
-        "PIPEMARK_TEST_TIMEOUT": "5",
-    }
-    command = [sys.executable, str(SCRIPT), str(tmp_path), "absent"]
-    absent = subprocess.Popen(command, env=_env(PIPEMARK_PROCESS_ID="1", **env))
-    start = time.monotonic()
-    waiting = _run(command[1:], timeout=120, PIPEMARK_PROCESS_ID="0", **env)
-    elapsed = time.monotonic() - start
-    absent.wait(60)
+    waiting, elapsed = _without_the_launcher(tmp_path, "absent")
     # The error, then exit status 1 at once: no 30 s at JAX's shutdown barrier, no abort.
     assert waiting.returncode == 1, waiting.stderr[-3000:]
     assert "ProcessError: process 0: process 1 did not start pipeline call 0 within 5 s" in (
