@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import subprocess
 import sys
 
 import jax
@@ -19,6 +20,15 @@ from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch
 
 P = pm.passes
+
+
+def test_import_pipemark_does_not_import_matplotlib():
+    # Plotting loads matplotlib when it draws; a fresh interpreter shows what
+    # `import pipemark` alone loads.
+    code = "import sys, pipemark; print('matplotlib' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "False"
 
 
 def _training_staged(num_layers=3):
