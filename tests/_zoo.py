@@ -1,5 +1,5 @@
-"""Tiny real models nobody here wrote, for tests/test_model_zoo.py and the pipeline run
-in tests/_zoo_pipeline.py: penzai's Llama-like, Gemma-like and GPT-NeoX transformers
+"""Tiny real models nobody here wrote, for tests/test_model_zoo.py and the checks it
+runs in tests/_zoo_checks.py: penzai's Llama-like, Gemma-like and GPT-NeoX transformers
 (each with and without its layer stack), a flax linen ``nn.scan(nn.remat(Block))``
 language model with an optax step, a flax nnx and an equinox transformer.
 
@@ -37,14 +37,12 @@ LIBRARIES = {
 
 
 class ZooModel(NamedTuple):
-    """``loss(params, *batch)``; ``jit`` and ``value_and_grad`` are JAX's own
-    evaluations of it, jitted (equinox's filtered ones for a module with non-array
-    leaves): the references of the tests."""
+    """``loss(params, *batch)``; ``value_and_grad`` is JAX's own, jitted (equinox's
+    filtered one for a module with non-array leaves): the reference of the tests."""
 
     loss: Callable[..., jax.Array]
     params: Any
     batch: tuple[jax.Array, jax.Array]
-    jit: Callable[..., jax.Array]
     value_and_grad: Callable[..., Any]
 
 
@@ -59,7 +57,7 @@ def _cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 def _model(loss: Callable[..., jax.Array], params: Any) -> ZooModel:
-    return ZooModel(loss, params, _tokens(), jax.jit(loss), jax.jit(jax.value_and_grad(loss)))
+    return ZooModel(loss, params, _tokens(), jax.jit(jax.value_and_grad(loss)))
 
 
 # ------------------------------------------------------------------ penzai
@@ -284,8 +282,7 @@ def equinox_model() -> ZooModel:
         return _cross_entropy(jax.vmap(model)(tokens), targets)
 
     model = LanguageModel(jax.random.PRNGKey(0))
-    references = (eqx.filter_jit(loss), eqx.filter_jit(eqx.filter_value_and_grad(loss)))
-    return ZooModel(loss, model, _tokens(), *references)
+    return ZooModel(loss, model, _tokens(), eqx.filter_jit(eqx.filter_value_and_grad(loss)))
 
 
 BUILDERS: dict[str, Callable[[], ZooModel]] = {
