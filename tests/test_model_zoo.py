@@ -13,48 +13,23 @@ JSON line per check, which each test here reads.
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests import _zoo
+from tests._once import run_script_once
 from tests._zoo_checks import SCHEDULES, STEP
 
 _SCRIPT = Path(__file__).with_name("_zoo_checks.py")
-_ROOT = Path(__file__).parents[1]
 
 
 @pytest.fixture(scope="session")
-def zoo(tmp_path_factory) -> dict[tuple[str, str], dict]:
-    # Under pytest-xdist every worker has its own basetemp under one parent shared by
-    # this session only; without it, the basetemp's parent holds every session's.
-    shared = tmp_path_factory.getbasetemp()
-    if "PYTEST_XDIST_WORKER" in os.environ:
-        shared = shared.parent
-    results = shared / "pipemark-model-zoo.json"
-    with open(shared / "pipemark-model-zoo.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not results.exists():
-            env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-            env["PYTHONPATH"] = os.pathsep.join([str(_ROOT), env.get("PYTHONPATH", "")])
-            proc = subprocess.run(
-                [sys.executable, str(_SCRIPT)],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=600,
-                cwd=_ROOT,
-            )
-            if proc.returncode != 0:
-                pytest.fail(f"the zoo run failed:\n{proc.stdout}\n{proc.stderr[-3000:]}")
-            results.write_text(proc.stdout)
-    lines = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+def zoo(tmp_path_factory) -> dict[tuple[str, str | None], dict]:
+    out = run_script_once(tmp_path_factory, _SCRIPT, "pipemark-model-zoo")
+    lines = [json.loads(line) for line in out.splitlines() if line.strip()]
     return {(line["case"], line.get("check")): line for line in lines}
 
 
