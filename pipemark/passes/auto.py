@@ -617,14 +617,15 @@ def plan_layers(
     (:class:`LayerBalance`); the parameters are :func:`auto_layers`'s.
 
     >>> import jax, jax.numpy as jnp, pipemark as pm
-    >>> def f(ws, x):
-    ...     for w in ws:
-    ...         x = jnp.tanh(x @ w)
+    >>> def f(layers, x):
+    ...     for layer in layers:
+    ...         x = jnp.tanh(x @ layer["w"] + layer["b"])
     ...     return x
-    >>> cj = jax.make_jaxpr(f)([jnp.ones((8, 8))] * 4, jnp.ones((2, 8)))
-    >>> plan = plan_layers(cj, 2)
-    >>> print(plan.balance)
-    2 forward layers, largest / mean cost 1.000 (0.0 % above the best cut anywhere); cuts between 4 blocks (parameters ws[0] … ws[3])
+    >>> layers = [{"w": jnp.ones((8, 8)), "b": jnp.ones(8)}] * 4
+    >>> plan = plan_layers(jax.make_jaxpr(f)(layers, jnp.ones((2, 8))), 2)
+    >>> print(plan.balance)  # doctest: +NORMALIZE_WHITESPACE
+    2 forward layers, largest / mean cost 1.000 (0.0 % above the best cut anywhere);
+    cuts between 4 blocks (parameters layers[0] … layers[3])
     """
     if isinstance(num_layers, bool) or not isinstance(num_layers, (int, np.integer)):
         raise PipemarkError(f"num_layers must be a positive int, got {num_layers!r}.")

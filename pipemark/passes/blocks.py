@@ -13,8 +13,8 @@ positions fall between them:
 2. **Parameter paths.** The key path of each input (``params['blocks'][0]['w']``; in
    one flat dict of dotted names, as torchax gives, ``weights['transformer.h.0.ln_1.bias']``
    reads as ``transformer``, ``h``, ``0``, …). A numbered component (``0``, ``[0]``,
-   ``Block_0``, ``layers_3``) whose numbers all hold the same leaves (same sub-paths,
-   shapes and dtypes) numbers blocks; the outermost such component counts. A block
+   ``Block_0``, ``layers_3``) whose numbers all hold the same two or more leaves (same
+   sub-paths, shapes and dtypes) numbers blocks; the outermost such component counts. A block
    spans the equations from the first to the last that reads one of its parameters.
 
 A cut is *between blocks* when it falls inside no block's span. Both hints are
@@ -74,13 +74,13 @@ def find_blocks(jaxpr: Jaxpr, stop: int | None = None) -> Blocks | None:
     >>> import jax, jax.numpy as jnp
     >>> def f(params, x):
     ...     for p in params["blocks"]:
-    ...         x = jnp.tanh(x @ p["w"])
+    ...         x = jnp.tanh(x @ p["w"] + p["b"])
     ...     return x.sum()
-    >>> params = {"blocks": [{"w": jnp.ones((4, 4))}] * 3}
+    >>> params = {"blocks": [{"w": jnp.ones((4, 4)), "b": jnp.ones(4)}] * 3}
     >>> cj = jax.make_jaxpr(f)(params, jnp.ones(4))
     >>> blocks = find_blocks(cj.jaxpr)
     >>> blocks.spans, blocks.source
-    (((0, 1), (2, 3), (4, 5)), "parameters params['blocks'][0] … params['blocks'][2]")
+    (((0, 2), (3, 5), (6, 8)), "parameters params['blocks'][0] … params['blocks'][2]")
     """
     eqns = jaxpr.eqns[: len(jaxpr.eqns) if stop is None else stop]
     found = [b for b in (_scope_blocks(eqns), _parameter_blocks(jaxpr, eqns)) if b is not None]
@@ -226,10 +226,13 @@ def _parameter_blocks(
                 stem, number = numbered
                 members = families.setdefault((components[:k], stem), {})
                 members.setdefault(number, []).append((components[k + 1 :], str(var.aval), var))
+    # A block holds parameters of its own: two leaves at least. One leaf a number is more
+    # often a tuple of unrelated arrays, e.g. a batch (tokens, targets), than a layer.
     qualified = {
         family: members
         for family, members in families.items()
         if len(members) >= 2
+        and all(len(leaves) >= 2 for leaves in members.values())
         and len({tuple(sorted(leaf[:2] for leaf in leaves)) for leaves in members.values()}) == 1
     }
     outermost = [f for f in qualified if not any(_inside(f, g) for g in qualified if g != f)]

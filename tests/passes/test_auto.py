@@ -747,8 +747,8 @@ def test_too_unbalanced_block_cuts_fall_back_to_cuts_anywhere():
     # A tolerance that covers the 4 | 2 split, or "require", keeps the blocks whole.
     cj = jax.make_jaxpr(_two_blocks_heavy_head)(*args)
     for plan in (
-        pm.passes.auto.plan_layers(cj, 2, block_tolerance=0.5),
-        pm.passes.auto.plan_layers(cj, 2, block_cuts="require"),
+        pm.passes.plan_layers(cj, 2, block_tolerance=0.5),
+        pm.passes.plan_layers(cj, 2, block_cuts="require"),
     ):
         assert plan.balance.block_aligned and plan.balance.excess == pytest.approx(1 / 3, rel=0.05)
     required = pm.split(_two_blocks_heavy_head, *args, num_stages=2, block_cuts="require")
@@ -790,7 +790,7 @@ def test_blocks_that_leave_too_few_pieces():
 
 def test_balance_without_blocks_and_without_num_stages():
     cj = jax.make_jaxpr(lambda x: jnp.cos(jnp.sin(x @ x)))(jnp.ones((4, 4)))
-    plan = pm.passes.auto.plan_layers(cj, 2)
+    plan = pm.passes.plan_layers(cj, 2)
     assert plan.balance.blocks is None and plan.balance.block_aligned is None
     assert str(plan.balance).endswith("no repeated blocks found")
     assert plan.balance.costs == (128, 32)  # the matmul, then sin and cos

@@ -142,6 +142,18 @@ def test_stop_limits_the_search():
     assert find_blocks(cj.jaxpr, blocks.spans[1][0]) is None  # one block only before it
 
 
+def test_single_leaves_are_no_blocks():
+    # A batch (tokens, targets) numbers two equal arrays; a block has two leaves at least.
+    def f(params, batch):
+        tokens, targets = batch
+        return jnp.sum(params["embed"][tokens] - targets[..., None])
+
+    batch = (jnp.zeros((2, 3), jnp.int32), jnp.zeros((2, 3), jnp.int32))
+    cj = jax.make_jaxpr(f)({"embed": jnp.ones((5, 4))}, batch)
+    assert find_blocks(cj.jaxpr) is None
+
+
+@pytest.mark.filterwarnings("ignore:core.Jaxpr is missing a DebugInfo:DeprecationWarning")
 def test_a_program_without_input_names_has_no_parameter_blocks():
     cj = jax.make_jaxpr(_mlp_blocks)(_mlp_params(), jnp.ones((2, 4)))
     bare = ClosedJaxpr(cj.jaxpr.replace(debug_info=None), cj.consts)
