@@ -415,11 +415,6 @@ class LayerBalance:
         return f"{text}; cuts inside the {count} ({self.blocks.source}): {why}"
 
 
-def _block_atoms(blocks: Blocks, prefix: np.ndarray) -> np.ndarray:
-    """The cut positions between blocks, 0 and the end included."""
-    return np.nonzero(blocks.cut_allowed(prefix.size - 1))[0]
-
-
 def _choose_cuts(
     costs: np.ndarray,
     num_layers: int,
@@ -435,10 +430,15 @@ def _choose_cuts(
     optimum = _optimal_bottleneck(prefix.tolist(), num_layers)
     cuts = None
     if blocks is not None and block_cuts != "off":
-        positions = _block_atoms(blocks, prefix)
+        # The cut positions between blocks (0 and the end included); the search runs
+        # over the pieces between them as if each were one equation.
+        positions = np.nonzero(blocks.cut_allowed(costs.size))[0]
         if positions.size - 1 >= num_layers:
             within = _optimal_bottleneck(prefix[positions].tolist(), num_layers)
-            if block_cuts == "require" or within <= optimum * (1.0 + block_tolerance):
+            limit = optimum * (1.0 + block_tolerance)
+            if block_cuts == "require" or within <= limit:
+                if block_cuts == "prefer":  # fewer bytes, but never past the limit
+                    tolerance = max(0.0, min(tolerance, limit / max(within, 1) - 1.0))
                 atom_cuts = balanced_cuts(
                     np.diff(prefix[positions]),
                     num_layers,

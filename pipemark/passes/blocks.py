@@ -131,6 +131,12 @@ def _signature(eqns: Sequence[JaxprEqn]) -> tuple:
     )
 
 
+def _type(aval) -> tuple:
+    # (shape, dtype): str(aval) says the same but costs ten times more.
+    shape = getattr(aval, "shape", None)
+    return (str(aval),) if shape is None else (tuple(shape), str(aval.dtype))
+
+
 def _size(aval) -> tuple:
     size = getattr(aval, "size", None)
     return (str(aval),) if size is None else (getattr(aval, "dtype", None), size)
@@ -225,7 +231,7 @@ def _parameter_blocks(
             if numbered is not None:
                 stem, number = numbered
                 members = families.setdefault((components[:k], stem), {})
-                members.setdefault(number, []).append((components[k + 1 :], str(var.aval), var))
+                members.setdefault(number, []).append((components[k + 1 :], _type(var.aval), var))
     # A block holds parameters of its own: two leaves at least. One leaf a number is more
     # often a tuple of unrelated arrays, e.g. a batch (tokens, targets), than a layer.
     qualified = {
@@ -238,11 +244,12 @@ def _parameter_blocks(
     outermost = [f for f in qualified if not any(_inside(f, g) for g in qualified if g != f)]
     if not outermost:
         return None
+    wanted = {v for f in outermost for leaves in qualified[f].values() for _, _, v in leaves}
     first_read: dict[Var, int] = {}
     last_read: dict[Var, int] = {}
     for i, eqn in enumerate(eqns):
         for v in eqn.invars:
-            if isinstance(v, Var):
+            if isinstance(v, Var) and v in wanted:
                 first_read.setdefault(v, i)
                 last_read[v] = i
     spans = []
