@@ -152,6 +152,22 @@ def test_inspect_cuts_balanced_stages(capsys):
     assert abs(sum(shares) - 100) < 0.2
 
 
+def test_inspect_reports_the_balance_and_takes_block_cuts(capsys):
+    pytest.importorskip("flax")
+    argv = ["inspect", "tests._cli_targets:flax_loss", "--args", "tests._cli_targets:flax_args"]
+    assert main([*argv, "--num-stages", "2"]) == 0
+    balance = [line for line in capsys.readouterr().out.splitlines() if line.startswith("balance:")]
+    assert len(balance) == 1 and balance[0].startswith("balance: 2 forward layers, largest / mean")
+    assert balance[0].endswith("cuts between 3 blocks (name scopes 'Dense_0' … 'Dense_2')")
+    assert main([*argv, "--num-stages", "2", "--block-cuts", "require"]) == 0
+    assert main([*argv, "--num-stages", "2", "--block-cuts", "sometimes"]) == 1
+    assert capsys.readouterr().err.endswith(
+        "pipemark: error: Unknown block_cuts 'sometimes'; choose one of 'prefer', 'require', "
+        "'off'.\n"
+    )
+    assert main([*argv]) == 1  # no balance without --num-stages: a marker error instead
+
+
 def test_inspect_grad_gives_backward_stages(capsys):
     args = ["inspect", "tests._cli_targets:plain", "--arg", "f32[4,8]", "--arg", "f32[8,8]"]
     assert main([*args, "--num-stages", "2", "--grad"]) == 0
