@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from pipemark.errors import PipemarkError, PipemarkWarning
+from pipemark.mutation import call_watching_arguments
 
 __all__ = ["Signature", "SignatureError", "is_traced_leaf", "traced_mask"]
 
@@ -233,7 +234,7 @@ class Signature:
 
         def flat_fn(*inputs: Any) -> list[Any]:
             args, kwargs = self.rebuild(inputs)
-            out = fn(*args, **kwargs)
+            out = call_watching_arguments(fn, args, kwargs)
             leaves = jax.tree_util.tree_leaves(out)
             return [leaf for leaf, traced in zip(leaves, traced_mask(out)) if traced]
 

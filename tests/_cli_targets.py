@@ -89,3 +89,12 @@ def exits(x, w):
     import sys
 
     sys.exit(0)
+
+
+def four_layers(x, w):
+    """Four layers split by boundary markers."""
+    for i in range(4):
+        if i:
+            pm.mark_pipeline_boundary()
+        x = jnp.tanh(x @ w) * (1.0 + i)
+    return jnp.mean(x**2)
