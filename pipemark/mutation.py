@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.core import Tracer
 
 from pipemark.errors import PipemarkError
@@ -51,8 +52,9 @@ def call_watching_arguments(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
 ) -> Any:
     """``fn(*args, **kwargs)``, called while tracing, refusing a call that replaced
-    traced leaves of its arguments in place with values it does not return (or changed
-    the arguments' structure).
+    floating-point traced leaves of its arguments in place with values it does not
+    return (or changed the arguments' structure). Integer leaves (an RNG counter) are
+    not watched.
 
     Parameters
     ----------
@@ -89,10 +91,16 @@ def call_watching_arguments(
     else:
         # A new value the function also returns is not lost (nnx.merge inside the step
         # writes into the state it was given, and the step returns nnx.state(...)).
+        # Only floating-point state counts: parameters, optimizer moments, statistics.
+        # A counter (nnx.Dropout's RNG count) advanced inside a loss is dropped by
+        # jax.jit alike, and refusing it would refuse every loss with dropout.
         changed = [
             path
             for (path, old), (_, new) in zip(before, after)
-            if isinstance(old, Tracer) and new is not old and id(new) not in returned
+            if isinstance(old, Tracer)
+            and jnp.issubdtype(old.dtype, jnp.inexact)
+            and new is not old
+            and id(new) not in returned
         ]
     if changed:
         name = getattr(fn, "__qualname__", None) or type(fn).__name__

@@ -273,9 +273,11 @@ class Signature:
         if jax.config.jax_enable_x64:
             return
         wide = [
-            f"{name} ({np.dtype(leaf.dtype).name})"
+            f"{name} ({leaf.dtype})"
             for name, leaf in zip(self.names, inputs)
-            if getattr(leaf, "dtype", None) is not None and np.dtype(leaf.dtype) in _WIDE_DTYPES
+            # Compared as dtypes, not through np.dtype, which refuses a typed PRNG key's
+            # dtype (key<fry>, in an nnx model's Rngs).
+            if getattr(leaf, "dtype", None) is not None and leaf.dtype in _WIDE_DTYPES
         ]
         if wide:
             shown = ", ".join(wide[:3]) + (f" and {len(wide) - 3} more" if len(wide) > 3 else "")

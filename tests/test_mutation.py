@@ -46,3 +46,27 @@ def test_an_update_written_in_place_and_returned_is_accepted():
     cj = _trace(step, {"w": jnp.ones(2)}, jnp.ones(2))
     got = jaxpr_as_fun(cj)(jnp.ones(2), jnp.ones(2))
     np.testing.assert_allclose(got[0], jax.jit(step)({"w": jnp.ones(2)}, jnp.ones(2))[0]["w"])
+
+
+def test_an_nnx_dropout_counter_advanced_in_a_loss_is_not_refused():
+    # jax.jit drops the RNG count alike; refusing it would refuse every loss with dropout.
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(3, 3, rngs=rngs)
+            self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.dropout(self.linear(x))
+
+    graphdef, params, rest = nnx.split(Model(nnx.Rngs(0)), nnx.Param, ...)
+
+    def loss(params, rest, x):
+        return jnp.mean(nnx.merge(graphdef, params, rest)(x) ** 2)
+
+    x = jnp.linspace(-1, 1, 12).reshape(4, 3)
+    staged = pm.split(loss, params, rest, x, num_stages=2)
+    np.testing.assert_allclose(
+        staged(params, rest, x)[0], jax.jit(loss)(params, rest, x), rtol=1e-5
+    )
