@@ -131,7 +131,10 @@ def copy_to_device(arrays: list[Any], device: Any) -> list[Any]:
     fast: list[int] = []
     slow: list[int] = []
     for i, a in enumerate(arrays):
-        (fast if type(a) is _ArrayImpl and a.sharding.num_devices == 1 else slow).append(i)
+        # A deleted array goes the slow way, where JAX raises "Array has been deleted";
+        # the direct call would read freed memory (a segfault).
+        single = type(a) is _ArrayImpl and not a.is_deleted() and a.sharding.num_devices == 1
+        (fast if single else slow).append(i)
     if not fast:
         return _jax.device_put(list(arrays), device)
     count = len(fast)
@@ -195,3 +198,15 @@ def shard_map(f: Any, *, mesh: Any, in_specs: Any, out_specs: Any) -> Any:
     except ImportError:  # pragma: no cover - older JAX
         from jax.experimental.shard_map import shard_map as _shard_map
     return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+def coordination_client() -> Any:
+    """The ``jax.distributed`` coordination client, a key-value store every process of
+    the job reaches (``key_value_set``, ``blocking_key_value_get``), or ``None``
+    outside ``jax.distributed``. JAX 0.10-0.12: ``jax._src.distributed.global_state``
+    holds it; JAX has no public name for it."""
+    try:
+        from jax._src.distributed import global_state
+    except ImportError:  # a JAX that moved it: the agreement check is skipped
+        return None
+    return getattr(global_state, "client", None)

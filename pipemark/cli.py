@@ -19,6 +19,7 @@ command line, 1 for everything else. No traceback.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import importlib.util
 import os
@@ -28,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pipemark._text import plural
+from pipemark._text import display_name, plural
 from pipemark.progress import Progress
 
 __all__ = ["main", "build_parser", "parse_arg_spec", "CommandError"]
@@ -43,8 +44,9 @@ class CommandError(Exception):
 
 
 def _one_line(text: str, limit: int = 400) -> str:
-    """``text`` squeezed onto one line, cut at ``limit`` characters."""
-    line = " ".join(str(text).split())
+    """``text`` squeezed onto one line, cut at ``limit`` characters, its control
+    characters (from a user's exception, say) written as escapes."""
+    line = display_name(" ".join(str(text).split()))
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
@@ -356,12 +358,43 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the process exit status."""
+    """Run the command line; returns the process exit status.
+
+    Output to a pipe that closed (``pipemark inspect ... | head -1``) ends the command
+    quietly; output that cannot be written (a full disk) is one line of error."""
+    try:
+        status = _main(argv)
+        sys.stdout.flush()  # here, not at exit, where a failure would be a traceback
+        return status
+    except BrokenPipeError:
+        _discard_stdout()
+        return 128 + 13  # as a command killed by SIGPIPE
+    except OSError as err:
+        if err.errno not in _WRITE_ERRNOS:
+            raise
+        _discard_stdout()
+        print(f"pipemark: error: cannot write the output: {err.strerror}", file=sys.stderr)
+        return 1
+
+
+# Errors writing the output: no space, over quota, file too large, I/O error.
+_WRITE_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO))
+
+
+def _discard_stdout() -> None:
+    """Point standard output at /dev/null, so that the interpreter's last flush of
+    what is still buffered fails no more."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
     except CommandError as err:
-        print(f"pipemark: error: {err}", file=sys.stderr)
+        print(f"pipemark: error: {display_name(err)}", file=sys.stderr)
         return err.status
     except Exception as err:
         from pipemark.errors import PipemarkError

@@ -83,7 +83,8 @@ def split(
     >>> staged = pm.split(f, 1.0, scale=2.0)
     >>> [s.name for s in staged.stages]
     ['layer0', 'layer1']
-    >>> staged.verify(f, 1.0, scale=2.0)
+    >>> staged.verify(f, 1.0, scale=2.0).passed
+    True
     """
     if not callable(fn):
         raise PipemarkError(f"split: fn must be callable, got {type(fn).__name__}.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -13,6 +14,8 @@ import pytest
 import pipemark as pm
 from pipemark import _demo
 from pipemark.cli import CommandError, main, parse_arg_spec
+
+ROOT = Path(__file__).parents[1]
 
 # A smaller language model than the demo's default, for the tests that only need the
 # demo's plumbing; one test runs the default.
@@ -421,3 +424,50 @@ def test_demo_help_lists_the_steps_in_the_order_they_run(capsys):
     steps = ["build", "trace", "cut it into 4", "run the stages", "check the markers", "write"]
     positions = [text.index(step) for step in steps]
     assert positions == sorted(positions)
+
+
+def _cli(args: list[str], **popen) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    return subprocess.Popen([sys.executable, "-m", "pipemark", *args], env=env, **popen)
+
+
+@pytest.mark.parametrize("command", [["inspect", *PLAIN, "--num-stages", "2"], ["--help"]])
+def test_output_to_a_closed_pipe_ends_quietly(command):
+    proc = _cli(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()  # as `| head -1` does
+    stderr = proc.stderr.read().decode()
+    proc.wait(120)
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
+    assert proc.returncode in (0, 141)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_output_to_a_full_disk_is_one_line():
+    with open("/dev/full", "w") as full:
+        proc = _cli(["inspect", *PLAIN, "--num-stages", "2"], stdout=full, stderr=subprocess.PIPE)
+        stderr = proc.communicate(timeout=120)[1].decode()
+    assert proc.returncode == 1
+    # Progress lines, then one line of error.
+    assert stderr.strip().splitlines()[-1] == (
+        "pipemark: error: cannot write the output: No space left on device"
+    )
+    assert "Traceback" not in stderr
+
+
+def test_control_characters_from_the_user_are_shown_escaped(capsys):
+    argv = ["inspect", "tests._cli_targets:plain", "--args", "tests._cli_targets:hostile_args"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\u202e" not in err
+    assert "no \\x1b[2J\\x1b[31mdata\\u202e here" in err
+    assert (
+        main(["inspect", "tests._cli_targets:evil_names", "--arg", "f32[2,3]", "--arg", "f32[3,3]"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "\x1b[31m" not in out and "\u202e" not in out
+    assert "a\\u202eb" in out and "c\\x1b[31m" in out

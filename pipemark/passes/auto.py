@@ -132,7 +132,23 @@ def equation_costs(
     field: Callable[[Cost], int] = (
         (lambda c: c.total_flops) if cost == "flops" else (lambda c: c.bytes_accessed)
     )
-    return np.asarray([field(c) for c in eqn_costs(jaxpr)], dtype=np.int64).reshape(-1)
+    return _as_int64([field(c) for c in eqn_costs(jaxpr)])
+
+
+# Costs are added along a program; below this total their sums stay exact in int64.
+_EXACT_TOTAL = 2**62
+
+
+def _as_int64(costs: list[int]) -> np.ndarray:
+    """Exact costs (Python ints, of any size) as an int64 array whose sums cannot
+    overflow: a program whose total exceeds 2**62 (a f32[4e9,4e9] array, a 1.2e6-wide
+    matmul) has every cost scaled down alike, rounded up so none becomes 0, which
+    keeps the balance (relative costs) to about one part in 2**40."""
+    total = sum(costs)
+    if total <= _EXACT_TOTAL:
+        return np.asarray(costs, dtype=np.int64).reshape(-1)
+    scale = total // 2**40 + 1
+    return np.asarray([-(-c // scale) for c in costs], dtype=np.int64).reshape(-1)
 
 
 # ------------------------------------------------------------------- the bottleneck

@@ -13,7 +13,7 @@ pipemark.errors.PipemarkError: num_microbatches must be a positive int, got 0.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,7 +97,7 @@ class PipelineOptions:
                 "'interleaved', 'zb-h1' or 'zb-v', or pass a pm.Schedule."
             )
         if self.devices is not None:
-            object.__setattr__(self, "devices", tuple(self.devices))
+            object.__setattr__(self, "devices", _check_devices(self.devices))
 
     @property
     def splits_backward(self) -> bool:
@@ -110,3 +110,29 @@ class PipelineOptions:
     def schedule_name(self) -> str:
         """The schedule's name (``"interleaved"`` places several stages per device)."""
         return self.schedule.name if isinstance(self.schedule, Schedule) else self.schedule
+
+
+def _check_devices(devices: Any) -> tuple[Any, ...]:
+    """``devices`` as a tuple of ``jax.Device`` objects, or a named error: an empty list,
+    a device's name where the device is wanted, a single device not in a list."""
+    import jax
+
+    if isinstance(devices, (str, bytes)) or not isinstance(devices, Iterable):
+        raise PipemarkError(
+            f"devices is {devices!r}; give a list of jax devices, e.g. jax.devices()[:2]."
+        )
+    devices = tuple(devices)
+    if not devices:
+        raise PipemarkError(
+            "devices is empty; give at least one jax device (e.g. jax.devices()), or "
+            "leave devices=None to use every device."
+        )
+    for i, device in enumerate(devices):
+        if not isinstance(device, jax.Device):
+            hint = " (a device's name: pass the device itself, from jax.devices())"
+            raise PipemarkError(
+                f"devices[{i}] is {device!r}, not a jax.Device"
+                f"{hint if isinstance(device, str) else ''}; give devices from "
+                "jax.devices() or jax.local_devices()."
+            )
+    return devices
