@@ -121,7 +121,8 @@ def count_batch_free_terms_once(
     """``cj`` (inputs: the params' leaves, then the batch's) with every output that is a
     sum rewritten so that its terms that do not read the batch are divided by
     ``num_microbatches``: added over the microbatches, each such term then counts
-    once, as in the whole batch's sum. ``cj`` itself when no output has such a term.
+    once, as in the whole batch's sum. ``cj`` itself when no output has such a term, or
+    for one microbatch.
 
     The terms are those of the output's outermost sum (``+``, ``-``, negation); a
     batch-free term hidden under another operation, like ``2 * (data + decay)``, is not
@@ -136,6 +137,8 @@ def count_batch_free_terms_once(
     >>> round(float(jaxpr_as_fun(new)(1.0, jnp.ones(4))[0]), 4)  # 4 + 0.1 / 2
     4.05
     """
+    if num_microbatches == 1:
+        return cj
     jaxpr = cj.jaxpr
     dependent = _batch_dependent(jaxpr, num_param_leaves)
     # Per output, its terms as (sign, atom, batch-free). Only floating-point outputs are
