@@ -242,21 +242,17 @@ def _inspect(args: argparse.Namespace) -> int:
                 f"tracing {label}({shown}) failed: {type(err).__name__}: {_one_line(err)}"
             ) from None
     has_markers = has_stage_markers(cj)
-    what = (
-        f"cutting into {plural(args.num_stages, 'balanced stage')}"
-        if args.num_stages
-        else "slicing"
-    )
+    if args.num_stages is None:
+        what = "slicing"
+    elif has_markers:  # consecutive marked stages are merged, as pm.split and the runtime do
+        what = f"merging the marked stages into {plural(args.num_stages, 'stage')}"
+    else:
+        what = f"cutting into {plural(args.num_stages, 'balanced stage')}"
     with progress.step(what):
         if args.num_stages is None and not has_markers:
             raise CommandError(
                 f"{args.target} has no stage markers; pass --num-stages K to cut it into "
                 "K balanced stages"
-            )
-        if args.num_stages is not None and has_markers:
-            raise CommandError(
-                f"{args.target} already has stage markers, and --num-stages cuts a program "
-                "without any; drop --num-stages to cut it at its markers"
             )
         staged = pm.split_jaxpr(
             cj, num_stages=args.num_stages, block_cuts=args.block_cuts
@@ -346,7 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-stages",
         type=_positive,
         metavar="K",
-        help="cut into K balanced stages (the function must have no markers)",
+        help="cut into K balanced stages (a marked function: merge its consecutive marked "
+        "stages into K)",
     )
     inspect.add_argument(
         "--block-cuts",

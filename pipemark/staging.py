@@ -18,6 +18,7 @@ from pipemark.passes.inline import inline_calls
 from pipemark.passes.insert import layers_from_boundaries
 from pipemark.passes.scan import layers_from_scans, scans_with_layer_markers
 from pipemark.passes.slice import slice_stages
+from pipemark.passes.stages import merge_consecutive
 from pipemark.primitive import is_marker
 from pipemark.signature import Signature
 from pipemark.staged import StagedJaxpr
@@ -62,11 +63,14 @@ def split(
         ``static_argnames`` are this function's own; to pass a keyword of that name to ``fn``, bind it
         with ``functools.partial``.
     num_stages:
-        Balance the program automatically into this many stages with
-        :func:`pipemark.passes.auto_layers` (``fn`` must then have no stage markers).
-        For a ``value_and_grad`` function these are the forward stages; the backward
-        part gets as many mirrored ``_backward`` stages. The staged program's
-        :attr:`~pipemark.staged.StagedJaxpr.balance` reports how balanced they are.
+        Without stage markers in ``fn``: balance the program automatically into this
+        many stages with :func:`pipemark.passes.auto_layers`. With markers: merge
+        consecutive marked stages into this many (:func:`pipemark.passes.merge_consecutive`),
+        as the pipeline runtime and ``pipemark inspect --num-stages`` do. For a
+        ``value_and_grad`` function these are the forward stages; the backward part gets
+        as many mirrored ``_backward`` stages. The staged program's
+        :attr:`~pipemark.staged.StagedJaxpr.balance` reports how balanced automatic
+        stages are.
     unmarked:
         ``"assign"`` or ``"error"``.
     block_cuts:
@@ -110,8 +114,9 @@ def split_jaxpr(
     calls (:func:`pipemark.passes.inline_calls`), then cut it into ``num_stages``
     balanced stages (:func:`pipemark.passes.auto_layers`), or at its markers (boundary
     markers through :func:`pipemark.passes.layers_from_boundaries`, a training step's
-    update into an ``apply_grad`` stage), and slice it. ``block_cuts`` is
-    :func:`pipemark.passes.auto_layers`'s.
+    update into an ``apply_grad`` stage) and slice it, merging consecutive marked
+    stages into ``num_stages`` when it is given (:func:`pipemark.passes.merge_consecutive`).
+    ``block_cuts`` is :func:`pipemark.passes.auto_layers`'s.
 
     >>> import jax, jax.numpy as jnp, pipemark as pm
     >>> cj = jax.make_jaxpr(jax.jit(lambda x: jnp.cos(jnp.sin(x))))(1.0)
@@ -125,12 +130,18 @@ def split_jaxpr(
         # A scan whose body is marked as one layer: its iterations (or num_stages
         # chunks of them) become the stages.
         cj, num_stages = layers_from_scans(cj, num_stages), None
-    if num_stages is not None:
+    if num_stages is not None and not _has_top_level_stage_markers(cj):
         plan = plan_layers(cj, num_stages, block_cuts=block_cuts)
         return slice_stages(plan.program, unmarked=unmarked).with_balance(plan.balance)
     if any(is_marker(eqn, "boundary") for eqn in cj.jaxpr.eqns):
         cj = layers_from_boundaries(cj)
-    return slice_stages(mark_apply_stage(cj), unmarked=unmarked)
+    staged = slice_stages(mark_apply_stage(cj), unmarked=unmarked)
+    # A marked program and num_stages: consecutive marked stages are merged.
+    return staged if num_stages is None else merge_consecutive(staged, num_stages)
+
+
+def _has_top_level_stage_markers(cj: ClosedJaxpr) -> bool:
+    return any(is_marker(eqn, STAGE_MARK_TYPES) for eqn in cj.jaxpr.eqns)
 
 
 def has_stage_markers(cj: ClosedJaxpr) -> bool:
@@ -147,9 +158,7 @@ def has_stage_markers(cj: ClosedJaxpr) -> bool:
     False
     """
     cj = inline_calls(cj)
-    return bool(scans_with_layer_markers(cj)) or any(
-        is_marker(eqn, STAGE_MARK_TYPES) for eqn in cj.jaxpr.eqns
-    )
+    return bool(scans_with_layer_markers(cj)) or _has_top_level_stage_markers(cj)
 
 
 def show(program: ClosedJaxpr | StagedJaxpr, **options: Any) -> HTMLView:

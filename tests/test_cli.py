@@ -406,14 +406,18 @@ def test_version_and_help_do_not_import_jax():
     assert out.stdout.strip().endswith("False")
 
 
-def test_num_stages_on_a_marked_program_gives_command_line_advice(capsys):
-    args = ["--arg", "f32[4,8]", "--arg", "f32[8,8]", "--num-stages", "2"]
-    status = main(["inspect", "tests._cli_targets:marked", *args])
+def test_num_stages_on_a_marked_program_merges_its_stages(capsys):
+    # Two marked layers into one stage: what pm.split and the runtime give.
+    args = ["--arg", "f32[4,8]", "--arg", "f32[8,8]", "--num-stages", "1", "--grad"]
+    assert main(["inspect", "tests._cli_targets:marked", *args]) == 0
+    out = capsys.readouterr().out
+    assert "stage0_backward" in out and "layer0" not in out
+    status = main(["inspect", "tests._cli_targets:marked", *args[:-2], "3"])
     assert status == 1
     err = _error_lines(capsys.readouterr().err)
     assert err == [
-        "pipemark: error: tests._cli_targets:marked already has stage markers, and "
-        "--num-stages cuts a program without any; drop --num-stages to cut it at its markers"
+        "pipemark: error: num_stages=3, but the program marks only 2 stages. Mark more "
+        "layers, or pass 1 <= num_stages <= 2."
     ]
 
 

@@ -417,9 +417,11 @@ def test_split_with_num_stages_balances_automatically():
     ]  # fmt: skip
     reference = jax.make_jaxpr(fn)(*ex.args)
     staged.verify(jaxpr_as_fun(reference), *jax.tree_util.tree_leaves(ex.args))
-    marked = examples.mlp(num_layers=2)
-    with pytest.raises(pm.MarkerError, match="already has stage markers"):
-        pm.split(marked.loss_fn, *marked.args, num_stages=2)
+    # A marked program with num_stages: its marked stages are merged, not re-cut.
+    marked = examples.mlp(num_layers=4)
+    merged = pm.split(marked.loss_fn, *marked.args, num_stages=2)
+    assert len(merged.stages) == 2
+    merged.verify(marked.loss_fn, *marked.args)
 
 
 def _blocks_of(stage):
