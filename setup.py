@@ -38,7 +38,9 @@ setup(
             "nbclient>=0.10",
             "nbformat>=5.10",
             "ipykernel>=6.29",
-            # Real models in the tests: flax linen and nnx, equinox, optax steps.
+            # Real models in the tests (tests/test_model_zoo.py): penzai's transformers,
+            # flax linen and nnx, equinox, optax steps.
+            "penzai>=0.2.5",
             "flax>=0.10",
             "equinox>=0.11",
             "optax>=0.2.4",

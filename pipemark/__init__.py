@@ -61,6 +61,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "stage_graph": ("pipemark.graph", "stage_graph"),
     "StagedJaxpr": ("pipemark.staged", "StagedJaxpr"),
     "StageGraphError": ("pipemark.errors", "StageGraphError"),
+    "StateMutationError": ("pipemark.mutation", "StateMutationError"),
     "ProcessError": ("pipemark.errors", "ProcessError"),
     "summary": ("pipemark.views", "summary"),
     "topological_order": ("pipemark.graph", "topological_order"),

@@ -63,6 +63,18 @@ def name_stack_scopes(source_info) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(scopes), tuple(transforms)
 
 
+# JAX 0.10.2 and 0.11.x: `jaxpr.debug_info.arg_names` holds one key path per input as
+# `jax.tree_util.keystr` writes it (``params['blocks'][0]['w']``), or None where unknown.
+# It is debugging data (absent on a hand-built jaxpr), so anything read from it is a hint.
+def input_paths(jaxpr) -> tuple[str | None, ...]:
+    """The key path of each of ``jaxpr``'s inputs as traced (``"params['h'][0]"``), or
+    None for each where the program does not record it."""
+    names = getattr(getattr(jaxpr, "debug_info", None), "arg_names", None)
+    if names is None or len(names) != len(jaxpr.invars):
+        return (None,) * len(jaxpr.invars)
+    return tuple(name if isinstance(name, str) else None for name in names)
+
+
 # JAX 0.10.2: ClosedJaxpr and Jaxpr are two classes and `ClosedJaxpr.jaxpr` is the open
 # Jaxpr. JAX 0.11.0 and later merged them: `ClosedJaxpr` is an alias of `Jaxpr`, every
 # Jaxpr carries its (possibly empty) consts, `cj.jaxpr` is `cj` itself and `type(cj)`

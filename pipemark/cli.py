@@ -5,11 +5,11 @@
     stage table, check the stages against the unsplit program and write ``report.html``
     and ``stages.png`` into ``DIR``.
 ``pipemark inspect MODULE:FUNCTION [--args MODULE:MAKE_ARGS] [--arg f32[8,128] ...]
-[--grad [--argnums N]] [--num-stages K] [--html FILE]``
+[--grad [--argnums N]] [--num-stages K [--block-cuts POLICY]] [--html FILE]``
     Trace any importable function with example arguments (pytrees from ``MAKE_ARGS()``,
     or abstract arrays of the given shapes), cut it at its markers (or into ``K``
-    balanced stages) and print the stage table and the program inputs each stage
-    reads, named by their pytree paths.
+    balanced stages, then also printing how balanced they are) and print the stage
+    table and the program inputs each stage reads, named by their pytree paths.
 
 Progress goes to standard error, tables to standard output. Bad input ends the command
 with one line, ``pipemark: error: ...``, and a nonzero exit status: 2 for a malformed
@@ -242,23 +242,21 @@ def _inspect(args: argparse.Namespace) -> int:
                 f"tracing {label}({shown}) failed: {type(err).__name__}: {_one_line(err)}"
             ) from None
     has_markers = has_stage_markers(cj)
-    what = (
-        f"cutting into {plural(args.num_stages, 'balanced stage')}"
-        if args.num_stages
-        else "slicing"
-    )
+    if args.num_stages is None:
+        what = "slicing"
+    elif has_markers:  # consecutive marked stages are merged, as pm.split and the runtime do
+        what = f"merging the marked stages into {plural(args.num_stages, 'stage')}"
+    else:
+        what = f"cutting into {plural(args.num_stages, 'balanced stage')}"
     with progress.step(what):
         if args.num_stages is None and not has_markers:
             raise CommandError(
                 f"{args.target} has no stage markers; pass --num-stages K to cut it into "
                 "K balanced stages"
             )
-        if args.num_stages is not None and has_markers:
-            raise CommandError(
-                f"{args.target} already has stage markers, and --num-stages cuts a program "
-                "without any; drop --num-stages to cut it at its markers"
-            )
-        staged = pm.split_jaxpr(cj, num_stages=args.num_stages).with_signature(signature)
+        staged = pm.split_jaxpr(
+            cj, num_stages=args.num_stages, block_cuts=args.block_cuts
+        ).with_signature(signature)
     if args.html:
         with progress.step(f"writing {args.html}"):
             from pipemark.views.html_view import write_report
@@ -273,6 +271,8 @@ def _inspect(args: argparse.Namespace) -> int:
             except OSError as err:
                 raise CommandError(f"cannot write {args.html}: {err.strerror or err}") from None
     print_summary(staged, sys.stdout)
+    if staged.balance is not None:
+        print(f"balance: {staged.balance}", file=sys.stdout)
     print_stage_inputs(staged, sys.stdout)
     return 0
 
@@ -342,7 +342,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-stages",
         type=_positive,
         metavar="K",
-        help="cut into K balanced stages (the function must have no markers)",
+        help="cut into K balanced stages (a marked function: merge its consecutive marked "
+        "stages into K)",
+    )
+    inspect.add_argument(
+        "--block-cuts",
+        default="prefer",
+        metavar="POLICY",
+        help="with --num-stages: cut between the model's repeated blocks when that costs "
+        "little balance (prefer, the default), always (require) or anywhere (off)",
     )
     inspect.add_argument(
         "--grad",

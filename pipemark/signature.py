@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from pipemark.errors import PipemarkError, PipemarkWarning
+from pipemark.mutation import call_watching_arguments
 
 __all__ = ["Signature", "SignatureError", "is_traced_leaf", "traced_mask"]
 
@@ -233,7 +234,7 @@ class Signature:
 
         def flat_fn(*inputs: Any) -> list[Any]:
             args, kwargs = self.rebuild(inputs)
-            out = fn(*args, **kwargs)
+            out = call_watching_arguments(fn, args, kwargs)
             leaves = jax.tree_util.tree_leaves(out)
             return [leaf for leaf, traced in zip(leaves, traced_mask(out)) if traced]
 
@@ -272,9 +273,11 @@ class Signature:
         if jax.config.jax_enable_x64:
             return
         wide = [
-            f"{name} ({np.dtype(leaf.dtype).name})"
+            f"{name} ({leaf.dtype})"
             for name, leaf in zip(self.names, inputs)
-            if getattr(leaf, "dtype", None) is not None and np.dtype(leaf.dtype) in _WIDE_DTYPES
+            # Compared as dtypes, not through np.dtype, which refuses a typed PRNG key's
+            # dtype (key<fry>, in an nnx model's Rngs).
+            if getattr(leaf, "dtype", None) is not None and leaf.dtype in _WIDE_DTYPES
         ]
         if wide:
             shown = ", ".join(wide[:3]) + (f" and {len(wide) - 3} more" if len(wide) > 3 else "")

@@ -271,6 +271,7 @@ class StagedJaxpr:
         self._outputs = tuple(outputs)
         self._debug_info = debug_info
         self._signature = signature
+        self._balance = None
         self._check()
 
     @classmethod
@@ -290,6 +291,7 @@ class StagedJaxpr:
         staged._outputs = tuple(outputs)
         staged._debug_info = debug_info
         staged._signature = None
+        staged._balance = None
         return staged
 
     def with_signature(self, signature: Signature | None) -> StagedJaxpr:
@@ -307,6 +309,14 @@ class StagedJaxpr:
             list(self._stages), self._invars, list(self._outputs), self._debug_info
         )
         staged._signature = signature
+        staged._balance = self._balance
+        return staged
+
+    def with_balance(self, balance: Any) -> StagedJaxpr:
+        """The same stages, reporting ``balance``: how
+        :func:`pipemark.passes.auto.plan_layers` cut them (see :attr:`balance`)."""
+        staged = self.with_signature(self._signature)
+        staged._balance = balance
         return staged
 
     # ------------------------------------------------------------------- structure
@@ -372,6 +382,14 @@ class StagedJaxpr:
         """How the traced function's arguments map to :attr:`invars` (set by
         :func:`pipemark.split`), or ``None`` for a program sliced from a jaxpr."""
         return self._signature
+
+    @property
+    def balance(self) -> Any:
+        """How balanced the automatic cut is (a
+        :class:`~pipemark.passes.auto.LayerBalance`: layer costs, largest over mean,
+        whether the cuts fall between the model's blocks), for a program that
+        :func:`pipemark.split` cut into ``num_stages`` stages; ``None`` otherwise."""
+        return self._balance
 
     @property
     def debug_info(self) -> Any:

@@ -91,6 +91,15 @@ def exits(x, w):
     sys.exit(0)
 
 
+def four_layers(x, w):
+    """Four layers split by boundary markers."""
+    for i in range(4):
+        if i:
+            pm.mark_pipeline_boundary()
+        x = jnp.tanh(x @ w) * (1.0 + i)
+    return jnp.mean(x**2)
+
+
 def hostile_args():
     """Raises with terminal control characters and a right-to-left override in its
     message, as a user's exception might."""

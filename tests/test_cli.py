@@ -152,6 +152,22 @@ def test_inspect_cuts_balanced_stages(capsys):
     assert abs(sum(shares) - 100) < 0.2
 
 
+def test_inspect_reports_the_balance_and_takes_block_cuts(capsys):
+    pytest.importorskip("flax")
+    argv = ["inspect", "tests._cli_targets:flax_loss", "--args", "tests._cli_targets:flax_args"]
+    assert main([*argv, "--num-stages", "2"]) == 0
+    balance = [line for line in capsys.readouterr().out.splitlines() if line.startswith("balance:")]
+    assert len(balance) == 1 and balance[0].startswith("balance: 2 forward layers, largest / mean")
+    assert balance[0].endswith("cuts between 3 blocks (name scopes 'Dense_0' … 'Dense_2')")
+    assert main([*argv, "--num-stages", "2", "--block-cuts", "require"]) == 0
+    assert main([*argv, "--num-stages", "2", "--block-cuts", "sometimes"]) == 1
+    assert capsys.readouterr().err.endswith(
+        "pipemark: error: Unknown block_cuts 'sometimes'; choose one of 'prefer', 'require', "
+        "'off'.\n"
+    )
+    assert main([*argv]) == 1  # no balance without --num-stages: a marker error instead
+
+
 def test_inspect_grad_gives_backward_stages(capsys):
     args = ["inspect", "tests._cli_targets:plain", "--arg", "f32[4,8]", "--arg", "f32[8,8]"]
     assert main([*args, "--num-stages", "2", "--grad"]) == 0
@@ -390,14 +406,18 @@ def test_version_and_help_do_not_import_jax():
     assert out.stdout.strip().endswith("False")
 
 
-def test_num_stages_on_a_marked_program_gives_command_line_advice(capsys):
-    args = ["--arg", "f32[4,8]", "--arg", "f32[8,8]", "--num-stages", "2"]
-    status = main(["inspect", "tests._cli_targets:marked", *args])
+def test_num_stages_on_a_marked_program_merges_its_stages(capsys):
+    # Two marked layers into one stage: what pm.split and the runtime give.
+    args = ["--arg", "f32[4,8]", "--arg", "f32[8,8]", "--num-stages", "1", "--grad"]
+    assert main(["inspect", "tests._cli_targets:marked", *args]) == 0
+    out = capsys.readouterr().out
+    assert "stage0_backward" in out and "layer0" not in out
+    status = main(["inspect", "tests._cli_targets:marked", *args[:-2], "3"])
     assert status == 1
     err = _error_lines(capsys.readouterr().err)
     assert err == [
-        "pipemark: error: tests._cli_targets:marked already has stage markers, and "
-        "--num-stages cuts a program without any; drop --num-stages to cut it at its markers"
+        "pipemark: error: num_stages=3, but the program marks only 2 stages. Mark more "
+        "layers, or pass 1 <= num_stages <= 2."
     ]
 
 

@@ -6,6 +6,7 @@ Every pass is a pure function: it returns a new jaxpr (or a staged program) that
 
 from pipemark.passes.auto import auto_layers as auto_layers
 from pipemark.passes.auto import balanced_cuts as balanced_cuts
+from pipemark.passes.auto import plan_layers as plan_layers
 from pipemark.passes.backward_split import split_backward as split_backward
 from pipemark.passes.gradient import apply_start as apply_start
 from pipemark.passes.gradient import mark_apply_stage as mark_apply_stage
@@ -20,5 +21,7 @@ from pipemark.passes.rewrite import remove_markers as remove_markers
 from pipemark.passes.scan import layers_from_scans as layers_from_scans
 from pipemark.passes.scan import split_scan as split_scan
 from pipemark.passes.slice import slice_stages as slice_stages
+from pipemark.passes.stages import merge_consecutive as merge_consecutive
 from pipemark.passes.stages import merge_stages as merge_stages
+from pipemark.passes.stages import pair_stages as pair_stages
 from pipemark.passes.stages import rename_stages as rename_stages

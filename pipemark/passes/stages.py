@@ -1,4 +1,5 @@
-"""Passes over staged programs: :func:`merge_stages` and :func:`rename_stages`."""
+"""Passes over staged programs: :func:`merge_stages`, :func:`merge_consecutive` (with
+:func:`pair_stages`) and :func:`rename_stages`."""
 
 from __future__ import annotations
 
@@ -6,14 +7,23 @@ import collections
 import heapq
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Var
 
 from pipemark.errors import PipemarkError, StageGraphError
-from pipemark.marks import PAIRED_MARK_TYPES
+from pipemark.marks import (
+    APPLY_STAGE,
+    BACKWARD_SUFFIX,
+    PAIRED_MARK_TYPES,
+    WEIGHT_SUFFIX,
+    backward_name,
+    owner_name,
+    weight_name,
+)
 from pipemark.primitive import pipeline_p
 from pipemark.staged import Stage, StagedJaxpr, ValueRef, stage_debug_info, substitute_operands
 
-__all__ = ["merge_stages", "rename_stages"]
+__all__ = ["merge_consecutive", "merge_stages", "pair_stages", "rename_stages"]
 
 
 def _stage_index(staged: StagedJaxpr, key: object, where: str) -> int:
@@ -334,3 +344,88 @@ def rename_stages(staged: StagedJaxpr, mapping: Mapping[str, str]) -> StagedJaxp
     return StagedJaxpr(
         stages, staged.invars, staged.outputs, staged.debug_info, signature=staged.signature
     )
+
+
+def pair_stages(
+    staged: StagedJaxpr,
+) -> tuple[list[int], list[int | None], list[int | None]]:
+    """Indices in ``staged.stages`` of each forward stage, of its mirrored backward stage
+    and of its weight-gradient stage (:func:`pipemark.passes.split_backward`), ``None``
+    where it has none. A training step's update (``apply_grad``) is no forward stage.
+
+    >>> import jax, jax.numpy as jnp, pipemark as pm
+    >>> staged = pm.split(jax.grad(lambda x: jnp.cos(jnp.sin(x))), 1.0, num_stages=2)
+    >>> pair_stages(staged)
+    ([0, 1], [3, 2], [None, None])
+
+    Raises
+    ------
+    StageGraphError
+        When a ``_backward`` or ``_weight`` stage has no forward stage of its name.
+    """
+    names = [s.name for s in staged.stages]
+    forward = [k for k, n in enumerate(names) if owner_name(n) is None and n != APPLY_STAGE]
+    position = {name: k for k, name in enumerate(names)}
+    backward: list[int | None] = [position.get(backward_name(names[k])) for k in forward]
+    weight: list[int | None] = [position.get(weight_name(names[k])) for k in forward]
+    paired = {b for b in (*backward, *weight) if b is not None}
+    for k, name in enumerate(names):
+        if owner_name(name) is not None and k not in paired:
+            raise StageGraphError(
+                f"Stage {name!r} has no forward stage named {owner_name(name)!r} to pair "
+                "with; a backward stage runs where its forward stage runs. Do not name a "
+                f"forward stage with a {BACKWARD_SUFFIX!r} or {WEIGHT_SUFFIX!r} suffix."
+            )
+    return forward, backward, weight
+
+
+def merge_consecutive(staged: StagedJaxpr, num_stages: int) -> StagedJaxpr:
+    """Merge consecutive forward stages (each with its mirrored backward stage) into
+    ``num_stages`` stages ``stage0``, ``stage1``, ... (and ``stage0_backward``, ...) of
+    about equal equation counts. A program with ``num_stages`` forward stages is
+    returned as it is; an ``apply_grad`` stage stays as it is.
+
+    This is what :func:`pipemark.split`, the ``pipemark inspect`` command and the
+    pipeline runtime do with a marked program and ``num_stages``.
+
+    >>> import jax.numpy as jnp, pipemark as pm
+    >>> def f(x):
+    ...     for _ in range(3):
+    ...         pm.mark_pipeline_boundary()
+    ...         x = jnp.sin(x)
+    ...     return x
+    >>> [s.name for s in merge_consecutive(pm.split(f, 1.0), 2).stages]
+    ['stage0', 'stage1']
+
+    Raises
+    ------
+    PipemarkError
+        When the program has fewer forward stages than ``num_stages``.
+    """
+    forward, backward, _ = pair_stages(staged)
+    if num_stages == len(forward):
+        return staged
+    if not 1 <= num_stages <= len(forward):
+        raise PipemarkError(
+            f"num_stages={num_stages}, but the program marks only {len(forward)} stages. Mark "
+            f"more layers, or pass 1 <= num_stages <= {len(forward)}."
+        )
+    weights = [
+        staged.stages[f].num_eqns + (staged.stages[b].num_eqns if b is not None else 0)
+        for f, b in zip(forward, backward)
+    ]
+    prefix = np.cumsum([0, *weights])
+    cuts = [0]
+    for g in range(1, num_stages):
+        # The first cut after the g-th share of the work, leaving a layer per group.
+        cut = int(np.searchsorted(prefix, prefix[-1] * g / num_stages))
+        cuts.append(min(max(cut, cuts[-1] + 1), len(forward) - (num_stages - g)))
+    cuts.append(len(forward))
+    groups: dict[str, list[int]] = {}
+    for g in range(num_stages):
+        members = range(cuts[g], cuts[g + 1])
+        groups[f"stage{g}"] = [forward[i] for i in members]
+        back = [backward[i] for i in members if backward[i] is not None]
+        if back:
+            groups[backward_name(f"stage{g}")] = back
+    return merge_stages(staged, groups)

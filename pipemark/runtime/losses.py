@@ -7,6 +7,12 @@ and divides the sums over the whole batch by the count over the whole batch: a m
 or weighted mean, exactly as the unsplit program computes it, with no 0 / 0 on a
 microbatch that is all padding.
 
+With ``"sum"`` (and ``"sum_over_count"``), a term of the loss that does not read the
+batch (weight decay over the parameters, a constant) is the same in every microbatch;
+added over the microbatches it would count ``num_microbatches`` times, where the whole
+batch's loss counts it once. :func:`count_batch_free_terms_once` divides such terms of
+the loss's final sum by the number of microbatches before it is differentiated.
+
 A loss normalised by a count computed from the batch (``sum(l * mask) / sum(mask)``)
 gives, averaged per microbatch, another number than over the whole batch. With
 ``"mean"`` such a division is found in the traced loss and refused
@@ -17,11 +23,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from jax.extend.core import ClosedJaxpr, Literal
+import jax
+import jax.numpy as jnp
+from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
 
 from pipemark.errors import describe_eqn
+from pipemark.passes.rewrite import dce
 
-__all__ = ["LOSS_REDUCTIONS", "find_batch_normaliser", "split_count"]
+__all__ = ["LOSS_REDUCTIONS", "count_batch_free_terms_once", "find_batch_normaliser", "split_count"]
 
 LOSS_REDUCTIONS = ("mean", "sum", "sum_over_count")
 
@@ -72,3 +81,98 @@ def split_count(out: Any) -> tuple[Any, Any]:
             f"e.g. (jnp.sum(losses * mask), jnp.sum(mask)); it returned {type(out).__name__}."
         )
     return out[0], out[1]
+
+
+# Primitives through which a sum's terms are followed: (first, second operand's sign).
+_SUMS = {"add": (1, 1), "add_any": (1, 1), "sub": (1, -1), "neg": (-1, None)}
+
+
+def _batch_dependent(jaxpr: Any, num_param_leaves: int) -> set:
+    """Every variable of ``jaxpr`` computed from a batch input (an equation reading one,
+    inside any sub-program, counts wholly)."""
+    dependent = set(jaxpr.invars[num_param_leaves:])
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(v, Literal) and v in dependent for v in eqn.invars):
+            dependent.update(eqn.outvars)
+    return dependent
+
+
+def _sum_terms(jaxpr: Any, out: Any) -> list[tuple[int, Any]]:
+    """``out`` as a signed sum of terms ``[(sign, atom), ...]``, following the additions,
+    subtractions and negations (of equal shapes) that compute it."""
+    producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    terms: list[tuple[int, Any]] = []
+    stack = [(1, out)]
+    while stack:
+        sign, atom = stack.pop()
+        eqn = None if isinstance(atom, Literal) else producer.get(atom)
+        signs = _SUMS.get(eqn.primitive.name) if eqn is not None else None
+        if signs is None or any(v.aval.shape != atom.aval.shape for v in eqn.invars):
+            terms.append((sign, atom))
+            continue
+        for operand, operand_sign in zip(eqn.invars, signs):
+            stack.append((sign * operand_sign, operand))
+    return terms
+
+
+def count_batch_free_terms_once(
+    cj: ClosedJaxpr, num_param_leaves: int, num_microbatches: int
+) -> ClosedJaxpr:
+    """``cj`` (inputs: the params' leaves, then the batch's) with every output that is a
+    sum rewritten so that its terms that do not read the batch are divided by
+    ``num_microbatches``: added over the microbatches, each such term then counts
+    once, as in the whole batch's sum. ``cj`` itself when no output has such a term, or
+    for one microbatch.
+
+    The terms are those of the output's outermost sum (``+``, ``-``, negation); a
+    batch-free term hidden under another operation, like ``2 * (data + decay)``, is not
+    found.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.extend.core import jaxpr_as_fun
+    >>> def loss(w, x):
+    ...     return jnp.sum((x * w) ** 2) + 0.1 * w**2
+    >>> cj = jax.make_jaxpr(loss)(1.0, jnp.ones(4))
+    >>> new = count_batch_free_terms_once(cj, 1, num_microbatches=2)
+    >>> round(float(jaxpr_as_fun(new)(1.0, jnp.ones(4))[0]), 4)  # 4 + 0.1 / 2
+    4.05
+    """
+    if num_microbatches == 1:
+        return cj
+    jaxpr = cj.jaxpr
+    dependent = _batch_dependent(jaxpr, num_param_leaves)
+    # Per output, its terms as (sign, atom, batch-free). Only floating-point outputs are
+    # rewritten: an integer one is added as it is, and scaling would round it away.
+    outputs = [
+        [
+            (sign, atom, isinstance(atom, Literal) or atom not in dependent)
+            for sign, atom in _sum_terms(jaxpr, out)
+        ]
+        if jnp.issubdtype(out.aval.dtype, jnp.inexact)
+        else [(1, out, False)]
+        for out in jaxpr.outvars
+    ]
+    if not any(free for terms in outputs for *_, free in terms):
+        return cj
+    atoms = [atom for terms in outputs for _, atom, _ in terms]
+    paths = tuple(f"term[{i}]" for i in range(len(atoms)))
+    debug_info = jaxpr.debug_info._replace(result_paths=paths)
+    terms_program = jaxpr_as_fun(
+        dce(ClosedJaxpr(jaxpr.replace(outvars=atoms, debug_info=debug_info), cj.consts))
+    )
+    scale = 1.0 / num_microbatches
+
+    def rewritten(*inputs: Any) -> list[Any]:
+        values = iter(terms_program(*inputs))
+        results = []
+        for out, terms in zip(jaxpr.outvars, outputs):
+            total = None
+            for sign, _, free in terms:
+                value = next(values)
+                term = (value * scale if free else value) * sign
+                total = term if total is None else total + term
+            results.append(total.astype(out.aval.dtype))
+        return results
+
+    structs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
+    return jax.make_jaxpr(rewritten)(*structs)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipemark.errors import PipemarkError
+from pipemark.passes.auto import check_block_cuts
 from pipemark.runtime.losses import LOSS_REDUCTIONS
 from pipemark.runtime.schedules import Schedule
 from pipemark.runtime.simulation import ZERO_BUBBLE_VARIANTS
@@ -49,6 +50,10 @@ class PipelineOptions:
         How many pipeline stages; ``None``: one per marked stage. Fewer than the marked
         stages merges consecutive ones; without markers the program is balanced
         automatically.
+    block_cuts:
+        When balancing automatically: cut between the model's repeated blocks if that
+        costs little balance (``"prefer"``), always (``"require"``) or anywhere
+        (``"off"``); see :func:`pipemark.passes.auto_layers`.
     schedule:
         ``"1f1b"``, ``"gpipe"``, ``"interleaved"``, the zero-bubble ``"zb-h1"`` or
         ``"zb-v"`` (each backward split into B and W,
@@ -71,6 +76,7 @@ class PipelineOptions:
     devices: Sequence[Any] | None = field(default=None)
     loss_reduction: str = "mean"
     timeout_s: float | None = 120.0
+    block_cuts: str = "prefer"
 
     def __post_init__(self) -> None:
         if self.timeout_s is not None and (
@@ -84,6 +90,7 @@ class PipelineOptions:
         check_positive(self.num_microbatches, "num_microbatches")
         if self.num_stages is not None:
             check_positive(self.num_stages, "num_stages")
+        check_block_cuts(self.block_cuts)
         if self.loss_reduction not in LOSS_REDUCTIONS:
             raise PipemarkError(
                 f"Unknown loss_reduction {self.loss_reduction!r}; use 'mean' for a loss "

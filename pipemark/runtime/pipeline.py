@@ -4,8 +4,9 @@ microbatch, following a pipeline schedule.
 
 How a call runs:
 
-1. **Trace once per input shape.** ``jax.value_and_grad(loss_fn)`` is traced for *one
-   microbatch* (the batch's leading axis divided by ``num_microbatches``). Stage markers
+1. **Trace once per input shape.** ``loss_fn`` is traced once for *one microbatch*
+   (the batch's leading axis divided by ``num_microbatches``), and ``value_and_grad``
+   of that traced program is staged (:mod:`pipemark.runtime.plan`). Stage markers
    in ``loss_fn`` (start/end pairs, or boundary markers turned into layers) give forward
    stages and, through the marker's transpose rule, mirrored ``<name>_backward`` stages.
    Without markers, :func:`pipemark.passes.auto.auto_layers` cuts the program into
@@ -26,7 +27,9 @@ How a call runs:
 averaged: a loss that is a mean over the batch (``jnp.mean``) has, for equal microbatches,
 ``loss(batch) = mean_m loss(microbatch_m)`` and, by linearity of the derivative, the
 same for the gradients. With ``loss_reduction="sum"`` they are added, which is right
-for a loss summed over the batch. A loss that is neither (normalised by something that
+for a loss summed over the batch (a term that does not read the batch, like weight
+decay, is counted once: :func:`pipemark.runtime.losses.count_batch_free_terms_once`).
+A loss that is neither (normalised by something that
 depends on the whole batch, batch statistics) cannot be split into microbatches.
 """
 
@@ -39,9 +42,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
 from pipemark.errors import PipemarkError
+from pipemark.mutation import call_watching_arguments
+from pipemark.passes.gradient import split_at_gradient
+from pipemark.passes.inline import inline_calls
 from pipemark.runtime.arguments import (
     PartitionedParams,
     batch_arg_names,
@@ -49,7 +55,7 @@ from pipemark.runtime.arguments import (
     partition_params,
 )
 from pipemark.runtime.execution import action_costs, run_plan
-from pipemark.runtime.losses import LOSS_REDUCTIONS, split_count
+from pipemark.runtime.losses import LOSS_REDUCTIONS, count_batch_free_terms_once, split_count
 from pipemark.runtime.options import PipelineOptions
 from pipemark.runtime.plan import (
     PipelinePlan,
@@ -115,8 +121,10 @@ class Pipeline:
         loss_fn = self.loss_fn
 
         def full(dynamic: Any, batch: Any) -> Any:
-            params = part.combine(dynamic)
-            return loss_fn(params, *batch) if num_batch > 1 else loss_fn(params, batch)
+            args = (
+                (part.combine(dynamic), *batch) if num_batch > 1 else (part.combine(dynamic), batch)
+            )
+            return call_watching_arguments(loss_fn, args)
 
         if self.options.loss_reduction != "sum_over_count":
             return full, None
@@ -203,6 +211,7 @@ def pipeline_value_and_grad(
     devices: Sequence[Any] | None = None,
     loss_reduction: str = "mean",
     timeout_s: float | None = 120.0,
+    block_cuts: str = "prefer",
 ) -> Pipeline:
     """``jax.value_and_grad(loss_fn)`` computed as a pipeline over several devices.
 
@@ -246,6 +255,10 @@ def pipeline_value_and_grad(
         Under ``jax.distributed``: how long a process waits for a value from another
         before it stops with an error naming the stage and the process (``None``:
         for ever).
+    block_cuts:
+        Without markers: cut between the model's repeated blocks when that costs
+        little balance (``"prefer"``), always (``"require"``) or anywhere (``"off"``);
+        see :func:`pipemark.passes.auto_layers`.
 
     Returns
     -------
@@ -283,11 +296,23 @@ def pipeline_value_and_grad(
         devices=devices,
         loss_reduction=loss_reduction,
         timeout_s=timeout_s,
+        block_cuts=block_cuts,
     )
     return Pipeline(loss_fn, options)
 
 
 # ------------------------------------------------------------------ training step
+
+
+def _trace_step(step_fn: Callable, args: tuple) -> tuple[ClosedJaxpr, ClosedJaxpr, Any]:
+    """``step_fn`` traced on ``args``, its calls inlined (a ``jax.jit`` step holds its
+    grad marker inside its body, as :func:`pipemark.split` finds it), cut at the grad
+    marker: ``(compute_grad, apply_grad, output shape)``."""
+    cj, out_shape = jax.make_jaxpr(
+        lambda *a: call_watching_arguments(step_fn, a), return_shape=True
+    )(*args)
+    compute, apply = split_at_gradient(inline_calls(cj))
+    return compute, apply, out_shape
 
 
 class PipelinedStep:
@@ -304,8 +329,6 @@ class PipelinedStep:
         return self._prepare(args)[0]
 
     def _prepare(self, args: tuple[Any, ...]) -> tuple[PipelinePlan, Callable, Any]:
-        from pipemark.passes import split_at_gradient
-
         if not args:
             raise PipemarkError(
                 "A pipelined training step needs at least the batch argument (the last one)."
@@ -320,9 +343,8 @@ class PipelinedStep:
         batch_structs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(batch), structs)
         # The gradient part is traced for one microbatch (it runs per microbatch); the
         # update is traced for the whole batch (it runs once, and may read the batch).
-        compute, _ = split_at_gradient(jax.make_jaxpr(self.step_fn)(*replicated, batch_structs))
-        full, out_shape = jax.make_jaxpr(self.step_fn, return_shape=True)(*args)
-        compute_full, apply = split_at_gradient(full)
+        compute, _, _ = _trace_step(self.step_fn, (*replicated, batch_structs))
+        compute_full, apply, out_shape = _trace_step(self.step_fn, args)
         micro_avals = [v.aval for v in compute.jaxpr.outvars]
         full_avals = [v.aval for v in compute_full.jaxpr.outvars]
         for i, (a, b) in enumerate(zip(micro_avals, full_avals)):
@@ -334,10 +356,21 @@ class PipelinedStep:
                     "(gradients, a mean loss) can be accumulated over microbatches. Reduce "
                     "it over the batch before the grad marker."
                 )
+        num_replicated = len(jax.tree_util.tree_leaves(tuple(replicated)))
+        if self.options.loss_reduction == "sum":
+            # What does not read the batch (weight decay's gradient) counts once.
+            compute = count_batch_free_terms_once(
+                compute, num_replicated, self.options.num_microbatches
+            )
         plan = plan_from_staged(
-            stage_program(compute, self.options.num_stages, "The gradient part of the step"),
+            stage_program(
+                compute,
+                self.options.num_stages,
+                "The gradient part of the step",
+                self.options.block_cuts,
+            ),
             jax.tree_util.tree_structure([0] * len(micro_avals)),
-            num_param_leaves=len(jax.tree_util.tree_leaves(tuple(replicated))),
+            num_param_leaves=num_replicated,
             microbatch_size=micro,
             options=self.options,
         )
@@ -378,13 +411,15 @@ def pipeline_train_step(
     devices: Sequence[Any] | None = None,
     loss_reduction: str = "mean",
     timeout_s: float | None = 120.0,
+    block_cuts: str = "prefer",
 ) -> PipelinedStep:
     """A training step ``step_fn(*state, batch)`` whose gradients are computed as a
     pipeline and then applied once.
 
     ``step_fn`` computes gradients with ``jax.grad``/``jax.value_and_grad`` of a loss
     whose layers are marked, marks them with :func:`pipemark.mark_gradient`, and updates
-    (see :func:`pipemark.examples.train_step`). It is cut at the grad marker with
+    (see :func:`pipemark.examples.train_step`); a ``jax.jit`` step is inlined first,
+    as :func:`pipemark.split` inlines it. It is cut at the grad marker with
     :func:`pipemark.passes.split_at_gradient`: the part before runs as a pipeline over
     ``num_microbatches`` microbatches of ``batch`` (its last argument), every value it
     hands to the update (the gradients, the loss) averaged over microbatches (or added,
@@ -413,5 +448,6 @@ def pipeline_train_step(
         devices=devices,
         loss_reduction=loss_reduction,
         timeout_s=timeout_s,
+        block_cuts=block_cuts,
     )
     return PipelinedStep(step_fn, options)

@@ -20,16 +20,14 @@ from jax.sharding import SingleDeviceSharding
 
 from pipemark.caches import register_cache
 from pipemark.errors import PipemarkError, StageGraphError
-from pipemark.marks import (
-    BACKWARD_SUFFIX,
-    WEIGHT_SUFFIX,
-    backward_name,
-    owner_name,
-    weight_name,
-)
 from pipemark.passes.backward_split import split_backward
 from pipemark.passes.inline import inline_calls
-from pipemark.runtime.losses import LOSS_REDUCTIONS, find_batch_normaliser
+from pipemark.passes.stages import pair_stages
+from pipemark.runtime.losses import (
+    LOSS_REDUCTIONS,
+    count_batch_free_terms_once,
+    find_batch_normaliser,
+)
 from pipemark.runtime.options import PipelineOptions
 from pipemark.runtime.schedules import Schedule, make_schedule
 from pipemark.runtime.simulation import ZERO_BUBBLE_VARIANTS, zero_bubble_schedule
@@ -86,8 +84,10 @@ def microbatch_structs(batch: Any, num_microbatches: int) -> tuple[list[Any], in
     return structs, micro
 
 
-def _check_loss(loss_fn: Callable, params: Any, batch_structs: Any) -> None:
-    out = jax.eval_shape(loss_fn, params, batch_structs)
+def _trace_loss(loss_fn: Callable, params: Any, batch_structs: Any) -> ClosedJaxpr:
+    """The loss traced for one microbatch, its calls inlined: the one trace of
+    ``loss_fn`` that the checks, the rewrites and the differentiation all read."""
+    cj, out = jax.make_jaxpr(loss_fn, return_shape=True)(params, batch_structs)
     leaves = jax.tree_util.tree_leaves(out)
     if len(leaves) != 1 or not hasattr(out, "shape"):
         raise PipemarkError(
@@ -101,14 +101,12 @@ def _check_loss(loss_fn: Callable, params: Any, batch_structs: Any) -> None:
             "scalar floating-point loss. Reduce it over the batch (jnp.mean or jnp.sum, "
             "and pass loss_reduction= accordingly)."
         )
+    return inline_calls(cj)
 
 
-def _refuse_batch_normaliser(loss_fn: Callable, params: Any, batch_structs: Any) -> None:
+def _refuse_batch_normaliser(loss: ClosedJaxpr, num_param_leaves: int) -> None:
     """A mean normalised by a count from the batch cannot be averaged per microbatch."""
-    from pipemark.passes import inline_calls
-
-    cj = inline_calls(jax.make_jaxpr(loss_fn)(params, batch_structs))
-    found = find_batch_normaliser(cj, len(jax.tree_util.tree_leaves(params)))
+    found = find_batch_normaliser(loss, num_param_leaves)
     if found is not None:
         raise PipemarkError(
             f"loss_fn divides by a count computed from the batch at {found} (a masked or "
@@ -122,92 +120,44 @@ def _refuse_batch_normaliser(loss_fn: Callable, params: Any, batch_structs: Any)
 # ------------------------------------------------------------------- stage plan
 
 
-def stage_program(cj: ClosedJaxpr, num_stages: int | None, what: str) -> StagedJaxpr:
+def stage_program(
+    cj: ClosedJaxpr, num_stages: int | None, what: str, block_cuts: str = "prefer"
+) -> StagedJaxpr:
     """Cut a traced program for the runtime as :func:`pipemark.split` cuts it (through
     :func:`pipemark.split_jaxpr`): at its markers, or, without any, into ``num_stages``
-    balanced stages (``what`` names the program in the error when there is neither)."""
+    balanced stages under the split policy ``block_cuts`` (``what`` names the program
+    in the error when there is neither)."""
     # Inlined once here; has_stage_markers and split_jaxpr then find nothing to inline.
     cj = inline_calls(cj)
-    if has_stage_markers(cj):
-        return split_jaxpr(cj)
-    if num_stages is None:
+    if num_stages is None and not has_stage_markers(cj):
         raise PipemarkError(
             f"{what} has no pipeline markers, so the pipeline cannot tell where to cut it. "
             "Pass num_stages= to cut it automatically into balanced stages, or mark the "
             "layers with pm.mark(..., mark_type='start'/'end') or "
             "pm.mark_pipeline_boundary()."
         )
-    return split_jaxpr(cj, num_stages=num_stages)
+    # Marked stages are merged into num_stages, or an unmarked program is cut into
+    # num_stages, exactly as pm.split and the CLI do.
+    return split_jaxpr(cj, num_stages=num_stages, block_cuts=block_cuts)
 
 
 def _trace_staged(
-    loss_fn: Callable, params: Any, batch_structs: Any, num_stages: int | None
+    loss: ClosedJaxpr, params: Any, batch_structs: Any, options: PipelineOptions
 ) -> tuple[StagedJaxpr, Any]:
-    """Trace value_and_grad for one microbatch and cut it into forward and mirrored
-    backward stages. Returns the staged program and the output tree."""
-    cj, out_shape = jax.make_jaxpr(jax.value_and_grad(loss_fn), return_shape=True)(
+    """Differentiate the traced loss (``value_and_grad`` of the program, not of
+    ``loss_fn`` again) and cut it into forward and mirrored backward stages. Returns the
+    staged program and the output tree."""
+    program = jaxpr_as_fun(loss)
+
+    def replayed(params: Any, batch: Any) -> Any:
+        leaves = jax.tree_util.tree_leaves((params, batch))
+        return program(*leaves)[0]
+
+    cj, out_shape = jax.make_jaxpr(jax.value_and_grad(replayed), return_shape=True)(
         params, batch_structs
     )
-    staged = stage_program(cj, num_stages, "loss_fn")
+    staged = stage_program(cj, options.num_stages, "loss_fn", options.block_cuts)
     return staged, jax.tree_util.tree_structure(out_shape)
-
-
-def _pair_stages(
-    staged: StagedJaxpr,
-) -> tuple[list[int], list[int | None], list[int | None]]:
-    """Sliced-stage indices of each pipeline stage's forward, backward and (for a
-    backward split by :func:`pipemark.passes.split_backward`) weight programs."""
-    names = [s.name for s in staged.stages]
-    forward = [k for k, n in enumerate(names) if owner_name(n) is None]
-    position = {names[k]: k for k in range(len(names))}
-    backward: list[int | None] = [position.get(backward_name(names[k])) for k in forward]
-    weight: list[int | None] = [position.get(weight_name(names[k])) for k in forward]
-    paired = {b for b in (*backward, *weight) if b is not None}
-    for k, name in enumerate(names):
-        if owner_name(name) is not None and k not in paired:
-            raise StageGraphError(
-                f"Stage {name!r} has no forward stage named "
-                f"{owner_name(name)!r} to pair with; the runtime runs each "
-                "backward stage on the device of its forward stage. Do not name a forward "
-                f"stage with a {BACKWARD_SUFFIX!r} or {WEIGHT_SUFFIX!r} suffix."
-            )
-    return forward, backward, weight
-
-
-def _merge_into(staged: StagedJaxpr, num_stages: int) -> StagedJaxpr:
-    """Merge consecutive marked stages (and their mirrored backward stages) into
-    ``num_stages`` pipeline stages of about equal equation counts."""
-    from pipemark.passes import merge_stages
-
-    forward, backward, _ = _pair_stages(staged)
-    if num_stages == len(forward):
-        return staged
-    if num_stages > len(forward):
-        raise PipemarkError(
-            f"num_stages={num_stages}, but loss_fn marks only {len(forward)} stages. Mark "
-            f"more layers, or pass num_stages <= {len(forward)}."
-        )
-    weights = [
-        staged.stages[f].num_eqns + (staged.stages[b].num_eqns if b is not None else 0)
-        for f, b in zip(forward, backward)
-    ]
-    prefix = np.cumsum([0, *weights])
-    cuts = [0]
-    for g in range(1, num_stages):
-        # The first cut after the g-th share of the work, leaving a layer per group.
-        target = prefix[-1] * g / num_stages
-        cut = int(np.searchsorted(prefix, target))
-        cut = min(max(cut, cuts[-1] + 1), len(forward) - (num_stages - g))
-        cuts.append(cut)
-    cuts.append(len(forward))
-    groups: dict[str, list[int]] = {}
-    for g in range(num_stages):
-        members = range(cuts[g], cuts[g + 1])
-        groups[f"stage{g}"] = [forward[i] for i in members]
-        back = [backward[i] for i in members if backward[i] is not None]
-        if back:
-            groups[backward_name(f"stage{g}")] = back
-    return merge_stages(staged, groups)
 
 
 @dataclasses.dataclass
@@ -392,19 +342,22 @@ def _jit_unit(
 def build_plan(
     loss_fn: Callable, params: Any, batch: Any, options: PipelineOptions
 ) -> PipelinePlan:
-    """Trace ``value_and_grad(loss_fn)`` for one microbatch of ``batch``, stage,
-    schedule and compile it: the plan :func:`pipemark.runtime.execution.run_plan`
-    runs."""
+    """Trace ``loss_fn`` once for one microbatch of ``batch``, check it, differentiate
+    the traced program, stage, schedule and compile it: the plan
+    :func:`pipemark.runtime.execution.run_plan` runs."""
     structs, micro = microbatch_structs(batch, options.num_microbatches)
     batch_structs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(batch), structs)
-    _check_loss(loss_fn, params, batch_structs)
+    loss = _trace_loss(loss_fn, params, batch_structs)
+    num_param_leaves = len(jax.tree_util.tree_leaves(params))
     if options.loss_reduction == "mean":
-        _refuse_batch_normaliser(loss_fn, params, batch_structs)
-    staged, out_tree = _trace_staged(loss_fn, params, batch_structs, options.num_stages)
+        _refuse_batch_normaliser(loss, num_param_leaves)
+    else:  # a sum: the terms without the batch (weight decay) count once, not per microbatch
+        loss = count_batch_free_terms_once(loss, num_param_leaves, options.num_microbatches)
+    staged, out_tree = _trace_staged(loss, params, batch_structs, options)
     return plan_from_staged(
         staged,
         out_tree,
-        num_param_leaves=len(jax.tree_util.tree_leaves(params)),
+        num_param_leaves=num_param_leaves,
         microbatch_size=micro,
         options=options,
     )
@@ -464,12 +417,10 @@ def plan_from_staged(
 ) -> PipelinePlan:
     """Schedule and compile a staged program whose inputs are ``num_param_leaves``
     replicated leaves followed by the batch leaves (split into microbatches)."""
-    if options.num_stages is not None:
-        staged = _merge_into(staged, options.num_stages)
     if options.splits_backward:
         # A zero-bubble schedule runs each backward's parameter gradients (W) apart.
         staged = split_backward(staged)
-    forward, backward, weight = _pair_stages(staged)
+    forward, backward, weight = pair_stages(staged)
     count = len(forward)
     pipeline_stage: dict[int, int] = {}
     for k, (f, b, w) in enumerate(zip(forward, backward, weight)):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.extend.core import check_jaxpr
 
@@ -181,3 +182,34 @@ def test_rename_swap_is_allowed():
     swapped = P.rename_stages(staged, {"a": "b", "b": "a"})
     assert [s.name for s in swapped.stages] == ["b", "a", "c", "d"]
     swapped.verify(cj, X)
+
+
+def _four_marked_layers(x):
+    for _ in range(4):
+        pm.mark_pipeline_boundary()
+        x = jnp.tanh(jnp.sin(x) * 1.5)
+    return jnp.sum(x)
+
+
+def test_merge_consecutive_pairs_backward_stages_and_keeps_the_update():
+    staged = pm.split(jax.grad(_four_marked_layers), X)
+    assert P.pair_stages(staged) == ([0, 1, 2, 3], [7, 6, 5, 4], [None] * 4)
+    merged = P.merge_consecutive(staged, 2)
+    check(merged)
+    assert [s.name for s in merged.stages] == [
+        "stage0",
+        "stage1",
+        "stage1_backward",
+        "stage0_backward",
+    ]
+    assert P.merge_consecutive(staged, 4) is staged
+    np.testing.assert_allclose(merged(X)[0], jax.jit(jax.grad(_four_marked_layers))(X), rtol=1e-6)
+
+    def step(x):
+        return x - 0.1 * pm.mark_gradient(jax.grad(_four_marked_layers)(x))
+
+    with_update = P.merge_consecutive(pm.split(step, X), 2)
+    assert [s.name for s in with_update.stages][-1] == "apply_grad"
+    np.testing.assert_allclose(with_update(X)[0], jax.jit(step)(X), rtol=1e-6)
+    with pytest.raises(pm.PipemarkError, match="marks only 4 stages"):
+        P.merge_consecutive(staged, 5)

@@ -215,7 +215,7 @@ def _mlp():
             dict(num_microbatches=2, devices=jax.devices()[:1]),
             r"2 stages but only 1 device.*xla_force_host_platform",
         ),
-        (dict(num_stages=3, num_microbatches=1), r"num_stages=3, but loss_fn marks only 2"),
+        (dict(num_stages=3, num_microbatches=1), r"num_stages=3, but the program marks only 2"),
         (dict(num_microbatches=0), r"num_microbatches must be a positive int"),
         (dict(num_microbatches=1, loss_reduction="max"), r"Unknown loss_reduction 'max'"),
         (dict(num_microbatches=1, schedule="zigzag"), r"Unknown schedule 'zigzag'"),
@@ -400,3 +400,200 @@ def test_a_forward_stage_named_like_a_backward_half_is_refused(suffix):
     pipe = pm.pipeline_value_and_grad(loss_fn, num_microbatches=1, devices=jax.devices()[:1])
     with pytest.raises(pm.StageGraphError, match="'_backward' or '_weight' suffix"):
         pipe(jnp.eye(2), jnp.ones((2, 2)))
+
+
+# ------------------------------------------------- one staging entry, one trace
+
+
+def _counted_loss(calls: list):
+    def loss_fn(params, batch):
+        calls.append(1)
+        x = batch
+        for i, w in enumerate(params):
+            if i:
+                pm.mark_pipeline_boundary()
+            x = jnp.tanh(x @ w)
+        return jnp.mean(x**2)
+
+    return loss_fn
+
+
+def test_the_loss_is_traced_once_per_input_shape():
+    params = [jnp.eye(3) * 0.5, jnp.eye(3) * 0.7]
+    for reduction in ("mean", "sum"):
+        calls: list = []
+        pipe = pm.pipeline_value_and_grad(
+            _counted_loss(calls),
+            num_microbatches=2,
+            loss_reduction=reduction,
+            schedule="interleaved",
+            devices=jax.devices()[:1],
+        )
+        pipe(params, jnp.ones((4, 3)))
+        pipe(params, jnp.ones((4, 3)) * 2.0)
+        assert len(calls) == 1
+        pipe(params, jnp.ones((8, 3)))  # another shape: one more trace
+        assert len(calls) == 2
+
+
+def test_a_marked_program_and_num_stages_give_one_answer(capsys):
+    from pipemark.cli import main
+    from tests._cli_targets import four_layers
+
+    x, w = jnp.ones((4, 8)) * 0.1, jnp.eye(8) * 0.9
+    split = pm.split(jax.value_and_grad(four_layers), x, w, num_stages=2)
+    names = [s.name for s in split.stages]
+    assert names == ["stage0", "stage1", "stage1_backward", "stage0_backward"]
+    pipe = pm.pipeline_value_and_grad(
+        four_layers,
+        num_stages=2,
+        num_microbatches=1,
+        schedule="interleaved",
+        devices=jax.devices()[:1],
+    )
+    runtime = pipe.plan(x, w).staged
+    assert [s.name for s in runtime.stages] == names
+    assert [s.num_eqns for s in runtime.stages] == [s.num_eqns for s in split.stages]
+    argv = ["inspect", "tests._cli_targets:four_layers", "--arg", "f32[4,8]", "--arg", "f32[8,8]"]
+    assert main([*argv, "--grad", "--num-stages", "2"]) == 0
+    out = capsys.readouterr().out
+    for stage in split.stages:
+        # The summary's line for each stage: its name and its equation count.
+        assert any(
+            stage.name in line.split() and str(stage.num_eqns) in line.split()
+            for line in out.splitlines()
+        )
+
+
+def test_a_jitted_training_step_runs_as_a_pipeline():
+    ex = examples.mlp(num_layers=2, width=4, batch=4)
+    step, init_state = examples.train_step(ex.loss_fn, optimizer="adam")
+    jitted = jax.jit(step)
+    state = init_state(ex.params)
+    pipelined = pm.pipeline_train_step(
+        jitted, num_microbatches=2, schedule="interleaved", devices=jax.devices()[:1]
+    )
+    got = pipelined(ex.params, state, ex.batch)
+    want = jitted(ex.params, state, ex.batch)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------- sums: a batch-free term once
+
+
+def _decayed_sum_loss(params, batch):
+    x, y = batch
+    h = jnp.tanh(x @ params["w1"])
+    pm.mark_pipeline_boundary()
+    data = jnp.sum((h @ params["w2"] - y) ** 2)
+    decay = 0.05 * (jnp.sum(params["w1"] ** 2) + jnp.sum(params["w2"] ** 2))
+    return data + decay - 0.25
+
+
+def _decay_example():
+    key1, key2, key3 = jax.random.split(jax.random.PRNGKey(3), 3)
+    params = {"w1": jax.random.normal(key1, (3, 4)), "w2": jax.random.normal(key2, (4, 2))}
+    x = jax.random.normal(key3, (8, 3))
+    return params, (x, jnp.cos(x[:, :2]))
+
+
+@pytest.mark.parametrize("reduction", ["sum", "sum_over_count"])
+def test_a_sum_counts_a_term_without_the_batch_once(reduction):
+    params, batch = _decay_example()
+    if reduction == "sum":
+        loss_fn = _decayed_sum_loss
+    else:
+
+        def loss_fn(params, batch):
+            return _decayed_sum_loss(params, batch), jnp.float32(batch[0].shape[0])
+
+    pipe = pm.pipeline_value_and_grad(
+        loss_fn,
+        num_microbatches=4,
+        loss_reduction=reduction,
+        schedule="interleaved",
+        devices=jax.devices()[:1],
+    )
+    loss, grads = pipe(params, batch)
+    want_loss, want_grads = jax.value_and_grad(_decayed_sum_loss)(params, batch)
+    count = 1.0 if reduction == "sum" else 8.0
+    np.testing.assert_allclose(loss, want_loss / count, rtol=1e-5)
+    for key in params:
+        np.testing.assert_allclose(grads[key], want_grads[key] / count, rtol=1e-5, atol=1e-6)
+
+
+def test_a_summed_training_step_counts_weight_decay_once():
+    params, batch = _decay_example()
+
+    def step(params, batch):
+        loss, grads = jax.value_and_grad(_decayed_sum_loss)(params, batch)
+        grads = pm.mark_gradient(grads)
+        return jax.tree_util.tree_map(lambda p, g: p - 0.01 * g, params, grads), loss
+
+    pipelined = pm.pipeline_train_step(
+        step,
+        num_microbatches=4,
+        loss_reduction="sum",
+        schedule="interleaved",
+        devices=jax.devices()[:1],
+    )
+    got = pipelined(params, batch)
+    want = jax.jit(step)(params, batch)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------- state JAX cannot see (flax nnx)
+
+
+def test_an_nnx_jit_step_that_updates_in_place_is_refused():
+    nnx = pytest.importorskip("flax.nnx")
+    optax = pytest.importorskip("optax")
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(3, 4, rngs=rngs)
+            self.l2 = nnx.Linear(4, 1, rngs=rngs)
+
+        def __call__(self, x):
+            h = jnp.tanh(self.l1(x))
+            pm.mark_pipeline_boundary()
+            return self.l2(h)
+
+    model = Model(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    x, y = jnp.linspace(-1, 1, 24).reshape(8, 3), jnp.ones((8, 1))
+
+    def loss(m, batch):
+        return jnp.mean((m(batch[0]) - batch[1]) ** 2)
+
+    @nnx.jit
+    def step(model, optimizer, batch):
+        value, grads = nnx.value_and_grad(loss)(model, batch)
+        optimizer.update(model, grads)
+        return value
+
+    with pytest.raises(
+        pm.StateMutationError,
+        match=r"step changed its arguments in place: args\[0\]\.l1.*nnx\.split",
+    ):
+        pm.split(step, model, optimizer, (x, y))
+    with pytest.raises(pm.StateMutationError, match=r"nnx\.merge"):
+        pm.pipeline_train_step(step, num_microbatches=2)(model, optimizer, (x, y))
+
+    # The way the error says: a function of the state that returns the new state.
+    graphdef, state = nnx.split((model, optimizer))
+
+    def functional(state, batch):
+        model, optimizer = nnx.merge(graphdef, state)
+        value, grads = nnx.value_and_grad(loss)(model, batch)
+        optimizer.update(model, grads)
+        return value, nnx.state((model, optimizer))
+
+    staged = pm.split(functional, state, (x, y))
+    want = jax.tree_util.tree_leaves(jax.jit(functional)(state, (x, y)))
+    got = staged(state, (x, y))
+    assert len(got) == len(want) > 1
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
