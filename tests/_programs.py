@@ -355,6 +355,7 @@ _ARG_CHOICES = {
     "checkpoint": sorted(CHECKPOINTED),
 }
 SCANS = frozenset({"scan", "nested_scan"})
+CONTROL_FLOW = frozenset({"checkpoint", "scan", "nested_scan", "cond", "while"})
 
 
 def build(recipe: Recipe):
@@ -437,12 +438,16 @@ def recipes(
     differentiable: bool = False,
     needs: frozenset[str] = frozenset(),
     max_steps: int = 6,
+    straight: bool = False,
 ) -> Recipe:
     """Random recipes. ``markers``: boundary markers (and a jitted helper holding one)
     may appear; ``differentiable``: no while loop; ``needs``: at least one step of one
-    of these kinds."""
+    of these kinds; ``straight``: no control flow (:data:`CONTROL_FLOW`), whose bodies
+    JAX compiles afresh for every program (cheap examples, for large counts)."""
     kinds = [k for k in OPS if k != "marked_jit" or markers]
-    if differentiable:
+    if straight:
+        kinds = [k for k in kinds if k not in CONTROL_FLOW]
+    if differentiable and "while" in kinds:
         kinds.remove("while")
     count = draw(st.integers(2 if markers else 1, max_steps))
     drawn = [draw(steps(i, kinds)) for i in range(count)]
