@@ -5,13 +5,27 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.pipemark-installed
 
-.PHONY: demo test lint docs docs-assets bench clean
+# The newest end of the supported JAX range (README, "Supported versions"): its own venv,
+# made by Python 3.12, where pip resolves the newest JAX, flax, equinox and optax.
+NEWEST_PYTHON ?= $(firstword $(foreach p,python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12),$(shell $(p) -c 'print("$(p)")' 2>/dev/null)))
+NEWEST_VENV   ?= .venv-newest
+NEWEST_BIN     = $(NEWEST_VENV)/bin
+NEWEST_STAMP   = $(NEWEST_VENV)/.pipemark-installed
+
+.PHONY: demo test test-newest lint docs docs-assets bench clean
 
 $(STAMP): setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[test,docs,viz]'
 	touch $(STAMP)
+
+$(NEWEST_STAMP): setup.py pyproject.toml
+	@test -n "$(NEWEST_PYTHON)" || { echo "make test-newest needs python3.12 (set NEWEST_PYTHON)"; exit 1; }
+	$(NEWEST_PYTHON) -m venv $(NEWEST_VENV)
+	$(NEWEST_BIN)/python -m pip install --quiet --upgrade pip
+	$(NEWEST_BIN)/python -m pip install --quiet -e '.[test,viz]'
+	touch $(NEWEST_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m pipemark demo
@@ -32,5 +46,10 @@ docs-assets: $(STAMP)
 test: lint docs
 	$(BIN)/python -m pytest -n 2
 
+# The whole suite again on the newest JAX (lint and docs do not depend on the JAX version).
+test-newest: $(NEWEST_STAMP)
+	$(NEWEST_BIN)/python -c 'import jax, sys; print("JAX", jax.__version__, "on Python", sys.version.split()[0])'
+	$(NEWEST_BIN)/python -m pytest -n 2
+
 clean:
-	rm -rf $(VENV) site build *.egg-info
+	rm -rf $(VENV) $(NEWEST_VENV) site build *.egg-info
