@@ -36,6 +36,9 @@ setup(
             "pytest-xdist>=3.5",
             "hypothesis>=6.100",
             "ruff>=0.6",
+            # tests/test_custom_call.py builds the package with setup.py (Python 3.12
+            # venvs come without setuptools).
+            "setuptools>=68",
             # docs/tutorial.ipynb is executed by tests/test_tutorial.py.
             "nbclient>=0.10",
             "nbformat>=5.10",
