@@ -12,7 +12,16 @@ NEWEST_VENV   ?= .venv-newest
 NEWEST_BIN     = $(NEWEST_VENV)/bin
 NEWEST_STAMP   = $(NEWEST_VENV)/.pipemark-installed
 
-.PHONY: demo test test-newest lint docs docs-assets bench clean
+# MaxText (tests/test_maxtext.py, marked `maxtext`) in a venv of its own on the newest
+# Python and JAX: maxtext 0.2.5 declares its ~220 dependencies only in the requirement
+# files it ships; the decoupled set is the one without Google Cloud clients or
+# accelerator wheels.
+MAXTEXT_VENV   ?= .venv-maxtext
+MAXTEXT_BIN     = $(MAXTEXT_VENV)/bin
+MAXTEXT_STAMP   = $(MAXTEXT_VENV)/.pipemark-installed
+MAXTEXT_REQS    = dependencies/requirements/generated_requirements/decoupled-requirements.txt
+
+.PHONY: demo test test-newest test-maxtext lint docs docs-assets bench clean
 
 $(STAMP): setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +35,15 @@ $(NEWEST_STAMP): setup.py pyproject.toml
 	$(NEWEST_BIN)/python -m pip install --quiet --upgrade pip
 	$(NEWEST_BIN)/python -m pip install --quiet -e '.[test,viz]'
 	touch $(NEWEST_STAMP)
+
+$(MAXTEXT_STAMP): setup.py pyproject.toml
+	@test -n "$(NEWEST_PYTHON)" || { echo "make test-maxtext needs python3.12 (set NEWEST_PYTHON)"; exit 1; }
+	$(NEWEST_PYTHON) -m venv $(MAXTEXT_VENV)
+	$(MAXTEXT_BIN)/python -m pip install --quiet --upgrade pip
+	$(MAXTEXT_BIN)/python -m pip install --quiet 'maxtext==0.2.5'
+	$(MAXTEXT_BIN)/python -m pip install --quiet -r "$$($(MAXTEXT_BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/$(MAXTEXT_REQS)"
+	$(MAXTEXT_BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(MAXTEXT_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m pipemark demo
@@ -51,5 +69,8 @@ test-newest: $(NEWEST_STAMP)
 	$(NEWEST_BIN)/python -c 'import jax, sys; print("JAX", jax.__version__, "on Python", sys.version.split()[0])'
 	$(NEWEST_BIN)/python -m pytest -n 2
 
+test-maxtext: $(MAXTEXT_STAMP)
+	$(MAXTEXT_BIN)/python -m pytest -m maxtext tests/test_maxtext.py
+
 clean:
-	rm -rf $(VENV) $(NEWEST_VENV) site build *.egg-info
+	rm -rf $(VENV) $(NEWEST_VENV) $(MAXTEXT_VENV) site build *.egg-info
