@@ -43,9 +43,10 @@ setup(
             "nbclient>=0.10",
             "nbformat>=5.10",
             "ipykernel>=6.29",
-            # Real models in the tests: flax linen and nnx, equinox, optax steps.
-            # flax before 0.12.12 fails to import on JAX 0.12; 0.12.12 needs Python 3.12,
-            # where pip resolves JAX 0.12.
+            # Real models in the tests (tests/test_model_zoo.py): penzai's transformers,
+            # flax linen and nnx, equinox, optax steps. flax before 0.12.12 fails to
+            # import on JAX 0.12; 0.12.12 needs Python 3.12, where pip resolves JAX 0.12.
+            "penzai>=0.2.5",
             "flax>=0.10; python_version < '3.12'",
             "flax>=0.12.12; python_version >= '3.12'",
             "equinox>=0.11",

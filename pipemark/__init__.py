@@ -64,6 +64,9 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "ProcessError": ("pipemark.errors", "ProcessError"),
     "summary": ("pipemark.views", "summary"),
     "topological_order": ("pipemark.graph", "topological_order"),
+    "verification": ("pipemark.verification", None),
+    "VerificationError": ("pipemark.verification", "VerificationError"),
+    "VerifyReport": ("pipemark.verification", "VerifyReport"),
     "views": ("pipemark.views", None),
     "write_report": ("pipemark.views", "write_report"),
 }

@@ -312,6 +312,18 @@ def name_stack_scopes(source_info) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(scopes), tuple(transforms)
 
 
+# JAX 0.10.2 and 0.11.x: `jaxpr.debug_info.arg_names` holds one key path per input as
+# `jax.tree_util.keystr` writes it (``params['blocks'][0]['w']``), or None where unknown.
+# It is debugging data (absent on a hand-built jaxpr), so anything read from it is a hint.
+def input_paths(jaxpr) -> tuple[str | None, ...]:
+    """The key path of each of ``jaxpr``'s inputs as traced (``"params['h'][0]"``), or
+    None for each where the program does not record it."""
+    names = getattr(getattr(jaxpr, "debug_info", None), "arg_names", None)
+    if names is None or len(names) != len(jaxpr.invars):
+        return (None,) * len(jaxpr.invars)
+    return tuple(name if isinstance(name, str) else None for name in names)
+
+
 # JAX 0.10.2: ClosedJaxpr and Jaxpr are two classes and `ClosedJaxpr.jaxpr` is the open
 # Jaxpr. JAX 0.11.0 and later merged them: `ClosedJaxpr` is an alias of `Jaxpr`, every
 # Jaxpr carries its (possibly empty) consts, `cj.jaxpr` is `cj` itself and `type(cj)`
@@ -380,7 +392,10 @@ def copy_to_device(arrays: list[Any], device: Any) -> list[Any]:
     fast: list[int] = []
     slow: list[int] = []
     for i, a in enumerate(arrays):
-        (fast if type(a) is _ArrayImpl and a.sharding.num_devices == 1 else slow).append(i)
+        # A deleted array goes the slow way, where JAX raises "Array has been deleted";
+        # the direct call would read freed memory (a segfault).
+        single = type(a) is _ArrayImpl and not a.is_deleted() and a.sharding.num_devices == 1
+        (fast if single else slow).append(i)
     if not fast:
         return _jax.device_put(list(arrays), device)
     count = len(fast)
@@ -444,3 +459,15 @@ def shard_map(f: Any, *, mesh: Any, in_specs: Any, out_specs: Any) -> Any:
     except ImportError:  # pragma: no cover - older JAX
         from jax.experimental.shard_map import shard_map as _shard_map
     return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+def coordination_client() -> Any:
+    """The ``jax.distributed`` coordination client, a key-value store every process of
+    the job reaches (``key_value_set``, ``blocking_key_value_get``), or ``None``
+    outside ``jax.distributed``. JAX 0.10-0.12: ``jax._src.distributed.global_state``
+    holds it; JAX has no public name for it."""
+    try:
+        from jax._src.distributed import global_state
+    except ImportError:  # a JAX that moved it: the agreement check is skipped
+        return None
+    return getattr(global_state, "client", None)

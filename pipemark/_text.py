@@ -3,9 +3,34 @@ view (tables, HTML, plots, schedules, the CLI) writes counts, bytes and percenta
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-__all__ = ["format_bytes", "format_count", "format_share", "plural", "type_text"]
+__all__ = [
+    "display_name",
+    "format_bytes",
+    "format_count",
+    "format_share",
+    "plural",
+    "type_text",
+]
+
+# Characters that act on a terminal or reorder text instead of showing: C0 and C1
+# controls (ANSI escape sequences start with one), zero-width and directional marks,
+# line and paragraph separators, bidirectional embeddings, overrides and isolates
+# (U+202E makes what follows read backwards), the byte-order mark.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
+
+
+def display_name(name: Any) -> str:
+    r"""``name`` with control characters (ANSI escape sequences, bidirectional
+    overrides among them) written as Python writes them in a string literal, so that a
+    name can neither recolour a terminal, move its cursor nor reorder what is shown.
+
+    >>> display_name("layer\x1b[31m0"), display_name("evil\u202eexe.txt")
+    ('layer\\x1b[31m0', 'evil\\u202eexe.txt')
+    """
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), str(name))
 
 
 def plural(count: int, noun: str, nouns: str | None = None) -> str:

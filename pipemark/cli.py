@@ -5,11 +5,11 @@
     stage table, check the stages against the unsplit program and write ``report.html``
     and ``stages.png`` into ``DIR``.
 ``pipemark inspect MODULE:FUNCTION [--args MODULE:MAKE_ARGS] [--arg f32[8,128] ...]
-[--grad [--argnums N]] [--num-stages K] [--html FILE]``
+[--grad [--argnums N]] [--num-stages K [--block-cuts POLICY]] [--html FILE]``
     Trace any importable function with example arguments (pytrees from ``MAKE_ARGS()``,
     or abstract arrays of the given shapes), cut it at its markers (or into ``K``
-    balanced stages) and print the stage table and the program inputs each stage
-    reads, named by their pytree paths.
+    balanced stages, then also printing how balanced they are) and print the stage
+    table and the program inputs each stage reads, named by their pytree paths.
 
 Progress goes to standard error, tables to standard output. Bad input ends the command
 with one line, ``pipemark: error: ...``, and a nonzero exit status: 2 for a malformed
@@ -19,6 +19,7 @@ command line, 1 for everything else. No traceback.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import importlib.util
 import os
@@ -28,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pipemark._text import plural
+from pipemark._text import display_name, plural
 from pipemark.progress import Progress
 
 __all__ = ["main", "build_parser", "parse_arg_spec", "CommandError"]
@@ -43,8 +44,9 @@ class CommandError(Exception):
 
 
 def _one_line(text: str, limit: int = 400) -> str:
-    """``text`` squeezed onto one line, cut at ``limit`` characters."""
-    line = " ".join(str(text).split())
+    """``text`` squeezed onto one line, cut at ``limit`` characters, its control
+    characters (from a user's exception, say) written as escapes."""
+    line = display_name(" ".join(str(text).split()))
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
@@ -256,7 +258,9 @@ def _inspect(args: argparse.Namespace) -> int:
                 f"{args.target} already has stage markers, and --num-stages cuts a program "
                 "without any; drop --num-stages to cut it at its markers"
             )
-        staged = pm.split_jaxpr(cj, num_stages=args.num_stages).with_signature(signature)
+        staged = pm.split_jaxpr(
+            cj, num_stages=args.num_stages, block_cuts=args.block_cuts
+        ).with_signature(signature)
     if args.html:
         with progress.step(f"writing {args.html}"):
             from pipemark.views.html_view import write_report
@@ -271,6 +275,8 @@ def _inspect(args: argparse.Namespace) -> int:
             except OSError as err:
                 raise CommandError(f"cannot write {args.html}: {err.strerror or err}") from None
     print_summary(staged, sys.stdout)
+    if staged.balance is not None:
+        print(f"balance: {staged.balance}", file=sys.stdout)
     print_stage_inputs(staged, sys.stdout)
     return 0
 
@@ -343,6 +349,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="cut into K balanced stages (the function must have no markers)",
     )
     inspect.add_argument(
+        "--block-cuts",
+        default="prefer",
+        metavar="POLICY",
+        help="with --num-stages: cut between the model's repeated blocks when that costs "
+        "little balance (prefer, the default), always (require) or anywhere (off)",
+    )
+    inspect.add_argument(
         "--grad",
         action="store_true",
         help="trace jax.value_and_grad(FUNCTION, argnums=...) instead",
@@ -359,12 +372,43 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the process exit status."""
+    """Run the command line; returns the process exit status.
+
+    Output to a pipe that closed (``pipemark inspect ... | head -1``) ends the command
+    quietly; output that cannot be written (a full disk) is one line of error."""
+    try:
+        status = _main(argv)
+        sys.stdout.flush()  # here, not at exit, where a failure would be a traceback
+        return status
+    except BrokenPipeError:
+        _discard_stdout()
+        return 128 + 13  # as a command killed by SIGPIPE
+    except OSError as err:
+        if err.errno not in _WRITE_ERRNOS:
+            raise
+        _discard_stdout()
+        print(f"pipemark: error: cannot write the output: {err.strerror}", file=sys.stderr)
+        return 1
+
+
+# Errors writing the output: no space, over quota, file too large, I/O error.
+_WRITE_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO))
+
+
+def _discard_stdout() -> None:
+    """Point standard output at /dev/null, so that the interpreter's last flush of
+    what is still buffered fails no more."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
     except CommandError as err:
-        print(f"pipemark: error: {err}", file=sys.stderr)
+        print(f"pipemark: error: {display_name(err)}", file=sys.stderr)
         return err.status
     except Exception as err:
         from pipemark.errors import PipemarkError

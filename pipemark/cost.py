@@ -706,7 +706,8 @@ def _xla_eqn_cost(eqn: JaxprEqn) -> Cost:
 
 
 def flatten_shape_byte_sizes(x: Any) -> np.ndarray:
-    """The byte size of each leaf of ``x``, in order, as an int64 array.
+    """The byte size of each leaf of ``x``, in order, as an int64 array (an array of
+    Python ints when a size does not fit in int64).
 
     Leaves may be abstract values (``jax.core.ShapedArray``), ``jax.ShapeDtypeStruct``,
     arrays, or jaxpr variables; tuples and lists nest.
@@ -726,7 +727,12 @@ def flatten_shape_byte_sizes(x: Any) -> np.ndarray:
             sizes.append(_leaf_byte_size(node))
 
     visit(x)
+    if max(sizes, default=0) > _INT64_MAX:
+        return np.array(sizes, dtype=object)  # exact Python ints: no int64 wraps around
     return np.array(sizes, dtype=np.int64)
+
+
+_INT64_MAX = int(np.iinfo(np.int64).max)
 
 
 def _leaf_byte_size(leaf: Any) -> int:
@@ -739,4 +745,5 @@ def _leaf_byte_size(leaf: Any) -> int:
             "shape and dtype; pass avals, jax.ShapeDtypeStructs, arrays, or nested "
             "tuples/lists of them."
         )
-    return int(np.dtype(dtype).itemsize) * int(np.prod(shape, dtype=np.int64))
+    # math.prod on Python ints: exact for any shape (np.prod in int64 would wrap).
+    return int(np.dtype(dtype).itemsize) * math.prod(int(d) for d in shape)

@@ -7,7 +7,12 @@ starts ``train.py --steps 10`` four times, with the environment telling each its
 process id, the process count and the coordinator's address (a free local port). The
 script calls :func:`initialize` before anything else touches JAX. When a process exits
 with an error (or is killed), the launcher says which and stops the others, so a
-pipeline never waits on a process that is gone; its exit status is that process's.
+pipeline never waits on a process that is gone; its exit status is that process's. A
+process that raises exits at once (it does not wait for its peers at JAX's shutdown
+barrier), so the launcher names it, not a peer it left waiting. SIGINT or SIGTERM sent
+to the launcher goes on to every process; those still running 5 s later are killed.
+
+    python -m pipemark.launch -n 2 -m my_package.train --steps 10   # a module
 
 On a cluster, start the script the cluster's way (SLURM's ``srun``, ``mpirun``, a
 Kubernetes job): :func:`initialize` then calls ``jax.distributed.initialize()``, which
@@ -31,6 +36,7 @@ _COORDINATOR = "PIPEMARK_COORDINATOR"
 _NUM_PROCESSES = "PIPEMARK_NUM_PROCESSES"
 _PROCESS_ID = "PIPEMARK_PROCESS_ID"
 _INIT_TIMEOUT = "PIPEMARK_INIT_TIMEOUT"
+_GRACE_S = 5.0  # how long a stopped process may take to exit before it is killed
 
 
 def initialize() -> None:
@@ -38,7 +44,12 @@ def initialize() -> None:
     count and id :mod:`pipemark.launch` set, or else as the cluster says (SLURM, Open
     MPI, ... : ``jax.distributed.initialize()`` with no arguments).
 
-    Call it once, before JAX creates its backends (before ``jax.devices()``)."""
+    Call it once, before JAX creates its backends (before ``jax.devices()``).
+
+    An exception that nothing catches then ends the process at once, after printing
+    its traceback, with status 1: JAX would otherwise hold it at the shutdown barrier
+    for its peers (30 s, then a C++ abort), and the peers would report a process that
+    hangs instead of the one that raised."""
     import jax
 
     coordinator = os.environ.get(_COORDINATOR)
@@ -54,6 +65,19 @@ def initialize() -> None:
         # a dead peer must not hold it there for JAX's default 5 minutes.
         shutdown_timeout_seconds=30,
     )
+    _exit_on_uncaught_exception()
+
+
+def _exit_on_uncaught_exception() -> None:
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback) -> None:
+        previous(kind, value, traceback)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130 if issubclass(kind, KeyboardInterrupt) else 1)
+
+    sys.excepthook = hook
 
 
 def _free_port() -> int:
@@ -95,17 +119,56 @@ def launch(
         _NUM_PROCESSES: str(num_processes),
         _INIT_TIMEOUT: str(init_timeout_s),
     })  # fmt: skip
-    processes = [
-        subprocess.Popen(list(command), env={**env, _PROCESS_ID: str(i)})
-        for i in range(num_processes)
-    ]
-    return _watch(processes, timeout_s, stream)
+    received: list[int] = []
+    restore = _forward_signals(received)
+    try:
+        processes = [
+            subprocess.Popen(list(command), env={**env, _PROCESS_ID: str(i)})
+            for i in range(num_processes)
+        ]
+        return _watch(processes, timeout_s, stream, received)
+    finally:
+        restore()
 
 
-def _watch(processes: list[subprocess.Popen], timeout_s: float | None, stream) -> int:
-    """Wait for the processes; on the first failure (or the timeout) stop the rest."""
+def _forward_signals(received: list[int]):
+    """Record SIGINT and SIGTERM sent to the launcher in ``received`` (the watcher
+    passes them on) instead of dying and leaving the processes behind; returns what
+    restores the previous handlers. Only the main thread can set handlers."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    wanted = (signal.SIGINT, signal.SIGTERM)
+    previous = {number: signal.getsignal(number) for number in wanted}
+    for number in wanted:
+        signal.signal(number, lambda number, frame: received.append(number))
+
+    def restore() -> None:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+    return restore
+
+
+def _watch(
+    processes: list[subprocess.Popen], timeout_s: float | None, stream, received: list[int]
+) -> int:
+    """Wait for the processes; on the first failure, a signal to the launcher or the
+    timeout, stop the rest."""
     start = time.monotonic()
     while True:
+        if received:
+            number = received[0]
+            running = [p for p in processes if p.poll() is None]
+            print(
+                f"pipemark.launch: received {signal.Signals(number).name}; passing it on to "
+                f"the {len(running)} processes still running.",
+                file=stream,
+                flush=True,
+            )
+            _stop(running, number)
+            return 128 + number
         codes = [p.poll() for p in processes]
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
@@ -134,10 +197,12 @@ def _watch(processes: list[subprocess.Popen], timeout_s: float | None, stream) -
         time.sleep(0.05)
 
 
-def _stop(processes: list[subprocess.Popen]) -> None:
+def _stop(processes: list[subprocess.Popen], number: int = signal.SIGTERM) -> None:
+    """Send ``number`` to each process; kill those still running after the grace period
+    (JAX catches SIGTERM, so a process may not stop by itself)."""
     for p in processes:
-        p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 5.0
+        p.send_signal(number)
+    deadline = time.monotonic() + _GRACE_S
     for p in processes:
         try:
             p.wait(max(0.0, deadline - time.monotonic()))
@@ -146,28 +211,73 @@ def _stop(processes: list[subprocess.Popen]) -> None:
             p.wait()
 
 
+# The launcher's own options that take a value; the command starts at the first other
+# word (a script, or -m and a module), or after "--".
+_VALUED = frozenset(("-n", "--num-processes", "--port", "--timeout", "--init-timeout"))
+
+
+def _split_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``argv`` as (the launcher's options, the command): ``-m`` and everything after
+    the script belong to the command, wherever they stand."""
+    argv = list(argv)
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "--":
+            return argv[:i], argv[i + 1 :]
+        if word == "-m" or not word.startswith("-") or word == "-":
+            return argv[:i], argv[i:]
+        i += 1 if "=" in word or word not in _VALUED else 2
+    return argv, []
+
+
+def _positive(kind: type, what: str, upper: float | None = None):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be a number, got {text!r}") from None
+        if not value > 0 or (upper is not None and value > upper):
+            bound = f"between 1 and {upper}" if upper is not None else "greater than 0"
+            raise argparse.ArgumentTypeError(f"{what} must be {bound}, got {text}")
+        return value
+
+    return parse
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m pipemark.launch",
-        description="Run a script in N local processes under jax.distributed.",
+        usage="%(prog)s -n N [options] (SCRIPT | -m MODULE) [ARGS ...]",
+        description="Run a script (or a module, with -m) in N local processes under "
+        "jax.distributed.",
     )
-    parser.add_argument("-n", "--num-processes", type=int, required=True)
-    parser.add_argument("--port", type=int, help="the coordinator's port (default: a free one)")
-    parser.add_argument("--timeout", type=float, help="stop every process after this many s")
+    parser.add_argument("-n", "--num-processes", type=_positive(int, "-n"), required=True)
     parser.add_argument(
-        "--init-timeout", type=int, default=60, help="s to wait for every process to join"
+        "--port",
+        type=_positive(int, "--port", 65535),
+        help="the coordinator's port, 1-65535 (default: a free one)",
     )
-    parser.add_argument("script", help="a Python file, or -m module")
-    parser.add_argument("args", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
-    if args.num_processes < 1:
-        parser.error("-n must be at least 1")
-    command = [sys.executable, args.script, *args.args]
-    if args.script == "-m":
-        command = [sys.executable, "-m", *args.args]
-    elif not os.path.exists(args.script):
-        print(f"pipemark.launch: no such script: {args.script}", file=sys.stderr)
+    parser.add_argument(
+        "--timeout", type=_positive(float, "--timeout"), help="stop every process after this many s"
+    )
+    parser.add_argument(
+        "--init-timeout",
+        type=_positive(int, "--init-timeout"),
+        default=60,
+        help="s to wait for every process to join",
+    )
+    options, command = _split_command(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(options)
+    if not command or command == ["-m"]:
+        parser.error("give a script to run, or -m and a module")
+    if command[0] == "-m":
+        command = [sys.executable, *command]
+    elif not os.path.exists(command[0]):
+        print(f"pipemark.launch: no such script: {command[0]}", file=sys.stderr)
         return 2
+    else:
+        command = [sys.executable, *command]
     return launch(
         command,
         args.num_processes,

@@ -32,6 +32,13 @@ from pipemark._text import plural
 from pipemark.cost import flatten_shape_byte_sizes
 from pipemark.errors import PipemarkError, StageGraphError
 from pipemark.signature import Signature
+from pipemark.verification import (
+    REFERENCE_KINDS,
+    VerifyReport,
+    compare_results,
+    evaluate_reference,
+    raise_on_mismatch,
+)
 
 __all__ = ["Stage", "StagedJaxpr", "ValueRef"]
 
@@ -247,7 +254,8 @@ class StagedJaxpr:
     >>> staged = pm.passes.slice_stages(jax.make_jaxpr(f)(1.0))
     >>> [s.name for s in staged.stages]
     ['a', 'b']
-    >>> staged.verify(f, 0.5)
+    >>> staged.verify(f, 0.5).passed
+    True
     """
 
     def __init__(
@@ -263,6 +271,7 @@ class StagedJaxpr:
         self._outputs = tuple(outputs)
         self._debug_info = debug_info
         self._signature = signature
+        self._balance = None
         self._check()
 
     @classmethod
@@ -282,6 +291,7 @@ class StagedJaxpr:
         staged._outputs = tuple(outputs)
         staged._debug_info = debug_info
         staged._signature = None
+        staged._balance = None
         return staged
 
     def with_signature(self, signature: Signature | None) -> StagedJaxpr:
@@ -299,6 +309,14 @@ class StagedJaxpr:
             list(self._stages), self._invars, list(self._outputs), self._debug_info
         )
         staged._signature = signature
+        staged._balance = self._balance
+        return staged
+
+    def with_balance(self, balance: Any) -> StagedJaxpr:
+        """The same stages, reporting ``balance``: how
+        :func:`pipemark.passes.auto.plan_layers` cut them (see :attr:`balance`)."""
+        staged = self.with_signature(self._signature)
+        staged._balance = balance
         return staged
 
     # ------------------------------------------------------------------- structure
@@ -364,6 +382,14 @@ class StagedJaxpr:
         """How the traced function's arguments map to :attr:`invars` (set by
         :func:`pipemark.split`), or ``None`` for a program sliced from a jaxpr."""
         return self._signature
+
+    @property
+    def balance(self) -> Any:
+        """How balanced the automatic cut is (a
+        :class:`~pipemark.passes.auto.LayerBalance`: layer costs, largest over mean,
+        whether the cuts fall between the model's blocks), for a program that
+        :func:`pipemark.split` cut into ``num_stages`` stages; ``None`` otherwise."""
+        return self._balance
 
     @property
     def debug_info(self) -> Any:
@@ -469,7 +495,12 @@ class StagedJaxpr:
             return flat[ref.index]
         if ref.kind == "stage":
             return results[ref.stage][ref.index]
-        return ref.value.val if isinstance(ref.value, Literal) else ref.value
+        value = ref.value
+        if isinstance(value, Literal):
+            # The literal's type, as jax.jit of the program returns it (its value may be
+            # a Python float, which numpy would make float64).
+            return np.asarray(value.val, value.aval.dtype)
+        return value
 
     def as_closed_jaxpr(self) -> ClosedJaxpr:
         """Stitch the stages back into one program with the original inputs and results.
@@ -534,68 +565,50 @@ class StagedJaxpr:
         self,
         reference: Callable[..., Any] | ClosedJaxpr,
         *args: Any,
-        rtol: float = 0.0,
-        atol: float = 0.0,
+        rtol: float | None = None,
+        atol: float | None = None,
+        against: str | Sequence[str] = REFERENCE_KINDS,
         **kwargs: Any,
-    ) -> None:
-        """Run the staged program and ``reference`` on ``args`` (and ``kwargs``) and
-        compare the results.
+    ) -> VerifyReport:
+        """Run the staged program on ``args`` (and ``kwargs``) and compare its results
+        with JAX's own evaluation of ``reference``, the unsplit function.
 
-        ``reference`` is the unsplit program: a ``ClosedJaxpr`` (called with the flat
-        arguments), or a callable, which is traced like :func:`pipemark.split` traces
-        (with this program's static arguments; non-array leaves static) and evaluated
-        equation by equation like the stages. By default results must be equal bit for
-        bit (NaNs in the same places); pass ``rtol``/``atol`` to allow a tolerance, e.g.
-        after ``jax.jit``.
+        ``reference`` is the function the program was split from (called with this
+        program's static arguments; non-array leaves static) or a ``ClosedJaxpr``
+        (called with the flat arguments). It is evaluated as JAX evaluates it, never
+        through a pipemark pass: ``against="jit"`` compiles it with ``jax.jit``,
+        ``"eager"`` calls it as it is; by default both.
 
-        Raises :class:`PipemarkError` naming the first result that differs.
+        Floating-point results agree to rounding, not bit for bit (``jax.jit`` lets XLA
+        fuse and reorder arithmetic): by default each must lie within the tolerance
+        :mod:`pipemark.verification` documents (``rtol`` 1e-5 for float32, ``atol`` that
+        ``rtol`` times the result's largest magnitude); integer results must be equal.
+        ``rtol=0, atol=0`` demands bit equality; other numbers set the tolerance.
+
+        Returns a :class:`~pipemark.verification.VerifyReport` (what was compared, with
+        which tolerance, the largest difference; ``print`` it for a table). Raises
+        :class:`~pipemark.verification.VerificationError` (a :class:`PipemarkError`)
+        naming the first result that differs.
         """
+        kinds = (against,) if isinstance(against, str) else tuple(against)
         got = self(*args, **kwargs)
         if isinstance(reference, ClosedJaxpr):
-            want = list(jaxpr_as_fun(reference)(*self._inputs(args, kwargs)))
+            fn, inputs = jaxpr_as_fun(reference), self._inputs(args, kwargs)
         elif callable(reference):
-            # Evaluate the reference's program the way the stages run (equation by
-            # equation): calling it directly may run jitted pieces that XLA fuses and
-            # rounds differently, which no bit-for-bit comparison could survive.
             signature = self._signature
             if signature is None or signature.is_flat_call(args, kwargs):
                 # The reference takes the arguments as given (the flat inputs, say).
                 signature = Signature.of(args, kwargs, fn=reference)
-            # A jitted reference would run its jit equations compiled: inline them, as
-            # pm.split does, so the reference runs equation by equation too.
-            from pipemark.passes.inline import inline_calls  # the passes import this module
-
-            traced = inline_calls(signature.trace(reference, args, kwargs))
-            want = list(jaxpr_as_fun(traced)(*signature.flatten(args, kwargs)))
+            fn, inputs = signature.bind(reference), signature.flatten(args, kwargs)
         else:
             raise PipemarkError(
                 f"verify: reference must be a ClosedJaxpr or a callable, got "
                 f"{type(reference).__name__}."
             )
-        if len(got) != len(want):
-            raise PipemarkError(
-                f"The staged program returns {len(got)} results, the reference {len(want)}."
-            )
-        for i, (a, b) in enumerate(zip(got, want)):
-            a, b = np.asarray(a), np.asarray(b)
-            where = self._describe_output(i)
-            if a.shape != b.shape or a.dtype != b.dtype:
-                raise PipemarkError(
-                    f"Result {i} ({where}) is {a.dtype}{list(a.shape)}, the reference's "
-                    f"is {b.dtype}{list(b.shape)}."
-                )
-            if rtol == 0 and atol == 0:
-                same = np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
-            else:
-                same = bool(np.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True))
-            if not same:
-                diff = np.abs(a.astype(np.float64) - b.astype(np.float64))
-                raise PipemarkError(
-                    f"Result {i} ({where}) differs from the reference: largest difference "
-                    f"{np.nanmax(diff) if diff.size else 0!r} over {a.size} elements "
-                    f"({int(np.sum(~np.isclose(a, b, rtol=rtol, atol=atol, equal_nan=True)))} "
-                    "differ)."
-                )
+        wants = {kind: evaluate_reference(fn, inputs, kind) for kind in kinds}
+        where = [self._describe_output(i) for i in range(len(got))]
+        report = compare_results(got, wants, where, rtol=rtol, atol=atol)
+        return raise_on_mismatch(report)
 
     def _describe_output(self, i: int) -> str:
         ref = self._outputs[i]

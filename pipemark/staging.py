@@ -12,7 +12,7 @@ from jax.extend.core import ClosedJaxpr
 
 from pipemark.errors import PipemarkError, check_closed_jaxpr
 from pipemark.marks import STAGE_MARK_TYPES
-from pipemark.passes.auto import auto_layers
+from pipemark.passes.auto import check_block_cuts, plan_layers
 from pipemark.passes.gradient import mark_apply_stage
 from pipemark.passes.inline import inline_calls
 from pipemark.passes.insert import layers_from_boundaries
@@ -31,6 +31,7 @@ def split(
     *args: Any,
     num_stages: int | None = None,
     unmarked: str = "assign",
+    block_cuts: str = "prefer",
     static_argnums: int | Sequence[int] = (),
     static_argnames: str | Sequence[str] = (),
     **kwargs: Any,
@@ -57,16 +58,21 @@ def split(
         The function to split, e.g. a loss or ``jax.value_and_grad(loss)``.
     *args, **kwargs:
         Example arguments (pytrees of arrays or ``jax.ShapeDtypeStruct``) to trace
-        with. ``num_stages``, ``unmarked``, ``static_argnums`` and ``static_argnames``
-        are this function's own; to pass a keyword of that name to ``fn``, bind it
+        with. ``num_stages``, ``unmarked``, ``block_cuts``, ``static_argnums`` and
+        ``static_argnames`` are this function's own; to pass a keyword of that name to ``fn``, bind it
         with ``functools.partial``.
     num_stages:
         Balance the program automatically into this many stages with
         :func:`pipemark.passes.auto_layers` (``fn`` must then have no stage markers).
         For a ``value_and_grad`` function these are the forward stages; the backward
-        part gets as many mirrored ``_backward`` stages.
+        part gets as many mirrored ``_backward`` stages. The staged program's
+        :attr:`~pipemark.staged.StagedJaxpr.balance` reports how balanced they are.
     unmarked:
         ``"assign"`` or ``"error"``.
+    block_cuts:
+        With ``num_stages``: cut between the model's repeated blocks when that costs
+        little balance (``"prefer"``), always (``"require"``) or never look for them
+        (``"off"``); see :func:`pipemark.passes.auto_layers`.
     static_argnums, static_argnames:
         Arguments held static, like :func:`jax.jit`'s.
 
@@ -80,7 +86,8 @@ def split(
     >>> staged = pm.split(f, 1.0, scale=2.0)
     >>> [s.name for s in staged.stages]
     ['layer0', 'layer1']
-    >>> staged.verify(f, 1.0, scale=2.0)
+    >>> staged.verify(f, 1.0, scale=2.0).passed
+    True
     """
     if not callable(fn):
         raise PipemarkError(f"split: fn must be callable, got {type(fn).__name__}.")
@@ -88,17 +95,23 @@ def split(
         args, kwargs, static_argnums=static_argnums, static_argnames=static_argnames, fn=fn
     )
     cj = signature.trace(fn, args, kwargs)
-    return split_jaxpr(cj, num_stages=num_stages, unmarked=unmarked).with_signature(signature)
+    staged = split_jaxpr(cj, num_stages=num_stages, unmarked=unmarked, block_cuts=block_cuts)
+    return staged.with_signature(signature)
 
 
 def split_jaxpr(
-    cj: ClosedJaxpr, *, num_stages: int | None = None, unmarked: str = "assign"
+    cj: ClosedJaxpr,
+    *,
+    num_stages: int | None = None,
+    unmarked: str = "assign",
+    block_cuts: str = "prefer",
 ) -> StagedJaxpr:
     """What :func:`split` does after tracing, for a program traced already: inline
     calls (:func:`pipemark.passes.inline_calls`), then cut it into ``num_stages``
     balanced stages (:func:`pipemark.passes.auto_layers`), or at its markers (boundary
     markers through :func:`pipemark.passes.layers_from_boundaries`, a training step's
-    update into an ``apply_grad`` stage), and slice it.
+    update into an ``apply_grad`` stage), and slice it. ``block_cuts`` is
+    :func:`pipemark.passes.auto_layers`'s.
 
     >>> import jax, jax.numpy as jnp, pipemark as pm
     >>> cj = jax.make_jaxpr(jax.jit(lambda x: jnp.cos(jnp.sin(x))))(1.0)
@@ -106,13 +119,15 @@ def split_jaxpr(
     ['layer0', 'layer1']
     """
     check_closed_jaxpr(cj, "split_jaxpr")
+    check_block_cuts(block_cuts)
     cj = inline_calls(cj)
     if scans_with_layer_markers(cj):
         # A scan whose body is marked as one layer: its iterations (or num_stages
         # chunks of them) become the stages.
         cj, num_stages = layers_from_scans(cj, num_stages), None
     if num_stages is not None:
-        return slice_stages(auto_layers(cj, num_stages), unmarked=unmarked)
+        plan = plan_layers(cj, num_stages, block_cuts=block_cuts)
+        return slice_stages(plan.program, unmarked=unmarked).with_balance(plan.balance)
     if any(is_marker(eqn, "boundary") for eqn in cj.jaxpr.eqns):
         cj = layers_from_boundaries(cj)
     return slice_stages(mark_apply_stage(cj), unmarked=unmarked)

@@ -89,3 +89,17 @@ def exits(x, w):
     import sys
 
     sys.exit(0)
+
+
+def hostile_args():
+    """Raises with terminal control characters and a right-to-left override in its
+    message, as a user's exception might."""
+    raise RuntimeError("no \x1b[2J\x1b[31mdata\u202e here")
+
+
+def evil_names(x, w):
+    """A stage named with a right-to-left override and an ANSI escape."""
+    x = pm.mark(x, name="a\u202eb", mark_type="start")
+    x = pm.mark(jnp.tanh(x @ w), name="a\u202eb", mark_type="end")
+    x = pm.mark(x, name="c\x1b[31m", mark_type="start")
+    return pm.mark(jnp.sum(x**2), name="c\x1b[31m", mark_type="end")

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -107,3 +109,14 @@ def test_zero_bubble_benchmark_prints_its_table():
     assert "simulated bubble" in header and "measured / simulated" in header
     rows = [line for line in lines if line.startswith(("| 1f1b |", "| zb-h1 |", "| zb-v |"))]
     assert len(rows) == 6 and all(row.count("|") == header.count("|") for row in rows)
+
+
+def test_blocks_benchmark_prints_what_cuts_between_blocks_cost():
+    pytest.importorskip("penzai")
+    lines = _output_lines("blocks.py", "--quick")
+    header = next(line for line in lines if line.startswith("| model |"))
+    rows = [line for line in lines if line.startswith("| llama |")]
+    assert [row.split("|")[5].strip() for row in rows] == ["2", "4"]  # stages
+    assert all(row.count("|") == header.count("|") for row in rows)
+    assert all(row.rstrip(" |").endswith("between blocks") for row in rows)
+    assert any(line.startswith("- cuts between blocks cost at most") for line in lines)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -13,6 +14,8 @@ import pytest
 import pipemark as pm
 from pipemark import _demo
 from pipemark.cli import CommandError, main, parse_arg_spec
+
+ROOT = Path(__file__).parents[1]
 
 # A smaller language model than the demo's default, for the tests that only need the
 # demo's plumbing; one test runs the default.
@@ -147,6 +150,22 @@ def test_inspect_cuts_balanced_stages(capsys):
     shares = [float(share) for share in rows.values()]
     assert all(30 < share < 37 for share in shares), shares
     assert abs(sum(shares) - 100) < 0.2
+
+
+def test_inspect_reports_the_balance_and_takes_block_cuts(capsys):
+    pytest.importorskip("flax")
+    argv = ["inspect", "tests._cli_targets:flax_loss", "--args", "tests._cli_targets:flax_args"]
+    assert main([*argv, "--num-stages", "2"]) == 0
+    balance = [line for line in capsys.readouterr().out.splitlines() if line.startswith("balance:")]
+    assert len(balance) == 1 and balance[0].startswith("balance: 2 forward layers, largest / mean")
+    assert balance[0].endswith("cuts between 3 blocks (name scopes 'Dense_0' … 'Dense_2')")
+    assert main([*argv, "--num-stages", "2", "--block-cuts", "require"]) == 0
+    assert main([*argv, "--num-stages", "2", "--block-cuts", "sometimes"]) == 1
+    assert capsys.readouterr().err.endswith(
+        "pipemark: error: Unknown block_cuts 'sometimes'; choose one of 'prefer', 'require', "
+        "'off'.\n"
+    )
+    assert main([*argv]) == 1  # no balance without --num-stages: a marker error instead
 
 
 def test_inspect_grad_gives_backward_stages(capsys):
@@ -417,3 +436,50 @@ def test_demo_help_lists_the_steps_in_the_order_they_run(capsys):
     steps = ["build", "trace", "cut it into 4", "run the stages", "check the markers", "write"]
     positions = [text.index(step) for step in steps]
     assert positions == sorted(positions)
+
+
+def _cli(args: list[str], **popen) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    return subprocess.Popen([sys.executable, "-m", "pipemark", *args], env=env, **popen)
+
+
+@pytest.mark.parametrize("command", [["inspect", *PLAIN, "--num-stages", "2"], ["--help"]])
+def test_output_to_a_closed_pipe_ends_quietly(command):
+    proc = _cli(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()  # as `| head -1` does
+    stderr = proc.stderr.read().decode()
+    proc.wait(120)
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
+    assert proc.returncode in (0, 141)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_output_to_a_full_disk_is_one_line():
+    with open("/dev/full", "w") as full:
+        proc = _cli(["inspect", *PLAIN, "--num-stages", "2"], stdout=full, stderr=subprocess.PIPE)
+        stderr = proc.communicate(timeout=120)[1].decode()
+    assert proc.returncode == 1
+    # Progress lines, then one line of error.
+    assert stderr.strip().splitlines()[-1] == (
+        "pipemark: error: cannot write the output: No space left on device"
+    )
+    assert "Traceback" not in stderr
+
+
+def test_control_characters_from_the_user_are_shown_escaped(capsys):
+    argv = ["inspect", "tests._cli_targets:plain", "--args", "tests._cli_targets:hostile_args"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\u202e" not in err
+    assert "no \\x1b[2J\\x1b[31mdata\\u202e here" in err
+    assert (
+        main(["inspect", "tests._cli_targets:evil_names", "--arg", "f32[2,3]", "--arg", "f32[3,3]"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "\x1b[31m" not in out and "\u202e" not in out
+    assert "a\\u202eb" in out and "c\\x1b[31m" in out

@@ -344,3 +344,25 @@ def test_global_array_maker_equals_the_public_constructor(monkeypatch, fast):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     # A program takes it like the public function's array.
     assert float(jax.jit(lambda x: x.sum())(got)) == 15.0
+
+
+DELETED = """\
+import jax, jax.numpy as jnp
+from pipemark._compat import copy_to_device
+x = jnp.ones(4) + 1
+y = jnp.zeros(4) + 1
+x.delete()
+try:
+    copy_to_device([y, x], jax.devices()[0])
+except RuntimeError as error:
+    print("RuntimeError:", error)
+"""
+
+
+def test_copying_a_deleted_array_raises_as_jax_does_not_segfaults():
+    # In a subprocess: before the fix the direct copy read freed memory (exit 139).
+    done = subprocess.run(
+        [sys.executable, "-c", DELETED], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "RuntimeError: Array has been deleted" in done.stdout

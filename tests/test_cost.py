@@ -254,3 +254,43 @@ def test_unknown_cost_model_raises():
 def test_wrong_program_type_raises():
     with pytest.raises(pm.PipemarkError, match=r"ClosedJaxpr, a Jaxpr or a JaxprEqn.*make_jaxpr"):
         estimate_cost(np.ones(3))
+
+
+# ------------------------------------------------------------ sizes past int64
+
+
+HUGE = [
+    jax.ShapeDtypeStruct((4_000_000_000, 4_000_000_000), jnp.float32),  # 6.4e19 bytes
+    jax.ShapeDtypeStruct((99_999_999_999_999_999_999_999,), jnp.float32),
+]
+
+
+@pytest.mark.parametrize("spec", HUGE, ids=["4e9x4e9", "1e23"])
+def test_abstract_arrays_past_int64_cost_exactly_and_split(spec):
+    import warnings
+
+    count = math.prod(spec.shape)
+    assert pm.flatten_shape_byte_sizes(spec).tolist() == [4 * count]
+    cj = jax.make_jaxpr(lambda x: jnp.sin(x) * 2.0)(spec)
+    cost = pm.estimate_cost(cj)
+    assert (cost.flops, cost.transcendentals) == (count, count)  # Python ints: exact
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no numpy overflow warning either
+        staged = pm.split(lambda x: jnp.cos(jnp.sin(x) * 2.0), spec, num_stages=2)
+        assert [s.name for s in staged.stages] == ["layer0", "layer1"]
+        assert "layer1" in staged.summary(style="plain")
+
+
+def test_matmuls_whose_flops_overflow_int64_still_balance():
+    spec = jax.ShapeDtypeStruct((1_200_000, 1_200_000), jnp.float32)
+
+    def f(a):
+        for _ in range(4):
+            a = jnp.tanh(a @ a)
+        return a
+
+    staged = pm.split(f, spec, num_stages=2)
+    # Four equal matmuls: two per stage.
+    assert [
+        sum(e.primitive.name == "dot_general" for e in s.jaxpr.eqns) for s in staged.stages
+    ] == [2, 2]

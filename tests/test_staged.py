@@ -51,8 +51,13 @@ def test_call_rejects_wrong_arguments():
 
 def test_verify_against_jaxpr_and_callable():
     cj, staged = two_stages()
-    assert staged.verify(cj, X, X) is None
-    staged.verify(lambda x, y: (jnp.cos(jnp.sin(x) * y), x), X, X)
+    report = staged.verify(cj, X, X)
+    assert report.passed and report.references == ("jit", "eager")
+    assert len(report.checks) == 4  # two results, each against both evaluations
+    report = staged.verify(lambda x, y: (jnp.cos(jnp.sin(x) * y), x), X, X, against="jit")
+    assert report.references == ("jit",) and not report.exact
+    assert report.comparison == "within rtol 1e-05"
+    assert str(report).startswith("passed: 2 comparisons against jit, within rtol 1e-05 (atol")
 
 
 def test_verify_names_the_first_differing_result():
@@ -61,9 +66,11 @@ def test_verify_names_the_first_differing_result():
         staged.verify(lambda x, y: (jnp.cos(jnp.sin(x) * y) + 1e-3, x), X, X)
     with pytest.raises(pm.PipemarkError, match=r"Result 1 \(program input 0\) differs"):
         staged.verify(lambda x, y: (jnp.cos(jnp.sin(x) * y), x + 1), X, X)
-    with pytest.raises(pm.PipemarkError, match="returns 2 results, the reference 1"):
+    with pytest.raises(pm.PipemarkError, match=r"returns 2 results, the reference \(jit\) 1"):
         staged.verify(lambda x, y: x, X, X)
-    with pytest.raises(pm.PipemarkError, match=r"is float32\[4\], the reference's is int32"):
+    with pytest.raises(
+        pm.PipemarkError, match=r"is float32\[4\], the reference's \(jit\) is int32"
+    ):
         staged.verify(lambda x, y: (jnp.zeros(4, jnp.int32), x), X, X)
     with pytest.raises(pm.PipemarkError, match="reference must be a ClosedJaxpr or a callable"):
         staged.verify(3, X, X)
@@ -72,9 +79,27 @@ def test_verify_names_the_first_differing_result():
 def test_verify_with_tolerance():
     _, staged = two_stages()
     near = lambda x, y: (jnp.cos(jnp.sin(x) * y) + 1e-7, x)  # noqa: E731
-    with pytest.raises(pm.PipemarkError):
-        staged.verify(near, X, X)
+    # By default float32 results agree within rtol 1e-5 (atol: rtol x largest magnitude).
+    assert staged.verify(near, X, X).largest_difference > 0
+    with pytest.raises(pm.VerificationError, match=r"\(bit for bit\)") as caught:
+        staged.verify(near, X, X, rtol=0, atol=0)
+    assert not caught.value.report.passed and caught.value.report.exact
+    assert "np.float" not in str(caught.value)  # plain numbers
     staged.verify(near, X, X, rtol=0, atol=1e-5)
+    far = lambda x, y: (jnp.cos(jnp.sin(x) * y) * (1 + 1e-4), x)  # noqa: E731
+    with pytest.raises(pm.PipemarkError, match=r"largest difference [0-9.e-]+, 4 of 4 elements"):
+        staged.verify(far, X, X)
+
+
+def test_verify_compares_integers_exactly_and_nans_in_place():
+    def f(x):
+        return jnp.argsort(x), jnp.where(x > 0, jnp.nan, x)
+
+    staged = pm.split(f, X, num_stages=1)
+    report = staged.verify(f, X)
+    assert [c.rtol for c in report.checks[:2]] == [0.0, 1e-5]
+    with pytest.raises(pm.PipemarkError, match=r"Result 0 .*differs"):
+        staged.verify(lambda x: (jnp.argsort(x) + 1, f(x)[1]), X)
 
 
 def skip(x):
@@ -157,3 +182,41 @@ def test_as_closed_jaxpr_keeps_debug_info_and_effects():
     assert stitched.jaxpr.effects == set()
     # Stage programs name their inputs after where they come from.
     assert staged["back"].jaxpr.debug_info.arg_names == ("stage0[0]",)
+
+
+def test_verify_evaluates_the_reference_without_any_pipemark_pass(monkeypatch):
+    # The oracle must not share code with what it checks: after the split, every pass
+    # module's entry that could rewrite the reference fails if called.
+    import pipemark.passes as passes
+    import pipemark.staging as staging
+
+    @jax.jit
+    def helper(x):
+        return jnp.sin(x)
+
+    def f(x):
+        return helper(helper(x) * 2.0)
+
+    staged = pm.split(f, X, num_stages=2)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("verify ran a pipemark pass on the reference")
+
+    for module in (passes, staging):
+        for name in ("inline_calls", "split_jaxpr"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, forbidden)
+    monkeypatch.setattr("pipemark.passes.inline.inline_calls", forbidden)
+    report = staged.verify(f, X)
+    assert report.passed and report.references == ("jit", "eager")
+
+
+def test_a_literal_result_has_the_traced_dtype():
+    # A program result that is a literal (a Python float in the jaxpr) comes back as
+    # jax.jit gives it (float32), not as numpy would make it (float64).
+    def f(x):
+        return jnp.sin(x), 2.0
+
+    staged = pm.split(f, X, num_stages=1)
+    _, literal = staged(X)
+    assert np.asarray(literal).dtype == np.asarray(jax.jit(f)(X)[1]).dtype == np.float32

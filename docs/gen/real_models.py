@@ -29,8 +29,8 @@ stage table it printed.
 
 This page is generated: `python docs/gen/real_models.py` rewrites it, and the test
 suite fails when it is out of date. Every example ends with `staged.verify(...)`, which
-runs the stages one after another and compares every result with the unsplit program
-bit for bit.
+runs the stages one after another and compares every result with JAX's own evaluation of
+the function (`jax.jit` and eager), within float32 rounding.
 """
 
 COMMON = """\

@@ -6,6 +6,7 @@ Every pass is a pure function: it returns a new jaxpr (or a staged program) that
 
 from pipemark.passes.auto import auto_layers as auto_layers
 from pipemark.passes.auto import balanced_cuts as balanced_cuts
+from pipemark.passes.auto import plan_layers as plan_layers
 from pipemark.passes.backward_split import split_backward as split_backward
 from pipemark.passes.gradient import apply_start as apply_start
 from pipemark.passes.gradient import mark_apply_stage as mark_apply_stage

@@ -12,6 +12,7 @@ gets the ``<name>_backward`` stages that ``jax.grad`` gives a hand-marked functi
 from __future__ import annotations
 
 import bisect
+import itertools
 
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
@@ -66,7 +67,15 @@ def _cumulative_crossing(
         size = nbytes(v.aval)
         delta[defined[v] + 1] += size
         delta[use + 1] -= size
-    return np.cumsum(np.array(delta, dtype=np.int64))[: count + 1]
+    totals = list(itertools.accumulate(delta[: count + 1]))  # exact Python ints
+    if max(map(abs, totals), default=0) > _INT64_MAX:
+        # Arrays of more than 2**63 bytes (abstract, never allocated): compared
+        # approximately, which is all a cut's position needs.
+        return np.array(totals, dtype=np.float64)
+    return np.array(totals, dtype=np.int64)
+
+
+_INT64_MAX = int(np.iinfo(np.int64).max)
 
 
 def mirror_cuts(

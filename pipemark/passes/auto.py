@@ -30,6 +30,13 @@ This works on the jaxpr alone; re-tracing ``value_and_grad`` of the marked forwa
 function would give the same stage structure through the marker's transpose rule, but
 needs the Python function, which a jaxpr pass does not have.
 
+Cuts between a model's repeated blocks (:mod:`pipemark.passes.blocks`) are preferred
+when they cost little balance: the same search runs over the positions between blocks
+alone, and its result is kept when its largest layer is within ``block_tolerance``
+(:data:`BLOCK_TOLERANCE`) of the unconstrained optimum ``B*``. :func:`plan_layers`
+also returns the balance (:class:`LayerBalance`). This module owns that split policy
+(``block_cuts``); ``pm.split``, the runtime and the CLI pass it through.
+
 Costs are per top-level equation. A heavy ``scan`` (a scan over layers) is first cut
 into ``num_layers`` chunks (:func:`pipemark.passes.split_scan`); ``pm.split`` inlines
 ``jit`` calls (:func:`pipemark.passes.inline_calls`). What stays indivisible (a
@@ -41,9 +48,12 @@ should be.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
@@ -59,15 +69,37 @@ from pipemark.errors import (
 )
 from pipemark.marks import APPLY_STAGE, STAGE_MARK_TYPES, backward_name
 from pipemark.passes._backward import crossing_bytes, forward_end, mirror_cuts
+from pipemark.passes.blocks import Blocks, find_blocks
 from pipemark.passes.framework import jaxpr_pass
 from pipemark.passes.gradient import apply_start
 from pipemark.passes.insert import insert_markers
 from pipemark.passes.scan import SCAN_COST_FRACTION, scans_to_split, split_scan
 from pipemark.primitive import is_marker, pipeline_p
 
-__all__ = ["AUTO_COSTS", "auto_layers", "balanced_cuts", "crossing_bytes", "equation_costs"]
+__all__ = [
+    "AUTO_COSTS",
+    "BLOCK_CUTS",
+    "BLOCK_TOLERANCE",
+    "LayerBalance",
+    "LayerPlan",
+    "auto_layers",
+    "balanced_cuts",
+    "check_block_cuts",
+    "crossing_bytes",
+    "equation_costs",
+    "plan_layers",
+]
 
 AUTO_COSTS: tuple[str, ...] = ("flops", "bytes", "equations", "xla")
+
+# The split policy: where the cuts between balanced layers may fall.
+#   "prefer":  between the model's repeated blocks (pipemark.passes.blocks) when the
+#              largest layer then costs at most BLOCK_TOLERANCE more than the best cut
+#              anywhere; anywhere otherwise.
+#   "require": between blocks whatever the balance (an error when none are found).
+#   "off":     anywhere; only cost and crossing bytes decide.
+BLOCK_CUTS: tuple[str, ...] = ("prefer", "require", "off")
+BLOCK_TOLERANCE: float = 0.15
 
 
 # ----------------------------------------------------------------------- costs, bytes
@@ -132,7 +164,23 @@ def equation_costs(
     field: Callable[[Cost], int] = (
         (lambda c: c.total_flops) if cost == "flops" else (lambda c: c.bytes_accessed)
     )
-    return np.asarray([field(c) for c in eqn_costs(jaxpr)], dtype=np.int64).reshape(-1)
+    return _as_int64([field(c) for c in eqn_costs(jaxpr)])
+
+
+# Costs are added along a program; below this total their sums stay exact in int64.
+_EXACT_TOTAL = 2**62
+
+
+def _as_int64(costs: list[int]) -> np.ndarray:
+    """Exact costs (Python ints, of any size) as an int64 array whose sums cannot
+    overflow: a program whose total exceeds 2**62 (a f32[4e9,4e9] array, a 1.2e6-wide
+    matmul) has every cost scaled down alike, rounded up so none becomes 0, which
+    keeps the balance (relative costs) to about one part in 2**40."""
+    total = sum(costs)
+    if total <= _EXACT_TOTAL:
+        return np.asarray(costs, dtype=np.int64).reshape(-1)
+    scale = total // 2**40 + 1
+    return np.asarray([-(-c // scale) for c in costs], dtype=np.int64).reshape(-1)
 
 
 # ------------------------------------------------------------------- the bottleneck
@@ -307,6 +355,140 @@ def balanced_cuts(
     return _min_bytes_cuts(prefix, int(num_parts), max(bound, best), cut_bytes)
 
 
+# ------------------------------------------------------------ cuts between blocks
+
+
+@dataclass(frozen=True)
+class LayerBalance:
+    """How balanced :func:`plan_layers` cut a program's forward part, and why there.
+
+    Attributes
+    ----------
+    costs:
+        The cost of each forward layer, in order (under the ``cost`` balanced).
+    optimum:
+        The smallest largest-layer cost of any cut into as many layers, cut anywhere.
+    block_cuts:
+        The policy asked for: ``"prefer"``, ``"require"`` or ``"off"``.
+    blocks:
+        The repeated blocks found (:class:`~pipemark.passes.blocks.Blocks`), or None.
+    block_aligned:
+        Whether every cut falls between blocks; None when no blocks were found.
+
+    >>> LayerBalance((10, 12), 11, "prefer", None, None).imbalance
+    1.0909090909090908
+    """
+
+    costs: tuple[int, ...]
+    optimum: int
+    block_cuts: str
+    blocks: Blocks | None
+    block_aligned: bool | None
+
+    @property
+    def imbalance(self) -> float:
+        """The largest layer's cost over the mean layer's: 1.0 is perfect balance."""
+        mean = sum(self.costs) / max(len(self.costs), 1)
+        return max(self.costs, default=0) / mean if mean else 1.0
+
+    @property
+    def excess(self) -> float:
+        """How much more the largest layer costs than the best cut anywhere could give:
+        0.0 when the cuts are bottleneck-optimal."""
+        return max(self.costs, default=0) / self.optimum - 1.0 if self.optimum else 0.0
+
+    def __str__(self) -> str:
+        text = (
+            f"{plural(len(self.costs), 'forward layer')}, largest / mean cost "
+            f"{self.imbalance:.3f} ({100 * self.excess:.1f} % above the best cut anywhere)"
+        )
+        if self.blocks is None:
+            return f"{text}; no repeated blocks found"
+        count = plural(len(self.blocks.spans), "block")
+        if self.block_aligned:
+            return f"{text}; cuts between {count} ({self.blocks.source})"
+        why = (
+            "block_cuts='off'"
+            if self.block_cuts == "off"
+            else "cutting between them would cost more than block_tolerance allows"
+        )
+        return f"{text}; cuts inside the {count} ({self.blocks.source}): {why}"
+
+
+def _choose_cuts(
+    costs: np.ndarray,
+    num_layers: int,
+    penalties: np.ndarray,
+    tolerance: float,
+    blocks: Blocks | None,
+    policy: tuple[str, float],
+) -> tuple[list[int], LayerBalance]:
+    """The cuts of ``costs`` into ``num_layers`` layers under the split policy
+    ``(block_cuts, block_tolerance)``, and their balance."""
+    block_cuts, block_tolerance = policy
+    prefix = np.concatenate(([0], np.cumsum(costs)))
+    optimum = _optimal_bottleneck(prefix.tolist(), num_layers)
+    cuts = None
+    if blocks is not None and block_cuts != "off":
+        # The cut positions between blocks (0 and the end included); the search runs
+        # over the pieces between them as if each were one equation.
+        positions = np.nonzero(blocks.cut_allowed(costs.size))[0]
+        if positions.size - 1 >= num_layers:
+            within = _optimal_bottleneck(prefix[positions].tolist(), num_layers)
+            limit = optimum * (1.0 + block_tolerance)
+            if block_cuts == "require" or within <= limit:
+                if block_cuts == "prefer":  # fewer bytes, but never past the limit
+                    tolerance = max(0.0, min(tolerance, limit / max(within, 1) - 1.0))
+                atom_cuts = balanced_cuts(
+                    np.diff(prefix[positions]),
+                    num_layers,
+                    cut_bytes=penalties[positions],
+                    tolerance=tolerance,
+                )
+                cuts = [int(positions[c]) for c in atom_cuts]
+        elif block_cuts == "require":
+            raise PipemarkError(
+                f"block_cuts='require': the {plural(len(blocks.spans), 'block')} found "
+                f"({blocks.source}) leave {positions.size - 1} pieces between their "
+                f"boundaries, too few for {num_layers} layers. Ask for at most "
+                f"{positions.size - 1} layers, or pass block_cuts='prefer'."
+            )
+    if cuts is None:
+        cuts = balanced_cuts(costs, num_layers, cut_bytes=penalties, tolerance=tolerance)
+    ends = [0, *cuts, costs.size]
+    aligned = None
+    if blocks is not None:
+        allowed = blocks.cut_allowed(costs.size)
+        aligned = bool(all(allowed[c] for c in cuts))
+    layer_costs = tuple(int(b - a) for a, b in itertools.pairwise(prefix[ends]))
+    return cuts, LayerBalance(layer_costs, int(optimum), block_cuts, blocks, aligned)
+
+
+def check_block_cuts(block_cuts: str, block_tolerance: float = BLOCK_TOLERANCE) -> None:
+    """Raise :class:`~pipemark.errors.PipemarkError` for an unknown ``block_cuts`` or a
+    ``block_tolerance`` that is not a finite number >= 0.
+
+    >>> check_block_cuts("prefer")
+    >>> check_block_cuts("always")
+    Traceback (most recent call last):
+    ...
+    pipemark.errors.PipemarkError: Unknown block_cuts 'always'; choose one of 'prefer', 'require', 'off'.
+    """
+    if block_cuts not in BLOCK_CUTS:
+        raise PipemarkError(
+            f"Unknown block_cuts {block_cuts!r}; choose one of {', '.join(map(repr, BLOCK_CUTS))}."
+        )
+    if (
+        isinstance(block_tolerance, bool)
+        or not isinstance(block_tolerance, (int, float))
+        or block_tolerance < 0
+        or not math.isfinite(block_tolerance)
+    ):
+        raise PipemarkError(
+            f"block_tolerance must be a finite number >= 0, got {block_tolerance!r}."
+        )
+
+
 # ------------------------------------------------------------------------- the pass
 
 
@@ -411,8 +593,15 @@ def _check_unmarked(jaxpr: Jaxpr) -> None:
             )
 
 
+class LayerPlan(NamedTuple):
+    """What :func:`plan_layers` returns: the marked program and its balance."""
+
+    program: ClosedJaxpr
+    balance: LayerBalance
+
+
 @jaxpr_pass
-def auto_layers(
+def plan_layers(
     cj: ClosedJaxpr,
     num_layers: int,
     cost: str | Callable[[JaxprEqn], float] = "flops",
@@ -421,71 +610,22 @@ def auto_layers(
     names: Sequence[str] | None = None,
     mirror_backward: bool = True,
     split_scans: bool = True,
-) -> ClosedJaxpr:
-    """Insert start/end markers that cut ``cj`` into ``num_layers`` balanced layers.
+    block_cuts: str = "prefer",
+    block_tolerance: float = BLOCK_TOLERANCE,
+) -> LayerPlan:
+    """:func:`auto_layers`, also returning how balanced the cut is
+    (:class:`LayerBalance`); the parameters are :func:`auto_layers`'s.
 
-    Parameters
-    ----------
-    cj:
-        An unmarked program (``jax.make_jaxpr(f)(...)``), forward only or a
-        ``value_and_grad``/``grad`` program.
-    num_layers:
-        How many forward layers to make.
-    cost:
-        What to balance: ``"flops"`` (default), ``"bytes"``, ``"equations"``, ``"xla"``
-        or a function of one equation (see :func:`equation_costs`).
-    tolerance:
-        The largest layer may cost up to ``(1 + tolerance)`` times the smallest
-        possible largest layer, if that lets the cuts move to where fewer bytes cross
-        (on a transformer: between blocks rather than inside one). ``0`` gives a
-        bottleneck-optimal split, ties broken by crossing bytes.
-    names:
-        ``num_layers`` names for the forward layers; default ``layer0``, ``layer1``, ….
-    mirror_backward:
-        For a program with a backward pass (equations JAX made by transposition): cut
-        only the forward part into balanced layers and cut the backward part into
-        mirrored stages ``<name>_backward`` (in reverse order). With ``False`` every
-        equation is balanced as one forward sequence.
-    split_scans:
-        First cut every heavy top-level ``lax.scan`` (a scan over layers, and its
-        mirror in the backward pass) into ``num_layers`` chunks with
-        :func:`pipemark.passes.split_scan`, so the layers can cut between them.
-
-    Returns
-    -------
-    ClosedJaxpr
-        The program with markers inserted by :func:`pipemark.passes.insert_markers`.
-
-    Warns
-    -----
-    PipemarkWarning
-        When one equation costs more than ``1/num_layers`` of what is balanced (a while
-        loop, say): no cut can balance the layers then. The message names it.
-
-    Raises
-    ------
-    PipemarkError
-        For an unknown cost, more layers than equations, or a program whose every
-        equation costs 0 under ``cost`` (pick another ``cost``).
-    MarkerError
-        If the program already has stage markers.
-
-    Examples
-    --------
     >>> import jax, jax.numpy as jnp, pipemark as pm
-    >>> def f(x, w):
-    ...     for _ in range(4):
-    ...         x = jnp.tanh(x @ w)
+    >>> def f(layers, x):
+    ...     for layer in layers:
+    ...         x = jnp.tanh(x @ layer["w"] + layer["b"])
     ...     return x
-    >>> cj = jax.make_jaxpr(f)(jnp.ones((2, 8)), jnp.ones((8, 8)))
-    >>> [e.primitive.name for e in cj.eqns][:4]
-    ['dot_general', 'tanh', 'dot_general', 'tanh']
-    >>> marked = pm.passes.auto_layers(cj, 2)
-    >>> [(e.params["name"], e.params["mark_type"]) for e in marked.eqns
-    ...  if e.primitive is pm.pipeline_p]  # doctest: +NORMALIZE_WHITESPACE
-    [('layer0', 'start'), ('layer0', 'end'), ('layer1', 'start'), ('layer1', 'end')]
-    >>> [e.primitive.name for e in marked.eqns][:6]
-    ['pipeline_marker', 'dot_general', 'tanh', 'dot_general', 'tanh', 'pipeline_marker']
+    >>> layers = [{"w": jnp.ones((8, 8)), "b": jnp.ones(8)}] * 4
+    >>> plan = plan_layers(jax.make_jaxpr(f)(layers, jnp.ones((2, 8))), 2)
+    >>> print(plan.balance)  # doctest: +NORMALIZE_WHITESPACE
+    2 forward layers, largest / mean cost 1.000 (0.0 % above the best cut anywhere);
+    cuts between 4 blocks (parameters layers[0] … layers[3])
     """
     if isinstance(num_layers, bool) or not isinstance(num_layers, (int, np.integer)):
         raise PipemarkError(f"num_layers must be a positive int, got {num_layers!r}.")
@@ -493,6 +633,7 @@ def auto_layers(
         raise PipemarkError(f"num_layers must be a positive int, got {num_layers!r}.")
     if not isinstance(tolerance, (int, float)) or tolerance < 0 or not math.isfinite(tolerance):
         raise PipemarkError(f"tolerance must be a finite number >= 0, got {tolerance!r}.")
+    check_block_cuts(block_cuts, block_tolerance)
     _check_unmarked(cj.jaxpr)
     cj, costs, (split_at, stop, apply_at) = _prepare(
         cj, int(num_layers), cost, mirror_backward, split_scans
@@ -526,11 +667,21 @@ def auto_layers(
         raise PipemarkError(
             f"names has {len(names)} entries for {num_layers} layers; give one per layer."
         )
-    cuts = balanced_cuts(
+    # Found under "off" too: the balance reports whether the cuts fell between blocks.
+    blocks = find_blocks(jaxpr, split_at)
+    if blocks is None and block_cuts == "require":
+        raise PipemarkError(
+            "block_cuts='require', but auto_layers found no repeated blocks (name scopes "
+            "or numbered parameter paths, see pipemark.passes.blocks). Name each block "
+            "with jax.named_scope(f'block{i}'), or pass block_cuts='prefer'."
+        )
+    cuts, balance = _choose_cuts(
         forward_costs,
         int(num_layers),
-        cut_bytes=_cut_penalties(jaxpr.eqns, split_at, crossing_bytes(jaxpr, 0, split_at)),
-        tolerance=float(tolerance),
+        _cut_penalties(jaxpr.eqns, split_at, crossing_bytes(jaxpr, 0, split_at)),
+        float(tolerance),
+        blocks,
+        (block_cuts, float(block_tolerance)),
     )
     if backward:
         mirrored = mirror_cuts(jaxpr, split_at, cuts, int(num_layers), stop=stop)
@@ -538,4 +689,105 @@ def auto_layers(
         names += [backward_name(name) if isinstance(name, str) else name for name in names[::-1]]
     if apply_at is not None:
         cuts, names = [*cuts, apply_at], [*names, APPLY_STAGE]
-    return insert_markers(cj, cuts, names)
+    return LayerPlan(insert_markers(cj, cuts, names), balance)
+
+
+@jaxpr_pass
+def auto_layers(
+    cj: ClosedJaxpr,
+    num_layers: int,
+    cost: str | Callable[[JaxprEqn], float] = "flops",
+    *,
+    tolerance: float = 0.01,
+    names: Sequence[str] | None = None,
+    mirror_backward: bool = True,
+    split_scans: bool = True,
+    block_cuts: str = "prefer",
+    block_tolerance: float = BLOCK_TOLERANCE,
+) -> ClosedJaxpr:
+    """Insert start/end markers that cut ``cj`` into ``num_layers`` balanced layers.
+
+    Parameters
+    ----------
+    cj:
+        An unmarked program (``jax.make_jaxpr(f)(...)``), forward only or a
+        ``value_and_grad``/``grad`` program.
+    num_layers:
+        How many forward layers to make.
+    cost:
+        What to balance: ``"flops"`` (default), ``"bytes"``, ``"equations"``, ``"xla"``
+        or a function of one equation (see :func:`equation_costs`).
+    tolerance:
+        The largest layer may cost up to ``(1 + tolerance)`` times the smallest
+        possible largest layer, if that lets the cuts move to where fewer bytes cross
+        (on a transformer: between blocks rather than inside one). ``0`` gives a
+        bottleneck-optimal split, ties broken by crossing bytes.
+    names:
+        ``num_layers`` names for the forward layers; default ``layer0``, ``layer1``, ….
+    mirror_backward:
+        For a program with a backward pass (equations JAX made by transposition): cut
+        only the forward part into balanced layers and cut the backward part into
+        mirrored stages ``<name>_backward`` (in reverse order). With ``False`` every
+        equation is balanced as one forward sequence.
+    split_scans:
+        First cut every heavy top-level ``lax.scan`` (a scan over layers, and its
+        mirror in the backward pass) into ``num_layers`` chunks with
+        :func:`pipemark.passes.split_scan`, so the layers can cut between them.
+    block_cuts:
+        Where cuts may fall when the model has repeated blocks (found from name scopes
+        and numbered parameter paths by :func:`pipemark.passes.blocks.find_blocks`):
+        ``"prefer"`` (default): between blocks, if the largest layer then costs at
+        most ``1 + block_tolerance`` times the best cut anywhere, else anywhere;
+        ``"require"``: between blocks whatever the balance; ``"off"``: anywhere.
+    block_tolerance:
+        How much balance ``"prefer"`` gives up for cuts between blocks; default
+        :data:`BLOCK_TOLERANCE` (0.15; why, in ``docs/auto.md``).
+
+    Returns
+    -------
+    ClosedJaxpr
+        The program with markers inserted by :func:`pipemark.passes.insert_markers`.
+
+    Warns
+    -----
+    PipemarkWarning
+        When one equation costs more than ``1/num_layers`` of what is balanced (a while
+        loop, say): no cut can balance the layers then. The message names it.
+
+    Raises
+    ------
+    PipemarkError
+        For an unknown cost, more layers than equations, a program whose every
+        equation costs 0 under ``cost`` (pick another ``cost``), an unknown
+        ``block_cuts``, or ``block_cuts="require"`` without blocks to cut between.
+    MarkerError
+        If the program already has stage markers.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp, pipemark as pm
+    >>> def f(x, w):
+    ...     for _ in range(4):
+    ...         x = jnp.tanh(x @ w)
+    ...     return x
+    >>> cj = jax.make_jaxpr(f)(jnp.ones((2, 8)), jnp.ones((8, 8)))
+    >>> [e.primitive.name for e in cj.eqns][:4]
+    ['dot_general', 'tanh', 'dot_general', 'tanh']
+    >>> marked = pm.passes.auto_layers(cj, 2)
+    >>> [(e.params["name"], e.params["mark_type"]) for e in marked.eqns
+    ...  if e.primitive is pm.pipeline_p]  # doctest: +NORMALIZE_WHITESPACE
+    [('layer0', 'start'), ('layer0', 'end'), ('layer1', 'start'), ('layer1', 'end')]
+    >>> [e.primitive.name for e in marked.eqns][:6]
+    ['pipeline_marker', 'dot_general', 'tanh', 'dot_general', 'tanh', 'pipeline_marker']
+    """
+    return plan_layers(
+        cj,
+        num_layers,
+        cost,
+        tolerance=tolerance,
+        names=names,
+        mirror_backward=mirror_backward,
+        split_scans=split_scans,
+        block_cuts=block_cuts,
+        block_tolerance=block_tolerance,
+    ).program

@@ -194,35 +194,40 @@ def _fresh(var: Var) -> Var:
     return type(var)(var.aval)  # a DropVar stays a DropVar
 
 
+def _read(env: dict[Var, Any], atom: Any) -> Any:
+    """What ``atom`` of one scope stands for in the new program (one look-up, never a
+    chain: a variable of one scope may also be a variable of another, e.g. a body
+    inlined twice)."""
+    if isinstance(atom, Literal):
+        return atom
+    return env.get(atom, atom)
+
+
 class _Inliner:
-    """One walk over a program; ``env`` maps each inlined body's variables (and the
-    results of inlined calls) to the atoms that stand for them in the new program."""
+    """One walk over a program. Each scope (the program, each inlined body) has its own
+    ``env``, mapping its variables to the atoms that stand for them in the new program:
+    a body inlined twice (a function jitted once, called twice) reads and defines its
+    variables in its own scope each time, so no copy sees another's values."""
 
     def __init__(self, memo: dict[int, JaxprEqn | None]) -> None:
         self.memo = memo
-        self.env: dict[Var, Any] = {}
         self.eqns: list[JaxprEqn] = []
         self.constvars: list[Var] = []
         self.consts: list[Any] = []
+        self.defined: set[Var] = set()  # every variable the new program defines
         self.opened: set[str] = set()  # names of the stages whose start marker is out
         self.regions: list[tuple[int, int, JaxprEqn]] = []  # checkpoints to split
         self.splitting = 0  # depth of checkpoint bodies being split
-        self.inlined: set[int] = set()  # ids of the bodies inlined so far
-
-    def atom(self, value: Any) -> Any:
-        # Follow the chain: a body's result maps to the fresh variable its equation got,
-        # which maps on to what the inlined call returned.
-        env = self.env
-        while not isinstance(value, Literal) and value in env:
-            value = env[value]
-        return value
 
     def run(self, cj: ClosedJaxpr) -> ClosedJaxpr:
         jaxpr = cj.jaxpr
         self.constvars, self.consts = list(jaxpr.constvars), list(cj.consts)
+        self.defined.update(jaxpr.constvars)
+        self.defined.update(jaxpr.invars)
+        env: dict[Var, Any] = {}
         for eqn in jaxpr.eqns:
-            self.emit(eqn)
-        outvars = [self.atom(v) for v in jaxpr.outvars]
+            self.emit(eqn, env)
+        outvars = [_read(env, v) for v in jaxpr.outvars]
         eqns = _split_regions(self.eqns, self.regions, outvars)
         effects = set().union(*(eqn.effects for eqn in eqns)) if eqns else set()
         new = jaxpr.replace(constvars=self.constvars, outvars=outvars, eqns=eqns, effects=effects)
@@ -231,59 +236,70 @@ class _Inliner:
     def emit(
         self,
         eqn: JaxprEqn,
+        env: dict[Var, Any],
         source_info: Any = None,
         ran: frozenset[str] | None = None,
-        outvars: list[Var] | None = None,
     ) -> None:
-        """Append ``eqn`` (its inputs renamed; ``source_info`` and ``outvars`` replaced
-        when given), or inline it when its rule says so. ``ran``: inside a
+        """Append ``eqn`` of the scope ``env`` (its inputs renamed; ``source_info``
+        replaced when given), or inline it when its rule says so. ``ran``: inside a
         differentiated checkpoint, the stages opened before it."""
-        env = self.env
         invars = eqn.invars
-        if any(v in env for v in invars if not isinstance(v, Literal)):
-            invars = [self.atom(v) for v in invars]
-        if outvars is not None:
-            env.update(zip(eqn.outvars, outvars))
+        if env and any(v in env for v in invars if not isinstance(v, Literal)):
+            invars = [_read(env, v) for v in invars]
         if ran is not None and _is_copy(eqn, ran):
             # A recomputation's copy of a marker of a stage that already ran.
-            env.update(zip(outvars or eqn.outvars, invars))
+            env.update(zip(eqn.outvars, invars))
             return
         if _rule(eqn) is not None and _wants_inlining(eqn, self.memo):
-            if outvars is not None:
-                eqn = eqn.replace(outvars=outvars)
-            self.inline(eqn, invars, source_info or eqn.source_info, ran)
+            results = self.inline(eqn, invars, source_info or eqn.source_info, ran)
+            env.update(zip(eqn.outvars, results))
             return
-        if invars is not eqn.invars or source_info is not None or outvars is not None:
+        outvars = self.define(eqn.outvars, env)
+        if invars is not eqn.invars or source_info is not None or outvars is not eqn.outvars:
             # One copy of the equation, whatever changes.
             eqn = eqn.replace(
                 invars=invars,
-                outvars=eqn.outvars if outvars is None else outvars,
+                outvars=outvars,
                 source_info=eqn.source_info if source_info is None else source_info,
             )
         if is_marker(eqn, OPENERS):
             self.opened.add(eqn.params.get("name"))
         self.eqns.append(eqn)
 
+    def define(self, outvars: list[Var], env: dict[Var, Any]) -> list[Var]:
+        """``outvars`` as the new program defines them: a variable it defines already
+        (a second copy of a body) is replaced by a fresh one, in this scope only."""
+        defined = self.defined
+        if not any(v in defined for v in outvars):
+            defined.update(outvars)
+            return outvars
+        renamed = []
+        for v in outvars:
+            if v in defined:
+                env[v] = v = _fresh(v)
+            defined.add(v)
+            renamed.append(v)
+        return renamed
+
     def inline(
         self, eqn: JaxprEqn, invars: list[Any], source_info: Any, ran: frozenset[str] | None
-    ) -> None:
+    ) -> list[Any]:
+        """Emit the body of ``eqn`` in a scope of its own, reading ``invars``; returns
+        the atoms that stand for the body's results."""
         rule = _rule(eqn)
         body, consts = _body(eqn)
         stack = source_info.name_stack
         if rule.scope is not None and isinstance(eqn.params.get(rule.scope), str):
             stack = stack.extend(eqn.params[rule.scope])
+        env: dict[Var, Any] = dict(zip(body.invars, invars))
         for var, value in zip(body.constvars, consts):
-            self.env[var] = new = Var(var.aval)
+            env[var] = new = Var(var.aval)
+            self.defined.add(new)
             self.constvars.append(new)
             self.consts.append(value)
-        self.env.update(zip(body.invars, invars))
         split = rule.action == "split" and not self.splitting
         if rule.action == "split" and eqn.params.get("differentiated"):
             ran = frozenset(self.opened)
-        # The first copy of a body keeps its variables (no other jaxpr defines them);
-        # a body inlined again (a function jitted once, called twice) gets fresh ones.
-        rename = id(body) in self.inlined
-        self.inlined.add(id(body))
         stacks: dict[int, Any] = {}  # name stacks are shared by runs of equations
         scoped = bool(getattr(stack, "stack", True))  # an empty prefix changes nothing
         first = len(self.eqns)
@@ -297,13 +313,11 @@ class _Inliner:
                 if key not in stacks:
                     stacks[key] = (inner_stack, stack + inner_stack)
                 new_info = info.replace(name_stack=stacks[key][1])
-            fresh = [_fresh(v) for v in inner.outvars] if rename else None
-            self.emit(inner, new_info, ran, fresh)
+            self.emit(inner, env, new_info, ran)
         self.splitting -= rule.action == "split"
         if split:
             self.regions.append((first, len(self.eqns), eqn))
-        for out, value in zip(eqn.outvars, body.outvars):
-            self.env[out] = self.atom(value)
+        return [_read(env, v) for v in body.outvars]
 
 
 def _split_regions(

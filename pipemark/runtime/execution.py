@@ -39,6 +39,7 @@ import numpy as np
 from pipemark._compat import copy_to_device
 from pipemark.caches import register_cache
 from pipemark.errors import PipemarkError
+from pipemark.runtime.agreement import check_agreement
 from pipemark.runtime.plan import PipelinePlan
 from pipemark.runtime.schedules import BACKWARD, FORWARD, WEIGHT, Action
 from pipemark.runtime.transport import Transport, Watchdog
@@ -518,7 +519,8 @@ class _Call:
         order and nothing waits on a process that waits on it). Then every process
         receives the accumulated results of the others' stages."""
         program, plan = self.program, self.plan
-        if plan._watchdog is None:  # one watching thread per plan, not one per call
+        if plan._watchdog is None:  # the plan's first call: one watching thread per plan
+            check_agreement(plan, plan.timeout_s)
             plan._watchdog = Watchdog(plan.timeout_s)
         self.transport = Transport(plan._watchdog)
         start = time.perf_counter()
@@ -554,10 +556,13 @@ class _Call:
         """Every process receives the accumulated results of every other process's
         stages (in one order all processes walk: stage by stage, process by process)."""
         program, transport = self.program, self.transport
-        # One device of each process receives for it.
-        first: dict[int, int] = {}
-        for w, device in enumerate(program.devices):
-            first.setdefault(device.process_index, w)
+        # One device of each process receives for it: a pipeline device where the
+        # process has one, else its first device (a process may own no stage: more
+        # processes than stage devices).
+        first: dict[int, Any] = {}
+        for device in (*program.devices, *jax.devices()):
+            first.setdefault(device.process_index, device)
+        me = jax.process_index()
         for index in sorted(self.plan.units):
             unit = self.plan.units[index]
             if not unit.accumulated:
@@ -566,17 +571,14 @@ class _Call:
             out_avals = self.plan.staged.stages[index].out_avals
             types = [_type(out_avals[o]) for _, o in unit.accumulated]
             what = f"the results of stage {self.plan.staged.stages[index].name!r}"
-            for process, w in first.items():
-                if process == program.devices[source].process_index:
+            sender = program.devices[source]
+            for process, receiver in first.items():
+                if process == sender.process_index:
                     continue
                 if self.local[source]:
-                    transport.send(
-                        self.accs[index], program.devices[source], program.devices[w], what
-                    )
-                elif self.local[w]:
-                    self.accs[index] = transport.receive(
-                        types, program.devices[source], program.devices[w], what
-                    )
+                    transport.send(self.accs[index], sender, receiver, what)
+                elif process == me:
+                    self.accs[index] = transport.receive(types, sender, receiver, what)
 
     def results(self) -> list[Any]:
         """The accumulated results, in the staged program's output order."""

@@ -13,11 +13,12 @@ pipemark.errors.PipemarkError: num_microbatches must be a positive int, got 0.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pipemark.errors import PipemarkError
+from pipemark.passes.auto import check_block_cuts
 from pipemark.runtime.losses import LOSS_REDUCTIONS
 from pipemark.runtime.schedules import Schedule
 from pipemark.runtime.simulation import ZERO_BUBBLE_VARIANTS
@@ -49,6 +50,10 @@ class PipelineOptions:
         How many pipeline stages; ``None``: one per marked stage. Fewer than the marked
         stages merges consecutive ones; without markers the program is balanced
         automatically.
+    block_cuts:
+        When balancing automatically: cut between the model's repeated blocks if that
+        costs little balance (``"prefer"``), always (``"require"``) or anywhere
+        (``"off"``); see :func:`pipemark.passes.auto_layers`.
     schedule:
         ``"1f1b"``, ``"gpipe"``, ``"interleaved"``, the zero-bubble ``"zb-h1"`` or
         ``"zb-v"`` (each backward split into B and W,
@@ -71,6 +76,7 @@ class PipelineOptions:
     devices: Sequence[Any] | None = field(default=None)
     loss_reduction: str = "mean"
     timeout_s: float | None = 120.0
+    block_cuts: str = "prefer"
 
     def __post_init__(self) -> None:
         if self.timeout_s is not None and (
@@ -84,6 +90,7 @@ class PipelineOptions:
         check_positive(self.num_microbatches, "num_microbatches")
         if self.num_stages is not None:
             check_positive(self.num_stages, "num_stages")
+        check_block_cuts(self.block_cuts)
         if self.loss_reduction not in LOSS_REDUCTIONS:
             raise PipemarkError(
                 f"Unknown loss_reduction {self.loss_reduction!r}; use 'mean' for a loss "
@@ -97,7 +104,7 @@ class PipelineOptions:
                 "'interleaved', 'zb-h1' or 'zb-v', or pass a pm.Schedule."
             )
         if self.devices is not None:
-            object.__setattr__(self, "devices", tuple(self.devices))
+            object.__setattr__(self, "devices", _check_devices(self.devices))
 
     @property
     def splits_backward(self) -> bool:
@@ -110,3 +117,29 @@ class PipelineOptions:
     def schedule_name(self) -> str:
         """The schedule's name (``"interleaved"`` places several stages per device)."""
         return self.schedule.name if isinstance(self.schedule, Schedule) else self.schedule
+
+
+def _check_devices(devices: Any) -> tuple[Any, ...]:
+    """``devices`` as a tuple of ``jax.Device`` objects, or a named error: an empty list,
+    a device's name where the device is wanted, a single device not in a list."""
+    import jax
+
+    if isinstance(devices, (str, bytes)) or not isinstance(devices, Iterable):
+        raise PipemarkError(
+            f"devices is {devices!r}; give a list of jax devices, e.g. jax.devices()[:2]."
+        )
+    devices = tuple(devices)
+    if not devices:
+        raise PipemarkError(
+            "devices is empty; give at least one jax device (e.g. jax.devices()), or "
+            "leave devices=None to use every device."
+        )
+    for i, device in enumerate(devices):
+        if not isinstance(device, jax.Device):
+            hint = " (a device's name: pass the device itself, from jax.devices())"
+            raise PipemarkError(
+                f"devices[{i}] is {device!r}, not a jax.Device"
+                f"{hint if isinstance(device, str) else ''}; give devices from "
+                "jax.devices() or jax.local_devices()."
+            )
+    return devices

@@ -203,6 +203,7 @@ def pipeline_value_and_grad(
     devices: Sequence[Any] | None = None,
     loss_reduction: str = "mean",
     timeout_s: float | None = 120.0,
+    block_cuts: str = "prefer",
 ) -> Pipeline:
     """``jax.value_and_grad(loss_fn)`` computed as a pipeline over several devices.
 
@@ -246,6 +247,10 @@ def pipeline_value_and_grad(
         Under ``jax.distributed``: how long a process waits for a value from another
         before it stops with an error naming the stage and the process (``None``:
         for ever).
+    block_cuts:
+        Without markers: cut between the model's repeated blocks when that costs
+        little balance (``"prefer"``), always (``"require"``) or anywhere (``"off"``);
+        see :func:`pipemark.passes.auto_layers`.
 
     Returns
     -------
@@ -283,6 +288,7 @@ def pipeline_value_and_grad(
         devices=devices,
         loss_reduction=loss_reduction,
         timeout_s=timeout_s,
+        block_cuts=block_cuts,
     )
     return Pipeline(loss_fn, options)
 
@@ -335,7 +341,12 @@ class PipelinedStep:
                     "it over the batch before the grad marker."
                 )
         plan = plan_from_staged(
-            stage_program(compute, self.options.num_stages, "The gradient part of the step"),
+            stage_program(
+                compute,
+                self.options.num_stages,
+                "The gradient part of the step",
+                self.options.block_cuts,
+            ),
             jax.tree_util.tree_structure([0] * len(micro_avals)),
             num_param_leaves=len(jax.tree_util.tree_leaves(tuple(replicated))),
             microbatch_size=micro,
@@ -378,6 +389,7 @@ def pipeline_train_step(
     devices: Sequence[Any] | None = None,
     loss_reduction: str = "mean",
     timeout_s: float | None = 120.0,
+    block_cuts: str = "prefer",
 ) -> PipelinedStep:
     """A training step ``step_fn(*state, batch)`` whose gradients are computed as a
     pipeline and then applied once.
@@ -413,5 +425,6 @@ def pipeline_train_step(
         devices=devices,
         loss_reduction=loss_reduction,
         timeout_s=timeout_s,
+        block_cuts=block_cuts,
     )
     return PipelinedStep(step_fn, options)

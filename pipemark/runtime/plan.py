@@ -122,10 +122,13 @@ def _refuse_batch_normaliser(loss_fn: Callable, params: Any, batch_structs: Any)
 # ------------------------------------------------------------------- stage plan
 
 
-def stage_program(cj: ClosedJaxpr, num_stages: int | None, what: str) -> StagedJaxpr:
+def stage_program(
+    cj: ClosedJaxpr, num_stages: int | None, what: str, block_cuts: str = "prefer"
+) -> StagedJaxpr:
     """Cut a traced program for the runtime as :func:`pipemark.split` cuts it (through
     :func:`pipemark.split_jaxpr`): at its markers, or, without any, into ``num_stages``
-    balanced stages (``what`` names the program in the error when there is neither)."""
+    balanced stages under the split policy ``block_cuts`` (``what`` names the program
+    in the error when there is neither)."""
     # Inlined once here; has_stage_markers and split_jaxpr then find nothing to inline.
     cj = inline_calls(cj)
     if has_stage_markers(cj):
@@ -137,18 +140,18 @@ def stage_program(cj: ClosedJaxpr, num_stages: int | None, what: str) -> StagedJ
             "layers with pm.mark(..., mark_type='start'/'end') or "
             "pm.mark_pipeline_boundary()."
         )
-    return split_jaxpr(cj, num_stages=num_stages)
+    return split_jaxpr(cj, num_stages=num_stages, block_cuts=block_cuts)
 
 
 def _trace_staged(
-    loss_fn: Callable, params: Any, batch_structs: Any, num_stages: int | None
+    loss_fn: Callable, params: Any, batch_structs: Any, options: PipelineOptions
 ) -> tuple[StagedJaxpr, Any]:
     """Trace value_and_grad for one microbatch and cut it into forward and mirrored
     backward stages. Returns the staged program and the output tree."""
     cj, out_shape = jax.make_jaxpr(jax.value_and_grad(loss_fn), return_shape=True)(
         params, batch_structs
     )
-    staged = stage_program(cj, num_stages, "loss_fn")
+    staged = stage_program(cj, options.num_stages, "loss_fn", options.block_cuts)
     return staged, jax.tree_util.tree_structure(out_shape)
 
 
@@ -400,7 +403,7 @@ def build_plan(
     _check_loss(loss_fn, params, batch_structs)
     if options.loss_reduction == "mean":
         _refuse_batch_normaliser(loss_fn, params, batch_structs)
-    staged, out_tree = _trace_staged(loss_fn, params, batch_structs, options.num_stages)
+    staged, out_tree = _trace_staged(loss_fn, params, batch_structs, options)
     return plan_from_staged(
         staged,
         out_tree,

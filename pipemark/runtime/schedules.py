@@ -370,6 +370,7 @@ def _action_ticks(schedule: Schedule, num_stages: int, m_count: int) -> dict[Act
                 raise StageGraphError(
                     f"Tick {t}, device {d} holds {action!r}; a cell is an Action or None."
                 )
+            _check_action(action, f"Tick {t}, device {d}")
             if action.kind not in _KINDS or not (
                 0 <= action.stage < num_stages and 0 <= action.microbatch < m_count
             ):
@@ -391,6 +392,28 @@ def _action_ticks(schedule: Schedule, num_stages: int, m_count: int) -> dict[Act
                 )
             when[action] = t
     return when
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_action(action: Any, where: str) -> None:
+    """An :class:`Action` whose stage and microbatch are ints (``True`` would pass for
+    stage 1, ``0.0`` for stage 0 until it indexed a list) and whose kind is a str."""
+    if not isinstance(action, Action):
+        raise StageGraphError(f"{where} holds {action!r}; give an Action(stage, microbatch, kind).")
+    for name in ("stage", "microbatch"):
+        value = getattr(action, name)
+        if not _is_index(value):
+            raise StageGraphError(
+                f"{where}: {action!r} has {name} {value!r} ({type(value).__name__}); "
+                f"an Action's {name} is an int."
+            )
+    if not isinstance(action.kind, str):
+        raise StageGraphError(
+            f"{where}: {action!r} has kind {action.kind!r}; give 'forward', 'backward' or 'weight'."
+        )
 
 
 def _validate(schedule: Schedule) -> dict[Action, int]:
@@ -476,6 +499,14 @@ def schedule_from_orders(
     preds = normalize_stage_graph(stage_graph, num_stages)
     succ = stage_successors(preds)
     queues = [list(o) for o in orders]
+    for d, queue in enumerate(queues):
+        for i, action in enumerate(queue):
+            _check_action(action, f"orders[{d}][{i}]")
+            if action.kind not in _KINDS or not 0 <= action.stage < num_stages:
+                raise StageGraphError(
+                    f"orders[{d}][{i}]: {action!r} is not an action of this pipeline "
+                    f"(stages 0..{num_stages - 1}, kind 'forward', 'backward' or 'weight')."
+                )
     position = [0] * len(queues)
     finished: dict[Action, int] = {}
     ticks: list[tuple[Action | None, ...]] = []

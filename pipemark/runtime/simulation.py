@@ -78,10 +78,15 @@ class Simulation(NamedTuple):
     bound: float
 
 
-def _cost_function(costs: Costs, split: bool) -> Callable[[Action], float]:
+def _cost_function(costs: Costs, split: bool, num_stages: int) -> Callable[[Action], float]:
     """``costs`` as a function of an action (an unsplit backward costs B + W)."""
     if callable(costs):
         return costs
+    if costs is not None and not isinstance(costs, Mapping):
+        raise PipemarkError(
+            f"costs is {type(costs).__name__}; give a dict {{'forward': F, 'backward': B, "
+            "'weight': W} (numbers, or one per stage) or a function of an Action."
+        )
     table = {FORWARD: 1.0, BACKWARD: 1.0, WEIGHT: 1.0, **(costs or {})}
     for kind, value in table.items():
         values = value if isinstance(value, Sequence) else [value]
@@ -92,6 +97,11 @@ def _cost_function(costs: Costs, split: bool) -> Callable[[Action], float]:
             raise PipemarkError(
                 f"costs[{kind!r}] = {value!r}: give 'forward', 'backward' and 'weight' "
                 "each a non-negative number, or one per stage."
+            )
+        if isinstance(value, Sequence) and len(value) != num_stages:
+            raise PipemarkError(
+                f"costs[{kind!r}] has {len(value)} entries but the schedule has "
+                f"{num_stages} stages; give one per stage, or one number for all."
             )
 
     def of(kind: str, stage: int) -> float:
@@ -120,7 +130,7 @@ def simulate_schedule(schedule: Schedule, costs: Costs = None) -> Simulation:
         1 by default), or a function of an :class:`Action`. A schedule that does not
         split its backward pays B + W per backward action.
     """
-    cost = _cost_function(costs, schedule.splits_backward)
+    cost = _cost_function(costs, schedule.splits_backward, len(schedule.stage_devices))
     preds = schedule.predecessors
     succ = schedule.successors
     orders = schedule.device_orders()
@@ -234,7 +244,7 @@ def zero_bubble_schedule(
     zb_h1 = variant == "zb-h1"
     limit = [count - d for d in range(count)] if zb_h1 else [2 * count] * count
     owed = [count if zb_h1 else 3 * count] * count
-    cost = _cost_function(costs, True)
+    cost = _cost_function(costs, True, len(devices))
     orders = _greedy_orders(devices, preds, num_microbatches, cost, (limit, owed))
     return schedule_from_orders(
         orders,

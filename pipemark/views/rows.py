@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pipemark._compat import jaxpr_type_name
-from pipemark._text import format_bytes, format_count, format_share, type_text
+from pipemark._text import display_name, format_bytes, format_count, format_share, type_text
 from pipemark.cost import estimate_cost, nbytes
 from pipemark.errors import PipemarkError
 from pipemark.marks import owner_name
@@ -293,20 +293,6 @@ LEFT_COLUMNS = frozenset({0, 1})
 
 
 # C0 and C1 control characters: ESC starts the terminal's escape sequences.
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-
-
-def display_name(name: Any) -> str:
-    r"""``name`` with control characters (ANSI escape sequences among them) written as
-    Python writes them in a string literal, so that a name can neither recolour a
-    terminal nor move its cursor.
-
-    >>> display_name("layer\x1b[31m0")
-    'layer\\x1b[31m0'
-    """
-    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), str(name))
-
-
 def row_cells(row: StageRow) -> tuple[str, ...]:
     """The cells of one row, under :data:`COLUMNS`."""
     return (

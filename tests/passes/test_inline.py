@@ -262,3 +262,109 @@ def test_runtime_takes_a_jitted_loss():
     np.testing.assert_allclose(value, want, rtol=1e-5, atol=1e-6)
     for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------- one body inlined more than once
+# The reference is always JAX's own evaluation (jax.jit of the function), never a
+# program a pipemark pass touched.
+
+
+def _close(got, want, rtol=1e-5):
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        a, b = np.asarray(a), np.asarray(b)
+        scale = float(np.max(np.abs(b))) if b.size else 0.0
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * scale)
+
+
+@jax.jit
+def _sin(x):
+    return jnp.sin(x)
+
+
+def _twice(x):
+    a = _sin(x)
+    b = _sin(a * 2.0)  # reads the first call's result; its body is the same object
+    return a + b
+
+
+def test_a_function_jitted_once_and_called_twice_keeps_each_calls_values():
+    x = jnp.float32(1.0)
+    cj = jax.make_jaxpr(_twice)(x)
+    assert _prims(cj).count("jit") == 2
+    inlined = inline_calls(cj)
+    assert "jit" not in _prims(inlined)
+    _close(jaxpr_as_fun(inlined)(x), [jax.jit(_twice)(x)])
+    staged = pm.split(_twice, x, num_stages=2)
+    _close(staged(x), [jax.jit(_twice)(x)])
+    staged.verify(_twice, x)
+
+
+def test_every_equation_of_the_inlined_program_defines_new_variables():
+    x = jnp.float32(1.0)
+    inlined = inline_calls(jax.make_jaxpr(_twice)(x))
+    defined = [v for e in inlined.jaxpr.eqns for v in e.outvars]
+    assert len(set(defined)) == len(defined)
+
+
+def _silu_mlp_loss(params, x):
+    for w in params:
+        x = jax.nn.silu(x @ w)  # jax.nn.silu is a jitted function: one body, many calls
+    return jnp.mean(x**2)
+
+
+def test_silu_mlp_gradients_equal_jax_value_and_grad():
+    rng = np.random.default_rng(1)
+    params = [jnp.asarray(rng.normal(size=(4, 4)), jnp.float32) for _ in range(3)]
+    x = jnp.asarray(rng.normal(size=(2, 4)), jnp.float32)
+    vag = jax.value_and_grad(_silu_mlp_loss)
+    want = jax.jit(vag)(params, x)
+    inlined = inline_calls(jax.make_jaxpr(vag)(params, x))
+    got = jaxpr_as_fun(inlined)(*params, x)
+    _close(got, jax.tree_util.tree_leaves(want))
+    staged = pm.split(vag, params, x, num_stages=3)
+    _close(staged(params, x), jax.tree_util.tree_leaves(want))
+    staged.verify(vag, params, x)
+
+
+@jax.jit
+def _inner(x):
+    return jnp.tanh(x) * 2.0
+
+
+@jax.jit
+def _outer(x):
+    return _inner(x) + _inner(x[::-1] + 1.0)  # nested, called twice inside
+
+
+def _nested(x, y):
+    a = _outer(x)
+    b = _outer(a * 0.5)  # same shapes: the same body again
+    c = _outer(y)  # another shape: another body
+    return a * b, c + _inner(c)
+
+
+def test_nested_jitted_helpers_called_with_equal_and_different_shapes():
+    x = jnp.linspace(-1.0, 1.0, 5, dtype=jnp.float32)
+    y = jnp.linspace(0.0, 2.0, 3, dtype=jnp.float32)
+    want = jax.jit(_nested)(x, y)
+    inlined = inline_calls(jax.make_jaxpr(_nested)(x, y))
+    check_jaxpr(inlined.jaxpr)
+    _close(jaxpr_as_fun(inlined)(x, y), want)
+    staged = pm.split(_nested, x, y, num_stages=2)
+    _close(staged(x, y), want)
+
+
+def test_a_body_whose_variables_the_program_also_defines():
+    # A program may define the same Var objects as a body it calls (a jaxpr built from
+    # a traced body by hand): the inlined copy must get variables of its own.
+    cj = jax.make_jaxpr(jax.jit(lambda x: jnp.sin(x) * 3.0))(jnp.float32(0.5))
+    call = cj.jaxpr.eqns[0]
+    body = call.params["jaxpr"].jaxpr
+    result = jax.extend.core.Var(body.outvars[0].aval)
+    again = call.replace(invars=list(body.outvars), outvars=[result])
+    program = body.replace(eqns=[*body.eqns, again], outvars=[result])
+    check_jaxpr(program)
+    inlined = inline_calls(jax.extend.core.ClosedJaxpr(program, []))
+    check_jaxpr(inlined.jaxpr)
+    x = jnp.float32(0.5)
+    _close(jaxpr_as_fun(inlined)(x), [jnp.sin(jnp.sin(x) * 3.0) * 3.0])

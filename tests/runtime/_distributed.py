@@ -7,6 +7,10 @@ language model with GPipe and 1F1B; their losses and gradients saved per process
     python tests/runtime/_distributed.py OUT_DIR run        # under pipemark.launch
     python tests/runtime/_distributed.py OUT_DIR reference  # one process, N devices
     python tests/runtime/_distributed.py OUT_DIR die        # process 1 dies first
+    python tests/runtime/_distributed.py OUT_DIR absent     # process 1 never calls
+    python tests/runtime/_distributed.py OUT_DIR spare      # one stage fewer than processes
+    python tests/runtime/_distributed.py OUT_DIR shape      # process 1's batch differs
+    python tests/runtime/_distributed.py OUT_DIR schedule   # process 1's schedule differs
 """
 
 from __future__ import annotations
@@ -67,10 +71,45 @@ def _watchdog_threads() -> int:
     return sum(t.name == "pipemark-watchdog" for t in threading.enumerate())
 
 
+def spare() -> None:
+    """A pipeline of one stage fewer than there are processes: the last owns no stage
+    and still returns the whole result. Saved next to JAX's own value_and_grad."""
+    mlp = examples.mlp(num_layers=STAGES - 1, width=16, batch=8)
+    step = pm.pipeline_value_and_grad(
+        mlp.loss_fn, num_stages=STAGES - 1, num_microbatches=2, schedule="1f1b", timeout_s=TIMEOUT
+    )
+    got = jax.tree_util.tree_leaves(step(mlp.params, mlp.batch))
+    want = jax.tree_util.tree_leaves(jax.jit(jax.value_and_grad(mlp.loss_fn))(*mlp.args))
+    saved = {f"got-{i}": np.asarray(v) for i, v in enumerate(got)}
+    saved.update({f"want-{i}": np.asarray(v) for i, v in enumerate(want)})
+    np.savez(os.path.join(OUT, f"{MODE}-{jax.process_index()}.npz"), **saved)
+
+
+def mismatched(me: int) -> None:
+    """Process 1 calls with another batch size (``shape``) or schedule (``schedule``)."""
+    rows = 8 if MODE == "schedule" or me == 0 else 12
+    mlp = examples.mlp(num_layers=STAGES, width=16, batch=rows)
+    schedule = "gpipe" if MODE == "schedule" and me == 1 else "1f1b"
+    step = pm.pipeline_value_and_grad(
+        mlp.loss_fn, num_stages=STAGES, num_microbatches=4, schedule=schedule, timeout_s=TIMEOUT
+    )
+    step(mlp.params, mlp.batch)
+
+
 def main() -> None:
     me = jax.process_index()
+    if MODE == "absent" and me == 1:
+        os._exit(3)  # never calls the pipeline
     if MODE == "die" and me == 1:
-        os._exit(3)  # a process that dies before its first transfer
+        # Die after the processes agreed on the call (pipemark.runtime.agreement), before
+        # the first transfer: the pipeline makes its transfers' watchdog right then.
+        from pipemark.runtime import execution
+
+        execution.Watchdog = lambda *args: os._exit(3)
+    if MODE == "spare":
+        return spare()
+    if MODE in ("shape", "schedule"):
+        return mismatched(me)
     saved = {}
     for name, loss_fn, params, batch, schedule, stages in runs():
         step = pm.pipeline_value_and_grad(

@@ -82,24 +82,62 @@ def test_a_process_that_dies_stops_the_others_through_the_launcher(tmp_path):
     assert not list(tmp_path.glob("die-*.npz"))
 
 
+def test_a_process_that_owns_no_stage_returns_the_whole_result(tmp_path):
+    launched = _run(["-m", "pipemark.launch", "-n", "3", str(SCRIPT), str(tmp_path), "spare"])
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    for process in range(3):
+        saved = np.load(tmp_path / f"spare-{process}.npz")
+        count = len(saved.files) // 2
+        assert count > 2
+        for i in range(count):
+            want = saved[f"want-{i}"]
+            scale = float(np.max(np.abs(want)))
+            np.testing.assert_allclose(saved[f"got-{i}"], want, rtol=1e-5, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize(
+    "mode, what",
+    [
+        ("shape", "the input shapes (parameters, then one microbatch) is"),
+        ("schedule", "the schedule is"),
+    ],
+)
+def test_processes_called_differently_are_told_what_differs(tmp_path, mode, what):
+    start = time.monotonic()
+    launched = _run(
+        ["-m", "pipemark.launch", "-n", "2", str(SCRIPT), str(tmp_path), mode], timeout=120
+    )
+    assert launched.returncode == 1, launched.stderr[-3000:]
+    assert "called the pipeline differently: " + what in launched.stderr, launched.stderr[-3000:]
+    assert "Every process must make the same pipeline calls" in launched.stderr
+    assert time.monotonic() - start < 30  # no gloo abort, no wait for the timeout
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def test_without_the_launcher_the_timeout_stops_a_process_waiting_for_a_dead_one(tmp_path):
+def _without_the_launcher(tmp_path, mode: str) -> tuple[subprocess.CompletedProcess, float]:
+    """Process 1 in ``mode`` (it dies, or never calls), process 0 waiting for it with a
+    5 s timeout, no launcher: process 0's run and how long it took."""
     env = {
         "PIPEMARK_COORDINATOR": f"127.0.0.1:{_free_port()}",
         "PIPEMARK_NUM_PROCESSES": "2",
         "PIPEMARK_TEST_TIMEOUT": "5",
     }
-    command = [sys.executable, str(SCRIPT), str(tmp_path), "die"]
-    dead = subprocess.Popen(command, env=_env(PIPEMARK_PROCESS_ID="1", **env))
+    command = [sys.executable, str(SCRIPT), str(tmp_path), mode]
+    other = subprocess.Popen(command, env=_env(PIPEMARK_PROCESS_ID="1", **env))
     start = time.monotonic()
     waiting = _run(command[1:], timeout=120, PIPEMARK_PROCESS_ID="0", **env)
     elapsed = time.monotonic() - start
-    dead.wait(60)
+    other.wait(60)
+    return waiting, elapsed
+
+
+def test_without_the_launcher_the_timeout_stops_a_process_waiting_for_a_dead_one(tmp_path):
+    waiting, elapsed = _without_the_launcher(tmp_path, "die")
     from pipemark.runtime.transport import Watchdog
 
     assert waiting.returncode == Watchdog.EXIT_STATUS, waiting.stderr[-3000:]
@@ -108,6 +146,16 @@ def test_without_the_launcher_the_timeout_stops_a_process_waiting_for_a_dead_one
         "(microbatch 0) to process 1; that process has died, raised or hangs."
     ) in waiting.stderr
     assert elapsed < 45  # the 5 s timeout, plus starting JAX and tracing
+
+
+def test_without_the_launcher_a_peer_that_never_calls_ends_this_process_soon(tmp_path):
+    waiting, elapsed = _without_the_launcher(tmp_path, "absent")
+    # The error, then exit status 1 at once: no 30 s at JAX's shutdown barrier, no abort.
+    assert waiting.returncode == 1, waiting.stderr[-3000:]
+    assert "ProcessError: process 0: process 1 did not start pipeline call 0 within 5 s" in (
+        waiting.stderr
+    )
+    assert elapsed < 30
 
 
 def test_launcher_startup_errors_are_one_line(tmp_path):

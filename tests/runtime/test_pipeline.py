@@ -9,11 +9,7 @@ line per case; each case is then its own test here.
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -25,6 +21,7 @@ from jax import lax
 import pipemark as pm
 from pipemark import examples
 from pipemark.errors import PipemarkError
+from tests._once import run_script_once
 from tests.runtime._multidevice import cases, train_cases
 
 _SCRIPT = Path(__file__).with_name("_multidevice.py")
@@ -33,27 +30,13 @@ _CASE_NAMES = [name for name, _, _ in cases()]
 
 @pytest.fixture(scope="session")
 def multidevice(tmp_path_factory) -> dict[str, dict]:
-    # Under pytest-xdist every worker has its own basetemp under one shared parent.
-    shared = tmp_path_factory.getbasetemp().parent
-    results = shared / "pipemark-runtime-multidevice.json"
-    with open(shared / "pipemark-runtime-multidevice.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not results.exists():
-            env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-            env["PYTHONPATH"] = os.pathsep.join(
-                [str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")]
-            )
-            proc = subprocess.run(
-                [sys.executable, str(_SCRIPT)],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=600,
-            )
-            if proc.returncode != 0:
-                pytest.fail(f"the multi-device run failed:\n{proc.stdout}\n{proc.stderr}")
-            results.write_text(proc.stdout)
-    lines = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    out = run_script_once(
+        tmp_path_factory,
+        _SCRIPT,
+        "pipemark-runtime-multidevice",
+        xla_flags="--xla_force_host_platform_device_count=4",
+    )
+    lines = [json.loads(line) for line in out.splitlines() if line.strip()]
     return {line["case"]: line for line in lines}
 
 

@@ -285,3 +285,23 @@ def test_plot_schedule_draws_one_box_per_action():
 def test_plot_schedule_refuses_other_objects():
     with pytest.raises(PipemarkError, match="takes a Schedule, got str"):
         pm.plot_schedule("1f1b")
+
+
+@pytest.mark.parametrize(
+    "action, message",
+    [
+        (Action(0.0, 0, FORWARD), r"has stage 0\.0 \(float\); an Action's stage is an int"),
+        (Action(True, 0, FORWARD), r"has stage True \(bool\)"),
+        (Action(0, 0.5, FORWARD), r"has microbatch 0\.5 \(float\)"),
+        (Action(0, 0, 1), "has kind 1; give 'forward'"),
+        (Action(0, 0, "fwd"), "is not an action of this pipeline"),
+        ((0, 0, FORWARD), r"holds \(0, 0, 'forward'\); give an Action"),
+    ],
+)
+def test_malformed_actions_are_named_where_they_stand(action, message):
+    orders = [[action, Action(0, 0, BACKWARD)]]
+    with pytest.raises(StageGraphError, match=r"orders\[0\]\[0\]" + ".*" + message):
+        pm.schedule_from_orders(orders, stage_devices=[0], num_microbatches=1)
+    ticks = ((action,), (Action(0, 0, BACKWARD),))
+    with pytest.raises(StageGraphError, match=r"Tick 0, device 0.*"):
+        pm.Schedule("custom", 1, (0,), ((),), ticks)

@@ -155,3 +155,19 @@ def test_zero_bubble_schedules_plot():
     pytest.importorskip("matplotlib")
     fig = pm.runtime.plot_schedule(zero_bubble_schedule(4, 8))
     assert "zb-h1" in fig.axes[0].get_title()
+
+
+@pytest.mark.parametrize(
+    "costs, message",
+    [
+        ({"forward": (1.0, 2.0, 3.0)}, r"costs\['forward'\] has 3 entries but the schedule has 2"),
+        ({"backward": [1.0]}, r"costs\['backward'\] has 1 entries but the schedule has 2"),
+        ([1.0, 2.0], "costs is list; give a dict"),
+    ],
+)
+def test_per_stage_costs_of_the_wrong_length_are_named(costs, message):
+    schedule = one_f_one_b_schedule(2, 2)
+    with pytest.raises(pm.PipemarkError, match=message):
+        simulate_schedule(schedule, costs)
+    with pytest.raises(pm.PipemarkError, match=message):
+        zero_bubble_schedule(2, 4, costs=costs)

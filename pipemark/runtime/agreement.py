@@ -1,0 +1,81 @@
+"""Before processes exchange anything for a pipeline call, they agree on the call.
+
+Under ``jax.distributed`` every process runs the same pipeline call and the transfers
+between them are collectives that must match. A process called with another batch
+shape, another ``num_microbatches`` or another schedule would build other transfers:
+gloo then aborts the job after seconds, or both sides wait on each other until
+``timeout_s``. So the first call of each plan first publishes a short summary of the
+call on the coordinator's key-value store and reads every other process's; a
+difference is a :class:`~pipemark.ProcessError` in every process that names the other
+process and what differs. It costs one round trip to the coordinator per process, on
+the first call of each input shape only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from typing import Any
+
+import jax
+
+from pipemark._compat import coordination_client
+from pipemark.errors import ProcessError
+
+__all__ = ["call_summary", "check_agreement"]
+
+# The n-th plan this process runs across processes; processes call the pipeline in the
+# same order, so their n-th plans must describe the same call.
+_sequence = itertools.count()
+
+
+def call_summary(plan: Any) -> dict[str, str]:
+    """What every process must agree on for one call of ``plan``, in words."""
+    schedule = plan.schedule
+    ticks = json.dumps([[None if a is None else list(a) for a in tick] for tick in schedule.ticks])
+    return {
+        "the input shapes (parameters, then one microbatch)": ", ".join(
+            aval.str_short() for aval in plan.staged.in_avals
+        ),
+        "num_microbatches": str(schedule.num_microbatches),
+        # A digest, not hash(): str hashes differ between processes.
+        "the schedule": f"{schedule.name} ({schedule.num_ticks} ticks, "
+        f"{hashlib.sha256(ticks.encode()).hexdigest()[:12]})",
+        "the stage devices": ", ".join(str(d) for d in plan.devices),
+        "loss_reduction": plan.loss_reduction,
+    }
+
+
+def check_agreement(plan: Any, timeout_s: float | None) -> None:
+    """Publish ``plan``'s :func:`call_summary` and compare it with every other
+    process's; raise :class:`ProcessError` naming the first difference, or the process
+    that did not publish within ``timeout_s``. Nothing outside ``jax.distributed``."""
+    client = coordination_client()
+    if client is None or jax.process_count() == 1:
+        return
+    number, me = next(_sequence), jax.process_index()
+    mine = call_summary(plan)
+    client.key_value_set(f"pipemark/agree/{number}/{me}", json.dumps(mine))
+    wait_ms = int(1000 * (timeout_s if timeout_s is not None else 3600))
+    for other in range(jax.process_count()):
+        if other == me:
+            continue
+        try:
+            text = client.blocking_key_value_get(f"pipemark/agree/{number}/{other}", wait_ms)
+        except Exception as error:  # the client's own error type differs by jaxlib
+            raise ProcessError(
+                f"process {me}: process {other} did not start pipeline call {number} within "
+                f"{wait_ms / 1000:g} s: it died, hangs, or reused an earlier input shape "
+                "where this process has a new one (the processes' calls differ). "
+                f"({type(error).__name__})"
+            ) from None
+        theirs = json.loads(text)
+        for what, value in mine.items():
+            if theirs.get(what) != value:
+                raise ProcessError(
+                    f"process {me} and process {other} called the pipeline differently: "
+                    f"{what} is {value} here but {theirs.get(what)} in process {other}. "
+                    "Every process must make the same pipeline calls, with the same "
+                    "shapes and options."
+                )

@@ -1,0 +1,76 @@
+"""PipelineOptions: what a pipeline is asked to do, checked before anything is traced."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pipemark as pm
+from pipemark import examples
+
+
+@pytest.mark.parametrize(
+    "devices, message",
+    [
+        ([], r"devices is empty; give at least one jax device"),
+        (["cpu:0", "cpu:1"], r"devices\[0\] is 'cpu:0', not a jax.Device \(a device's name"),
+        ("cpu", r"devices is 'cpu'; give a list of jax devices"),
+        (jax.devices()[0], r"devices is .*; give a list of jax devices"),
+        ([jax.devices()[0], 3], r"devices\[1\] is 3, not a jax.Device;"),
+    ],
+)
+def test_bad_devices_are_named_before_tracing(devices, message):
+    ex = examples.mlp(2)
+    with pytest.raises(pm.PipemarkError, match=message):
+        pm.pipeline_value_and_grad(ex.loss_fn, num_stages=1, num_microbatches=1, devices=devices)
+
+
+def test_devices_may_be_any_iterable_of_devices():
+    ex = examples.mlp(2)
+    pipe = pm.pipeline_value_and_grad(
+        ex.loss_fn, num_stages=1, num_microbatches=1, devices=iter(jax.devices()[:1])
+    )
+    loss, _ = pipe(*ex.args)
+    want, _ = jax.jit(jax.value_and_grad(ex.loss_fn))(*ex.args)
+    assert abs(float(loss) - float(want)) <= 1e-5 * abs(float(want))
+
+
+def test_block_cuts_is_checked_before_tracing():
+    with pytest.raises(pm.PipemarkError, match="Unknown block_cuts 'blocks'"):
+        pm.pipeline_value_and_grad(lambda p, x: x, num_microbatches=1, block_cuts="blocks")
+    with pytest.raises(pm.PipemarkError, match="Unknown block_cuts"):
+        pm.pipeline_train_step(lambda p, x: x, num_microbatches=1, block_cuts=None)
+
+
+def _two_blocks_then_a_head(params, x):
+    # Two blocks, each two matmuls, then a head as heavy as a block: balanced best by a
+    # cut inside the second block, between blocks only at 4 | 2 matmuls.
+    for block in params["blocks"]:
+        x = jnp.tanh(jnp.tanh(x @ block["w1"]) @ block["w2"])
+    return jnp.sum(jnp.tanh(x @ params["head_in"]) @ params["head_out"])
+
+
+@pytest.mark.parametrize("block_cuts, aligned", [("prefer", False), ("require", True)])
+def test_the_runtime_cuts_by_block_cuts(block_cuts, aligned):
+    rng = np.random.default_rng(0)
+    w = lambda: jnp.asarray(rng.normal(size=(8, 8)) * 0.3, jnp.float32)  # noqa: E731
+    params = {"blocks": [{"w1": w(), "w2": w()} for _ in range(2)], "head_in": w(), "head_out": w()}
+    x = jnp.asarray(rng.normal(size=(4, 8)), jnp.float32)
+    # Interleaved over one device: two stages need no second device.
+    pipe = pm.pipeline_value_and_grad(
+        _two_blocks_then_a_head,
+        num_stages=2,
+        num_microbatches=2,
+        schedule="interleaved",
+        devices=jax.devices()[:1],
+        loss_reduction="sum",
+        block_cuts=block_cuts,
+    )
+    assert pipe.plan(params, x).staged.balance.block_aligned is aligned
+    loss, grads = pipe(params, x)
+    want_loss, want_grads = jax.jit(jax.value_and_grad(_two_blocks_then_a_head))(params, x)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    for got, want in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

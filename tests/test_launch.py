@@ -1,0 +1,146 @@
+"""pipemark.launch: its arguments, signals sent to it, and a process that raises.
+
+The multi-process pipeline itself is tested in tests/runtime/test_distributed.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipemark import launch
+
+ROOT = Path(__file__).parents[1]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIPEMARK_")}
+    env.pop("XLA_FLAGS", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["-n", "2", "--port", "0", "x.py"], "--port must be between 1 and 65535, got 0"),
+        (["-n", "2", "--port", "70000", "x.py"], "--port must be between 1 and 65535, got 70000"),
+        (["-n", "2", "--port", "-5", "x.py"], "--port must be between 1 and 65535, got -5"),
+        (["-n", "2", "--timeout", "0", "x.py"], "--timeout must be greater than 0, got 0"),
+        (["-n", "2", "--timeout", "-1", "x.py"], "--timeout must be greater than 0, got -1"),
+        (["-n", "2", "--timeout", "nan", "x.py"], "--timeout must be greater than 0, got nan"),
+        (["-n", "0", "x.py"], "-n must be greater than 0, got 0"),
+        (["-n", "two", "x.py"], "-n must be a number, got 'two'"),
+        (["-n", "2"], "give a script to run, or -m and a module"),
+        (["-n", "2", "-m"], "give a script to run, or -m and a module"),
+    ],
+)
+def test_bad_arguments_are_one_usage_error(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        launch.main(argv)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(message)
+
+
+def test_the_command_starts_at_the_script_or_at_dash_m():
+    split = launch._split_command
+    assert split(["-n", "2", "-m", "pkg.mod", "--steps", "3"]) == (
+        ["-n", "2"],
+        ["-m", "pkg.mod", "--steps", "3"],
+    )
+    assert split(["-n=2", "--port", "99", "train.py", "-n", "5"]) == (
+        ["-n=2", "--port", "99"],
+        ["train.py", "-n", "5"],
+    )
+    assert split(["-n", "2", "--", "-m", "x"]) == (["-n", "2"], ["-m", "x"])
+
+
+def test_a_module_runs_in_every_process(tmp_path):
+    (tmp_path / "hello_launch.py").write_text(
+        "import os, sys\nprint('hello', os.environ['PIPEMARK_PROCESS_ID'], sys.argv[1:])\n"
+    )
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    done = subprocess.run(
+        [sys.executable, "-m", "pipemark.launch", "-n", "2", "-m", "hello_launch", "--steps", "3"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == [
+        "hello 0 ['--steps', '3']",
+        "hello 1 ['--steps', '3']",
+    ]
+
+
+STUBBORN = """\
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as JAX's runtime does, in effect
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+with open(os.path.join(sys.argv[1], os.environ["PIPEMARK_PROCESS_ID"]), "w") as f:
+    f.write(str(os.getpid()))
+time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_launcher_stops_every_process(tmp_path, number):
+    script = tmp_path / "stubborn.py"
+    script.write_text(STUBBORN)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "pipemark.launch", "-n", "2", str(script), str(tmp_path)],
+        env=_env(), stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not all((tmp_path / str(i)).exists() for i in range(2)):
+        assert time.monotonic() < deadline, "the processes did not start"
+        time.sleep(0.05)
+    time.sleep(0.2)  # both have written their pid
+    pids = [int((tmp_path / str(i)).read_text()) for i in range(2)]
+    start = time.monotonic()
+    launcher.send_signal(number)
+    _, stderr = launcher.communicate(timeout=30)
+    assert launcher.returncode == 128 + number
+    assert f"received {signal.Signals(number).name}; passing it on" in stderr
+    assert time.monotonic() - start < launch._GRACE_S + 5
+    assert not any(_alive(pid) for pid in pids)
+
+
+RAISES = """\
+import os, time
+os.environ["JAX_PLATFORMS"] = "cpu"
+from pipemark.launch import initialize
+initialize()
+if os.environ["PIPEMARK_PROCESS_ID"] == "1":
+    raise ValueError("bad batch")
+time.sleep(120)  # process 0 waits, as on a transfer from process 1
+"""
+
+
+@pytest.mark.slow
+def test_a_process_that_raises_is_named_and_everything_stops_quickly(tmp_path):
+    script = tmp_path / "raises.py"
+    script.write_text(RAISES)
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "pipemark.launch", "-n", "2", str(script)],
+        env=_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    elapsed = time.monotonic() - start
+    assert "ValueError: bad batch" in done.stderr
+    assert "pipemark.launch: process 1 exited with status 1" in done.stderr, done.stderr[-2000:]
+    assert done.returncode == 1
+    # Starting JAX twice, then at once: no 30 s at the shutdown barrier.
+    assert elapsed < 20
