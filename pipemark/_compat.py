@@ -242,7 +242,14 @@ DceRule = Callable[[Sequence[bool], Any], tuple[list[bool], Any]]
 
 def register_dce_rule(primitive: Any, rule: DceRule) -> None:
     """Register ``rule(used_outputs, eqn) -> (used_inputs, eqn or None)`` as
-    ``primitive``'s DCE rule in the calling convention of the installed JAX."""
+    ``primitive``'s DCE rule in the calling convention of the installed JAX.
+
+    >>> from jax.extend.core import Primitive
+    >>> example = Primitive("pipemark_dce_example")
+    >>> register_dce_rule(example, lambda used, eqn: (list(used), eqn if any(used) else None))
+    >>> dce_rule(example) is not None
+    True
+    """
     if DCE_RULE_TAKES_LIVE_INS:
 
         def rule_with_live_ins(used_outputs, live_ins, eqn):
@@ -258,6 +265,10 @@ def dce_rule(primitive: Any) -> DceRule | None:
     """``primitive``'s registered DCE rule (JAX's or pipemark's) as a function of
     ``(used_outputs, eqn)``, whatever the JAX's calling convention; ``None`` when it
     has none. Every input is taken as live (pipemark's programs hold no Ref values).
+
+    >>> from jax.extend.core import Primitive
+    >>> dce_rule(Primitive("pipemark_without_dce_rule")) is None
+    True
     """
     rule = _pe.dce_rules.get(primitive)
     if rule is None or not DCE_RULE_TAKES_LIVE_INS:
@@ -271,7 +282,8 @@ def _with_all_live(rule: Any, used_outputs: Sequence[bool], eqn: Any) -> tuple[l
 
 def register_lowering(primitive: Any, rule: Callable[..., Any]) -> None:
     """``mlir.register_lowering(primitive, rule)`` on every platform (the "lowering
-    registration" row)."""
+    registration" row of :data:`VERSION_TABLE`); pipemark.primitive registers the
+    marker's lowering with it."""
     _mlir.register_lowering(primitive, rule)
 
 
