@@ -13,25 +13,16 @@ from __future__ import annotations
 import os
 import sys
 
-os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")  # MaxText without Google Cloud clients
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-
-import jax
-import jax.numpy as jnp
-import maxtext
-import numpy as np
-from flax import nnx
-from maxtext.configs import pyconfig
-from maxtext.models import models
-
-import pipemark as pm
-
-jax.config.update("jax_enable_checks", True)
+# Nothing happens on import (pytest's --doctest-modules imports this file in the test
+# process): the environment, JAX and MaxText are set up in main(), in the subprocess.
 
 BATCH, LENGTH, VOCAB = 4, 8, 64
 
 
 def config(scan_layers: bool):
+    import maxtext
+    from maxtext.configs import pyconfig
+
     base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "decoupled_base_test.yml")
     return pyconfig.initialize(
         [sys.argv[0], base],
@@ -62,6 +53,12 @@ def config(scan_layers: bool):
 
 
 def model_and_loss(scan_layers: bool):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    from maxtext.models import models
+
     cfg = config(scan_layers)
     axes = cfg.mesh_axes
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(axes)), axes)
@@ -81,6 +78,15 @@ def model_and_loss(scan_layers: bool):
 
 
 def main(scan_layers: bool) -> None:
+    os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")  # MaxText without Google Cloud clients
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import pipemark as pm
+
+    jax.config.update("jax_enable_checks", True)
     # MaxText pins activations with sharding constraints on its mesh (device 0 here); a
     # pipeline stage runs on its own device, where such a constraint is refused. On one
     # device the constraint changes no value, so the function (reference and pipeline
