@@ -5,13 +5,45 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.pipemark-installed
 
-.PHONY: demo test lint docs docs-assets bench clean
+# The newest end of the supported JAX range (README, "Supported versions"): its own venv,
+# made by Python 3.12, where pip resolves the newest JAX, flax, equinox and optax.
+NEWEST_PYTHON ?= $(firstword $(foreach p,python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12),$(shell $(p) -c 'print("$(p)")' 2>/dev/null)))
+NEWEST_VENV   ?= .venv-newest
+NEWEST_BIN     = $(NEWEST_VENV)/bin
+NEWEST_STAMP   = $(NEWEST_VENV)/.pipemark-installed
+
+# MaxText (tests/test_maxtext.py, marked `maxtext`) in a venv of its own on the newest
+# Python and JAX: maxtext 0.2.5 declares its ~220 dependencies only in the requirement
+# files it ships; the decoupled set is the one without Google Cloud clients or
+# accelerator wheels.
+MAXTEXT_VENV   ?= .venv-maxtext
+MAXTEXT_BIN     = $(MAXTEXT_VENV)/bin
+MAXTEXT_STAMP   = $(MAXTEXT_VENV)/.pipemark-installed
+MAXTEXT_REQS    = dependencies/requirements/generated_requirements/decoupled-requirements.txt
+
+.PHONY: demo test test-newest test-maxtext lint docs docs-assets bench clean
 
 $(STAMP): setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[test,docs,viz]'
 	touch $(STAMP)
+
+$(NEWEST_STAMP): setup.py pyproject.toml
+	@test -n "$(NEWEST_PYTHON)" || { echo "make test-newest needs python3.12 (set NEWEST_PYTHON)"; exit 1; }
+	$(NEWEST_PYTHON) -m venv $(NEWEST_VENV)
+	$(NEWEST_BIN)/python -m pip install --quiet --upgrade pip
+	$(NEWEST_BIN)/python -m pip install --quiet -e '.[test,viz]'
+	touch $(NEWEST_STAMP)
+
+$(MAXTEXT_STAMP): setup.py pyproject.toml
+	@test -n "$(NEWEST_PYTHON)" || { echo "make test-maxtext needs python3.12 (set NEWEST_PYTHON)"; exit 1; }
+	$(NEWEST_PYTHON) -m venv $(MAXTEXT_VENV)
+	$(MAXTEXT_BIN)/python -m pip install --quiet --upgrade pip
+	$(MAXTEXT_BIN)/python -m pip install --quiet 'maxtext==0.2.5'
+	$(MAXTEXT_BIN)/python -m pip install --quiet -r "$$($(MAXTEXT_BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/$(MAXTEXT_REQS)"
+	$(MAXTEXT_BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(MAXTEXT_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m pipemark demo
@@ -32,5 +64,15 @@ docs-assets: $(STAMP)
 test: lint docs
 	$(BIN)/python -m pytest -n 2
 
+# The whole suite again on the newest JAX. Lint and the docs build do not depend on the
+# JAX version; the generated docs (equation counts...) are made on the developer's JAX
+# by `make docs-assets` and checked by `make test` (marker docs_assets).
+test-newest: $(NEWEST_STAMP)
+	$(NEWEST_BIN)/python -c 'import jax, sys; print("JAX", jax.__version__, "on Python", sys.version.split()[0])'
+	$(NEWEST_BIN)/python -m pytest -n 2 -m 'not docs_assets'
+
+test-maxtext: $(MAXTEXT_STAMP)
+	$(MAXTEXT_BIN)/python -m pytest -m maxtext tests/test_maxtext.py
+
 clean:
-	rm -rf $(VENV) site build *.egg-info
+	rm -rf $(VENV) $(NEWEST_VENV) $(MAXTEXT_VENV) site build *.egg-info

@@ -7,7 +7,8 @@ public JAX (``jax``, ``jax.extend``, ``jax.interpreters``).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax as _jax
@@ -19,11 +20,271 @@ import numpy as np
 from jax._src import config as _jax_config
 from jax.extend.core import ClosedJaxpr as _ClosedJaxpr
 from jax.extend.core import Jaxpr as _Jaxpr
+from jax.interpreters import mlir as _mlir
+from jax.interpreters import partial_eval as _pe
 from jax.sharding import SingleDeviceSharding as _SingleDeviceSharding
 
 from pipemark.caches import register_cache
 
 LOWERING_MODES = ("barrier", "identity", "custom_call")
+
+
+# ======================================================================================
+# What differs between JAX versions: the one table.
+#
+# Every JAX internal pipemark relies on, with each form it is known to take and the
+# releases that form was measured on (jax 0.10.2 on Python 3.11; 0.11.2 and 0.12.0.1 on
+# Python 3.12). The functions below this table are the only readers of these forms;
+# passes ask them (``scan_operand_counts``, ``run_dce_rule``...) and never read a
+# version-dependent parameter by name. ``jax_form(row)`` is the form this JAX has, found
+# by looking at JAX itself; tests/test_compat.py traces each primitive on the installed
+# JAX and fails naming the row whose form is not one listed here.
+# ======================================================================================
+VERSION_TABLE: dict[str, dict[str, str]] = {
+    "scan operand groups": {
+        "num_consts/num_carry": "0.10.2: scan params num_consts and num_carry (ints); "
+        "its operands are consts, carry, xs and its results carry, ys",
+        "ft_in/ft_out": "0.11.2, 0.12.0.1: scan params ft_in, a flat tree of the groups "
+        "(consts, carry, xs), and ft_out, of (carry, ys); no num_consts/num_carry",
+    },
+    "DCE rule signature": {
+        "rule(used_outs, eqn)": "0.10.2, 0.11.2: pe.dce_rules[p](used_outputs, eqn) "
+        "returns (used_inputs, new_eqn or None)",
+        "rule(used_outs, live_ins, eqn)": "0.12.0.1: a list of live-input flags (Ref "
+        "inputs still read later) comes second; pe.dce_jaxpr gained live_inputs=",
+    },
+    "closed jaxpr class": {
+        "ClosedJaxpr": "0.10.2: ClosedJaxpr is a class of its own holding an open Jaxpr",
+        "Jaxpr": "0.11.2, 0.12.0.1: ClosedJaxpr is an alias of Jaxpr",
+    },
+    "closed call primitive": {
+        "closed_call": "0.10.2: jax.extend.core.primitives.closed_call_p",
+        "eval_jaxpr": "0.11.2, 0.12.0.1: closed_call_p is eval_jaxpr_p (param call_jaxpr)",
+    },
+    # What JAX stages for a gradient, which fixes the equations (and costs) of a traced
+    # training step: tests whose expected tables count equations pick theirs by it.
+    "tanh derivative": {
+        "sub/mul": "0.10.2: jvp of tanh stages sub(1, y) and mul (1 - y*y as two equations)",
+        "one_minus_square": "0.11.2, 0.12.0.1: one primitive one_minus_square(y)",
+    },
+    # Unchanged from 0.10.2 to 0.12.0.1, listed so that a JAX which renames one fails
+    # the guard test (tests/test_compat.py) instead of a pass deep in a split.
+    "body params": {
+        "unchanged": "0.10.2, 0.11.2, 0.12.0.1: the names in BODY_PARAMS and PARAMS_READ",
+    },
+    "lowering registration": {
+        "mlir.register_lowering": "0.10.2, 0.11.2, 0.12.0.1: "
+        "jax.interpreters.mlir.register_lowering(primitive, rule, platform=None)",
+    },
+    "FFI": {
+        "jax.ffi": "0.10.2, 0.11.2, 0.12.0.1: jax.ffi.register_ffi_target, pycapsule, "
+        "build_ffi_lowering_function, ffi_call",
+    },
+    # pipemark registers no partial-eval rule: jax.checkpoint and linearize derive one
+    # for the marker from its jvp and transpose rules (DESIGN.md).
+    "partial-eval rule": {"none registered": "0.10.2, 0.11.2, 0.12.0.1"},
+}
+
+#: Where each known higher-order primitive keeps its bodies (a ``cond``'s ``branches``
+#: is a tuple of them). Unchanged from JAX 0.10.2 to 0.12.0.1 ("body params" row).
+BODY_PARAMS: dict[str, tuple[str, ...]] = {
+    "jit": ("jaxpr",),
+    "pjit": ("jaxpr",),  # JAX < 0.7 named jit "pjit"
+    "call": ("call_jaxpr",),
+    "remat2": ("jaxpr",),  # jax.checkpoint
+    "checkpoint": ("jaxpr",),
+    "remat": ("jaxpr",),
+    "custom_jvp_call": ("call_jaxpr",),
+    "custom_vjp_call": ("call_jaxpr",),
+    "custom_vjp_call_jaxpr": ("fun_jaxpr",),  # older JAX
+    "scan": ("jaxpr",),
+    "cond": ("branches",),
+    "while": ("cond_jaxpr", "body_jaxpr"),
+    "shard_map": ("jaxpr",),
+}
+
+#: The other params pipemark reads by name, per primitive, on every supported JAX:
+#: scan's trip count and direction (pipemark.passes.scan, pipemark.cost), jit's name
+#: (pushed on the name stack when inlined) and remat's ``differentiated`` flag
+#: (pipemark.passes.inline). scan's operand groups differ by version: ask
+#: :func:`scan_operand_counts`.
+PARAMS_READ: dict[str, tuple[str, ...]] = {
+    "scan": ("length", "reverse"),
+    "jit": ("name",),
+    "remat2": ("differentiated",),
+}
+
+
+class JaxVersionError(RuntimeError):
+    """A JAX internal is in a form pipemark._compat does not know (a JAX newer than the
+    tested range): the message names the row of VERSION_TABLE."""
+
+
+def jax_form(row: str) -> str:
+    """The form row ``row`` of :data:`VERSION_TABLE` takes on the installed JAX.
+
+    >>> jax_form("DCE rule signature") in VERSION_TABLE["DCE rule signature"]
+    True
+    """
+    if row == "scan operand groups":
+        params = traced_params("scan")
+        return "num_consts/num_carry" if "num_consts" in params else "ft_in/ft_out"
+    if row == "DCE rule signature":
+        return (
+            "rule(used_outs, live_ins, eqn)" if DCE_RULE_TAKES_LIVE_INS else "rule(used_outs, eqn)"
+        )
+    if row == "tanh derivative":
+        traced = _jax.make_jaxpr(_jax.grad(_jax.numpy.tanh))(np.float32(1.0))
+        names = {eqn.primitive.name for eqn in traced.jaxpr.eqns}
+        return "one_minus_square" if "one_minus_square" in names else "sub/mul"
+    if row == "closed jaxpr class":
+        return "Jaxpr" if CLOSED_JAXPR_IS_JAXPR else "ClosedJaxpr"
+    if row == "closed call primitive":
+        from jax.extend.core.primitives import closed_call_p
+
+        return closed_call_p.name
+    if row not in VERSION_TABLE:
+        raise KeyError(f"{row!r} is no row of VERSION_TABLE: {sorted(VERSION_TABLE)}")
+    (form,) = VERSION_TABLE[row]
+    return form
+
+
+@functools.cache
+def traced_params(primitive: str) -> dict[str, Any]:
+    """The params JAX gives an equation of ``primitive`` (one of :data:`BODY_PARAMS`'
+    keys that this JAX stages: ``scan``, ``cond``, ``while``, ``jit``, ``remat2``,
+    ``custom_jvp_call``, ``custom_vjp_call``, ``shard_map``), traced once per process.
+
+    >>> sorted(traced_params("remat2"))
+    ['differentiated', 'jaxpr', 'policy', 'prevent_cse']
+    """
+    from jax import lax
+
+    programs: dict[str, Callable[[Any], Any]] = {
+        "scan": lambda x: lax.scan(lambda c, _: (c * 2, c), x, None, length=2)[0],
+        "cond": lambda x: lax.cond(x > 0, lambda y: y * 2, lambda y: y, x),
+        "while": lambda x: lax.while_loop(lambda c: c < 10, lambda c: c + 1, x),
+        "jit": _jax.jit(lambda x: x * 2),
+        "remat2": _jax.checkpoint(lambda x: x * 2),
+        "custom_jvp_call": _custom_jvp_example(),
+        "custom_vjp_call": _custom_vjp_example(),
+        "shard_map": lambda x: shard_map(
+            lambda y: y * 2,
+            mesh=_jax.make_mesh((1,), ("pipemark_probe",), devices=_jax.devices()[:1]),
+            in_specs=_jax.P(),
+            out_specs=_jax.P(),
+        )(x),
+    }
+    if primitive not in programs:
+        raise KeyError(f"no example program stages {primitive!r}: {sorted(programs)}")
+    traced = _jax.make_jaxpr(programs[primitive])(np.float32(1.0))
+    for eqn in traced.jaxpr.eqns:
+        if eqn.primitive.name == primitive:
+            return dict(eqn.params)
+    staged = [eqn.primitive.name for eqn in traced.jaxpr.eqns]
+    raise JaxVersionError(f"this JAX stages {staged} for a {primitive!r} example, no {primitive!r}")
+
+
+register_cache(traced_params.cache_clear)
+
+
+def _custom_jvp_example() -> Callable[[Any], Any]:
+    @_jax.custom_jvp
+    def double(x):
+        return x * 2
+
+    double.defjvp(lambda primals, tangents: (double(primals[0]), tangents[0] * 2))
+    return double
+
+
+def _custom_vjp_example() -> Callable[[Any], Any]:
+    @_jax.custom_vjp
+    def double(x):
+        return x * 2
+
+    double.defvjp(lambda x: (x * 2, None), lambda _, g: (g * 2,))
+    return double
+
+
+# ----------------------------------------------------------------- scan operand groups
+
+
+def scan_operand_counts(params: Mapping[str, Any]) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a scan equation's params: its operands are
+    ``consts, carry, xs`` and its results ``carry, ys`` on every JAX.
+
+    >>> import jax
+    >>> from jax import lax
+    >>> cj = jax.make_jaxpr(lambda c, xs: lax.scan(lambda c, x: (c + x, c), c, xs))(
+    ...     0.0, jax.numpy.ones(3))
+    >>> scan_operand_counts(cj.eqns[0].params)
+    (0, 1)
+    """
+    if "num_consts" in params and "num_carry" in params:
+        return params["num_consts"], params["num_carry"]
+    if "ft_in" in params:
+        consts, carry, _ = params["ft_in"].unpack()
+        return len(consts), len(carry)
+    raise JaxVersionError(
+        "scan operand groups: this JAX's scan has neither num_consts/num_carry nor "
+        f"ft_in (params: {sorted(params)}); add its form to pipemark._compat.VERSION_TABLE."
+    )
+
+
+# --------------------------------------------------------------------------- DCE rules
+
+# The DCE rule signature row: JAX 0.12 added `live_inputs=` to pe.dce_jaxpr together
+# with the live_ins argument of every rule.
+DCE_RULE_TAKES_LIVE_INS: bool = "live_inputs" in inspect.signature(_pe.dce_jaxpr).parameters
+
+DceRule = Callable[[Sequence[bool], Any], tuple[list[bool], Any]]
+
+
+def register_dce_rule(primitive: Any, rule: DceRule) -> None:
+    """Register ``rule(used_outputs, eqn) -> (used_inputs, eqn or None)`` as
+    ``primitive``'s DCE rule in the calling convention of the installed JAX.
+
+    >>> from jax.extend.core import Primitive
+    >>> example = Primitive("pipemark_dce_example")
+    >>> register_dce_rule(example, lambda used, eqn: (list(used), eqn if any(used) else None))
+    >>> dce_rule(example) is not None
+    True
+    """
+    if DCE_RULE_TAKES_LIVE_INS:
+
+        def rule_with_live_ins(used_outputs, live_ins, eqn):
+            del live_ins  # a marker holds no Ref: every operand is a plain value
+            return rule(used_outputs, eqn)
+
+        _pe.dce_rules[primitive] = rule_with_live_ins
+    else:
+        _pe.dce_rules[primitive] = rule
+
+
+def dce_rule(primitive: Any) -> DceRule | None:
+    """``primitive``'s registered DCE rule (JAX's or pipemark's) as a function of
+    ``(used_outputs, eqn)``, whatever the JAX's calling convention; ``None`` when it
+    has none. Every input is taken as live (pipemark's programs hold no Ref values).
+
+    >>> from jax.extend.core import Primitive
+    >>> dce_rule(Primitive("pipemark_without_dce_rule")) is None
+    True
+    """
+    rule = _pe.dce_rules.get(primitive)
+    if rule is None or not DCE_RULE_TAKES_LIVE_INS:
+        return rule
+    return functools.partial(_with_all_live, rule)
+
+
+def _with_all_live(rule: Any, used_outputs: Sequence[bool], eqn: Any) -> tuple[list[bool], Any]:
+    return rule(used_outputs, [True] * len(eqn.invars), eqn)
+
+
+def register_lowering(primitive: Any, rule: Callable[..., Any]) -> None:
+    """``mlir.register_lowering(primitive, rule)`` on every platform (the "lowering
+    registration" row of :data:`VERSION_TABLE`); pipemark.primitive registers the
+    marker's lowering with it."""
+    _mlir.register_lowering(primitive, rule)
 
 
 def define_lowering_state():

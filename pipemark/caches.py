@@ -36,7 +36,9 @@ def clear_caches() -> None:
     process's resident size does not shrink; measured, ``jax.clear_caches()`` changes
     nothing and ``malloc_trim`` returns all of it. So this function ends with
     ``malloc_trim(0)`` where the C library is glibc (Linux); elsewhere the freed memory
-    is still reused by later allocations, it is only not returned."""
+    is still reused by later allocations, it is only not returned. On JAX 0.12 JAX's
+    own caches also hold the compiled stage programs until ``jax.clear_caches()``
+    (which empties them for every function, so pipemark does not call it)."""
     for clear in _CLEARERS:
         clear()
     gc.collect()  # what the caches held, unreachable now, freed before the trim

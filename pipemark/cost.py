@@ -247,6 +247,11 @@ def _reduction(eqn: JaxprEqn) -> Cost:
     return _flat(eqn, flops=max(folded, 0))
 
 
+def _one_minus_square(eqn: JaxprEqn) -> Cost:
+    # 1 - x * x: a multiply and a subtraction per element.
+    return _flat(eqn, flops=2 * _out_elements(eqn))
+
+
 def _integer_pow(eqn: JaxprEqn) -> Cost:
     # Square-and-multiply: bit_length - 1 squarings and popcount - 1 multiplications,
     # plus one division for a negative exponent.
@@ -561,6 +566,9 @@ _register(_scatter_combine, ["scatter-add", "scatter_add", "scatter-mul", "scatt
 _register(_scatter_combine, ["scatter-min", "scatter_min", "scatter-max", "scatter_max"])
 cost_rules["cumlogsumexp"] = _cumlogsumexp
 cost_rules["integer_pow"] = _integer_pow
+# JAX 0.11 and later stage tanh's derivative as one primitive (0.10: sub and mul); see
+# the "tanh derivative" row of pipemark._compat.VERSION_TABLE.
+cost_rules["one_minus_square"] = _one_minus_square
 cost_rules["dot_general"] = _dot_general
 cost_rules["conv_general_dilated"] = _conv_general_dilated
 cost_rules["sort"] = _sort

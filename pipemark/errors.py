@@ -56,10 +56,10 @@ def check_closed_jaxpr(value: Any, who: str) -> Any:
     >>> cj = jax.make_jaxpr(jnp.sin)(1.0)
     >>> check_closed_jaxpr(cj, "dce") is cj
     True
-    >>> check_closed_jaxpr(cj.jaxpr, "dce")
+    >>> check_closed_jaxpr(cj.eqns, "dce")
     Traceback (most recent call last):
     ...
-    pipemark.errors.PipemarkError: dce takes a jax.extend.core.ClosedJaxpr, got Jaxpr; trace your function with jax.make_jaxpr(fn)(*args) first.
+    pipemark.errors.PipemarkError: dce takes a jax.extend.core.ClosedJaxpr, got list; trace your function with jax.make_jaxpr(fn)(*args) first.
     """
     from jax.extend.core import ClosedJaxpr  # here: importing the errors imports no JAX
 

@@ -37,9 +37,9 @@ import jax
 import numpy as np
 from jax.extend import source_info_util
 from jax.extend.core import JaxprEqn, Primitive, Var, new_jaxpr_eqn, no_effects
-from jax.interpreters import ad, batching, mlir
-from jax.interpreters import partial_eval as pe
+from jax.interpreters import ad, batching
 
+from pipemark._compat import register_dce_rule, register_lowering
 from pipemark.errors import MarkerError
 from pipemark.lowering import lower_marker
 from pipemark.marks import KEPT_BY_DCE, MARK_ROLES, MARK_TYPES, PAIRED_MARK_TYPES, backward_name
@@ -208,10 +208,10 @@ def _marker_dce(used_outputs: list[bool], eqn: JaxprEqn):
     return list(used_outputs), new_eqn
 
 
-pe.dce_rules[pipeline_p] = _marker_dce
+register_dce_rule(pipeline_p, _marker_dce)
 
 # Lowering to StableHLO: one of three modes (pipemark.lowering).
-mlir.register_lowering(pipeline_p, lower_marker)
+register_lowering(pipeline_p, lower_marker)
 
 
 # ------------------------------------------------------------------------ public API

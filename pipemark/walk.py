@@ -27,6 +27,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 from jax.extend.core import primitives as _primitives
 
+from pipemark._compat import BODY_PARAMS as _COMPAT_BODY_PARAMS
 from pipemark._compat import CLOSED_CALL_NAMES
 
 __all__ = [
@@ -57,22 +58,10 @@ CALL_PRIMITIVES: frozenset[str] = frozenset(
 )
 
 #: The parameters holding the bodies of each known higher-order primitive (a ``cond``'s
-#: ``branches`` is a tuple of them).
+#: ``branches`` is a tuple of them): pipemark._compat's table, with the closed-call names.
 BODY_PARAMS: dict[str, tuple[str, ...]] = {
-    "jit": ("jaxpr",),
-    "pjit": ("jaxpr",),
+    **_COMPAT_BODY_PARAMS,
     **{name: ("call_jaxpr",) for name in CLOSED_CALL_NAMES},
-    "call": ("call_jaxpr",),
-    "remat2": ("jaxpr",),
-    "checkpoint": ("jaxpr",),
-    "remat": ("jaxpr",),
-    "custom_jvp_call": ("call_jaxpr",),
-    "custom_vjp_call": ("call_jaxpr",),
-    "custom_vjp_call_jaxpr": ("fun_jaxpr",),
-    "scan": ("jaxpr",),
-    "cond": ("branches",),
-    "while": ("cond_jaxpr", "body_jaxpr"),
-    "shard_map": ("jaxpr",),
 }
 
 

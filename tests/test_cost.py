@@ -140,6 +140,17 @@ def test_cond_charges_the_most_expensive_branch():
     assert not cost.approximate
 
 
+def test_tanh_gradient_is_costed_exactly_on_every_jax():
+    # JAX 0.11 stages tanh's derivative as one_minus_square (0.10: sub and mul): every
+    # equation has a rule, and the derivative costs 2 FLOPs per element either way.
+    cj = jax.make_jaxpr(jax.grad(lambda x: jnp.tanh(x).sum()))(jnp.ones(5))
+    costs = [estimate_cost(e) for e in cj.eqns]
+    assert not any(c.approximate for c in costs), [e.primitive.name for e in cj.eqns]
+    names = [e.primitive.name for e in cj.eqns]
+    derivative = [c.flops for e, c in zip(cj.eqns, costs) if e.primitive.name == "one_minus_square"]
+    assert derivative == ([10] if "one_minus_square" in names else [])
+
+
 def test_while_is_one_iteration_and_flagged():
     def f(x):
         return lax.while_loop(lambda c: c[0] < 10.0, lambda c: c * 2.0, x)

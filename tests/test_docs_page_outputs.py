@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT / "docs" / "gen"))
 try:
@@ -19,6 +21,7 @@ def test_the_marked_pages_exist():
     assert {"howto-split.md", "inspect.md"} <= names
 
 
+@pytest.mark.docs_assets
 def test_page_outputs_are_up_to_date():
     for page in page_outputs.pages():
         text = page.read_text(encoding="utf-8")

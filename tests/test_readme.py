@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[1]
 
 
@@ -51,6 +53,7 @@ def _summary_table(html: str) -> str:
     return table
 
 
+@pytest.mark.docs_assets
 def test_readme_demo_output_and_docs_demo_are_what_the_demo_makes_today(tmp_path):
     # docs/gen/assets.py (make docs-assets) writes both from one demo run.
     sys.path.insert(0, str(ROOT / "docs" / "gen"))

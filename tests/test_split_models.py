@@ -117,7 +117,9 @@ def test_equinox_module_with_function_leaves_splits_and_verifies():
     assert staged.input_names[0] == "model.layers[0].weight"
     loss, grads = vag(model, x, y)
     got = staged(model, x, y)
-    assert got[0] == loss
+    # The eager loss's mean and the staged program's compiled one may round the last
+    # bit differently (JAX 0.12 on CPU: one ulp apart).
+    np.testing.assert_allclose(got[0], loss, rtol=1e-6)
     want = jax.tree_util.tree_leaves(eqx.filter(grads, eqx.is_array))
     for a, b in zip(got[1:], want):
         np.testing.assert_array_equal(a, b)

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
-from jax.interpreters import partial_eval as pe
 
+from pipemark._compat import dce_rule
 from pipemark.passes._markers import StageSpan, find_stage_spans
 from pipemark.passes.flow import routed_flow
 from pipemark.passes.framework import jaxpr_pass
@@ -403,7 +403,7 @@ def _dce(cj: ClosedJaxpr) -> ClosedJaxpr:
     # path for the common case of a primitive without a DCE rule of its own: such an
     # equation stays when a result is read or it has effects. Primitives with rules
     # (pipeline markers, pjit, scan, cond, while, custom_jvp…) use them.
-    rule_of = pe.dce_rules.get
+    rule_of = dce_rule
     read: set[Var] = {v for v in jaxpr.outvars if type(v) is not Literal}
     mark_read = read.add
     kept: list[JaxprEqn] = []

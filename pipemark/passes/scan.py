@@ -33,6 +33,7 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal, Var, new_jaxpr_eqn, no_effects
 from jax.extend.core import primitives as _primitives
 
+from pipemark._compat import scan_operand_counts
 from pipemark.caches import register_cache
 from pipemark.cost import eqn_costs
 from pipemark.errors import MarkerError, PipemarkError, describe_eqn
@@ -180,7 +181,8 @@ def _rewrite(cj: ClosedJaxpr, plans: dict[int, tuple[JaxprEqn, list, list | None
         made.update(id(e) for e in tail)
         eqns.extend(tail)
         env.update(zip(eqn.outvars, results))
-        for out, by_range in zip(eqn.outvars[eqn.params["num_carry"] :], parts):
+        num_carry = scan_operand_counts(eqn.params)[1]
+        for out, by_range in zip(eqn.outvars[num_carry:], parts):
             # Keyed by the variable later equations read (their inputs are renamed).
             pieces[env[out]] = [(a, b, v) for (a, b), v in zip(ranges, by_range)]
     outvars = [atom(v) for v in jaxpr.outvars]
@@ -252,7 +254,7 @@ def _build_chunks(eqn, invars, ranges, pieces):
     stacked results, the atoms standing for the scan's results, and per stacked result
     its piece per range."""
     params = eqn.params
-    num_consts, num_carry = params["num_consts"], params["num_carry"]
+    num_consts, num_carry = scan_operand_counts(params)
     first_xs = num_consts + num_carry
     consts, carry = invars[:num_consts], invars[num_consts:first_xs]
     ys_out = eqn.outvars[num_carry:]
