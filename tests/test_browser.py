@@ -11,6 +11,7 @@ import concurrent.futures
 import html
 import io
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -26,6 +27,9 @@ CHROMIUM = next(
     (shutil.which(n) for n in ("chromium", "chromium-browser") if shutil.which(n)), None
 )
 
+# CI installs Chromium (.ci/run), so there a missing browser is a failure, not a skip.
+if CHROMIUM is None and os.environ.get("CI") == "true":
+    raise RuntimeError("CI=true but Chromium is not installed: .ci/run installs it.")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed")
 
 SMALL = {"num_layers": 4, "vocab": 32, "d_model": 16, "num_heads": 2, "seq": 8, "batch": 2}
