@@ -21,7 +21,7 @@ MAXTEXT_BIN     = $(MAXTEXT_VENV)/bin
 MAXTEXT_STAMP   = $(MAXTEXT_VENV)/.pipemark-installed
 MAXTEXT_REQS    = dependencies/requirements/generated_requirements/decoupled-requirements.txt
 
-.PHONY: demo test test-newest test-maxtext lint docs docs-assets bench clean
+.PHONY: demo test test-newest test-maxtext newest-env maxtext-env lint docs docs-assets bench clean
 
 $(STAMP): setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -70,6 +70,10 @@ test: lint docs
 test-newest: $(NEWEST_STAMP)
 	$(NEWEST_BIN)/python -c 'import jax, sys; print("JAX", jax.__version__, "on Python", sys.version.split()[0])'
 	$(NEWEST_BIN)/python -m pytest -n 2 -m 'not docs_assets'
+
+# The two environments alone (.ci/run builds them while `make test` runs).
+newest-env: $(NEWEST_STAMP)
+maxtext-env: $(MAXTEXT_STAMP)
 
 test-maxtext: $(MAXTEXT_STAMP)
 	$(MAXTEXT_BIN)/python -m pytest -m maxtext tests/test_maxtext.py

@@ -61,20 +61,23 @@ def test_the_command_starts_at_the_script_or_at_dash_m():
 
 
 def test_a_module_runs_in_every_process(tmp_path):
+    # Each process writes its own file: lines the processes print to one pipe interleave.
     (tmp_path / "hello_launch.py").write_text(
-        "import os, sys\nprint('hello', os.environ['PIPEMARK_PROCESS_ID'], sys.argv[1:])\n"
+        "import os, sys\n"
+        "me = os.environ['PIPEMARK_PROCESS_ID']\n"
+        "with open(os.path.join(os.environ['HELLO_OUT'], me), 'w') as f:\n"
+        "    f.write(repr(sys.argv[1:]))\n"
     )
     env = _env()
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    env["HELLO_OUT"] = str(tmp_path)
     done = subprocess.run(
         [sys.executable, "-m", "pipemark.launch", "-n", "2", "-m", "hello_launch", "--steps", "3"],
         env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert sorted(done.stdout.splitlines()) == [
-        "hello 0 ['--steps', '3']",
-        "hello 1 ['--steps', '3']",
-    ]
+    for process in ("0", "1"):
+        assert (tmp_path / process).read_text() == "['--steps', '3']"
 
 
 STUBBORN = """\
