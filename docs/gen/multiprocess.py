@@ -24,9 +24,9 @@ step = pm.pipeline_value_and_grad(ex.loss_fn, num_microbatches=8, schedule="1f1b
 # Every process has the whole result; process 0 reports.
 if jax.process_index() == 0:
     plan = step.plan(ex.params, ex.batch)
-    for index, unit in sorted(plan.units.items()):
+    for index in sorted(plan.units):
         name = plan.staged.stages[index].name
-        print(f"{name:<16} runs in process {unit.device.process_index}")
+        print(f"{name:<16} runs in process {plan.slot(index).process}")
     want_loss, want_grads = jax.value_and_grad(ex.loss_fn)(ex.params, ex.batch)
     close = all(
         np.allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -8,29 +8,32 @@ the API over both.
 from __future__ import annotations
 
 import dataclasses
-import re
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
-from jax.sharding import SingleDeviceSharding
 
-from pipemark.caches import register_cache
 from pipemark.errors import PipemarkError, StageGraphError
 from pipemark.passes.backward_split import split_backward
 from pipemark.passes.inline import inline_calls
 from pipemark.passes.stages import pair_stages
+from pipemark.runtime.agreement import check_agreement
+from pipemark.runtime.compilation import Unit, compile_units
 from pipemark.runtime.losses import (
     LOSS_REDUCTIONS,
     count_batch_free_terms_once,
     find_batch_normaliser,
 )
 from pipemark.runtime.options import PipelineOptions
-from pipemark.runtime.schedules import Schedule, make_schedule
+from pipemark.runtime.placement import Placement, Slot, place_stages, put_on
+from pipemark.runtime.schedules import BACKWARD, FORWARD, WEIGHT, Schedule, make_schedule
 from pipemark.runtime.simulation import ZERO_BUBBLE_VARIANTS, zero_bubble_schedule
+from pipemark.runtime.steps import Steps, resolve_steps
+from pipemark.runtime.transport import Watchdog
 from pipemark.staged import StagedJaxpr
 from pipemark.staging import has_stage_markers, split_jaxpr
 
@@ -160,22 +163,11 @@ def _trace_staged(
     return staged, jax.tree_util.tree_structure(out_shape)
 
 
-@dataclasses.dataclass
-class _Unit:
-    """One compiled stage program on its device."""
-
-    index: int  # sliced stage index
-    device: Any
-    run: Callable[[list[Any], list[Any]], tuple[list[Any], list[Any]]]
-    zeros: Callable[[], list[Any]] | None
-    accumulated: list[tuple[int, int]]  # (program result index, stage output index)
-    passed: list[int]  # stage outputs other stages read
-
-
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class PipelinePlan:
     """What :class:`Pipeline` built for one input shape: the staged program, the
-    schedule and where each stage runs.
+    schedule, where each stage runs and its compiled programs. Immutable: running it
+    (:func:`pipemark.runtime.execution.run_plan`) changes nothing in it.
 
     Attributes
     ----------
@@ -184,55 +176,89 @@ class PipelinePlan:
     schedule:
         The validated schedule (pipeline stage ``k`` = forward stage ``k`` and its
         mirrored backward stage).
-    devices:
-        The device of each pipeline stage.
-    forward_stages, backward_stages:
-        For each pipeline stage, the index in ``staged.stages`` of its forward and
-        backward programs (``None`` when a stage has no backward).
+    placement:
+        The slot (device or sub-mesh) of each pipeline stage
+        (:class:`~pipemark.runtime.placement.Placement`).
+    forward_stages, backward_stages, weight_stages:
+        For each pipeline stage, the index in ``staged.stages`` of its forward,
+        backward and weight-gradient programs (``None`` where it has none).
     microbatch_size:
         Rows of the batch per microbatch.
+    num_param_leaves:
+        How many of the staged program's inputs are parameter leaves (the rest is the
+        batch, split into microbatches).
+    out_tree:
+        The tree of the accumulated results.
+    units:
+        The compiled stage programs this process runs, by stage index.
+    steps:
+        The schedule's actions resolved (:mod:`pipemark.runtime.steps`).
     """
 
     staged: StagedJaxpr
     schedule: Schedule
-    devices: tuple[Any, ...]
+    placement: Placement
     forward_stages: tuple[int, ...]
     backward_stages: tuple[int | None, ...]
     weight_stages: tuple[int | None, ...]
     microbatch_size: int
     num_param_leaves: int
     out_tree: Any
-    units: dict[int, _Unit] = dataclasses.field(repr=False)
-    readers: dict[tuple[int, int], int] = dataclasses.field(repr=False)
+    units: Mapping[int, Unit] = dataclasses.field(repr=False, compare=False)
+    steps: Steps = dataclasses.field(repr=False, compare=False)
     loss_reduction: str = "mean"
     timeout_s: float | None = 120.0
-    # Filled by pipemark.runtime.execution on first use: the actions resolved once
-    # (its program of steps), each accumulating stage's zeros, and each worker's scale.
-    _program: Any = dataclasses.field(default=None, repr=False, compare=False)
-    _zeros: dict[int, list[Any]] = dataclasses.field(
+    # Per accumulating stage of this process, the zeros its accumulators start from
+    # (immutable arrays: one set serves every call), and per worker of this process the
+    # microbatch scale on its slot.
+    zeros: Mapping[int, tuple[Any, ...]] = dataclasses.field(
         default_factory=dict, repr=False, compare=False
     )
-    # Per device worker, the microbatch scale placed on its device.
-    _scales: dict[int, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    scales: Mapping[int, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
     # Under jax.distributed, the watchdog of its transfers (one thread, for every call).
-    _watchdog: Any = dataclasses.field(default=None, repr=False, compare=False)
+    watchdog: Watchdog | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def num_stages(self) -> int:
         return len(self.forward_stages)
 
+    @property
+    def devices(self) -> tuple[Any, ...]:
+        """The (first) device of each pipeline stage."""
+        return self.placement.stage_devices()
+
+    @property
+    def scale(self) -> float:
+        """What each microbatch's share is multiplied by: ``1/M`` for a mean, else 1."""
+        num_micro = self.schedule.num_microbatches
+        return 1.0 / num_micro if self.loss_reduction == "mean" else 1.0
+
+    def slot(self, index: int) -> Slot:
+        """The slot (device or sub-mesh) that runs stage ``index`` of ``staged``."""
+        return self.placement.slots[self.units[index].worker]
+
+    def roles(self) -> dict[str, tuple[int | None, ...]]:
+        """Per action kind, the stage index of each pipeline stage's program."""
+        return {
+            FORWARD: self.forward_stages,
+            BACKWARD: self.backward_stages,
+            WEIGHT: self.weight_stages,
+        }
+
     def bytes_into_process(self, process: int) -> int:
         """The bytes that cross into process ``process``'s stages from other processes'
-        per call, by the stage graph: each value once per microbatch and reading device
+        per call, by the stage graph: each value once per microbatch and reading slot
         (under ``jax.distributed``; 0 in one process)."""
+        slots = self.placement.slots
         crossing = set()
         for index, unit in self.units.items():
-            if unit.device.process_index != process:
+            if slots[unit.worker].process != process:
                 continue
             stage = self.staged.stages[index]
             for ref, var in zip(stage.inputs, stage.jaxpr.invars):
-                if ref.kind == "stage" and self.units[ref.stage].device.process_index != process:
-                    crossing.add((ref.stage, ref.index, unit.device, var.aval))
+                producer = self.units[ref.stage].worker if ref.kind == "stage" else None
+                if producer is not None and slots[producer].process != process:
+                    crossing.add((ref.stage, ref.index, unit.worker, var.aval))
         size = sum(aval.size * aval.dtype.itemsize for *_, aval in crossing)
         return size * self.schedule.num_microbatches
 
@@ -260,83 +286,6 @@ def _stage_edges(
             if a != b:
                 edges.add((min(a, b), max(a, b)))
     return edges
-
-
-# Stage programs compiled in this process, keyed by their text, types and device: the same
-# stage program reappears whenever a pipeline is rebuilt for the same microbatch shape
-# (another schedule, another number of microbatches), and XLA compilation dominates the
-# cost of building a pipeline. Programs with constants are not cached (their text does not
-# show the constants' values), nor programs whose text hides an object's identity: the
-# printer writes ``<function f at 0xXXXXXXXXXXXX>`` for a callback (``jax.pure_callback``,
-# custom derivative rules), so two programs calling different functions of one name print
-# alike.
-_HIDDEN_ADDRESS = re.compile(r"\bat 0xX+>")
-_UNIT_CACHE: dict[Any, tuple[Callable, Callable | None]] = {}
-_UNIT_CACHE_SIZE = 256
-register_cache(_UNIT_CACHE.clear)
-
-
-def _unit_key(closed: ClosedJaxpr, accumulated: list[int], passed: list[int], device: Any) -> Any:
-    if closed.consts:
-        return None
-    jaxpr = closed.jaxpr
-    text = str(jaxpr)
-    if _HIDDEN_ADDRESS.search(text):
-        return None
-    types = tuple(repr(v.aval) for v in (*jaxpr.invars, *jaxpr.outvars))
-    return (text, types, tuple(accumulated), tuple(passed), device.platform, device.id)
-
-
-def _compile_unit(
-    staged: StagedJaxpr, index: int, device: Any, readers: dict[tuple[int, int], int]
-) -> _Unit:
-    stage = staged.stages[index]
-    accumulated = [
-        (r, ref.index)
-        for r, ref in enumerate(staged.outputs)
-        if ref.kind == "stage" and ref.stage == index
-    ]
-    passed = [o for o in range(len(stage.out_avals)) if readers.get((index, o), 0)]
-    key = _unit_key(stage.closed_jaxpr, [o for _, o in accumulated], passed, device)
-    cached = _UNIT_CACHE.get(key) if key is not None else None
-    if cached is None:
-        cached = _jit_unit(stage.closed_jaxpr, [o for _, o in accumulated], passed, device)
-        if key is not None:
-            if len(_UNIT_CACHE) >= _UNIT_CACHE_SIZE:
-                del _UNIT_CACHE[next(iter(_UNIT_CACHE))]
-            _UNIT_CACHE[key] = cached
-    run, zeros = cached
-    return _Unit(index, device, run, zeros, accumulated, passed)
-
-
-def _jit_unit(
-    closed: ClosedJaxpr, accumulated: list[int], passed: list[int], device: Any
-) -> tuple[Callable, Callable | None]:
-    fun = jaxpr_as_fun(closed)
-    avals = [v.aval for v in closed.jaxpr.outvars]
-
-    def contribution(value: Any, scale: Any) -> Any:
-        if jnp.issubdtype(value.dtype, jnp.inexact):
-            return value * scale.astype(value.dtype)
-        return value
-
-    def run(accs: list[Any], inputs: list[Any], scale: Any) -> tuple[list[Any], list[Any]]:
-        # scale is 1/M for a mean, 1 for a sum: an argument, so the same compiled program
-        # serves every number of microbatches.
-        outs = fun(*inputs)
-        new = [acc + contribution(outs[o], scale) for acc, o in zip(accs, accumulated)]
-        return new, [outs[o] for o in passed]
-
-    sharding = SingleDeviceSharding(device)
-    zeros = None
-    if accumulated:
-        shapes = [(avals[o].shape, avals[o].dtype) for o in accumulated]
-
-        def make_zeros() -> list[Any]:
-            return [jnp.zeros(s, d) for s, d in shapes]
-
-        zeros = jax.jit(make_zeros, out_shardings=sharding)
-    return jax.jit(run, out_shardings=sharding), zeros
 
 
 def build_plan(
@@ -432,21 +381,17 @@ def plan_from_staged(
     edges = _stage_edges(staged, pipeline_stage, is_backward)
 
     plan_schedule, available = _schedule(options, count, edges)
-    stage_devices = tuple(available[d] for d in plan_schedule.stage_devices)
-
-    readers: dict[tuple[int, int], int] = {}
-    for stage in staged.stages:
-        for ref in stage.inputs:
-            if ref.kind == "stage":
-                readers[(ref.stage, ref.index)] = readers.get((ref.stage, ref.index), 0) + 1
-    units = {
-        index: _compile_unit(staged, index, stage_devices[k], readers)
-        for index, k in pipeline_stage.items()
-    }
-    return PipelinePlan(
+    placement = place_stages(available, plan_schedule.stage_devices)
+    units = compile_units(
+        staged,
+        {index: placement.stage_slots[k] for index, k in pipeline_stage.items()},
+        placement,
+    )
+    units = types.MappingProxyType(units)  # the plan is immutable
+    plan = PipelinePlan(
         staged=staged,
         schedule=plan_schedule,
-        devices=stage_devices,
+        placement=placement,
         forward_stages=tuple(forward),
         backward_stages=tuple(backward),
         weight_stages=tuple(weight),
@@ -454,7 +399,31 @@ def plan_from_staged(
         num_param_leaves=num_param_leaves,
         out_tree=out_tree,
         units=units,
-        readers=readers,
+        steps=None,
         loss_reduction=options.loss_reduction,
         timeout_s=options.timeout_s,
     )
+    return _ready(plan)
+
+
+def _ready(plan: PipelinePlan) -> PipelinePlan:
+    """``plan`` with what every call reuses made once: its resolved steps, the zeros
+    of this process's accumulators, each worker's scale on its slot; under
+    ``jax.distributed`` the processes checked to make the same plan, and its
+    watchdog."""
+    placement, local = plan.placement, plan.placement.local
+    steps = resolve_steps(
+        plan.staged, plan.schedule, plan.roles(), plan.units, placement, plan.num_param_leaves
+    )
+    zeros = {
+        index: tuple(unit.zeros())
+        for index, unit in plan.units.items()
+        if unit.zeros is not None and local[unit.worker]
+    }
+    scale = np.float32(plan.scale)
+    scales = {w: put_on([scale], slot)[0] for w, slot in enumerate(placement.slots) if local[w]}
+    watchdog = None
+    if placement.distributed:
+        check_agreement(plan, plan.timeout_s)
+        watchdog = Watchdog(plan.timeout_s)
+    return dataclasses.replace(plan, steps=steps, zeros=zeros, scales=scales, watchdog=watchdog)

@@ -1,8 +1,11 @@
-"""Moving arrays between the processes of a multi-controller JAX program
-(``jax.distributed``): :class:`Transport`, and :class:`Watchdog`, which stops a process
-that waits too long for another.
+"""How values move between the slots of a pipeline: the :class:`Transport` protocol and
+its two transports, :class:`InProcessTransport` (a copy onto the reader's slot, within
+one process) and :class:`CollectiveTransport` (between the processes of a
+multi-controller JAX program, ``jax.distributed``), and :class:`Watchdog`, which stops a
+process that waits too long for another. A new transport is a class here with
+:meth:`Transport.move`.
 
-A transfer is one point-to-point collective: both processes call the same compiled
+Across processes, a transfer is one point-to-point collective: both processes call the same compiled
 program, ``shard_map`` of ``lax.ppermute`` over a two-device mesh (the sender's device,
 the receiver's), on a global array whose shard on the sender's device is the value and
 whose shard on the receiver's device is a placeholder of the same type. After it, the
@@ -23,7 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import numpy as np
@@ -34,8 +37,40 @@ from jax.sharding import PartitionSpec as P
 from pipemark._compat import global_array_maker, shard_map
 from pipemark.caches import register_cache
 from pipemark.errors import ProcessError
+from pipemark.runtime.placement import Slot, put_on
 
-__all__ = ["Transport", "Watchdog"]
+__all__ = ["CollectiveTransport", "InProcessTransport", "Transport", "Watchdog"]
+
+
+class Transport(Protocol):
+    """Moves values from one slot to another; counts what it moved."""
+
+    bytes_sent: int
+    bytes_received: int
+    seconds: float
+
+    def move(
+        self, values: Sequence[Any] | None, types: tuple, source: Slot, target: Slot, what: Any
+    ) -> list[Any] | None:
+        """Move ``values`` (of ``(shape, dtype)`` ``types``) from ``source`` to
+        ``target``. The process owning ``source`` passes the values; the process owning
+        ``target`` gets the values on its slot (``None`` elsewhere). ``what`` names
+        what moves, for a message: a string, or a function giving one."""
+        ...
+
+
+class InProcessTransport:
+    """Copies onto the target slot, in this process: enqueued behind the programs
+    computing the values, so nothing waits here."""
+
+    def __init__(self) -> None:
+        self.bytes_sent = self.bytes_received = 0
+        self.seconds = 0.0
+
+    def move(
+        self, values: Sequence[Any] | None, types: tuple, source: Slot, target: Slot, what: Any
+    ) -> list[Any] | None:
+        return put_on(list(values or ()), target)
 
 
 class Watchdog:
@@ -87,7 +122,7 @@ class Watchdog:
                 os._exit(self.EXIT_STATUS)
 
 
-class Transport:
+class CollectiveTransport:
     """Point-to-point transfers between two devices of different processes, and the
     bytes they moved (:attr:`bytes_sent`, :attr:`bytes_received`)."""
 
@@ -96,6 +131,16 @@ class Transport:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.seconds = 0.0
+
+    def move(
+        self, values: Sequence[Any] | None, types: tuple, source: Slot, target: Slot, what: Any
+    ) -> list[Any] | None:
+        if source.process == jax.process_index():
+            self.send(values, source.device, target.device, what)
+            return None
+        if target.process == jax.process_index():
+            return self.receive(types, source.device, target.device, what)
+        return None
 
     def send(self, values: Sequence[Any], source: Any, target: Any, what: Any) -> None:
         """Send ``values`` (on ``source``, a device of this process: the runtime's come

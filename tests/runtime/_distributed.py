@@ -103,9 +103,9 @@ def main() -> None:
     if MODE == "die" and me == 1:
         # Die after the processes agreed on the call (pipemark.runtime.agreement), before
         # the first transfer: the pipeline makes its transfers' watchdog right then.
-        from pipemark.runtime import execution
+        from pipemark.runtime import plan
 
-        execution.Watchdog = lambda *args: os._exit(3)
+        plan.Watchdog = lambda *args: os._exit(3)
     if MODE == "spare":
         return spare()
     if MODE in ("shape", "schedule"):

@@ -113,11 +113,11 @@ def test_a_worker_error_reaches_the_caller_without_hanging(mlp_pipeline, stage, 
             raise RuntimeError(f"stage {stage} failed on purpose")
         return unit.run(accs, inputs, scale)
 
-    plan.units[index] = dataclasses.replace(unit, run=failing)
-    try:
-        error = _call_in_a_thread(pipeline, *ex.args)
-    finally:
-        plan.units[index] = unit
+    # A plan is immutable: the failing stage goes into a copy of it.
+    failing_plan = dataclasses.replace(
+        plan, units={**plan.units, index: dataclasses.replace(unit, run=failing)}
+    )
+    error = _call_in_a_thread(run_plan, failing_plan, *ex.args, None)
     assert error == f"RuntimeError: stage {stage} failed on purpose"
     assert _pipemark_threads() == []  # every worker stopped
     assert_trees_close(pipeline(*ex.args), want)  # and the pipeline works again

@@ -1,0 +1,163 @@
+"""Compile each stage program of a pipeline once for its slot: :func:`compile_units`.
+
+A :class:`Unit` runs one stage for one microbatch: ``run(accumulators, inputs, scale)``
+returns the accumulators with this microbatch's share added (the loss, the gradients,
+scaled by ``scale``: ``1/M`` for a mean, 1 for a sum, an argument so that one program
+serves every number of microbatches) and the outputs other stages read. The
+accumulators stay on the slot.
+
+>>> import jax, jax.numpy as jnp, pipemark as pm
+>>> from pipemark.runtime.placement import place_stages
+>>> staged = pm.split(jax.value_and_grad(lambda w: jnp.sum(jnp.cos(jnp.sin(w)))), 1.0,
+...                   num_stages=2)
+>>> [stage.name for stage in staged.stages]
+['layer0', 'layer1', 'layer1_backward', 'layer0_backward']
+>>> placement = place_stages(jax.devices()[:2], (0, 1))
+>>> units = compile_units(staged, {0: 0, 3: 0, 1: 1, 2: 1}, placement)
+>>> units[0].passed, units[3].accumulated
+((0,), ((1, 0),))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+
+from pipemark.caches import register_cache
+from pipemark.runtime.placement import Placement, Slot
+from pipemark.staged import StagedJaxpr
+
+__all__ = ["Unit", "compile_units", "stage_readers"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """One compiled stage program on its slot.
+
+    Attributes
+    ----------
+    index:
+        The stage's index in the staged program.
+    worker:
+        The placement's worker (slot) that runs it.
+    run:
+        ``run(accumulators, inputs, scale) -> (accumulators, passed outputs)``.
+    zeros:
+        Makes the accumulators' zeros on the slot (``None``: nothing accumulates).
+    accumulated:
+        ``(program result index, stage output index)`` of each accumulated output.
+    passed:
+        The stage outputs other stages read.
+    """
+
+    index: int
+    worker: int
+    run: Callable[[list[Any], list[Any], Any], tuple[list[Any], list[Any]]]
+    zeros: Callable[[], list[Any]] | None
+    accumulated: tuple[tuple[int, int], ...]
+    passed: tuple[int, ...]
+
+
+def stage_readers(staged: StagedJaxpr) -> dict[tuple[int, int], int]:
+    """How many stages read each ``(stage, output)``."""
+    readers: dict[tuple[int, int], int] = {}
+    for stage in staged.stages:
+        for ref in stage.inputs:
+            if ref.kind == "stage":
+                readers[(ref.stage, ref.index)] = readers.get((ref.stage, ref.index), 0) + 1
+    return readers
+
+
+def compile_units(
+    staged: StagedJaxpr, workers: Mapping[int, int], placement: Placement
+) -> dict[int, Unit]:
+    """A :class:`Unit` for each stage ``index`` of ``workers`` (stage index -> worker),
+    compiled for that worker's slot (programs seen before come from a cache)."""
+    readers = stage_readers(staged)
+    return {
+        index: _compile_unit(staged, index, w, placement.slots[w], readers)
+        for index, w in workers.items()
+    }
+
+
+# Stage programs compiled in this process, keyed by their text, types and slot: the same
+# stage program reappears whenever a pipeline is rebuilt for the same microbatch shape
+# (another schedule, another number of microbatches), and XLA compilation dominates the
+# cost of building a pipeline. Programs with constants are not cached (their text does not
+# show the constants' values), nor programs whose text hides an object's identity: the
+# printer writes ``<function f at 0xXXXXXXXXXXXX>`` for a callback (``jax.pure_callback``,
+# custom derivative rules), so two programs calling different functions of one name print
+# alike.
+_HIDDEN_ADDRESS = re.compile(r"\bat 0xX+>")
+_UNIT_CACHE: dict[Any, tuple[Callable, Callable | None]] = {}
+_UNIT_CACHE_SIZE = 256
+register_cache(_UNIT_CACHE.clear)
+
+
+def _unit_key(closed: ClosedJaxpr, accumulated: list[int], passed: list[int], slot: Slot) -> Any:
+    if closed.consts:
+        return None
+    jaxpr = closed.jaxpr
+    text = str(jaxpr)
+    if _HIDDEN_ADDRESS.search(text):
+        return None
+    types = tuple(repr(v.aval) for v in (*jaxpr.invars, *jaxpr.outvars))
+    where = tuple((d.platform, d.id) for d in slot.devices)
+    return (text, types, tuple(accumulated), tuple(passed), where, repr(slot.sharding))
+
+
+def _compile_unit(
+    staged: StagedJaxpr, index: int, worker: int, slot: Slot, readers: dict[tuple[int, int], int]
+) -> Unit:
+    stage = staged.stages[index]
+    accumulated = tuple(
+        (r, ref.index)
+        for r, ref in enumerate(staged.outputs)
+        if ref.kind == "stage" and ref.stage == index
+    )
+    passed = tuple(o for o in range(len(stage.out_avals)) if readers.get((index, o), 0))
+    outputs = [o for _, o in accumulated]
+    key = _unit_key(stage.closed_jaxpr, outputs, list(passed), slot)
+    cached = _UNIT_CACHE.get(key) if key is not None else None
+    if cached is None:
+        cached = _jit_unit(stage.closed_jaxpr, outputs, list(passed), slot)
+        if key is not None:
+            if len(_UNIT_CACHE) >= _UNIT_CACHE_SIZE:
+                del _UNIT_CACHE[next(iter(_UNIT_CACHE))]
+            _UNIT_CACHE[key] = cached
+    run, zeros = cached
+    return Unit(index, worker, run, zeros, accumulated, passed)
+
+
+def _jit_unit(
+    closed: ClosedJaxpr, accumulated: list[int], passed: list[int], slot: Slot
+) -> tuple[Callable, Callable | None]:
+    fun = jaxpr_as_fun(closed)
+    avals = [v.aval for v in closed.jaxpr.outvars]
+
+    def contribution(value: Any, scale: Any) -> Any:
+        if jnp.issubdtype(value.dtype, jnp.inexact):
+            return value * scale.astype(value.dtype)
+        return value
+
+    def run(accs: list[Any], inputs: list[Any], scale: Any) -> tuple[list[Any], list[Any]]:
+        outs = fun(*inputs)
+        new = [acc + contribution(outs[o], scale) for acc, o in zip(accs, accumulated)]
+        return new, [outs[o] for o in passed]
+
+    sharding = slot.sharding
+    zeros = None
+    if accumulated:
+        shapes = [(avals[o].shape, avals[o].dtype) for o in accumulated]
+
+        def make_zeros() -> list[Any]:
+            return [jnp.zeros(s, d) for s, d in shapes]
+
+        zeros = jax.jit(make_zeros, out_shardings=sharding)
+    return jax.jit(run, out_shardings=sharding), zeros

@@ -1,0 +1,152 @@
+"""A plan's actions resolved once, when it is built: :func:`resolve_steps`.
+
+For each worker, the :class:`Step` objects it runs, in run order: which stage program,
+for which microbatch, where each input comes from (a parameter leaf, a batch leaf, or
+an output of another stage for the same microbatch) and which workers read each of its
+outputs. Under ``jax.distributed`` also the transfers between processes that precede
+each step in the one global order every process walks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from pipemark.runtime.compilation import Unit
+from pipemark.runtime.placement import Placement
+from pipemark.runtime.schedules import Action, Schedule
+from pipemark.staged import StagedJaxpr
+
+__all__ = ["BATCH", "PARAM", "STAGE", "Step", "Steps", "resolve_steps"]
+
+#: Where a step's input comes from (the first item of each entry of :attr:`Step.inputs`).
+PARAM, BATCH, STAGE = 0, 1, 2
+
+#: A value handed between stages: ``(microbatch, stage index, output index)``.
+Key = tuple[int, int, int]
+
+
+class Step(NamedTuple):
+    """One action with everything resolved that does not change between calls."""
+
+    index: int  # sliced stage
+    microbatch: int
+    action: Action  # the schedule's action it runs
+    accumulate: bool
+    # (PARAM, leaf) | (BATCH, leaf) | (STAGE, (microbatch, stage, output))
+    inputs: tuple[tuple[int, Any], ...]
+    # per passed output: (its position among the program's passed outputs, its key, and
+    # how many readers each worker has: ((worker, count), ...))
+    sends: tuple[tuple[int, Key, tuple[tuple[int, int], ...]], ...]
+
+
+class Steps(NamedTuple):
+    """A plan's actions resolved once: per worker, its steps in run order, and the
+    parameter and batch leaves it reads."""
+
+    columns: tuple[tuple[Step, ...], ...]
+    serial: tuple[tuple[int, Step], ...]  # (worker, step) in schedule order
+    params: tuple[tuple[int, ...], ...]  # per worker: parameter leaves it reads
+    batch: tuple[tuple[int, ...], ...]  # per worker: batch leaves it reads
+    num_actions: int
+    readers: dict[tuple[int, int], dict[int, int]]  # stage output -> {worker: readers}
+    # Under jax.distributed, per entry of ``serial``: the transfers into its worker that
+    # precede it, as (producer worker, the keys it sends, their (shape, dtype)); empty
+    # in one process.
+    incoming: tuple[tuple[tuple[int, tuple[Key, ...], tuple], ...], ...]
+
+
+def resolve_steps(
+    staged: StagedJaxpr,
+    schedule: Schedule,
+    roles: Mapping[str, Sequence[int | None]],
+    units: Mapping[int, Unit],
+    placement: Placement,
+    num_params: int,
+) -> Steps:
+    """The steps of ``schedule`` over ``staged``'s stage programs: ``roles[kind][k]`` is
+    the stage index of pipeline stage ``k``'s ``kind`` (forward, backward, weight)
+    program, ``None`` where it has none."""
+    num_workers = len(placement.slots)
+    readers: dict[tuple[int, int], dict[int, int]] = {}  # readers per worker
+    for c, stage in enumerate(staged.stages):
+        if c in units:
+            for ref in stage.inputs:
+                if ref.kind == "stage":
+                    per = readers.setdefault((ref.stage, ref.index), {})
+                    per[units[c].worker] = per.get(units[c].worker, 0) + 1
+    columns: list[list[Step]] = [[] for _ in range(num_workers)]
+    serial: list[tuple[int, Step]] = []
+    params: list[set[int]] = [set() for _ in range(num_workers)]
+    batch: list[set[int]] = [set() for _ in range(num_workers)]
+    for _, _, action in schedule.actions():
+        index = roles[action.kind][action.stage]
+        if index is None:  # a stage without a backward (or weight) program
+            continue
+        unit, m = units[index], action.microbatch
+        w = unit.worker
+        inputs = []
+        for ref in staged.stages[index].inputs:
+            if ref.kind == "input" and ref.index < num_params:
+                inputs.append((PARAM, ref.index))
+                params[w].add(ref.index)
+            elif ref.kind == "input":
+                inputs.append((BATCH, ref.index - num_params))
+                batch[w].add(ref.index - num_params)
+            else:
+                inputs.append((STAGE, (m, ref.stage, ref.index)))
+        sends = tuple(
+            (position, (m, index, o), tuple(sorted(readers[(index, o)].items())))
+            for position, o in enumerate(unit.passed)
+        )
+        step = Step(index, m, action, bool(unit.accumulated), tuple(inputs), sends)
+        columns[w].append(step)
+        serial.append((w, step))
+    owner = {index: unit.worker for index, unit in units.items()}
+    return Steps(
+        columns=tuple(tuple(c) for c in columns),
+        serial=tuple(serial),
+        params=tuple(tuple(sorted(p)) for p in params),
+        batch=tuple(tuple(sorted(b)) for b in batch),
+        num_actions=len(serial),
+        readers=readers,
+        incoming=_incoming(serial, owner, placement, staged),
+    )
+
+
+def _incoming(
+    serial: list[tuple[int, Step]], owner: dict[int, int], placement: Placement, staged: Any
+) -> tuple:
+    """For each action in the global order, the values it reads from workers of other
+    processes that no earlier action on its worker received, grouped by producer: the
+    producer, the values' keys and their ``(shape, dtype)``."""
+    process = [slot.process for slot in placement.slots]
+    moved: set[tuple[Key, int]] = set()
+    incoming = []
+    for worker, step in serial:
+        per_producer: dict[int, list[Key]] = {}
+        for source, key in step.inputs:
+            if source != STAGE or (key, worker) in moved:
+                continue
+            producer = owner[key[1]]
+            if process[producer] != process[worker]:
+                moved.add((key, worker))
+                per_producer.setdefault(producer, []).append(key)
+        incoming.append(
+            tuple(
+                (
+                    p,
+                    tuple(keys),
+                    tuple(value_type(staged.stages[i].out_avals[o]) for _, i, o in keys),
+                )
+                for p, keys in per_producer.items()
+            )
+        )
+    return tuple(incoming)
+
+
+def value_type(aval: Any) -> tuple[tuple[int, ...], Any]:
+    """An abstract value's ``(shape, dtype)``."""
+    return tuple(aval.shape), np.dtype(aval.dtype)
