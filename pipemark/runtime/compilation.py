@@ -15,7 +15,7 @@ accumulators stay on the slot.
 >>> placement = place_stages(jax.devices()[:2], (0, 1))
 >>> units = compile_units(staged, {0: 0, 3: 0, 1: 1, 2: 1}, placement)
 >>> units[0].passed, units[3].accumulated
-((0,), ((1, 0),))
+((0, 1), ((1, 0),))
 """
 
 from __future__ import annotations
