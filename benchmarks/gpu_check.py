@@ -244,6 +244,7 @@ def dry_run() -> int:
         f"{len(launches)} launches", "exact copy", ok)  # fmt: skip
 
     cpu = jax.devices("cpu")[0]
+    check_identity_target(cpu)
     check_marked_grad_matches(cpu)
     row("(b) bandwidth", "64 MiB – 1 GiB", "needs a GPU", "≥ 0.9", None)
     params, x = mlp_inputs(64, 16)
@@ -285,10 +286,12 @@ def check_identity_target(device) -> None:
     from pipemark import custom_call
 
     rng = np.random.default_rng(2)
+    # Only dtypes JAX keeps as they are: without jax_enable_x64 a float64 array would
+    # come back as float32 and never equal its input.
     arrays = [
         rng.integers(0, 255, 7).astype(np.uint8),
         np.zeros(0, np.float32),
-        rng.standard_normal((3, 5)),
+        rng.standard_normal((3, 5)).astype(np.float16),
         rng.standard_normal((33,)).astype(jnp.bfloat16),
         rng.integers(-5, 5, (1000, 3)).astype(np.int8),
         rng.standard_normal(1 << 20).astype(np.float32),
@@ -364,9 +367,13 @@ def run_mlp(command_buffers: bool) -> None:
         flags += " --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL"
     else:
         flags += " --xla_gpu_enable_command_buffer="
+    # This process holds JAX's preallocated 75% of the GPU and CuPy's pool; JAX's docs
+    # name a second preallocating process as a common cause of out-of-memory errors, so
+    # the worker allocates as it goes.
+    env = {**os.environ, "XLA_FLAGS": flags, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     done = subprocess.run(
         [sys.executable, __file__, "--mlp-worker", "on" if command_buffers else "off"],
-        capture_output=True, text=True, timeout=240, env={**os.environ, "XLA_FLAGS": flags},
+        capture_output=True, text=True, timeout=240, env=env,
     )  # fmt: skip
     case = f"8×4096 MLP, command buffers {'on' if command_buffers else 'off'}"
     if done.returncode != 0:
