@@ -539,3 +539,23 @@ def test_accumulators_are_donated_without_warnings(recwarn):
     assert zeros[0].is_deleted()
     assert [str(w.message) for w in recwarn] == []
     np.testing.assert_allclose(np.asarray(stage.reduce(accs)[0]), 8.0)
+
+
+def test_the_model_constraints_shard_the_replica_axis_over_data():
+    """vmap's spmd_axis_name puts the data axis on each constraint's replica axis
+    (without it the replica axis is left unconstrained and XLA may gather it)."""
+    full = _mesh((2, 2, 2), ("stage", "data", "model"))
+    sub = stage_meshes(full, 2)[0]
+    cj = jax.make_jaxpr(
+        lambda w, x: lax.with_sharding_constraint(x @ w, NamedSharding(full, P("data", "model")))
+    )(jnp.ones((3, 4)), jnp.ones((2, 3)))
+    stage = compile_stage(cj, sub, param_specs={0: P()}, accumulated=[], passed=[0])
+    w = jax.device_put(jnp.ones((3, 4)), stage.in_shardings[0])
+    x = jax.device_put(jnp.ones((2, 2, 3)), stage.in_shardings[1])
+    traced = jax.make_jaxpr(stage.run)([], [w, x], 1.0)
+    specs = [
+        eqn.params["sharding"].spec
+        for eqn in iter_eqns(traced)
+        if eqn.primitive.name == "sharding_constraint"
+    ]
+    assert specs == [P("data", None, "model")]
