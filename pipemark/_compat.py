@@ -80,6 +80,14 @@ VERSION_TABLE: dict[str, dict[str, str]] = {
         "jax.ffi": "0.10.2, 0.11.2, 0.12.0.1: jax.ffi.register_ffi_target, pycapsule, "
         "build_ffi_lowering_function, ffi_call",
     },
+    # Every equation records the abstract mesh it was traced under (jax.sharding.set_mesh)
+    # and evaluating it enters that mesh again: pipemark.runtime.sharding rebuilds it on
+    # a stage's sub-mesh through eqn_context_with_mesh.
+    "equation context": {
+        "JaxprEqnContext._create": "0.10.2, 0.12.0.1: eqn.ctx is an interned "
+        "JaxprEqnContext whose _create takes its slots (cur_abstract_mesh among them; "
+        "0.12 adds cur_layout_mode and no_collectives) by name, xla_metadata as items",
+    },
     # pipemark registers no partial-eval rule: jax.checkpoint and linearize derive one
     # for the marker from its jvp and transpose rules (DESIGN.md).
     "partial-eval rule": {"none registered": "0.10.2, 0.11.2, 0.12.0.1"},
@@ -483,3 +491,61 @@ def coordination_client() -> Any:
     except ImportError:  # a JAX that moved it: the agreement check is skipped
         return None
     return getattr(global_state, "client", None)
+
+
+# JAX 0.10.2 and 0.12.0.1 (measured; the "equation context" row): `eqn.ctx` is a
+# `jax._src.core.JaxprEqnContext`, interned, built by the static `_create` from its
+# slots in slot order (0.12 adds cur_layout_mode and no_collectives), less `configs`
+# (filled later) and `__weakref__`. `xla_metadata` is stored as a dict but passed as
+# sorted items (the interner hashes the arguments). There is no public constructor.
+def eqn_context_with_mesh(ctx: Any, mesh: Any) -> Any:
+    """``ctx`` (an equation's ``eqn.ctx``) with ``cur_abstract_mesh`` set to ``mesh``.
+
+    >>> import jax, jax.numpy as jnp
+    >>> eqn = jax.make_jaxpr(jnp.sin)(1.0).eqns[0]
+    >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
+    >>> eqn_context_with_mesh(eqn.ctx, mesh).cur_abstract_mesh == mesh
+    True
+    """
+    values = []
+    for name in type(ctx).__slots__:
+        if name == "configs" or name.startswith("__"):
+            continue
+        if name == "cur_abstract_mesh":
+            values.append(mesh)
+        elif name == "xla_metadata":
+            metadata = ctx.xla_metadata
+            values.append(None if metadata is None else tuple(sorted(metadata.items())))
+        else:
+            values.append(getattr(ctx, name))
+    try:
+        new = type(ctx)._create(*values)
+    except (AttributeError, TypeError) as error:
+        raise JaxVersionError(
+            f"equation context: this JAX's JaxprEqnContext ({error}) is in no form "
+            "pipemark._compat.VERSION_TABLE knows; update eqn_context_with_mesh."
+        ) from error
+    if new.cur_abstract_mesh != mesh:
+        raise JaxVersionError(
+            "equation context: JaxprEqnContext._create takes its slots in another order; "
+            "update pipemark._compat.eqn_context_with_mesh."
+        )
+    return new
+
+
+# JAX 0.10.2 and 0.12.0.1 (read in jax/_src/literals.py, the same in both): a literal's
+# value may be a `TypedNdArray`, an np.ndarray subclass carrying its own aval, which
+# JAX 0.12 types under the mesh the literal was traced under (measured: 0.12.0.1 under
+# jax.sharding.set_mesh; vmap broadcasts an unbatched literal under that mesh). Its
+# constructor is `TypedNdArray(val, aval)`.
+def literal_value_with_aval(value: Any, aval: Any) -> Any:
+    """A literal's ``value`` typed as ``aval`` where the value carries its own type
+    (JAX's ``TypedNdArray``); any other value unchanged.
+
+    >>> import jax, numpy as np
+    >>> literal_value_with_aval(2.0, jax.typeof(np.float32(2.0)))
+    2.0
+    """
+    if not hasattr(value, "_aval") or not isinstance(value, np.ndarray):
+        return value
+    return type(value)(np.asarray(value), aval)
