@@ -22,15 +22,17 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+from jax.sharding import PartitionSpec as P
 
 from pipemark.caches import register_cache
 from pipemark.runtime.placement import Placement, Slot
+from pipemark.runtime.sharding import compile_stage
 from pipemark.staged import StagedJaxpr
 
 __all__ = ["Unit", "compile_units", "stage_readers"]
@@ -54,6 +56,13 @@ class Unit:
         ``(program result index, stage output index)`` of each accumulated output.
     passed:
         The stage outputs other stages read.
+    finish:
+        On a sub-mesh with data-parallel replicas, the one cross-replica reduction of
+        the accumulators at the end of a call; else ``None``.
+    donates:
+        Whether ``run`` consumes the accumulators it is given.
+    program:
+        On a sub-mesh, the compiled stage and its shardings; else ``None``.
     """
 
     index: int
@@ -62,6 +71,15 @@ class Unit:
     zeros: Callable[[], list[Any]] | None
     accumulated: tuple[tuple[int, int], ...]
     passed: tuple[int, ...]
+    #: On a sub-mesh with data-parallel replicas: sums the accumulators' replica axis,
+    #: once per call (``None``: the accumulators are the results).
+    finish: Callable[[list[Any]], list[Any]] | None = None
+    #: Whether ``run`` donates (consumes) the accumulators it is given: each call then
+    #: starts from zeros of its own.
+    donates: bool = False
+    #: On a sub-mesh, the compiled stage with its shardings
+    #: (:class:`pipemark.runtime.sharding.CompiledStage`).
+    program: Any = None
 
 
 def stage_readers(staged: StagedJaxpr) -> dict[tuple[int, int], int]:
@@ -75,15 +93,84 @@ def stage_readers(staged: StagedJaxpr) -> dict[tuple[int, int], int]:
 
 
 def compile_units(
-    staged: StagedJaxpr, workers: Mapping[int, int], placement: Placement
+    staged: StagedJaxpr,
+    workers: Mapping[int, int],
+    placement: Placement,
+    *,
+    num_params: int = 0,
+    param_specs: Sequence[Any] | None = None,
+    result_specs: Sequence[Any] | None = None,
+    data_axis: str = "data",
 ) -> dict[int, Unit]:
     """A :class:`Unit` for each stage ``index`` of ``workers`` (stage index -> worker),
-    compiled for that worker's slot (programs seen before come from a cache)."""
+    compiled for that worker's slot (programs seen before come from a cache). On
+    sub-meshes, the first ``num_params`` inputs of ``staged`` are parameters laid out by
+    ``param_specs`` (one ``PartitionSpec`` each), and each result ``r`` of ``staged``
+    is reduced into ``result_specs[r]`` (replicated where ``None``)."""
     readers = stage_readers(staged)
+    if not placement.meshes:
+        return {
+            index: _compile_unit(staged, index, w, placement.slots[w], readers)
+            for index, w in workers.items()
+        }
+    specs = _MeshSpecs(num_params, param_specs or (), result_specs, data_axis)
     return {
-        index: _compile_unit(staged, index, w, placement.slots[w], readers)
+        index: _mesh_unit(staged, index, w, placement.slots[w], readers, specs)
         for index, w in workers.items()
     }
+
+
+class _MeshSpecs(NamedTuple):
+    num_params: int
+    param_specs: Sequence[Any]
+    result_specs: Sequence[Any] | None
+    data_axis: str
+
+
+def _outputs(
+    staged: StagedJaxpr, index: int, readers: dict[tuple[int, int], int]
+) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
+    """A stage's accumulated ``(result, output)`` pairs and its passed outputs."""
+    accumulated = tuple(
+        (r, ref.index)
+        for r, ref in enumerate(staged.outputs)
+        if ref.kind == "stage" and ref.stage == index
+    )
+    outs = len(staged.stages[index].out_avals)
+    return accumulated, tuple(o for o in range(outs) if readers.get((index, o), 0))
+
+
+def _mesh_unit(
+    staged: StagedJaxpr,
+    index: int,
+    worker: int,
+    slot: Slot,
+    readers: dict[tuple[int, int], int],
+    specs: _MeshSpecs,
+) -> Unit:
+    """A stage compiled over its slot's sub-mesh (:func:`pipemark.runtime.sharding.compile_stage`:
+    the model's shardings retargeted, data-parallel replicas, delayed reduction)."""
+    stage = staged.stages[index]
+    accumulated, passed = _outputs(staged, index, readers)
+    param_specs = {
+        i: specs.param_specs[ref.index]
+        for i, ref in enumerate(stage.inputs)
+        if ref.kind == "input" and ref.index < specs.num_params
+    }
+    sums = specs.result_specs
+    compiled = compile_stage(
+        stage.closed_jaxpr,
+        slot.mesh,
+        param_specs=param_specs,
+        accumulated=[o for _, o in accumulated],
+        passed=list(passed),
+        accumulated_specs=None if sums is None else [sums[r] or P() for r, _ in accumulated],
+        data_axis=specs.data_axis,
+    )
+    finish = compiled.reduce if compiled.replicas > 1 and accumulated else None
+    return Unit(
+        index, worker, compiled.run, compiled.zeros, accumulated, passed, finish, True, compiled
+    )
 
 
 # Stage programs compiled in this process, keyed by their text, types and slot: the same
@@ -116,12 +203,7 @@ def _compile_unit(
     staged: StagedJaxpr, index: int, worker: int, slot: Slot, readers: dict[tuple[int, int], int]
 ) -> Unit:
     stage = staged.stages[index]
-    accumulated = tuple(
-        (r, ref.index)
-        for r, ref in enumerate(staged.outputs)
-        if ref.kind == "stage" and ref.stage == index
-    )
-    passed = tuple(o for o in range(len(stage.out_avals)) if readers.get((index, o), 0))
+    accumulated, passed = _outputs(staged, index, readers)
     outputs = [o for _, o in accumulated]
     key = _unit_key(stage.closed_jaxpr, outputs, list(passed), slot)
     cached = _UNIT_CACHE.get(key) if key is not None else None

@@ -47,19 +47,29 @@ from pipemark.runtime.transport import CollectiveTransport, InProcessTransport, 
 __all__ = ["STRATEGIES", "action_costs", "run_plan", "split_leaf"]
 
 
-def split_leaf(leaf: Any, num_microbatches: int, micro: int) -> list[Any]:
-    """A batch leaf's ``num_microbatches`` microbatches of ``micro`` rows."""
+def split_leaf(leaf: Any, num_microbatches: int, micro: int, replicas: int = 1) -> list[Any]:
+    """A batch leaf's ``num_microbatches`` microbatches of ``micro`` rows; with
+    ``replicas > 1``, each shaped ``(replicas, micro // replicas, ...)``."""
     if isinstance(leaf, jax.Array):
         # One compiled program for all the slices: slicing a jax.Array op by op costs a
         # dispatch (about 0.3 ms) per microbatch.
-        return list(_splitter(num_microbatches)(leaf))
+        return list(_splitter(num_microbatches, replicas)(leaf))
     array = np.asarray(leaf)
-    return [array[m * micro : (m + 1) * micro] for m in range(num_microbatches)]
+    parts = [array[m * micro : (m + 1) * micro] for m in range(num_microbatches)]
+    if replicas > 1:
+        parts = [p.reshape(replicas, -1, *p.shape[1:]) for p in parts]
+    return parts
 
 
 @functools.lru_cache(maxsize=64)
-def _splitter(num_microbatches: int) -> Callable[[Any], list[Any]]:
-    return jax.jit(lambda x: jnp.split(x, num_microbatches))
+def _splitter(num_microbatches: int, replicas: int) -> Callable[[Any], list[Any]]:
+    def split(x: Any) -> list[Any]:
+        parts = jnp.split(x, num_microbatches)
+        if replicas > 1:
+            parts = [p.reshape(replicas, -1, *p.shape[1:]) for p in parts]
+        return parts
+
+    return jax.jit(split)
 
 
 register_cache(_splitter.cache_clear)
@@ -84,7 +94,10 @@ class _Call:
         self.num_micro = num_micro = plan.schedule.num_microbatches
         self.param_leaves = jax.tree_util.tree_leaves(params)
         batch_leaves = jax.tree_util.tree_leaves(batch)
-        self.slices = [split_leaf(x, num_micro, plan.microbatch_size) for x in batch_leaves]
+        replicas = plan.placement.slots[0].replicas
+        self.slices = [
+            split_leaf(x, num_micro, plan.microbatch_size, replicas) for x in batch_leaves
+        ]
         self.local = plan.placement.local
         self.exchange = Exchange(len(self.local))
         self.copies: Transport = InProcessTransport()
@@ -93,8 +106,13 @@ class _Call:
         self.transport: Transport | None = None
         self.outbox: dict[tuple[Key, int], Any] = {}
         self.boundary_bytes = (0, 0)  # sent, received between stages (not gathering)
-        # Per stage; each stage's worker alone writes its entry.
+        # Per stage; each stage's worker alone writes its entry. A unit that consumes
+        # its accumulators starts from zeros of this call's own.
         self.accs: dict[int, Sequence[Any]] = dict(plan.zeros)
+        for index, unit in plan.units.items():
+            if unit.donates and unit.zeros is not None and self.local[unit.worker]:
+                self.accs[index] = unit.zeros()
+        self.finished = False
         self.host_times: list[float] = []
         # When measuring (action_costs): each action's seconds, from its inputs
         # computed to its results computed and published.
@@ -107,10 +125,17 @@ class _Call:
         transfer."""
         steps, num_micro = self.steps, self.num_micro
         need_params, need_batch = steps.params[worker], steps.batch[worker]
+        plan = self.plan
         sources = [self.param_leaves[i] for i in need_params]
-        for j in need_batch:
-            sources.extend(self.slices[j])
-        placed = self.plan.placement.put(sources, worker)
+        if plan.param_specs is not None:  # sub-meshes: each parameter with its own layout
+            where = [plan.param_sharding(i, worker) for i in need_params]
+            placed = jax.device_put(sources, where) if sources else []
+            batch = [x for j in need_batch for x in self.slices[j]]
+            placed = [*placed, *plan.placement.put(batch, worker)]
+        else:
+            for j in need_batch:
+                sources.extend(self.slices[j])
+            placed = plan.placement.put(sources, worker)
         on_device = dict(zip(need_params, placed))
         batch_on: list[list[Any]] = [[] for _ in self.slices]
         start = len(need_params)
@@ -139,7 +164,7 @@ class _Call:
             jax.block_until_ready(inputs)
         begin = time.perf_counter() if self.spans is not None else 0.0
         index = step.index
-        new_accs, outs = self.plan.units[index].run(self.accs.get(index, ()), inputs, scale)
+        new_accs, outs = self.plan.units[index].run(self.accs.get(index, []), inputs, scale)
         if step.accumulate:
             self.accs[index] = new_accs
         if step.sends:
@@ -215,6 +240,16 @@ class _Call:
                     transport.send(self.accs[index], sender, receiver, what)
                 elif process == me:
                     self.accs[index] = transport.receive(types, sender, receiver, what)
+
+    def finish(self) -> None:
+        """Reduce this process's accumulators over their data-parallel replicas: the
+        one cross-replica reduction of a call."""
+        if self.finished:
+            return
+        self.finished = True
+        for index, unit in self.plan.units.items():
+            if unit.finish is not None and index in self.accs:
+                self.accs[index] = unit.finish(list(self.accs[index]))
 
     def results(self) -> list[Any]:
         """The accumulated results, in the staged program's output order."""
@@ -308,6 +343,7 @@ def _run_processes(call: _Call) -> None:
         if call.local[worker]:
             call.run_step(worker, step, placed[worker])
     call.boundary_bytes = (transport.bytes_sent, transport.bytes_received)
+    call.finish()
     call.gather()
     call.host_times.append(time.perf_counter() - start - transport.seconds)
 
@@ -344,6 +380,7 @@ def run_plan(
     start = time.perf_counter()
     try:
         STRATEGIES[_strategy(plan, parallel)](call)
+        call.finish()
         values_left = len(call.exchange)
     finally:
         call.exchange.clear()  # after a failure, values nobody will read

@@ -60,7 +60,22 @@ class PipelineOptions:
         :func:`pipemark.passes.split_backward`) or a
         :class:`~pipemark.runtime.schedules.Schedule`.
     devices:
-        The devices to use (``None``: ``jax.devices()``).
+        The devices to use (``None``: ``jax.devices()``), one per device slot of the
+        schedule.
+    mesh:
+        Instead of ``devices``: a ``jax.sharding.Mesh`` with a ``stage_axis`` (each
+        position along it one device slot, a sub-mesh of the other axes) or a list of
+        meshes, one per slot; each stage then runs as an SPMD program over its
+        sub-mesh (:mod:`pipemark.runtime.sharding`).
+    param_specs:
+        With ``mesh``: how each parameter lies on its stage's sub-mesh, a
+        ``PartitionSpec`` per leaf (a pytree prefix of the parameters; ``None``:
+        replicated). Default: the spec of each parameter's own ``NamedSharding``, else
+        replicated.
+    stage_axis, data_axis:
+        With ``mesh``: the names of its stage axis and of its data-parallel axis (each
+        microbatch is split into replicas along it, and gradients are reduced over it
+        once per step).
     loss_reduction:
         One of :data:`~pipemark.runtime.losses.LOSS_REDUCTIONS`.
     timeout_s:
@@ -77,6 +92,10 @@ class PipelineOptions:
     loss_reduction: str = "mean"
     timeout_s: float | None = 120.0
     block_cuts: str = "prefer"
+    mesh: Any = None
+    param_specs: Any = None
+    stage_axis: str = "stage"
+    data_axis: str = "data"
 
     def __post_init__(self) -> None:
         if self.timeout_s is not None and (
@@ -105,6 +124,26 @@ class PipelineOptions:
             )
         if self.devices is not None:
             object.__setattr__(self, "devices", _check_devices(self.devices))
+        self._check_mesh()
+
+    def _check_mesh(self) -> None:
+        for name in ("stage_axis", "data_axis"):
+            if not isinstance(getattr(self, name), str):
+                raise PipemarkError(
+                    f"{name} must be an axis name (a str), got {getattr(self, name)!r}."
+                )
+        if self.mesh is None:
+            if self.param_specs is not None:
+                raise PipemarkError(
+                    "param_specs lays parameters out on the stages' sub-meshes; pass "
+                    "mesh= too (a jax.sharding.Mesh with a stage axis), or drop param_specs."
+                )
+            return
+        if self.devices is not None:
+            raise PipemarkError(
+                "Pass either devices= (one device per slot) or mesh= (a sub-mesh per slot), "
+                "not both."
+            )
 
     @property
     def splits_backward(self) -> bool:

@@ -57,11 +57,13 @@ from pipemark.runtime.arguments import (
 from pipemark.runtime.execution import action_costs, run_plan
 from pipemark.runtime.losses import LOSS_REDUCTIONS, count_batch_free_terms_once, split_count
 from pipemark.runtime.options import PipelineOptions
+from pipemark.runtime.placement import leaf_specs
 from pipemark.runtime.plan import (
     PipelinePlan,
     build_plan,
     microbatch_structs,
     plan_from_staged,
+    replicas_of,
     stage_program,
 )
 from pipemark.runtime.schedules import Schedule
@@ -95,7 +97,12 @@ class Pipeline:
 
     def _key(self, params: Any, batch: Any) -> Any:
         leaves, tree = jax.tree_util.tree_flatten((params, batch))
-        return tree, tuple((np.shape(x), str(jnp.result_type(x))) for x in leaves)
+        key = tree, tuple((np.shape(x), str(jnp.result_type(x))) for x in leaves)
+        if self.options.mesh is not None and self.options.param_specs is None:
+            # The parameters' own shardings lay them out on the sub-meshes.
+            specs = leaf_specs(None, params, self.options.stage_axis)
+            return (*key, tuple(map(str, specs)))
+        return key
 
     def _bind(self, params: Any, batch_args: tuple) -> tuple[Any, Any, Any, Any]:
         """``(key, dynamic params, batch, part)``: the params' arrays, the batch (one
@@ -212,6 +219,10 @@ def pipeline_value_and_grad(
     loss_reduction: str = "mean",
     timeout_s: float | None = 120.0,
     block_cuts: str = "prefer",
+    mesh: Any = None,
+    param_specs: Any = None,
+    stage_axis: str = "stage",
+    data_axis: str = "data",
 ) -> Pipeline:
     """``jax.value_and_grad(loss_fn)`` computed as a pipeline over several devices.
 
@@ -259,6 +270,21 @@ def pipeline_value_and_grad(
         Without markers: cut between the model's repeated blocks when that costs
         little balance (``"prefer"``), always (``"require"``) or anywhere (``"off"``);
         see :func:`pipemark.passes.auto_layers`.
+    mesh:
+        Stages on sub-meshes (instead of ``devices``): a ``jax.sharding.Mesh`` with a
+        ``stage_axis`` (e.g. axes ``("stage", "data", "model")``), each position along
+        it one device slot, or a list of meshes, one per slot. Each stage runs as an
+        SPMD program over its sub-mesh: the model's ``with_sharding_constraint``
+        annotations apply there, each microbatch is split into data-parallel replicas
+        along ``data_axis`` and the gradients are reduced over it once per call
+        (:mod:`pipemark.runtime.sharding`; docs: "Stages on sub-meshes").
+    param_specs:
+        With ``mesh``: a ``PartitionSpec`` per parameter (a pytree prefix of
+        ``params``; ``None``: replicated) over the sub-mesh's axes; by default each
+        parameter's own ``NamedSharding`` spec. Gradients come back with the same
+        layout on their stage's sub-mesh.
+    stage_axis, data_axis:
+        With ``mesh``: the names of its stage and data-parallel axes.
 
     Returns
     -------
@@ -297,11 +323,31 @@ def pipeline_value_and_grad(
         loss_reduction=loss_reduction,
         timeout_s=timeout_s,
         block_cuts=block_cuts,
+        mesh=mesh,
+        param_specs=param_specs,
+        stage_axis=stage_axis,
+        data_axis=data_axis,
     )
     return Pipeline(loss_fn, options)
 
 
 # ------------------------------------------------------------------ training step
+
+
+def _check_accumulable(compute: ClosedJaxpr, compute_full: ClosedJaxpr) -> None:
+    """The values the update reads from the gradient part must not depend on the batch
+    size: they are accumulated over microbatches."""
+    micro_avals = [v.aval for v in compute.jaxpr.outvars]
+    full_avals = [v.aval for v in compute_full.jaxpr.outvars]
+    for i, (a, b) in enumerate(zip(micro_avals, full_avals)):
+        if a.shape != b.shape:
+            raise PipemarkError(
+                f"Value {i} that the update after pm.mark_gradient reads from the "
+                f"gradient part has shape {a.shape} for one microbatch but {b.shape} for "
+                "the whole batch; only values that do not depend on the batch size "
+                "(gradients, a mean loss) can be accumulated over microbatches. Reduce "
+                "it over the batch before the grad marker."
+            )
 
 
 def _trace_step(step_fn: Callable, args: tuple) -> tuple[ClosedJaxpr, ClosedJaxpr, Any]:
@@ -339,40 +385,36 @@ class PipelinedStep:
         if prepared is not None:
             return prepared
         *replicated, batch = args
-        structs, micro = microbatch_structs(batch, self.options.num_microbatches)
+        options = self.options
+        structs, micro = microbatch_structs(batch, options.num_microbatches)
+        replicas = replicas_of(options, micro)  # on sub-meshes, traced for one replica
+        structs = [
+            jax.ShapeDtypeStruct((s.shape[0] // replicas, *s.shape[1:]), s.dtype) for s in structs
+        ]
         batch_structs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(batch), structs)
         # The gradient part is traced for one microbatch (it runs per microbatch); the
         # update is traced for the whole batch (it runs once, and may read the batch).
         compute, _, _ = _trace_step(self.step_fn, (*replicated, batch_structs))
         compute_full, apply, out_shape = _trace_step(self.step_fn, args)
-        micro_avals = [v.aval for v in compute.jaxpr.outvars]
-        full_avals = [v.aval for v in compute_full.jaxpr.outvars]
-        for i, (a, b) in enumerate(zip(micro_avals, full_avals)):
-            if a.shape != b.shape:
-                raise PipemarkError(
-                    f"Value {i} that the update after pm.mark_gradient reads from the "
-                    f"gradient part has shape {a.shape} for one microbatch but {b.shape} for "
-                    "the whole batch; only values that do not depend on the batch size "
-                    "(gradients, a mean loss) can be accumulated over microbatches. Reduce "
-                    "it over the batch before the grad marker."
-                )
+        _check_accumulable(compute, compute_full)
         num_replicated = len(jax.tree_util.tree_leaves(tuple(replicated)))
-        if self.options.loss_reduction == "sum":
+        if options.loss_reduction == "sum":
             # What does not read the batch (weight decay's gradient) counts once.
             compute = count_batch_free_terms_once(
-                compute, num_replicated, self.options.num_microbatches
+                compute, num_replicated, options.num_microbatches * replicas
             )
+        specs = None
+        if options.mesh is not None:
+            specs = leaf_specs(options.param_specs, tuple(replicated), options.stage_axis)
         plan = plan_from_staged(
             stage_program(
-                compute,
-                self.options.num_stages,
-                "The gradient part of the step",
-                self.options.block_cuts,
+                compute, options.num_stages, "The gradient part of the step", options.block_cuts
             ),
-            jax.tree_util.tree_structure([0] * len(micro_avals)),
+            jax.tree_util.tree_structure([0] * len(compute.jaxpr.outvars)),
             num_param_leaves=num_replicated,
             microbatch_size=micro,
-            options=self.options,
+            options=options,
+            param_specs=specs,
         )
         prepared = (
             plan,
@@ -393,12 +435,12 @@ class PipelinedStep:
         plan, apply, out_tree = self._prepare(args)
         *replicated, batch = args
         accumulated = run_plan(plan, tuple(replicated), batch, None)
-        # The update runs once, on the first stage's device, over the whole inputs and
-        # the accumulated gradients; under jax.distributed every process has them all
-        # and runs it on its own first device, so that every process holds the state.
-        me = jax.process_index()
-        device = next(d for d in plan.devices if getattr(d, "process_index", me) == me)
-        inputs = jax.device_put([*jax.tree_util.tree_leaves(args), *accumulated], device)
+        # The update runs once, on the first stage's slot of this process (under
+        # jax.distributed every process has every result and runs it, so that every
+        # process holds the state), over the whole inputs and the accumulated values;
+        # on a sub-mesh the state keeps its layout there.
+        values = [*jax.tree_util.tree_leaves(args), *accumulated]
+        inputs = jax.device_put(values, plan.update_shardings(len(values)))
         return jax.tree_util.tree_unflatten(out_tree, apply(*inputs))
 
 
@@ -412,6 +454,10 @@ def pipeline_train_step(
     loss_reduction: str = "mean",
     timeout_s: float | None = 120.0,
     block_cuts: str = "prefer",
+    mesh: Any = None,
+    param_specs: Any = None,
+    stage_axis: str = "stage",
+    data_axis: str = "data",
 ) -> PipelinedStep:
     """A training step ``step_fn(*state, batch)`` whose gradients are computed as a
     pipeline and then applied once.
@@ -424,7 +470,9 @@ def pipeline_train_step(
     ``num_microbatches`` microbatches of ``batch`` (its last argument), every value it
     hands to the update (the gradients, the loss) averaged over microbatches (or added,
     with ``loss_reduction="sum"``); the part after runs once, on the first stage's
-    device, with those values. The other options are those of
+    device, with those values (on sub-meshes, ``mesh=``: on the first stage's sub-mesh,
+    every argument but the batch laid out by ``param_specs``, a pytree prefix of those
+    arguments, or by its own sharding). The other options are those of
     :func:`pipeline_value_and_grad`.
 
     >>> import jax, numpy as np, pipemark as pm
@@ -449,5 +497,9 @@ def pipeline_train_step(
         loss_reduction=loss_reduction,
         timeout_s=timeout_s,
         block_cuts=block_cuts,
+        mesh=mesh,
+        param_specs=param_specs,
+        stage_axis=stage_axis,
+        data_axis=data_axis,
     )
     return PipelinedStep(step_fn, options)

@@ -17,11 +17,23 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
 from pipemark._compat import copy_to_device
+from pipemark.errors import PipemarkError
+from pipemark.runtime.sharding import stage_meshes
 
-__all__ = ["Placement", "Slot", "device_slot", "place_stages", "put_on"]
+__all__ = [
+    "Placement",
+    "Slot",
+    "available_slots",
+    "device_slot",
+    "leaf_specs",
+    "mesh_slot",
+    "place_stages",
+    "put_on",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,15 +47,24 @@ class Slot:
     mesh:
         The sub-mesh, or ``None`` for a single device.
     sharding:
-        How a value handed between stages, or a microbatch, lies on the slot.
+        How a value handed between stages, or a microbatch, lies on the slot (on a
+        sub-mesh with a data axis: its leading replica axis along that axis).
     process:
         The process that owns the devices (all of them: a slot lies in one process).
+    replicated:
+        How a value whole on every device of the slot lies there.
+    replicas:
+        How many data-parallel replicas of each microbatch the slot runs.
     """
 
     devices: tuple[Any, ...]
     mesh: Any
     sharding: Any
     process: int
+    #: A value whole on every device of the slot (a scalar, a replicated parameter).
+    replicated: Any = None
+    #: Data-parallel replicas of each microbatch (the size of the mesh's data axis).
+    replicas: int = 1
 
     @property
     def device(self) -> Any:
@@ -66,7 +87,95 @@ def put_on(values: Sequence[Any], slot: Slot) -> list[Any]:
 
 def device_slot(device: Any) -> Slot:
     """A slot of one device."""
-    return Slot((device,), None, SingleDeviceSharding(device), _process_of(device))
+    sharding = SingleDeviceSharding(device)
+    return Slot((device,), None, sharding, _process_of(device), sharding)
+
+
+def mesh_slot(mesh: Mesh, data_axis: str) -> Slot:
+    """A slot of a sub-mesh (within one process: :func:`pipemark.runtime.sharding.stage_meshes`
+    checks it), with ``mesh.shape[data_axis]`` replicas (1 without that axis)."""
+    replicas = int(mesh.shape.get(data_axis, 1))
+    sharding = NamedSharding(mesh, P(data_axis) if replicas > 1 else P())
+    devices = tuple(mesh.devices.flat)
+    return Slot(
+        devices, mesh, sharding, _process_of(devices[0]), NamedSharding(mesh, P()), replicas
+    )
+
+
+def available_slots(options: Any) -> list[Slot]:
+    """The device slots a pipeline with these options may use: ``options.devices`` (or
+    every device), a slot each; or, with ``options.mesh``, one sub-mesh each."""
+    if options.mesh is None:
+        devices = list(jax.devices() if options.devices is None else options.devices)
+        if len({id(d) for d in devices}) != len(devices):
+            raise PipemarkError("devices lists a device twice; give each pipeline device once.")
+        return [device_slot(d) for d in devices]
+    mesh = options.mesh
+    if isinstance(mesh, Mesh):
+        if options.stage_axis not in mesh.shape:
+            raise PipemarkError(
+                f"The mesh's axes are {tuple(mesh.axis_names)}, without the stage axis "
+                f"{options.stage_axis!r}: name one axis {options.stage_axis!r} (or pass "
+                "stage_axis=), each position along it one pipeline slot, or give a list of "
+                "sub-meshes."
+            )
+        count = int(mesh.shape[options.stage_axis])
+    else:
+        count = len(mesh) if isinstance(mesh, Sequence) else 0
+    meshes = stage_meshes(mesh, count, options.stage_axis)
+    return [mesh_slot(m, options.data_axis) for m in meshes]
+
+
+def leaf_specs(param_specs: Any, params: Any, stage_axis: str) -> list[Any]:
+    """A ``PartitionSpec`` per array leaf of ``params``: from ``param_specs`` (a pytree
+    prefix of ``params``; ``None`` replicated), or, without it, each leaf's own
+    ``NamedSharding``'s spec (the stage axis left out), else replicated."""
+    leaves = jax.tree_util.tree_leaves(params)
+    if param_specs is None:
+        return [_own_spec(leaf, stage_axis) for leaf in leaves]
+    try:
+        expanded = jax.tree_util.tree_map(
+            lambda spec, sub: _Group([spec] * len(jax.tree_util.tree_leaves(sub))),
+            param_specs,
+            params,
+            is_leaf=lambda x: x is None or isinstance(x, P),
+        )
+    except (ValueError, TypeError) as error:
+        raise PipemarkError(
+            "param_specs must be a pytree prefix of the parameters, with a "
+            f"jax.sharding.PartitionSpec (or None: replicated) at each leaf: {error}"
+        ) from None
+    specs = [
+        P() if spec is None else spec
+        for group in jax.tree_util.tree_leaves(expanded, is_leaf=lambda x: isinstance(x, _Group))
+        for spec in group.specs
+    ]
+    for spec in specs:
+        if not isinstance(spec, P):
+            raise PipemarkError(
+                f"param_specs holds {spec!r}; give a jax.sharding.PartitionSpec (or None: "
+                "replicated) for each parameter."
+            )
+    return specs
+
+
+class _Group:
+    """The specs of the leaves under one entry of a prefix tree (a pytree leaf)."""
+
+    def __init__(self, specs: list[Any]) -> None:
+        self.specs = specs
+
+
+def _own_spec(leaf: Any, stage_axis: str) -> Any:
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        return P()
+    entries = []
+    for entry in sharding.spec:
+        names = entry if isinstance(entry, tuple) else (entry,)
+        kept = tuple(n for n in names if n is not None and n != stage_axis)
+        entries.append(kept[0] if len(kept) == 1 else (kept or None))
+    return P(*entries)
 
 
 def _process_of(device: Any) -> int:
@@ -110,6 +219,11 @@ class Placement:
         """``values`` copied onto worker ``worker``'s slot, in one transfer."""
         return put_on(values, self.slots[worker])
 
+    @property
+    def meshes(self) -> bool:
+        """Whether the slots are sub-meshes (else single devices)."""
+        return self.slots[0].mesh is not None
+
     def receivers(self) -> dict[int, Any]:
         """Per process, the device that receives the results of other processes'
         stages: one of its pipeline devices where it has one, else its first device (a
@@ -128,9 +242,12 @@ class Placement:
 
 def place_stages(available: Sequence[Any], stage_devices: Sequence[int]) -> Placement:
     """The placement of pipeline stages whose schedule puts stage ``k`` on device slot
-    ``stage_devices[k]``, slot ``d`` being ``available[d]`` (a device)."""
+    ``stage_devices[k]``, slot ``d`` being ``available[d]`` (a :class:`Slot`, or a
+    device)."""
     order: dict[int, int] = {}  # schedule slot -> worker
     for d in stage_devices:
         order.setdefault(d, len(order))
-    slots = tuple(device_slot(available[d]) for d in order)
+    slots = tuple(
+        available[d] if isinstance(available[d], Slot) else device_slot(available[d]) for d in order
+    )
     return Placement(slots, tuple(order[d] for d in stage_devices), jax.process_index())

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+from jax.sharding import NamedSharding
 
 from pipemark.errors import PipemarkError, StageGraphError
 from pipemark.passes.backward_split import split_backward
@@ -29,7 +30,7 @@ from pipemark.runtime.losses import (
     find_batch_normaliser,
 )
 from pipemark.runtime.options import PipelineOptions
-from pipemark.runtime.placement import Placement, Slot, place_stages, put_on
+from pipemark.runtime.placement import Placement, Slot, available_slots, leaf_specs, place_stages
 from pipemark.runtime.schedules import BACKWARD, FORWARD, WEIGHT, Schedule, make_schedule
 from pipemark.runtime.simulation import ZERO_BUBBLE_VARIANTS, zero_bubble_schedule
 from pipemark.runtime.steps import Steps, resolve_steps
@@ -217,6 +218,8 @@ class PipelinePlan:
     scales: Mapping[int, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
     # Under jax.distributed, the watchdog of its transfers (one thread, for every call).
     watchdog: Watchdog | None = dataclasses.field(default=None, repr=False, compare=False)
+    #: On sub-meshes: each parameter leaf's ``PartitionSpec`` on its stage's sub-mesh.
+    param_specs: tuple[Any, ...] | None = None
 
     @property
     def num_stages(self) -> int:
@@ -232,6 +235,28 @@ class PipelinePlan:
         """What each microbatch's share is multiplied by: ``1/M`` for a mean, else 1."""
         num_micro = self.schedule.num_microbatches
         return 1.0 / num_micro if self.loss_reduction == "mean" else 1.0
+
+    def device_scale(self, slot: Slot) -> float:
+        """What each replica's share of a microbatch is multiplied by on ``slot``."""
+        mean = self.loss_reduction == "mean"
+        return self.scale / slot.replicas if mean else self.scale
+
+    def param_sharding(self, leaf: int, worker: int) -> Any:
+        """Where parameter leaf ``leaf`` lies on worker ``worker``'s slot."""
+        slot = self.placement.slots[worker]
+        if self.param_specs is None:
+            return slot.replicated
+        return NamedSharding(slot.mesh, self.param_specs[leaf])
+
+    def update_shardings(self, count: int) -> list[Any]:
+        """Where a training step's update reads its ``count`` inputs (the parameter
+        leaves first): this process's first slot, each parameter with its layout there
+        and everything else whole."""
+        slot = next(s for s in self.placement.slots if s.process == self.placement.process)
+        if self.param_specs is None:
+            return [slot.replicated] * count
+        specs = [NamedSharding(slot.mesh, spec) for spec in self.param_specs]
+        return [*specs, *[slot.replicated] * (count - len(specs))]
 
     def slot(self, index: int) -> Slot:
         """The slot (device or sub-mesh) that runs stage ``index`` of ``staged``."""
@@ -295,21 +320,47 @@ def build_plan(
     the traced program, stage, schedule and compile it: the plan
     :func:`pipemark.runtime.execution.run_plan` runs."""
     structs, micro = microbatch_structs(batch, options.num_microbatches)
+    replicas = replicas_of(options, micro)
+    # On sub-meshes with a data axis the program is traced for one replica's rows.
+    structs = [
+        jax.ShapeDtypeStruct((s.shape[0] // replicas, *s.shape[1:]), s.dtype) for s in structs
+    ]
     batch_structs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(batch), structs)
     loss = _trace_loss(loss_fn, params, batch_structs)
     num_param_leaves = len(jax.tree_util.tree_leaves(params))
     if options.loss_reduction == "mean":
         _refuse_batch_normaliser(loss, num_param_leaves)
     else:  # a sum: the terms without the batch (weight decay) count once, not per microbatch
-        loss = count_batch_free_terms_once(loss, num_param_leaves, options.num_microbatches)
+        evaluations = options.num_microbatches * replicas  # (and replica)
+        loss = count_batch_free_terms_once(loss, num_param_leaves, evaluations)
     staged, out_tree = _trace_staged(loss, params, batch_structs, options)
+    specs = None
+    if options.mesh is not None:
+        specs = leaf_specs(options.param_specs, params, options.stage_axis)
     return plan_from_staged(
         staged,
         out_tree,
         num_param_leaves=num_param_leaves,
         microbatch_size=micro,
         options=options,
+        param_specs=specs,
+        result_specs=None if specs is None else (None, *specs),
     )
+
+
+def replicas_of(options: PipelineOptions, microbatch_size: int) -> int:
+    """The data-parallel replicas each microbatch is split into (1 without a mesh, or
+    without a data axis), checked to divide the microbatch's rows."""
+    if options.mesh is None:
+        return 1
+    replicas = available_slots(options)[0].replicas
+    if microbatch_size % replicas:
+        raise PipemarkError(
+            f"A microbatch of {microbatch_size} rows does not split into {replicas} "
+            f"data-parallel replicas (the mesh's {options.data_axis!r} axis). Use a batch "
+            f"that is a multiple of num_microbatches x {replicas}, or fewer microbatches."
+        )
+    return replicas
 
 
 def _schedule(
@@ -317,10 +368,8 @@ def _schedule(
 ) -> tuple[Schedule, list[Any]]:
     """The pipeline's schedule for ``count`` pipeline stages and the devices available,
     checked against each other."""
-    devices, schedule = options.devices, options.schedule
-    available = list(jax.devices() if devices is None else devices)
-    if len({id(d) for d in available}) != len(available):
-        raise PipemarkError("devices lists a device twice; give each pipeline device once.")
+    schedule = options.schedule
+    available = available_slots(options)
     if isinstance(schedule, Schedule) or schedule in ("interleaved", "zb-v"):
         # Several stages may share a device (a Schedule places its own): the devices
         # it uses are checked against those available below.
@@ -363,9 +412,13 @@ def plan_from_staged(
     num_param_leaves: int,
     microbatch_size: int,
     options: PipelineOptions,
+    param_specs: Sequence[Any] | None = None,
+    result_specs: Sequence[Any] | None = None,
 ) -> PipelinePlan:
     """Schedule and compile a staged program whose inputs are ``num_param_leaves``
-    replicated leaves followed by the batch leaves (split into microbatches)."""
+    parameter leaves followed by the batch leaves (split into microbatches). On
+    sub-meshes (``options.mesh``), ``param_specs`` lays each parameter leaf out on its
+    stage's sub-mesh and ``result_specs`` each result (``None``: replicated)."""
     if options.splits_backward:
         # A zero-bubble schedule runs each backward's parameter gradients (W) apart.
         staged = split_backward(staged)
@@ -386,6 +439,10 @@ def plan_from_staged(
         staged,
         {index: placement.stage_slots[k] for index, k in pipeline_stage.items()},
         placement,
+        num_params=num_param_leaves,
+        param_specs=param_specs,
+        result_specs=result_specs,
+        data_axis=options.data_axis,
     )
     units = types.MappingProxyType(units)  # the plan is immutable
     plan = PipelinePlan(
@@ -402,6 +459,7 @@ def plan_from_staged(
         steps=None,
         loss_reduction=options.loss_reduction,
         timeout_s=options.timeout_s,
+        param_specs=None if param_specs is None else tuple(param_specs),
     )
     return _ready(plan)
 
@@ -418,10 +476,13 @@ def _ready(plan: PipelinePlan) -> PipelinePlan:
     zeros = {
         index: tuple(unit.zeros())
         for index, unit in plan.units.items()
-        if unit.zeros is not None and local[unit.worker]
+        if unit.zeros is not None and local[unit.worker] and not unit.donates
     }
-    scale = np.float32(plan.scale)
-    scales = {w: put_on([scale], slot)[0] for w, slot in enumerate(placement.slots) if local[w]}
+    scales = {
+        w: jax.device_put(np.float32(plan.device_scale(slot)), slot.replicated)
+        for w, slot in enumerate(placement.slots)
+        if local[w]
+    }
     watchdog = None
     if placement.distributed:
         check_agreement(plan, plan.timeout_s)

@@ -1,0 +1,286 @@
+"""Pipelines whose stages run on sub-meshes (``mesh=``): every schedule on 8 host CPU
+devices as 2 stages x 2 data x 2 model and as 4 stages x 2 data, against JAX's own
+``jax.jit(jax.value_and_grad(loss_fn))`` of the same model with the same shardings;
+the gradients' layouts; the one data-parallel reduction per call; the errors.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pipemark as pm
+from pipemark import examples
+from pipemark.errors import PipemarkError
+from tests._trees import assert_trees_close
+
+WIDTH, LAYERS, ROWS = 16, 4, 32
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+
+
+def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
+    count = int(np.prod(shape))
+    return Mesh(np.array(jax.devices()[:count]).reshape(shape), names)
+
+
+@functools.cache
+def _meshes() -> dict[str, Mesh]:
+    return {
+        "2x2x2": _mesh((2, 2, 2), ("stage", "data", "model")),
+        "4x2": _mesh((4, 2), ("stage", "data")),
+        # The reference's mesh: one stage's shape, on the first stage's devices.
+        "data-model": _mesh((2, 2), ("data", "model")),
+        "data": _mesh((2,), ("data",)),
+    }
+
+
+def _tensor_parallel_mlp(constraint_mesh: Mesh | None):
+    """A residual MLP in Megatron's layout: the first matrix split by columns over
+    ``model``, the second by rows, the hidden activations constrained to
+    ``P("data", "model")`` on ``constraint_mesh`` (none when ``None``)."""
+    rng = np.random.default_rng(0)
+
+    def matrix():
+        return jnp.asarray(rng.normal(size=(WIDTH, WIDTH)) / 4, jnp.float32)
+
+    params = [(matrix(), matrix()) for _ in range(LAYERS)]
+    specs = [(P(None, "model"), P("model", None))] * LAYERS
+    batch = (
+        jnp.asarray(rng.normal(size=(ROWS, WIDTH)), jnp.float32),
+        jnp.asarray(rng.normal(size=(ROWS, WIDTH)), jnp.float32),
+    )
+
+    def loss_fn(params, batch):
+        x, y = batch
+        for i, (a, b) in enumerate(params):
+            if i:
+                pm.mark_pipeline_boundary()
+            h = jnp.tanh(x @ a)
+            if constraint_mesh is not None:
+                h = jax.lax.with_sharding_constraint(
+                    h, NamedSharding(constraint_mesh, P("data", "model"))
+                )
+            x = x + h @ b
+        return jnp.mean((x - y) ** 2)
+
+    return loss_fn, params, specs, batch
+
+
+def _reference(loss_fn, params, specs, batch, mesh: Mesh):
+    """``jax.value_and_grad`` under plain ``jax.jit`` on ``mesh``: parameters laid out
+    by ``specs`` (replicated when ``None``), the batch split over ``data``."""
+    param_shardings = jax.tree_util.tree_map(
+        lambda s: NamedSharding(mesh, s if s is not None else P()),
+        specs if specs is not None else jax.tree_util.tree_map(lambda _: None, params),
+        is_leaf=lambda x: x is None or isinstance(x, P),
+    )
+    batch_sharding = NamedSharding(mesh, P("data"))
+    step = jax.jit(
+        jax.value_and_grad(loss_fn),
+        in_shardings=(param_shardings, (batch_sharding, batch_sharding)),
+    )
+    return step(params, batch)
+
+
+@functools.cache
+def _case(layout: str):
+    meshes = _meshes()
+    if layout == "2x2x2":
+        loss_fn, params, specs, batch = _tensor_parallel_mlp(meshes["data-model"])
+        want = _reference(loss_fn, params, specs, batch, meshes["data-model"])
+    else:
+        loss_fn, params, _, batch = _tensor_parallel_mlp(None)
+        specs = None
+        want = _reference(loss_fn, params, specs, batch, meshes["data"])
+    return loss_fn, params, specs, batch, want
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("layout", ["2x2x2", "4x2"])
+def test_every_schedule_on_sub_meshes_matches_jax(layout, schedule):
+    loss_fn, params, specs, batch, want = _case(layout)
+    mesh = _meshes()[layout]
+    slots = mesh.shape["stage"]
+    # One stage per slot, or two per slot for the schedules that share a device.
+    num_stages = slots * (2 if schedule in ("interleaved", "zb-v") else 1)
+    if num_stages > LAYERS:
+        num_stages = LAYERS
+    pipe = pm.pipeline_value_and_grad(
+        loss_fn,
+        num_stages=num_stages,
+        num_microbatches=4,
+        schedule=schedule,
+        mesh=mesh,
+        param_specs=specs,
+    )
+    got = pipe(params, batch)
+    assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
+    plan = pipe.plan(params, batch)
+    assert all(slot.mesh is not None for slot in plan.placement.slots)
+    assert {slot.replicas for slot in plan.placement.slots} == {2}
+
+
+def test_gradients_keep_their_layout_on_their_stage_sub_mesh():
+    loss_fn, params, specs, batch, _ = _case("2x2x2")
+    mesh = _meshes()["2x2x2"]
+    pipe = pm.pipeline_value_and_grad(
+        loss_fn, num_stages=2, num_microbatches=2, mesh=mesh, param_specs=specs
+    )
+    _, grads = pipe(params, batch)
+    sub_meshes = [frozenset(mesh.devices[k].flat) for k in range(2)]
+    used = set()
+    for layer, (ga, gb) in enumerate(grads):
+        for grad, spec in zip((ga, gb), specs[layer]):
+            assert grad.sharding.spec == spec
+            assert frozenset(grad.sharding.device_set) in sub_meshes
+            used.add(frozenset(grad.sharding.device_set))
+            # Sharded, never gathered: each device holds half of the matrix.
+            assert grad.addressable_shards[0].data.size == grad.size // 2
+    assert used == set(sub_meshes)  # each stage's gradients on its own sub-mesh
+
+
+def test_the_parameters_own_shardings_are_the_default_specs():
+    loss_fn, params, specs, batch, want = _case("2x2x2")
+    mesh = _meshes()["2x2x2"]
+    placed = jax.tree_util.tree_map(
+        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
+        params,
+        specs,
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    pipe = pm.pipeline_value_and_grad(loss_fn, num_stages=2, num_microbatches=2, mesh=mesh)
+    got = pipe(placed, batch)
+    assert_trees_close(got, want)
+    assert pipe.plan(placed, batch).param_specs[:2] == (P(None, "model"), P("model", None))
+
+
+def test_a_list_of_sub_meshes_is_a_mesh_per_slot():
+    loss_fn, params, _, batch, want = _case("4x2")
+    devices = jax.devices()
+    meshes = [Mesh(np.array(devices[2 * k : 2 * k + 2]), ("data",)) for k in range(4)]
+    pipe = pm.pipeline_value_and_grad(loss_fn, num_microbatches=4, mesh=meshes)
+    assert_trees_close(pipe(params, batch), want)
+
+
+def test_a_sum_loss_counts_batch_free_terms_once_over_replicas():
+    loss_fn, params, _, batch, _ = _case("4x2")
+
+    def summed(params, batch):  # a sum over rows plus weight decay
+        decay = sum(jnp.sum(a * a) for a, _ in params)
+        return loss_fn(params, batch) * batch[0].shape[0] + 0.1 * decay
+
+    want = jax.jit(jax.value_and_grad(summed))(params, batch)
+    pipe = pm.pipeline_value_and_grad(
+        summed, num_microbatches=2, mesh=_meshes()["4x2"], loss_reduction="sum"
+    )
+    assert_trees_close(pipe(params, batch), want, rtol=1e-5, atol=1e-5)
+
+
+def _collectives(text: str) -> int:
+    return len(re.findall(r"\b(?:all-reduce|reduce-scatter)(?:-start)?\(", text))
+
+
+def _stage_texts(plan) -> tuple[list[str], list[str]]:
+    """The compiled text of each stage program of ``plan`` and of each reduction."""
+    stages, reductions = [], []
+    for index, unit in plan.units.items():
+        program = unit.program
+        stage = plan.staged.stages[index]
+        args = [
+            jax.ShapeDtypeStruct(
+                (program.replicas, *v.aval.shape) if sharding.spec == P("data") else v.aval.shape,
+                v.aval.dtype,
+                sharding=sharding,
+            )
+            for v, sharding in zip(stage.jaxpr.invars, program.in_shardings)
+        ]
+        accs = unit.zeros() if unit.zeros is not None else []
+        scale = jax.ShapeDtypeStruct((), jnp.float32)
+        stages.append(unit.run.lower(accs, args, scale).compile().as_text())
+        if unit.finish is not None:
+            reductions.append(unit.finish.lower(accs).compile().as_text())
+    return stages, reductions
+
+
+def test_data_parallel_gradients_are_reduced_once_per_call():
+    loss_fn, params, _, batch, _ = _case("4x2")
+    pipe = pm.pipeline_value_and_grad(loss_fn, num_microbatches=4, mesh=_meshes()["4x2"])
+    plan = pipe.plan(params, batch)
+    stages, reductions = _stage_texts(plan)
+    # No stage program reduces across replicas (it runs once per microbatch) ...
+    assert [_collectives(text) for text in stages] == [0] * len(stages)
+    # ... each accumulating stage (every backward, and the forward computing the loss)
+    # is reduced by one program at the end of the call.
+    accumulating = [unit for unit in plan.units.values() if unit.accumulated]
+    assert len(reductions) == len(accumulating) == LAYERS + 1
+    assert all(_collectives(text) >= 1 for text in reductions)
+
+
+def test_the_data_axis_adds_no_reduction_to_tensor_parallel_stages():
+    # Tensor parallelism reduces inside each stage (over "model"); the data axis adds
+    # none: the stage programs on 2 x 2 x 2 hold as many as on 2 x 1 x 2.
+    loss_fn, params, specs, batch, _ = _case("2x2x2")
+    counts = []
+    for shape in ((2, 2, 2), (2, 1, 2)):
+        mesh = _mesh(shape, ("stage", "data", "model"))
+        pipe = pm.pipeline_value_and_grad(
+            loss_fn, num_stages=2, num_microbatches=2, mesh=mesh, param_specs=specs
+        )
+        stages, _ = _stage_texts(pipe.plan(params, batch))
+        counts.append([_collectives(text) for text in stages])
+    assert counts[0] == counts[1] and sum(counts[0]) > 0
+
+
+def test_mesh_errors_say_what_to_do():
+    loss_fn, params, _, batch, _ = _case("4x2")
+    with pytest.raises(PipemarkError, match="without the stage axis 'stage'"):
+        pm.pipeline_value_and_grad(loss_fn, num_microbatches=2, mesh=_meshes()["data"])(
+            params, batch
+        )
+    with pytest.raises(PipemarkError, match="does not split into 2 data-parallel replicas"):
+        pm.pipeline_value_and_grad(loss_fn, num_microbatches=32, mesh=_meshes()["4x2"])(
+            params, batch
+        )
+    with pytest.raises(PipemarkError, match=r"either devices= .* or mesh="):
+        pm.pipeline_value_and_grad(
+            loss_fn, num_microbatches=2, mesh=_meshes()["4x2"], devices=jax.devices()
+        )
+    with pytest.raises(PipemarkError, match="pass mesh= too"):
+        pm.pipeline_value_and_grad(loss_fn, num_microbatches=2, param_specs=P())
+    with pytest.raises(PipemarkError, match=r"give a jax\.sharding\.PartitionSpec"):
+        pm.pipeline_value_and_grad(
+            loss_fn, num_microbatches=2, mesh=_meshes()["4x2"], param_specs="model"
+        )(params, batch)
+
+
+def test_a_transformer_on_four_stages_of_two_replicas():
+    ex = examples.transformer(num_layers=4, d_model=8, num_heads=2, seq=4, batch=16)
+    want = jax.jit(jax.value_and_grad(ex.loss_fn))(*ex.args)
+    for schedule in ("1f1b", "zb-h1"):
+        pipe = pm.pipeline_value_and_grad(
+            ex.loss_fn, num_microbatches=4, schedule=schedule, mesh=_meshes()["4x2"]
+        )
+        assert_trees_close(pipe(*ex.args), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_training_step_on_sub_meshes_matches_jax():
+    loss_fn, params, specs, batch, _ = _case("2x2x2")
+    step, init_state = examples.train_step(loss_fn, optimizer="adam")
+    state = init_state(params)
+    want = jax.jit(step)(params, state, batch)
+    mesh = _meshes()["2x2x2"]
+    pipelined = pm.pipeline_train_step(
+        step, num_stages=2, num_microbatches=2, mesh=mesh, param_specs=(specs, None)
+    )
+    got = pipelined(params, state, batch)
+    assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
+    # The updated parameters keep their layout (on the first stage's sub-mesh).
+    new_params = got[0]
+    assert new_params[0][0].sharding.spec == P(None, "model")
