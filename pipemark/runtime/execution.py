@@ -237,7 +237,11 @@ class _Call:
                 if process == sender.process_index:
                     continue
                 if self.local[unit.worker]:
-                    transport.send(self.accs[index], sender, receiver, what)
+                    # A result on a sub-mesh goes whole, from its slot's first device.
+                    values = self.accs[index]
+                    if plan.placement.meshes:
+                        values = [jax.device_put(v, sender) for v in values]
+                    transport.send(values, sender, receiver, what)
                 elif process == me:
                     self.accs[index] = transport.receive(types, sender, receiver, what)
 

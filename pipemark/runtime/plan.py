@@ -272,8 +272,8 @@ class PipelinePlan:
 
     def bytes_into_process(self, process: int) -> int:
         """The bytes that cross into process ``process``'s stages from other processes'
-        per call, by the stage graph: each value once per microbatch and reading slot
-        (under ``jax.distributed``; 0 in one process)."""
+        per call, by the stage graph: each value once per microbatch (and replica) and
+        reading slot (under ``jax.distributed``; 0 in one process)."""
         slots = self.placement.slots
         crossing = set()
         for index, unit in self.units.items():
@@ -284,8 +284,11 @@ class PipelinePlan:
                 producer = self.units[ref.stage].worker if ref.kind == "stage" else None
                 if producer is not None and slots[producer].process != process:
                     crossing.add((ref.stage, ref.index, unit.worker, var.aval))
+        # Each value once per replica of each microbatch (the stage program is traced
+        # for one replica's rows).
+        replicas = slots[0].replicas
         size = sum(aval.size * aval.dtype.itemsize for *_, aval in crossing)
-        return size * self.schedule.num_microbatches
+        return size * self.schedule.num_microbatches * replicas
 
 
 def _stage_edges(

@@ -139,12 +139,22 @@ def _incoming(
                 (
                     p,
                     tuple(keys),
-                    tuple(value_type(staged.stages[i].out_avals[o]) for _, i, o in keys),
+                    tuple(_passed_type(staged, placement, p, i, o) for _, i, o in keys),
                 )
                 for p, keys in per_producer.items()
             )
         )
     return tuple(incoming)
+
+
+def _passed_type(
+    staged: Any, placement: Placement, worker: int, index: int, output: int
+) -> tuple[tuple[int, ...], Any]:
+    """The ``(shape, dtype)`` of output ``output`` of stage ``index`` as it leaves
+    worker ``worker``: with data-parallel replicas, a leading replica axis."""
+    shape, dtype = value_type(staged.stages[index].out_avals[output])
+    replicas = placement.slots[worker].replicas
+    return ((replicas, *shape) if replicas > 1 else shape), dtype
 
 
 def value_type(aval: Any) -> tuple[tuple[int, ...], Any]:

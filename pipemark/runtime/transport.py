@@ -135,12 +135,44 @@ class CollectiveTransport:
     def move(
         self, values: Sequence[Any] | None, types: tuple, source: Slot, target: Slot, what: Any
     ) -> list[Any] | None:
+        if source.mesh is not None:
+            return self._move_between_meshes(values, types, source, target, what)
         if source.process == jax.process_index():
             self.send(values, source.device, target.device, what)
             return None
         if target.process == jax.process_index():
             return self.receive(types, source.device, target.device, what)
         return None
+
+    def _move_between_meshes(
+        self, values: Sequence[Any] | None, types: tuple, source: Slot, target: Slot, what: Any
+    ) -> list[Any] | None:
+        """One collective over both sub-meshes: each device of ``source`` sends its
+        shard to the device at the same position of ``target`` (both slots have the
+        same mesh shape, and the values their ``sharding``)."""
+        types = tuple((tuple(s), np.dtype(d)) for s, d in types)
+        pair = _mesh_pair(source, target, types)
+        me = jax.process_index()
+        if source.process == me:
+            arrays = [
+                make([s.data.reshape(1, *s.data.shape) for s in v.addressable_shards])
+                for make, v in zip(pair.makers, values)
+            ]
+            self._transfer(pair.program, arrays, ("sending", what, "to", target.device))
+            self.bytes_sent += pair.nbytes
+            return None
+        if target.process != me:
+            return None
+        out = self._transfer(pair.program, pair.placeholders, ("for", what, "from", source.device))
+        self.bytes_received += pair.nbytes
+        return [
+            jax.make_array_from_single_device_arrays(
+                shape,
+                target.sharding,
+                [s.data.reshape(s.data.shape[1:]) for s in array.addressable_shards],
+            )
+            for array, (shape, _) in zip(out, types)
+        ]
 
     def send(self, values: Sequence[Any], source: Any, target: Any, what: Any) -> None:
         """Send ``values`` (on ``source``, a device of this process: the runtime's come
@@ -243,3 +275,38 @@ def _pair(source: Any, target: Any, types: tuple) -> _Pair:
 
 
 register_cache(_pair.cache_clear)
+
+
+@functools.lru_cache(maxsize=256)
+def _mesh_pair(source: Slot, target: Slot, types: tuple) -> _Pair:
+    """The compiled transfer of values of ``types``, each laid out by its slot's
+    ``sharding``, from sub-mesh ``source`` to sub-mesh ``target`` (of the same shape):
+    ``shard_map`` of ``lax.ppermute`` over a mesh that stacks the two along a new
+    ``pair`` axis, on global arrays whose first axis (size 2) is that one."""
+    names = tuple(source.mesh.axis_names)
+    mesh = Mesh(np.stack([source.mesh.devices, target.mesh.devices]), ("pair", *names))
+    spec = P("pair", *source.sharding.spec)
+    sharding = NamedSharding(mesh, spec)
+
+    def move(blocks: list[Any]) -> list[Any]:
+        return [lax.ppermute(b, "pair", perm=[(0, 1)]) for b in blocks]
+
+    program = jax.jit(shard_map(move, mesh=mesh, in_specs=(spec,), out_specs=spec))
+    # The public constructor, which places each shard by its device (the shards come in
+    # the source array's order).
+    makers = [
+        functools.partial(jax.make_array_from_single_device_arrays, (2, *shape), sharding)
+        for shape, _ in types
+    ]
+    placeholders = None
+    if target.process == jax.process_index():
+        placeholders = []
+        for make, (shape, dtype) in zip(makers, types):
+            block = (1, *target.sharding.shard_shape(shape))
+            devices = target.devices
+            placeholders.append(make([jax.device_put(np.zeros(block, dtype), d) for d in devices]))
+    nbytes = sum(int(np.prod(shape)) * dtype.itemsize for shape, dtype in types)
+    return _Pair(program, makers, placeholders, nbytes)
+
+
+register_cache(_mesh_pair.cache_clear)

@@ -1,0 +1,85 @@
+"""Run by tests/runtime/test_distributed.py: stages on sub-meshes across processes.
+
+Two processes of 4 host CPU devices each (``python -m pipemark.launch -n 2``), one
+stage's 2 x 2 (data x model) sub-mesh per process, or one process of 8 devices
+(``reference``); every schedule on a tensor-parallel MLP, losses and gradients saved
+per process.
+
+    python tests/runtime/_distributed_mesh.py OUT_DIR run        # under pipemark.launch
+    python tests/runtime/_distributed_mesh.py OUT_DIR reference  # one process, 8 devices
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":
+    OUT, MODE = sys.argv[1], sys.argv[2]
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
+    if MODE == "reference":
+        jax.config.update("jax_num_cpu_devices", 8)
+    else:
+        jax.config.update("jax_num_cpu_devices", 4)
+        from pipemark.launch import initialize
+
+        initialize()
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pipemark as pm
+
+SCHEDULES = (("gpipe", 2), ("1f1b", 2), ("interleaved", 4), ("zb-h1", 2), ("zb-v", 4))
+
+
+def main() -> None:
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    mesh = Mesh(np.array(devices).reshape(2, 2, 2), ("stage", "data", "model"))
+    model_mesh = Mesh(mesh.devices[0], ("data", "model"))
+    rng = np.random.default_rng(0)
+    params = [
+        tuple(jnp.asarray(rng.normal(size=(16, 16)) / 4, jnp.float32) for _ in range(2))
+        for _ in range(4)
+    ]
+    specs = [(P(None, "model"), P("model", None))] * 4
+    batch = tuple(jnp.asarray(rng.normal(size=(16, 16)), jnp.float32) for _ in range(2))
+
+    def loss_fn(params, batch):
+        x, y = batch
+        for i, (a, b) in enumerate(params):
+            if i:
+                pm.mark_pipeline_boundary()
+            h = jnp.tanh(x @ a)
+            h = jax.lax.with_sharding_constraint(h, NamedSharding(model_mesh, P("data", "model")))
+            x = x + h @ b
+        return jnp.mean((x - y) ** 2)
+
+    saved = {}
+    for schedule, stages in SCHEDULES:
+        step = pm.pipeline_value_and_grad(
+            loss_fn,
+            num_stages=stages,
+            num_microbatches=4,
+            schedule=schedule,
+            mesh=mesh,
+            param_specs=specs,
+            timeout_s=60,
+        )
+        (loss, grads), timings = step.timed_call(params, batch)
+        for i, leaf in enumerate(jax.tree_util.tree_leaves((loss, grads))):
+            saved[f"{schedule}-{i}"] = np.asarray(jax.device_get(leaf))
+        saved[f"{schedule}-received"] = np.asarray(timings.get("bytes_received", 0))
+        expected = step.plan(params, batch).bytes_into_process(jax.process_index())
+        saved[f"{schedule}-expected"] = np.asarray(expected)
+    np.savez(os.path.join(OUT, f"{MODE}-{jax.process_index()}.npz"), **saved)
+    print(f"process {jax.process_index()}: done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
