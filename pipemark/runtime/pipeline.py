@@ -334,6 +334,22 @@ def pipeline_value_and_grad(
 # ------------------------------------------------------------------ training step
 
 
+def _refuse_unsplit_batch(replicated: list[Any], batch: Any, error: Exception) -> None:
+    """When tracing the step for one microbatch failed and an argument before the batch
+    has the batch's leading size, say that only the last argument is split."""
+    size = np.shape(jax.tree_util.tree_leaves(batch)[0])[0]
+    for i in reversed(range(len(replicated))):  # data usually comes just before the batch
+        if any(np.shape(x)[:1] == (size,) for x in jax.tree_util.tree_leaves(replicated[i])):
+            first = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise PipemarkError(
+                f"Tracing the step for one microbatch failed ({type(error).__name__}: "
+                f"{first}). pipeline_train_step splits only the step's last argument (the "
+                f"batch) into microbatches, and argument {i} has the batch's leading size "
+                f"{size}: if it is data too, pass the data as one argument, e.g. "
+                "step(params, state, (x, y)) instead of step(params, state, x, y)."
+            ) from error
+
+
 def _check_accumulable(compute: ClosedJaxpr, compute_full: ClosedJaxpr) -> None:
     """The values the update reads from the gradient part must not depend on the batch
     size: they are accumulated over microbatches."""
@@ -394,7 +410,11 @@ class PipelinedStep:
         batch_structs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(batch), structs)
         # The gradient part is traced for one microbatch (it runs per microbatch); the
         # update is traced for the whole batch (it runs once, and may read the batch).
-        compute, _, _ = _trace_step(self.step_fn, (*replicated, batch_structs))
+        try:
+            compute, _, _ = _trace_step(self.step_fn, (*replicated, batch_structs))
+        except (TypeError, ValueError) as error:
+            _refuse_unsplit_batch(replicated, batch, error)
+            raise
         compute_full, apply, out_shape = _trace_step(self.step_fn, args)
         _check_accumulable(compute, compute_full)
         num_replicated = len(jax.tree_util.tree_leaves(tuple(replicated)))

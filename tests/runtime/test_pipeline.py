@@ -325,6 +325,16 @@ def test_training_step_on_one_device_and_its_errors():
     with pytest.raises(PipemarkError, match="step_fn must be callable"):
         pm.pipeline_train_step(3, num_microbatches=2)
 
+    step, init_state = examples.train_step(ex.loss_fn, optimizer="sgd")
+
+    def separate_data(params, state, x, y):  # the batch as two arguments
+        return step(params, state, (x, y))
+
+    with pytest.raises(PipemarkError, match=r"argument 2 has the batch's leading size 4.*\(x, y\)"):
+        pm.pipeline_train_step(separate_data, num_stages=1, num_microbatches=2)(
+            ex.params, init_state(ex.params), *ex.batch
+        )
+
 
 def _scaled_callback_loss(factor: float):
     """A marked one-stage loss whose only difference from another factor's is the
