@@ -120,3 +120,18 @@ def test_blocks_benchmark_prints_what_cuts_between_blocks_cost():
     assert all(row.count("|") == header.count("|") for row in rows)
     assert all(row.rstrip(" |").endswith("between blocks") for row in rows)
     assert any(line.startswith("- cuts between blocks cost at most") for line in lines)
+
+
+def test_submesh_benchmark_prints_its_table():
+    lines = _output_lines("submesh.py", "--quick")
+    header = next(line for line in lines if line.startswith("| layout"))
+    titles = [c.strip() for c in header.split("|")[1:-1]]
+    assert "pipeline / jit" in titles and "measured / simulated" in titles
+    rows = [line for line in lines if line.startswith(("| 2 × 2 × 2 |", "| 4 × 2 |", "| 2 × 4 |"))]
+    assert len(rows) == 3 * 3  # three layouts, GPipe, 1F1B and ZB-H1
+    assert all(row.count("|") == header.count("|") for row in rows)
+    for row in rows:
+        cells = [c.strip() for c in row.split("|")[1:-1]]
+        moved = cells[titles.index("bytes moved per step")]
+        assert moved == cells[titles.index("boundary bytes per step")] and moved != "0", row
+    assert "- bytes moved = boundary bytes in 9 of 9 rows" in lines

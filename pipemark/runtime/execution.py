@@ -395,6 +395,7 @@ def run_plan(
         timings["num_ticks"] = plan.schedule.num_ticks
         timings["values_left"] = values_left
         timings["peak_values"] = call.exchange.peak
+        timings["bytes_copied"] = call.copies.bytes_received
         if call.transport is not None:
             timings["bytes_sent"], timings["bytes_received"] = call.boundary_bytes
             timings["bytes_gathered"] = call.transport.bytes_received - call.boundary_bytes[1]

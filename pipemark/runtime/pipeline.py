@@ -174,7 +174,8 @@ class Pipeline:
         (host time spent placing inputs, dispatching and publishing, summed over the
         workers, without the waits for other devices), ``num_actions``, ``num_ticks``,
         and ``values_left`` / ``peak_values`` (values handed between stages still held
-        after the call, which is 0, and the most held at once). Under
+        after the call, which is 0, and the most held at once), ``bytes_copied`` (bytes
+        of the values copied between this process's slots). Under
         ``jax.distributed`` also ``bytes_sent`` / ``bytes_received`` (between this
         process's stages and other processes'), ``bytes_gathered`` (the results of
         other processes' stages it received at the end) and ``transfer_s`` (time this

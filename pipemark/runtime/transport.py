@@ -61,16 +61,26 @@ class Transport(Protocol):
 
 class InProcessTransport:
     """Copies onto the target slot, in this process: enqueued behind the programs
-    computing the values, so nothing waits here."""
+    computing the values, so nothing waits here. Counts the bytes it copied (each
+    value's global size, as the stage graph counts them: a value replicated over some
+    of the target's devices is counted once)."""
 
     def __init__(self) -> None:
         self.bytes_sent = self.bytes_received = 0
         self.seconds = 0.0
+        # The worker threads of one call share the transport: += on an attribute is not
+        # atomic across threads.
+        self._lock = threading.Lock()
 
     def move(
         self, values: Sequence[Any] | None, types: tuple, source: Slot, target: Slot, what: Any
     ) -> list[Any] | None:
-        return put_on(list(values or ()), target)
+        values = list(values or ())
+        nbytes = sum(v.nbytes for v in values)
+        with self._lock:
+            self.bytes_sent += nbytes
+            self.bytes_received += nbytes
+        return put_on(values, target)
 
 
 class Watchdog:

@@ -1,0 +1,280 @@
+"""Benchmark of pipelines whose stages run on sub-meshes (``mesh=``) on 8 host CPU devices.
+
+    python benchmarks/submesh.py           # width 512, 8 layers, batch 256, 8 microbatches
+    python benchmarks/submesh.py --quick   # tiny sizes, to check that it runs
+
+The model is a residual tanh MLP in Megatron's tensor-parallel layout: per layer a
+``width × width`` matrix split by columns over ``model`` and one split by rows, the
+hidden activations constrained (``with_sharding_constraint``) to ``P("data", "model")``,
+or ``P("data", None)`` on a mesh without a model axis; the loss is a mean square error.
+Each layout of the 8 devices is a row group: 2 stages × 2 data × 2 model, 4 stages ×
+2 data, 2 stages × 4 data; each schedule (GPipe, 1F1B, ZB-H1) a row. It prints one
+markdown table, with per row:
+
+* **jit, one stage's mesh**: ``jax.jit(jax.value_and_grad(loss_fn), in_shardings=...)``
+  of the same model on a mesh shaped like one stage (``data × model``, 4 devices for
+  2 × 2 × 2) — the reference of ``tests/runtime/test_pipeline_mesh.py``;
+* **jit, 8 devices**: the same on all 8 devices, the stage axis folded into ``data``
+  (equal device count);
+* **pipeline**: ``pm.pipeline_value_and_grad(..., mesh=...)`` with ``S`` stages of
+  ``layers / S`` layers, its parameters already on their stages' sub-meshes (where a
+  training loop keeps them), the batch whole on one device (it is split each call);
+  each jit gets its inputs already in its ``in_shardings``. All three are timed side
+  by side in one loop, call by call in turn, and the median call counts;
+* **simulated**: ``pm.simulate_schedule(plan.schedule, costs)`` with each action's cost
+  measured alone (``Pipeline.action_costs``: every action run on its own sub-mesh and
+  waited for), and **sum of actions**: the same costs added up, what the step takes if
+  no two actions ever overlap. The final gradient reduction over the data axis and the
+  placing of each call's batch are not actions, so neither is in either number;
+* **bytes moved per step**: what the runtime copied between sub-meshes in the call
+  (``timed_call``'s ``bytes_copied``, counted by the in-process transport), against the
+  stage graph's **boundary bytes**: each value a stage reads from another sub-mesh's
+  stage, once per microbatch and data-parallel replica.
+
+The script sets ``--xla_force_host_platform_device_count=8`` before JAX starts and makes
+XLA run each device's computation on one thread (``--xla_cpu_multi_thread_eigen=false``,
+as ``benchmarks/runtime.py`` does), so that devices, not intra-op thread pools, share the
+cores, the same way for jit and for the pipeline. On a machine with fewer cores than
+devices (the development machine has 2) the stages take turns on the cores: an action
+measured alone uses every core its sub-mesh can, so the simulation, which lets stages
+run side by side, counts on cores the machine lacks; the sum of actions is the step with
+no overlap at all, which a call can still exceed there (it also splits and places the
+batch and reduces the gradients, and a collective waits until every device of its
+sub-mesh gets a core). The comparison of jit and pipeline at equal device count holds
+on any machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+LAYOUTS = {
+    "2x2x2": ((2, 2, 2), ("stage", "data", "model")),
+    "4x2": ((4, 2), ("stage", "data")),
+    "2x4": ((2, 4), ("stage", "data")),
+}
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+
+
+def _set_flags(num_devices: int) -> None:
+    # Must run before JAX starts its backend: 8 host devices, each computing on a single
+    # thread so that devices, not intra-op threads, use the cores.
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = (
+        f"{flags} --xla_force_host_platform_device_count={num_devices} "
+        "--xla_cpu_multi_thread_eigen=false"
+    ).strip()
+
+
+def _params(layers: int, width: int, rows: int):
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+
+    def matrix():
+        return jnp.asarray(rng.normal(size=(width, width)) / np.sqrt(width), jnp.float32)
+
+    params = [(matrix(), matrix()) for _ in range(layers)]
+    batch = tuple(jnp.asarray(rng.normal(size=(rows, width)), jnp.float32) for _ in range(2))
+    return params, batch
+
+
+def _loss_fn(num_stages: int, layers: int, constraint):
+    """The residual MLP, cut into ``num_stages`` stages of equal layers, its hidden
+    activations constrained to ``constraint`` (a ``NamedSharding``)."""
+    import jax
+    import jax.numpy as jnp
+
+    import pipemark as pm
+
+    per_stage = layers // num_stages
+
+    def loss_fn(params, batch):
+        x, y = batch
+        for i, (w_in, w_out) in enumerate(params):
+            if i and i % per_stage == 0:
+                pm.mark_pipeline_boundary()
+            h = jax.lax.with_sharding_constraint(jnp.tanh(x @ w_in), constraint)
+            x = x + h @ w_out
+        return jnp.mean((x - y) ** 2)
+
+    return loss_fn
+
+
+def _model_specs(names: tuple[str, ...]):
+    """The hidden activations' spec and each layer's parameter specs (``None``:
+    replicated) on a mesh with these axis names."""
+    from jax.sharding import PartitionSpec as P
+
+    if "model" in names:
+        return P("data", "model"), (P(None, "model"), P("model", None))
+    return P("data", None), None
+
+
+def _jitted(layers: int, num_stages: int, mesh, params, batch):
+    """``jax.jit(jax.value_and_grad(loss_fn))`` on ``mesh`` with the model's shardings,
+    and its inputs placed in them."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    hidden, layer_specs = _model_specs(mesh.axis_names)
+    loss_fn = _loss_fn(num_stages, layers, NamedSharding(mesh, hidden))
+    replicated = NamedSharding(mesh, P())
+    param_shardings = [
+        tuple(NamedSharding(mesh, s) for s in layer_specs) if layer_specs else (replicated,) * 2
+        for _ in params
+    ]
+    batch_shardings = (NamedSharding(mesh, P("data")),) * 2
+    step = jax.jit(jax.value_and_grad(loss_fn), in_shardings=(param_shardings, batch_shardings))
+    args = jax.device_put((params, batch), (param_shardings, batch_shardings))
+    return lambda: step(*args)
+
+
+def _boundary_bytes(plan) -> int:
+    """The stage graph's boundary bytes per call: each value a stage reads from a stage
+    on another slot, once per reading slot, microbatch and replica (the stage programs
+    are traced for one replica's rows)."""
+    crossing = set()
+    for index, unit in plan.units.items():
+        stage = plan.staged.stages[index]
+        for ref, var in zip(stage.inputs, stage.jaxpr.invars):
+            if ref.kind == "stage" and plan.units[ref.stage].worker != unit.worker:
+                crossing.add((ref.stage, ref.index, unit.worker, var.aval))
+    size = sum(aval.size * aval.dtype.itemsize for *_, aval in crossing)
+    return size * plan.schedule.num_microbatches * plan.placement.slots[0].replicas
+
+
+def _interleaved_medians(calls: dict, repeat: int) -> dict:
+    """Each call's median time, the calls timed in turn round after round (after one
+    warm-up call each), so that whatever else the machine does lands on all alike."""
+    import jax
+    import numpy as np
+
+    for call in calls.values():
+        jax.block_until_ready(call())
+    times: dict = {name: [] for name in calls}
+    for _ in range(repeat):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            jax.block_until_ready(call())
+            times[name].append(time.perf_counter() - start)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def _pipeline(layout: str, schedule: str, args, params, batch):
+    """The pipeline on ``layout`` and its parameters on their stages' sub-meshes."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+
+    import pipemark as pm
+
+    shape, names = LAYOUTS[layout]
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(shape), names)
+    stage_mesh = Mesh(mesh.devices[0], names[1:])  # how the model itself is written
+    hidden, layer_specs = _model_specs(names)
+    loss_fn = _loss_fn(shape[0], args.layers, NamedSharding(stage_mesh, hidden))
+    pipe = pm.pipeline_value_and_grad(
+        loss_fn,
+        num_microbatches=args.microbatches,
+        schedule=schedule,
+        mesh=mesh,
+        param_specs=[layer_specs] * args.layers if layer_specs else None,
+    )
+    # Gradients come back where the pipeline keeps each parameter.
+    _, grads = pipe(params, batch)
+    placed = jax.tree_util.tree_map(lambda p, g: jax.device_put(p, g.sharding), params, grads)
+    return pipe, placed
+
+
+def layout_rows(layout: str, args) -> list[str]:
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import pipemark as pm
+
+    shape, names = LAYOUTS[layout]
+    devices = np.array(jax.devices()[:8])
+    stages = shape[0]
+    params, batch = _params(args.layers, args.width, args.rows)
+    one_stage = Mesh(devices[: devices.size // stages].reshape(shape[1:]), names[1:])
+    folded = (shape[1] * stages, *shape[2:])  # the stage axis folded into data
+    all_devices = Mesh(devices.reshape(folded), names[1:])
+    calls = {
+        "jit": _jitted(args.layers, stages, one_stage, params, batch),
+        "jit8": _jitted(args.layers, stages, all_devices, params, batch),
+    }
+    pipes = {}
+    for schedule in SCHEDULES:
+        pipe, placed = _pipeline(layout, schedule, args, params, batch)
+        pipes[schedule] = (pipe, placed)
+        calls[schedule] = lambda pipe=pipe, placed=placed: pipe(placed, batch)
+    median = _interleaved_medians(calls, args.repeat)
+    rows = []
+    for schedule, (pipe, placed) in pipes.items():
+        plan = pipe.plan(placed, batch)
+        costs = pipe.action_costs(placed, batch, repeat=args.cost_repeat)
+        simulated = pm.simulate_schedule(plan.schedule, costs).makespan
+        work = args.microbatches * sum(map(sum, costs.values()))
+        (_, _), timings = pipe.timed_call(placed, batch)
+        step, jit, jit8 = median[schedule], median["jit"], median["jit8"]
+        rows.append(
+            f"| {' × '.join(map(str, shape))} | {schedule} | {stages} | {args.microbatches} | "
+            f"{1e3 * jit:.1f} | {1e3 * jit8:.1f} | {1e3 * step:.1f} | {step / jit:.2f} | "
+            f"{step / jit8:.2f} | {1e3 * simulated:.1f} | {step / simulated:.2f} | "
+            f"{1e3 * work:.1f} | {timings['bytes_copied']:,} | {_boundary_bytes(plan):,} |"
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--rows", type=int, default=256, help="batch rows per step")
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=20, help="timed calls of each")
+    parser.add_argument("--cost-repeat", type=int, default=3, help="action_costs' repeat")
+    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, few repeats")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.width, args.layers, args.rows, args.microbatches = 32, 4, 32, 2
+        args.repeat, args.cost_repeat = 2, 1
+    _set_flags(8)
+    import jax
+
+    print(
+        f"Residual tanh MLP, Megatron layout: {args.layers} layers of two {args.width}×"
+        f"{args.width} matrices, {args.rows} rows per step, {args.microbatches} microbatches; "
+        f"8 host devices on {os.cpu_count()} CPU cores, JAX {jax.__version__}, median of "
+        f"{args.repeat} calls each, timed in turn"
+    )
+    print()
+    print(
+        "| layout (stage × data [× model]) | schedule | S | M | jit, one stage's mesh (ms) "
+        "| jit, 8 devices (ms) | pipeline (ms) | pipeline / jit | pipeline / jit 8 "
+        "| simulated (ms) | measured / simulated | sum of actions (ms) "
+        "| bytes moved per step | boundary bytes per step |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for layout in args.layouts:
+        for row in layout_rows(layout, args):
+            rows.append(row)
+            print(row, flush=True)
+    cells = [[c.strip() for c in row.split("|")[1:-1]] for row in rows]
+    equal = sum(c[-2] == c[-1] for c in cells)
+    print()
+    print(f"- bytes moved = boundary bytes in {equal} of {len(rows)} rows")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""The in-process transport's byte count: what a pipeline copies between its slots in
+one process, against the bytes of the values that cross a stage boundary, counted by
+hand from the model (multi-process transfers: tests/runtime/test_distributed.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pipemark as pm
+from pipemark.runtime.placement import device_slot, mesh_slot
+from pipemark.runtime.transport import InProcessTransport
+
+WIDTH, ROWS = 16, 32
+
+
+def test_in_process_copies_count_each_value_once_by_its_global_size():
+    devices = jax.devices()
+    mesh = Mesh(np.array(devices[4:8]).reshape(2, 2), ("data", "model"))
+    transport = InProcessTransport()
+    values = [jnp.ones((2, 8, WIDTH), jnp.float32), jnp.ones((2, 3), jnp.int8)]
+    moved = transport.move(values, (), device_slot(devices[0]), mesh_slot(mesh, "data"), None)
+    # Replicated over "model", each value lands on two devices, and counts once.
+    assert moved[0].sharding == NamedSharding(mesh, P("data"))
+    assert transport.bytes_sent == transport.bytes_received == 2 * 8 * WIDTH * 4 + 6
+
+
+def test_in_process_counts_add_up_across_threads():
+    devices = jax.devices()
+    transport = InProcessTransport()
+    value = jnp.ones((4,), jnp.float32)
+    source, target = device_slot(devices[0]), device_slot(devices[1])
+
+    def copy_many() -> None:
+        for _ in range(200):
+            transport.move([value], (), source, target, None)
+
+    threads = [threading.Thread(target=copy_many) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert transport.bytes_received == 4 * 200 * 16
+
+
+def _two_stage_mlp():
+    """Two residual tanh layers, a stage each: the forward hands ``x`` on, the backward
+    hands its cotangent back; nothing else crosses."""
+    rng = np.random.default_rng(0)
+    params = [jnp.asarray(rng.normal(size=(WIDTH, WIDTH)) / 4, jnp.float32) for _ in range(2)]
+    batch = jnp.asarray(rng.normal(size=(ROWS, WIDTH)), jnp.float32)
+
+    def loss_fn(params, x):
+        for i, w in enumerate(params):
+            if i:
+                pm.mark_pipeline_boundary()
+            x = x + jnp.tanh(x @ w)
+        return jnp.mean(x**2)
+
+    return loss_fn, params, batch
+
+
+def test_a_pipeline_on_sub_meshes_copies_exactly_its_boundary_bytes():
+    loss_fn, params, batch = _two_stage_mlp()
+    # Every microbatch's rows, each replica's share, cross once each way.
+    boundary = 2 * ROWS * WIDTH * 4
+    for shape, names in (((2, 2, 2), ("stage", "data", "model")), ((2, 4), ("stage", "data"))):
+        mesh = Mesh(np.array(jax.devices()[:8]).reshape(shape), names)
+        for schedule in ("gpipe", "1f1b", "zb-h1"):
+            pipe = pm.pipeline_value_and_grad(
+                loss_fn, num_microbatches=4, schedule=schedule, mesh=mesh
+            )
+            _, timings = pipe.timed_call(params, batch)
+            assert timings["bytes_copied"] == boundary, (shape, schedule)
+
+
+def test_one_device_per_stage_copies_the_same_and_one_stage_nothing():
+    loss_fn, params, batch = _two_stage_mlp()
+    for devices, num_stages, boundary in ((2, 2, 2 * ROWS * WIDTH * 4), (1, 1, 0)):
+        pipe = pm.pipeline_value_and_grad(
+            loss_fn, num_stages=num_stages, num_microbatches=2, devices=jax.devices()[:devices]
+        )
+        _, timings = pipe.timed_call(params, batch)
+        assert timings["bytes_copied"] == boundary, devices
