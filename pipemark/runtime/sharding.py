@@ -411,7 +411,11 @@ class CompiledStage:
         Where each input of ``run`` must be (parameters whole, with their spec; other
         inputs with a leading replica axis ``P(data_axis)`` when ``replicas > 1``).
     passed_shardings:
-        Where each passed output comes out.
+        The layout a passed output is placed in to cross to another process. ``run``
+        itself takes per-microbatch inputs in any layout on the sub-mesh and gives its
+        passed outputs the layout the compiler chooses (split over ``model`` where the
+        program splits them), so a residual a forward hands its backward is never
+        gathered.
     accumulator_shardings, accumulated_shardings:
         Where each accumulator lives (``P(data_axis, *spec)``) and where its sum goes
         (``spec``).
@@ -487,7 +491,14 @@ def compile_stage(
     sum_shardings = tuple(on_mesh(s) for s in sum_specs)
     passed_shardings = (per_microbatch,) * len(passed)
     fun = _replicated(program, params, replicas if replicated else 0, data_axis)
-    run = _runner(fun, accumulated, passed, (acc_shardings, in_shardings, passed_shardings))
+    # A value handed between stages keeps the layout its program gives it (along data on
+    # the replica axis, and split over model where the program splits it): pinning it
+    # to P(data) would gather the model shards of every residual and weight a forward
+    # hands its backward, inside every action. So per-microbatch inputs and passed
+    # outputs are left to the compiler; in_shardings/passed_shardings stay the layout a
+    # microbatch is placed in.
+    loose_in = tuple(s if i in params else None for i, s in enumerate(in_shardings))
+    run = _runner(fun, accumulated, passed, (acc_shardings, loose_in, (None,) * len(passed)))
     avals = [program.jaxpr.outvars[o].aval for o in accumulated]
     shapes = [((replicas, *a.shape) if replicated else a.shape, a.dtype) for a in avals]
     zeros = None
@@ -580,10 +591,10 @@ def _runner(
     fun: Callable[..., list[Any]],
     accumulated: Sequence[int],
     passed: Sequence[int],
-    shardings: tuple[tuple[NamedSharding, ...], ...],
+    shardings: tuple[tuple[NamedSharding | None, ...], ...],
 ) -> Callable[[list[Any], list[Any], Any], tuple[list[Any], list[Any]]]:
     acc_shardings, in_shardings, passed_shardings = shardings
-    scale_sharding = NamedSharding(in_shardings[0].mesh, P()) if in_shardings else None
+    scale_sharding = NamedSharding(acc_shardings[0].mesh, P()) if acc_shardings else None
 
     def run(accs: list[Any], inputs: list[Any], scale: Any) -> tuple[list[Any], list[Any]]:
         # scale is an argument so that one compiled program serves every number of

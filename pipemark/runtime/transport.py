@@ -80,7 +80,19 @@ class InProcessTransport:
         with self._lock:
             self.bytes_sent += nbytes
             self.bytes_received += nbytes
-        return put_on(values, target)
+        if target.mesh is None:
+            return put_on(values, target)
+        # Onto the target sub-mesh in the value's own layout (same axes, same shape).
+        return jax.device_put(values, [_layout_on(target, v) for v in values])
+
+
+def _layout_on(target: Slot, value: Any) -> Any:
+    """``value``'s layout on ``target``'s sub-mesh: its ``NamedSharding`` spec there, or
+    the slot's own layout for a value without one."""
+    sharding = getattr(value, "sharding", None)
+    if isinstance(sharding, NamedSharding) and sharding.mesh.shape == target.mesh.shape:
+        return NamedSharding(target.mesh, sharding.spec)
+    return target.sharding
 
 
 class Watchdog:
@@ -164,6 +176,12 @@ class CollectiveTransport:
         pair = _mesh_pair(source, target, types)
         me = jax.process_index()
         if source.process == me:
+            # Both ends agree on the slot's layout (the receiver cannot see the
+            # sender's): a value in another one is resharded first, within the sender.
+            values = [
+                v if v.sharding == source.sharding else jax.device_put(v, source.sharding)
+                for v in values
+            ]
             arrays = [
                 make([s.data.reshape(1, *s.data.shape) for s in v.addressable_shards])
                 for make, v in zip(pair.makers, values)
