@@ -413,7 +413,9 @@ class PipelinedStep:
         # update is traced for the whole batch (it runs once, and may read the batch).
         try:
             compute, _, _ = _trace_step(self.step_fn, (*replicated, batch_structs))
-        except (TypeError, ValueError) as error:
+        except PipemarkError:
+            raise
+        except (TypeError, ValueError) as error:  # JAX's own, e.g. shapes that disagree
             _refuse_unsplit_batch(replicated, batch, error)
             raise
         compute_full, apply, out_shape = _trace_step(self.step_fn, args)
