@@ -71,6 +71,33 @@ def test_runtime_benchmark_prints_its_tables():
     assert len(overhead) == 4
 
 
+def test_overhead_benchmark_prints_its_table_and_verdict():
+    lines = _output_lines("overhead.py", "--quick")
+    header = next(line for line in lines if line.startswith("| run |"))
+    assert "/ jax.jit" in header and "host µs per action" in header
+    table = lines[lines.index(header) : lines.index(header) + 7]
+    rows = [line for line in table if line.startswith(("| `jax.jit", "| pipeline"))]
+    assert len(rows) == 5 and all(row.count("|") == header.count("|") for row in rows)
+    titles = [c.strip() for c in header.split("|")[1:-1]]
+    cells = {row.split("|")[1].strip(): [c.strip() for c in row.split("|")[1:-1]] for row in rows}
+    assert cells["`jax.jit(jax.value_and_grad(loss))`"][titles.index("/ jax.jit")] == "1.000"
+    # Actions and programs per call: a fused forward and backward is one program.
+    counts = {
+        label: (c[titles.index("actions")], c[titles.index("programs")])
+        for label, c in cells.items()
+    }
+    assert counts["pipeline, 1 stage × 1 microbatch"] == ("2", "1")
+    assert counts["pipeline, 1 stage × 1 microbatch, unfused"] == ("2", "2")
+    assert counts["pipeline, 1 stage × 4 microbatches"] == ("8", "4")
+    assert counts["pipeline, 2 stages × 4 microbatches"] == ("16", "12")
+    verdict = next(line for line in lines if line.startswith("- 1 stage × 1 microbatch: "))
+    assert "(target ≤ 1.05: " in verdict and "(target ≤ 100: " in verdict
+    after = lines[lines.index(verdict) + 1 :]
+    parts = [line.split("|")[1].strip() for line in after if line.startswith("| ")]
+    assert "placing the inputs" in parts and "dispatching the program(s)" in parts
+    assert parts[-1] == "`jax.jit(jax.value_and_grad(loss))`, its call"
+
+
 def test_scan_benchmark_prints_balance_and_time():
     lines = _output_lines("scan.py", "--quick", "--repeat", "1")
     header = next(line for line in lines if line.startswith("| blocks |"))

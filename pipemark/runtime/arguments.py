@@ -30,7 +30,8 @@ def _is_array(leaf: Any) -> bool:
 @dataclass(frozen=True)
 class PartitionedParams:
     """``params`` split into its array leaves (``dynamic``, ``None`` elsewhere) and the
-    rest (``static``, ``None`` at the arrays); ``key`` tells static parts apart (by
+    rest (``static``, ``None`` at the arrays; ``None`` itself when every leaf is an
+    array); ``key`` tells static parts apart (by
     identity) for caching compiled plans."""
 
     dynamic: Any
@@ -39,6 +40,8 @@ class PartitionedParams:
 
     def combine(self, dynamic: Any) -> Any:
         """The full params from a pytree shaped like :attr:`dynamic`."""
+        if self.static is None:  # every leaf is an array
+            return dynamic
         return jax.tree_util.tree_map(
             lambda d, s: s if d is None else d,
             dynamic,
@@ -57,6 +60,8 @@ def partition_params(params: Any) -> PartitionedParams:
     """
     leaves, treedef = jax.tree_util.tree_flatten(params)
     arrays = [_is_array(leaf) for leaf in leaves]
+    if all(arrays):  # nothing static (run on every call: no trees rebuilt)
+        return PartitionedParams(params, None, (treedef, None))
     dynamic = treedef.unflatten([x if a else None for x, a in zip(leaves, arrays)])
     static = treedef.unflatten([None if a else x for x, a in zip(leaves, arrays)])
     key = (treedef, tuple(None if a else (type(x), id(x)) for x, a in zip(leaves, arrays)))

@@ -35,7 +35,7 @@ from pipemark.runtime.placement import Placement, Slot
 from pipemark.runtime.sharding import compile_stage
 from pipemark.staged import StagedJaxpr
 
-__all__ = ["Unit", "compile_units", "stage_readers"]
+__all__ = ["Unit", "compile_fused", "compile_units", "stage_readers"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,14 +223,9 @@ def _jit_unit(
     fun = jaxpr_as_fun(closed)
     avals = [v.aval for v in closed.jaxpr.outvars]
 
-    def contribution(value: Any, scale: Any) -> Any:
-        if jnp.issubdtype(value.dtype, jnp.inexact):
-            return value * scale.astype(value.dtype)
-        return value
-
     def run(accs: list[Any], inputs: list[Any], scale: Any) -> tuple[list[Any], list[Any]]:
         outs = fun(*inputs)
-        new = [acc + contribution(outs[o], scale) for acc, o in zip(accs, accumulated)]
+        new = [acc + _contribution(outs[o], scale) for acc, o in zip(accs, accumulated)]
         return new, [outs[o] for o in passed]
 
     sharding = slot.sharding
@@ -243,3 +238,106 @@ def _jit_unit(
 
         zeros = jax.jit(make_zeros, out_shardings=sharding)
     return jax.jit(run, out_shardings=sharding), zeros
+
+
+def _contribution(value: Any, scale: Any) -> Any:
+    """A microbatch's share of an accumulated result (an integer result is not scaled)."""
+    if jnp.issubdtype(value.dtype, jnp.inexact):
+        return value * scale.astype(value.dtype)
+    return value
+
+
+# ----------------------------------------------------------------- fused programs
+
+
+def compile_fused(staged: StagedJaxpr, forward: Unit, backward: Unit, slot: Slot) -> Unit:
+    """One program running stage ``forward.index`` and then stage ``backward.index``
+    (on ``slot``) for one microbatch: a :class:`Unit` whose inputs are the forward's
+    followed by the backward's inputs that are not the forward's outputs, whose
+    accumulators are the forward's followed by the backward's, and whose passed outputs
+    are the backward's. The forward's outputs stay inside the program, so XLA neither
+    writes the residuals out nor reads them back, and fuses across the two stages.
+    Only for a forward whose passed outputs no stage but the backward reads
+    (:func:`pipemark.runtime.steps.fuse_steps` decides).
+
+    >>> import jax, jax.numpy as jnp, pipemark as pm
+    >>> from pipemark.runtime.placement import place_stages
+    >>> staged = pm.split(jax.value_and_grad(lambda w: jnp.sum(jnp.sin(w) ** 2)), 1.0,
+    ...                   num_stages=1)
+    >>> placement = place_stages(jax.devices()[:1], (0,))
+    >>> units = compile_units(staged, {0: 0, 1: 0}, placement)
+    >>> fused = compile_fused(staged, units[0], units[1], placement.slots[0])
+    >>> accs, passed = fused.run([jnp.zeros(()), jnp.zeros(())], [jnp.float32(1.0)],
+    ...                          jnp.float32(1.0))
+    >>> [round(float(a), 4) for a in accs], passed
+    ([0.7081, 0.9093], [])
+    """
+    forward_stage, backward_stage = staged.stages[forward.index], staged.stages[backward.index]
+    # Per backward input: the forward output it is, or its place among the extra inputs.
+    wiring = []
+    extra = 0
+    for ref in backward_stage.inputs:
+        if ref.kind == "stage" and ref.stage == forward.index:
+            wiring.append((True, ref.index))
+        else:
+            wiring.append((False, extra))
+            extra += 1
+    wiring = tuple(wiring)
+    accumulated = (
+        [o for _, o in forward.accumulated],
+        [o for _, o in backward.accumulated],
+    )
+    keys = (
+        _unit_key(forward_stage.closed_jaxpr, accumulated[0], [], slot),
+        _unit_key(backward_stage.closed_jaxpr, accumulated[1], list(backward.passed), slot),
+    )
+    key = None if None in keys else ("fused", *keys, wiring)
+    run = _FUSED_CACHE.get(key) if key is not None else None
+    if run is None:
+        run = _jit_fused(
+            forward_stage.closed_jaxpr,
+            backward_stage.closed_jaxpr,
+            wiring,
+            accumulated,
+            list(backward.passed),
+            slot,
+        )
+        if key is not None:
+            if len(_FUSED_CACHE) >= _UNIT_CACHE_SIZE:
+                del _FUSED_CACHE[next(iter(_FUSED_CACHE))]
+            _FUSED_CACHE[key] = run
+    return Unit(
+        backward.index,
+        backward.worker,
+        run,
+        None,
+        (*forward.accumulated, *backward.accumulated),
+        backward.passed,
+    )
+
+
+# Fused programs, cached like the stage programs (same keys, for the pair and its wiring).
+_FUSED_CACHE: dict[Any, Callable] = {}
+register_cache(_FUSED_CACHE.clear)
+
+
+def _jit_fused(
+    forward: ClosedJaxpr,
+    backward: ClosedJaxpr,
+    wiring: tuple[tuple[bool, int], ...],
+    accumulated: tuple[list[int], list[int]],
+    passed: list[int],
+    slot: Slot,
+) -> Callable:
+    forward_fun, backward_fun = jaxpr_as_fun(forward), jaxpr_as_fun(backward)
+    num_forward_inputs = len(forward.jaxpr.invars)
+
+    def run(accs: list[Any], inputs: list[Any], scale: Any) -> tuple[list[Any], list[Any]]:
+        forward_outs = forward_fun(*inputs[:num_forward_inputs])
+        extra = inputs[num_forward_inputs:]
+        outs = backward_fun(*(forward_outs[i] if inside else extra[i] for inside, i in wiring))
+        shares = [forward_outs[o] for o in accumulated[0]] + [outs[o] for o in accumulated[1]]
+        new = [acc + _contribution(v, scale) for acc, v in zip(accs, shares)]
+        return new, [outs[o] for o in passed]
+
+    return jax.jit(run, out_shardings=slot.sharding)

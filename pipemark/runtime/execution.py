@@ -9,7 +9,8 @@ How a call runs (the plan was traced, sliced and compiled by
    places its parameters and batch slices on its device in one transfer per call, then
    walks its device's column of the schedule in tick order: an action takes its inputs
    (waiting on its worker's condition for a value another device has not published
-   yet), dispatches its stage program and publishes the results at once, already
+   yet), dispatches its stage program (a forward and its backward fused into one, where
+   the plan fused them) and publishes the results at once, already
    copied to each reader's device, without waiting for them to be computed: a reader
    dispatches against a value still being computed and XLA starts its program when the
    value is there, so no host thread has to wake up between the two. XLA's CPU client
@@ -26,6 +27,7 @@ How a call runs (the plan was traced, sliced and compiled by
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import time
@@ -41,7 +43,7 @@ from pipemark.errors import PipemarkError
 from pipemark.runtime.exchange import Cancelled, Exchange
 from pipemark.runtime.plan import PipelinePlan
 from pipemark.runtime.schedules import BACKWARD, FORWARD, WEIGHT, Action
-from pipemark.runtime.steps import PARAM, STAGE, Key, Step, value_type
+from pipemark.runtime.steps import PARAM, STAGE, Key, Step, resolve_steps, value_type
 from pipemark.runtime.transport import CollectiveTransport, InProcessTransport, Transport
 
 __all__ = ["STRATEGIES", "action_costs", "run_plan", "split_leaf"]
@@ -50,6 +52,8 @@ __all__ = ["STRATEGIES", "action_costs", "run_plan", "split_leaf"]
 def split_leaf(leaf: Any, num_microbatches: int, micro: int, replicas: int = 1) -> list[Any]:
     """A batch leaf's ``num_microbatches`` microbatches of ``micro`` rows; with
     ``replicas > 1``, each shaped ``(replicas, micro // replicas, ...)``."""
+    if num_microbatches == 1 and replicas == 1:  # the leaf itself: splitting would copy it
+        return [leaf]
     if isinstance(leaf, jax.Array):
         # One compiled program for all the slices: slicing a jax.Array op by op costs a
         # dispatch (about 0.3 ms) per microbatch.
@@ -114,6 +118,9 @@ class _Call:
                 self.accs[index] = unit.zeros()
         self.finished = False
         self.host_times: list[float] = []
+        # The same in CPU time of the walking threads: without the time the host thread
+        # lost to other threads (on CPU devices, those computing the stages).
+        self.cpu_times: list[float] = []
         # When measuring (action_costs): each action's seconds, from its inputs
         # computed to its results computed and published.
         self.spans: list[tuple[Action, float]] | None = None
@@ -163,16 +170,34 @@ class _Call:
         if self.spans is not None:  # measuring: the action alone, its inputs computed
             jax.block_until_ready(inputs)
         begin = time.perf_counter() if self.spans is not None else 0.0
-        index = step.index
-        new_accs, outs = self.plan.units[index].run(self.accs.get(index, []), inputs, scale)
-        if step.accumulate:
-            self.accs[index] = new_accs
+        new_accs, outs = self.dispatch(step, inputs, scale)
         if step.sends:
             self.publish(worker, step, outs)
         if self.spans is not None:
             jax.block_until_ready((new_accs, outs))
             self.spans.append((step.action, time.perf_counter() - begin))
         return waited
+
+    def dispatch(self, step: Step, inputs: list[Any], scale: Any) -> tuple[Any, Any]:
+        """Dispatch a step's program and keep its accumulators; returns them and its
+        passed outputs."""
+        index, plan = step.index, self.plan
+        if step.fused is None:
+            new_accs, outs = plan.units[index].run(self.accs.get(index, []), inputs, scale)
+            if step.accumulate:
+                self.accs[index] = new_accs
+            return new_accs, outs
+        # A fused step: the forward's accumulators, then the backward's.
+        forward = step.fused
+        accs = [*self.accs.get(forward, ()), *self.accs.get(index, ())]
+        new_accs, outs = plan.fused[index].run(accs, inputs, scale)
+        if step.accumulate:
+            split = len(plan.units[forward].accumulated)
+            if split:
+                self.accs[forward] = new_accs[:split]
+            if split < len(new_accs):
+                self.accs[index] = new_accs[split:]
+        return new_accs, outs
 
     def publish(self, worker: int, step: Step, outs: Sequence[Any]) -> None:
         entries = []
@@ -197,11 +222,13 @@ class _Call:
     def walk(self, worker: int) -> None:
         """Run worker ``worker``'s column of steps."""
         start = time.perf_counter()
+        cpu = time.thread_time()
         placed = self.place(worker)
         waited = 0.0
         for step in self.steps.columns[worker]:
             waited += self.run_step(worker, step, placed)
         self.host_times.append(time.perf_counter() - start - waited)
+        self.cpu_times.append(time.thread_time() - cpu)
 
     def transfer(self, producer: int, reader: int, keys: Sequence[Key], types: tuple) -> None:
         """One transfer of the values ``keys`` (of ``types``) from worker ``producer``
@@ -286,11 +313,13 @@ class _Call:
 def _run_serial(call: _Call) -> None:
     """Every worker's steps in the schedule's order, on the caller's thread."""
     begin = time.perf_counter()
+    cpu = time.thread_time()
     placed = [call.place(w) for w in range(len(call.local))]
     waited = 0.0
     for worker, step in call.steps.serial:
         waited += call.run_step(worker, step, placed[worker])
     call.host_times.append(time.perf_counter() - begin - waited)
+    call.cpu_times.append(time.thread_time() - cpu)
 
 
 def _run_threaded(call: _Call) -> None:
@@ -391,7 +420,10 @@ def run_plan(
     if timings is not None:
         timings["dispatch_s"] = time.perf_counter() - start
         timings["host_s"] = sum(call.host_times)
+        if call.cpu_times:  # in one process (the processes strategy does not measure it)
+            timings["host_cpu_s"] = sum(call.cpu_times)
         timings["num_actions"] = call.steps.num_actions
+        timings["num_programs"] = call.steps.num_programs
         timings["num_ticks"] = plan.schedule.num_ticks
         timings["values_left"] = values_left
         timings["peak_values"] = call.exchange.peak
@@ -413,9 +445,15 @@ def action_costs(
     :func:`pipemark.zero_bubble_schedule`: ``{"forward": (per stage), "backward": ...,
     "weight": ...}`` in seconds, 0 where a stage has no such program. In a plan whose
     schedule does not split the backward, ``"backward"`` is the whole backward and
-    ``"weight"`` is 0."""
+    ``"weight"`` is 0. Each action is timed as its own program, also where a call
+    runs a forward and its backward as one (fused) program."""
     if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
         raise PipemarkError(f"repeat must be a positive int, got {repeat!r}.")
+    # Every action on its own: the plan's steps without fusion.
+    steps = resolve_steps(
+        plan.staged, plan.schedule, plan.roles(), plan.units, plan.placement, plan.num_param_leaves
+    )
+    plan = dataclasses.replace(plan, steps=steps, fused={})
     seconds: dict[tuple[str, int], list[float]] = {}
     for walk in range(repeat + 1):
         call = _Call(plan, params, batch)

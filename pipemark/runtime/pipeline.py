@@ -18,7 +18,10 @@ How a call runs:
    residuals the backward reads (activations saved by the forward) never move.
 3. **Compile** each stage program once with ``jax.jit`` for its device. The compiled
    program also adds the stage's share of the result (the loss, the gradients) into an
-   accumulator that stays on the device.
+   accumulator that stays on the device. Where a device runs a forward and then, for
+   the same microbatch, the backward of the same stage, and nothing else reads the
+   forward's outputs (one stage; the last stage of 1F1B), the two are compiled into one
+   program (:func:`pipemark.runtime.steps.fuse_steps`): the residuals never leave it.
 4. **Dispatch** (:func:`pipemark.runtime.execution.run_plan`): one worker thread per
    device walks its device's column of the schedule, and values move between devices
    as soon as they are dispatched; the module's docstring says how.
@@ -81,6 +84,20 @@ __all__ = [
 # ------------------------------------------------------------------------ public
 
 
+def _shape_key(tree: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], np.dtype], ...]]:
+    """What a plan is built for: the tree's structure and each leaf's shape and dtype
+    as JAX would trace it. Computed on every call: an array's own shape and dtype
+    (``jnp.result_type`` costs about 15 µs a leaf), others through JAX's rules."""
+    leaves, structure = jax.tree_util.tree_flatten(tree)
+    types = []
+    for x in leaves:
+        if isinstance(x, (jax.Array, np.ndarray)):
+            types.append((x.shape, jax.dtypes.canonicalize_dtype(x.dtype)))
+        else:  # a Python or NumPy scalar: its dtype is JAX's choice
+            types.append((np.shape(x), np.dtype(jnp.result_type(x))))
+    return structure, tuple(types)
+
+
 class Pipeline:
     """``(params, *batch) -> (loss, grads)`` computed as a pipeline; made by
     :func:`pipeline_value_and_grad`.
@@ -96,8 +113,7 @@ class Pipeline:
         self._losses: dict[Any, tuple[Callable, Callable | None]] = {}
 
     def _key(self, params: Any, batch: Any) -> Any:
-        leaves, tree = jax.tree_util.tree_flatten((params, batch))
-        key = tree, tuple((np.shape(x), str(jnp.result_type(x))) for x in leaves)
+        key = _shape_key((params, batch))
         if self.options.mesh is not None and self.options.param_specs is None:
             # The parameters' own shardings lay them out on the sub-meshes.
             specs = leaf_specs(None, params, self.options.stage_axis)
@@ -172,7 +188,11 @@ class Pipeline:
         to walk the schedule; it includes the computation only where a worker waited
         for it: programs that XLA runs inline, on the dispatching thread), ``host_s``
         (host time spent placing inputs, dispatching and publishing, summed over the
-        workers, without the waits for other devices), ``num_actions``, ``num_ticks``,
+        workers, without the waits for other devices), in one process also
+        ``host_cpu_s`` (the same in CPU time of the walking threads: without the time
+        they lost to other threads, such as those computing on CPU devices),
+        ``num_actions`` (the schedule's), ``num_programs`` (the programs dispatched:
+        fewer where a forward and its backward run as one program), ``num_ticks``,
         and ``values_left`` / ``peak_values`` (values handed between stages still held
         after the call, which is 0, and the most held at once), ``bytes_copied`` (bytes
         of the values copied between this process's slots). Under
@@ -396,8 +416,7 @@ class PipelinedStep:
             raise PipemarkError(
                 "A pipelined training step needs at least the batch argument (the last one)."
             )
-        leaves, tree = jax.tree_util.tree_flatten(args)
-        key = (tree, tuple((np.shape(x), str(jnp.result_type(x))) for x in leaves))
+        key = _shape_key(args)
         prepared = self._prepared.get(key)
         if prepared is not None:
             return prepared

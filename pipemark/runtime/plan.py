@@ -23,7 +23,7 @@ from pipemark.passes.backward_split import split_backward
 from pipemark.passes.inline import inline_calls
 from pipemark.passes.stages import pair_stages
 from pipemark.runtime.agreement import check_agreement
-from pipemark.runtime.compilation import Unit, compile_units
+from pipemark.runtime.compilation import Unit, compile_fused, compile_units
 from pipemark.runtime.losses import (
     LOSS_REDUCTIONS,
     count_batch_free_terms_once,
@@ -33,7 +33,7 @@ from pipemark.runtime.options import PipelineOptions
 from pipemark.runtime.placement import Placement, Slot, available_slots, leaf_specs, place_stages
 from pipemark.runtime.schedules import BACKWARD, FORWARD, WEIGHT, Schedule, make_schedule
 from pipemark.runtime.simulation import ZERO_BUBBLE_VARIANTS, zero_bubble_schedule
-from pipemark.runtime.steps import Steps, resolve_steps
+from pipemark.runtime.steps import Steps, fuse_steps, resolve_steps
 from pipemark.runtime.transport import Watchdog
 from pipemark.staged import StagedJaxpr
 from pipemark.staging import has_stage_markers, split_jaxpr
@@ -193,7 +193,11 @@ class PipelinePlan:
     units:
         The compiled stage programs this process runs, by stage index.
     steps:
-        The schedule's actions resolved (:mod:`pipemark.runtime.steps`).
+        The schedule's actions resolved (:mod:`pipemark.runtime.steps`), a forward
+        fused with the backward that follows it where nothing else reads its outputs.
+    fused:
+        The fused programs (:func:`~pipemark.runtime.compilation.compile_fused`), by
+        backward stage index.
     """
 
     staged: StagedJaxpr
@@ -207,6 +211,7 @@ class PipelinePlan:
     out_tree: Any
     units: Mapping[int, Unit] = dataclasses.field(repr=False, compare=False)
     steps: Steps = dataclasses.field(repr=False, compare=False)
+    fused: Mapping[int, Unit] = dataclasses.field(default_factory=dict, repr=False, compare=False)
     loss_reduction: str = "mean"
     timeout_s: float | None = 120.0
     # Per accumulating stage of this process, the zeros its accumulators start from
@@ -468,14 +473,25 @@ def plan_from_staged(
 
 
 def _ready(plan: PipelinePlan) -> PipelinePlan:
-    """``plan`` with what every call reuses made once: its resolved steps, the zeros
-    of this process's accumulators, each worker's scale on its slot; under
+    """``plan`` with what every call reuses made once: its resolved steps (and the
+    fused programs they run, on single-device slots), the zeros of this process's
+    accumulators, each worker's scale on its slot; under
     ``jax.distributed`` the processes checked to make the same plan, and its
     watchdog."""
     placement, local = plan.placement, plan.placement.local
     steps = resolve_steps(
         plan.staged, plan.schedule, plan.roles(), plan.units, placement, plan.num_param_leaves
     )
+    pairs: dict[int, int] = {}
+    if not placement.meshes:  # a fused program on a sub-mesh is not written yet
+        steps, pairs = fuse_steps(steps, plan.staged, plan.roles(), plan.units, placement)
+    units = plan.units
+    fused = {
+        backward: compile_fused(
+            plan.staged, units[forward], units[backward], placement.slots[units[backward].worker]
+        )
+        for backward, forward in pairs.items()
+    }
     zeros = {
         index: tuple(unit.zeros())
         for index, unit in plan.units.items()
@@ -490,4 +506,11 @@ def _ready(plan: PipelinePlan) -> PipelinePlan:
     if placement.distributed:
         check_agreement(plan, plan.timeout_s)
         watchdog = Watchdog(plan.timeout_s)
-    return dataclasses.replace(plan, steps=steps, zeros=zeros, scales=scales, watchdog=watchdog)
+    return dataclasses.replace(
+        plan,
+        steps=steps,
+        fused=types.MappingProxyType(fused),
+        zeros=zeros,
+        scales=scales,
+        watchdog=watchdog,
+    )

@@ -5,10 +5,16 @@ for which microbatch, where each input comes from (a parameter leaf, a batch lea
 an output of another stage for the same microbatch) and which workers read each of its
 outputs. Under ``jax.distributed`` also the transfers between processes that precede
 each step in the one global order every process walks.
+
+:func:`fuse_steps` then folds a forward step into the backward step that follows it on
+its worker, for the same pipeline stage and microbatch, when no other stage reads the
+forward's outputs (one stage; the last stage of 1F1B): the pair runs as one program
+(:func:`pipemark.runtime.compilation.compile_fused`).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -16,10 +22,10 @@ import numpy as np
 
 from pipemark.runtime.compilation import Unit
 from pipemark.runtime.placement import Placement
-from pipemark.runtime.schedules import Action, Schedule
+from pipemark.runtime.schedules import BACKWARD, FORWARD, Action, Schedule
 from pipemark.staged import StagedJaxpr
 
-__all__ = ["BATCH", "PARAM", "STAGE", "Step", "Steps", "resolve_steps"]
+__all__ = ["BATCH", "PARAM", "STAGE", "Step", "Steps", "fuse_steps", "resolve_steps"]
 
 #: Where a step's input comes from (the first item of each entry of :attr:`Step.inputs`).
 PARAM, BATCH, STAGE = 0, 1, 2
@@ -40,6 +46,9 @@ class Step(NamedTuple):
     # per passed output: (its position among the program's passed outputs, its key, and
     # how many readers each worker has: ((worker, count), ...))
     sends: tuple[tuple[int, Key, tuple[tuple[int, int], ...]], ...]
+    # A fused step (fuse_steps): the forward stage whose program runs first, in one
+    # program with this backward stage's; its inputs come first in ``inputs``.
+    fused: int | None = None
 
 
 class Steps(NamedTuple):
@@ -50,12 +59,17 @@ class Steps(NamedTuple):
     serial: tuple[tuple[int, Step], ...]  # (worker, step) in schedule order
     params: tuple[tuple[int, ...], ...]  # per worker: parameter leaves it reads
     batch: tuple[tuple[int, ...], ...]  # per worker: batch leaves it reads
-    num_actions: int
+    num_actions: int  # the schedule's actions (a fused step is two)
     readers: dict[tuple[int, int], dict[int, int]]  # stage output -> {worker: readers}
     # Under jax.distributed, per entry of ``serial``: the transfers into its worker that
     # precede it, as (producer worker, the keys it sends, their (shape, dtype)); empty
     # in one process.
     incoming: tuple[tuple[tuple[int, tuple[Key, ...], tuple], ...], ...]
+
+    @property
+    def num_programs(self) -> int:
+        """How many programs a call dispatches (fewer than actions where steps are fused)."""
+        return len(self.serial)
 
 
 def resolve_steps(
@@ -113,6 +127,88 @@ def resolve_steps(
         num_actions=len(serial),
         readers=readers,
         incoming=_incoming(serial, owner, placement, staged),
+    )
+
+
+def fuse_steps(
+    steps: Steps,
+    staged: StagedJaxpr,
+    roles: Mapping[str, Sequence[int | None]],
+    units: Mapping[int, Unit],
+    placement: Placement,
+) -> tuple[Steps, dict[int, int]]:
+    """``steps`` with each forward step folded into the backward step right after it in
+    its worker's column, when both are the same pipeline stage's for the same
+    microbatch and no stage other than that backward reads the forward's outputs (so
+    nothing waits for them, and they need not leave the program). The fused step takes
+    the backward's place in the global order. Returns the steps and the stage pairs
+    fused, ``{backward index: forward index}``, for which a fused program is needed.
+
+    With one stage, every forward is fused with its backward under 1F1B; with several,
+    the last stage's are (the others pass their outputs on); under a zero-bubble
+    schedule none are (the weight-gradient step reads the forward's outputs too).
+    """
+    pairs = _fusable_pairs(staged, roles)
+    fused_steps: dict[int, Step] = {}  # id of a backward step -> its fused step
+    folded: set[int] = set()  # ids of the forward steps folded into one
+    for column in steps.columns:
+        for first, second in itertools.pairwise(column):
+            if (
+                pairs.get(second.index) == first.index
+                and first.microbatch == second.microbatch
+                and id(first) not in folded
+            ):
+                folded.add(id(first))
+                fused_steps[id(second)] = _fused_step(first, second)
+    if not fused_steps:
+        return steps, {}
+    columns = tuple(
+        tuple(fused_steps.get(id(s), s) for s in column if id(s) not in folded)
+        for column in steps.columns
+    )
+    serial = tuple((w, fused_steps.get(id(s), s)) for w, s in steps.serial if id(s) not in folded)
+    owner = {index: unit.worker for index, unit in units.items()}
+    used = {s.index: s.fused for s in fused_steps.values()}
+    return (
+        steps._replace(
+            columns=columns,
+            serial=serial,
+            incoming=_incoming(list(serial), owner, placement, staged),
+        ),
+        used,
+    )
+
+
+def _fusable_pairs(
+    staged: StagedJaxpr, roles: Mapping[str, Sequence[int | None]]
+) -> dict[int, int]:
+    """``{backward index: forward index}`` of the pipeline stages whose forward outputs
+    only their backward reads."""
+    read_by: dict[int, set[int]] = {}  # stage -> the stages reading its outputs
+    for c, stage in enumerate(staged.stages):
+        for ref in stage.inputs:
+            if ref.kind == "stage":
+                read_by.setdefault(ref.stage, set()).add(c)
+    pairs = {}
+    for forward, backward in zip(roles[FORWARD], roles[BACKWARD]):
+        if backward is not None and read_by.get(forward, set()) <= {backward}:
+            pairs[backward] = forward
+    return pairs
+
+
+def _fused_step(forward: Step, backward: Step) -> Step:
+    """The step running ``forward`` and then ``backward`` as one program: the forward's
+    inputs, then the backward's that are not the forward's outputs."""
+    m = forward.microbatch
+    extra = tuple(
+        (source, key)
+        for source, key in backward.inputs
+        if not (source == STAGE and key[:2] == (m, forward.index))
+    )
+    return backward._replace(
+        accumulate=forward.accumulate or backward.accumulate,
+        inputs=forward.inputs + extra,
+        fused=forward.index,
     )
 
 

@@ -1,0 +1,141 @@
+"""Tests of pipemark.runtime.execution: calls of plans whose forward and backward steps
+are fused match JAX, and what a call costs the host, counted (programs dispatched,
+transfers, batch splits) rather than timed, so that a noisy machine cannot make them
+pass or fail."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import pytest
+
+import pipemark as pm
+from pipemark import examples
+from pipemark.runtime import execution, placement
+from pipemark.runtime.execution import run_plan
+from pipemark.runtime.steps import resolve_steps
+from tests._trees import assert_trees_close, assert_trees_equal
+
+
+def _pipeline(num_stages, num_microbatches, schedule="1f1b", devices=None, batch=8):
+    ex = examples.mlp(num_layers=4, width=8, batch=batch)
+    pipe = pm.pipeline_value_and_grad(
+        ex.loss_fn,
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        devices=jax.devices()[: devices or num_stages],
+    )
+    return pipe, ex
+
+
+def _unfused(plan):
+    steps = resolve_steps(
+        plan.staged, plan.schedule, plan.roles(), plan.units, plan.placement, plan.num_param_leaves
+    )
+    return dataclasses.replace(plan, steps=steps, fused={})
+
+
+@pytest.mark.parametrize(
+    ("num_stages", "num_microbatches", "schedule", "devices", "num_fused"),
+    [
+        (1, 1, "1f1b", 1, 1),
+        (1, 4, "1f1b", 1, 4),
+        (2, 4, "1f1b", 2, 4),
+        (4, 4, "1f1b", 4, 4),
+        (1, 1, "gpipe", 1, 1),
+        (2, 4, "gpipe", 2, 0),
+        (4, 4, "interleaved", 2, 4),
+        (1, 4, "zb-h1", 1, 4),
+        (2, 4, "zb-h1", 2, 0),
+        (4, 4, "zb-v", 2, 0),
+    ],
+)
+def test_every_schedule_with_fusion_matches_jax(
+    num_stages, num_microbatches, schedule, devices, num_fused
+):
+    pipe, ex = _pipeline(num_stages, num_microbatches, schedule, devices)
+    plan = pipe.plan(*ex.args)
+    fused = sum(s.fused is not None for _, s in plan.steps.serial)
+    assert fused == num_fused
+    want = jax.value_and_grad(ex.loss_fn)(*ex.args)
+    assert assert_trees_close(pipe(*ex.args), want, rtol=1e-5) > 2
+    # Fused or not, the same values up to float rounding (XLA may fuse differently).
+    assert_trees_close(run_plan(_unfused(plan), *ex.args, None), want, rtol=1e-5)
+
+
+def test_fused_steps_give_the_same_bits_threaded_and_serial():
+    pipe, ex = _pipeline(4, 8, batch=16)
+    plan = pipe.plan(*ex.args)
+    assert plan.fused
+    threaded = run_plan(plan, *ex.args, None)
+    serial = run_plan(plan, *ex.args, None, parallel=False)
+    assert assert_trees_equal(threaded, serial) > 2
+
+
+class _Counts:
+    """What calls of a plan did on the host: programs dispatched, transfers and batch
+    splits."""
+
+    def __init__(self, monkeypatch, plan):
+        self.programs = self.transfers = self.splits = 0
+
+        def counted(unit):
+            def run(*args):
+                self.programs += 1
+                return unit.run(*args)
+
+            return dataclasses.replace(unit, run=run)
+
+        self.plan = dataclasses.replace(
+            plan,
+            units={i: counted(u) for i, u in plan.units.items()},
+            fused={i: counted(u) for i, u in plan.fused.items()},
+        )
+        copy, put, splitter = placement.copy_to_device, jax.device_put, execution._splitter
+
+        def counting(fn, what):
+            def wrapped(*args, **kwargs):
+                setattr(self, what, getattr(self, what) + 1)
+                return fn(*args, **kwargs)
+
+            return wrapped
+
+        monkeypatch.setattr(placement, "copy_to_device", counting(copy, "transfers"))
+        monkeypatch.setattr(jax, "device_put", counting(put, "transfers"))
+        monkeypatch.setattr(execution, "_splitter", lambda *key: counting(splitter(*key), "splits"))
+
+
+@pytest.mark.parametrize(
+    ("num_stages", "num_microbatches", "programs", "transfers", "splits"),
+    [
+        # One program; the parameters and the batch are on the stage's device already,
+        # and one microbatch is the batch itself: nothing is copied.
+        (1, 1, 1, 0, 0),
+        # One program per microbatch; the two batch arrays split once each.
+        (1, 4, 4, 0, 2),
+        # Stage 0 forward, backward (4 each); stage 1 fused (4). Stage 1's device gets
+        # its parameters and batch in one transfer; each microbatch hands an activation
+        # forward and a cotangent back (8).
+        (2, 4, 12, 9, 2),
+    ],
+)
+def test_what_a_call_costs_the_host(
+    monkeypatch, num_stages, num_microbatches, programs, transfers, splits
+):
+    pipe, ex = _pipeline(num_stages, num_microbatches)
+    plan = pipe.plan(*ex.args)
+    counts = _Counts(monkeypatch, plan)
+    for parallel in (True, False):
+        counts.programs = counts.transfers = counts.splits = 0
+        timings: dict = {}
+        jax.block_until_ready(run_plan(counts.plan, *ex.args, timings, parallel=parallel))
+        assert (counts.programs, counts.transfers, counts.splits) == (
+            programs,
+            transfers,
+            splits,
+        )
+        assert timings["num_programs"] == programs
+        assert timings["num_actions"] == 4 * num_stages * num_microbatches // 2
+        assert timings["host_cpu_s"] > 0

@@ -1,0 +1,103 @@
+"""Tests of pipemark.runtime.steps: which forward steps fuse_steps folds into the
+backward step that follows them, and where the fused step goes."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+import pipemark as pm
+from pipemark import examples
+from pipemark.runtime.steps import resolve_steps
+
+
+def _plan(num_stages: int, num_microbatches: int, schedule: str = "1f1b", devices: int = 0):
+    ex = examples.mlp(num_layers=4, width=8, batch=8)
+    pipe = pm.pipeline_value_and_grad(
+        ex.loss_fn,
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        devices=jax.devices()[: devices or num_stages],
+    )
+    return pipe.plan(*ex.args)
+
+
+def _unfused(plan):
+    return resolve_steps(
+        plan.staged, plan.schedule, plan.roles(), plan.units, plan.placement, plan.num_param_leaves
+    )
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 4])
+def test_one_stage_fuses_every_forward_with_its_backward(num_microbatches):
+    plan = _plan(1, num_microbatches)
+    forward, backward = plan.forward_stages[0], plan.backward_stages[0]
+    (column,) = plan.steps.columns
+    assert [(s.index, s.fused, s.microbatch) for s in column] == [
+        (backward, forward, m) for m in range(num_microbatches)
+    ]
+    assert set(plan.fused) == {backward}
+    assert plan.steps.num_actions == 2 * num_microbatches
+    assert plan.steps.num_programs == num_microbatches
+    # The fused step reads the forward's inputs first, then the backward's own (none of
+    # them the forward's outputs: those stay inside the program).
+    unfused = _unfused(plan).columns[0]
+    assert column[0].inputs[: len(unfused[0].inputs)] == unfused[0].inputs
+    extra = column[0].inputs[len(unfused[0].inputs) :]
+    assert all(key[1] != forward for source, key in extra if source == 2)
+    assert {source for source, _ in extra} <= {0, 1}  # parameters and batch
+
+
+def test_the_last_stage_of_1f1b_is_fused_and_the_first_is_not():
+    plan = _plan(2, 4)
+    first, last = plan.steps.columns
+    assert all(s.fused is None for s in first)  # its forward feeds stage 1
+    assert [(s.index, s.fused) for s in last] == [
+        (plan.backward_stages[1], plan.forward_stages[1])
+    ] * 4
+    assert set(plan.fused) == {plan.backward_stages[1]}
+    assert plan.steps.num_programs == 12 and plan.steps.num_actions == 16
+    # The fused step takes its backward's place in the global order; the rest keeps its own.
+    want = [
+        (w, s.index, s.microbatch)
+        for w, s in _unfused(plan).serial
+        if s.index != plan.forward_stages[1]
+    ]
+    assert [(w, s.index, s.microbatch) for w, s in plan.steps.serial] == want
+
+
+@pytest.mark.parametrize(
+    ("num_stages", "num_microbatches", "schedule", "devices"),
+    [(2, 4, "zb-h1", 2), (4, 4, "zb-v", 2)],
+)
+def test_no_fusion_where_another_stage_reads_the_forward(
+    num_stages, num_microbatches, schedule, devices
+):
+    # Under a zero-bubble schedule the weight-gradient stage reads the forward's
+    # activations too: the forward's outputs must leave its program.
+    plan = _plan(num_stages, num_microbatches, schedule, devices)
+    assert not plan.fused
+    assert all(s.fused is None for column in plan.steps.columns for s in column)
+    assert plan.steps.num_programs == plan.steps.num_actions
+
+
+def test_a_zero_bubble_stage_without_a_weight_program_is_fused():
+    # One stage: its backward has no input cotangent to compute, so split_backward
+    # leaves it whole, and nothing but it reads the forward.
+    plan = _plan(1, 4, "zb-h1")
+    assert plan.weight_stages == (None,)
+    assert set(plan.fused) == {plan.backward_stages[0]}
+    assert plan.steps.num_programs == 4
+
+
+@pytest.mark.parametrize("num_stages", [1, 2])
+def test_a_forward_not_followed_by_its_backward_is_not_fused(num_stages):
+    # GPipe runs every forward before any backward, microbatch 0 first: with several
+    # microbatches no forward is followed by its own backward; with one, the last
+    # stage's is.
+    plan = _plan(num_stages, 4, "gpipe")
+    assert not plan.fused and plan.steps.num_programs == plan.steps.num_actions == 8 * num_stages
+    plan = _plan(num_stages, 1, "gpipe")
+    assert set(plan.fused) == {plan.backward_stages[-1]}
+    assert [s.fused for s in plan.steps.columns[-1]] == [plan.forward_stages[-1]]
