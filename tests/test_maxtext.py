@@ -1,6 +1,9 @@
-"""MaxText (issue #25 item 4): its smallest decoder, with ``scan_layers`` on and off and
-its remat policy, split by ``pm.split`` into 2 and 4 stages and run as a pipeline
-(tests/_maxtext.py, in a subprocess with 4 host devices).
+"""MaxText (issue #25 item 4, issue #27 item 2): its smallest decoder, with
+``scan_layers`` on and off and its remat policy, split by ``pm.split`` into 2 and 4
+stages and run as a pipeline of 2 sub-meshes of 2 devices, with MaxText's own sharding
+constraints and parameter specs: tensor parallelism (scanned layers) and data
+parallelism (unscanned) inside each stage (tests/_maxtext.py, in a subprocess with 4
+host devices).
 
 Marked ``maxtext``: MaxText needs Python >= 3.12, jax >= 0.11.1 and about 220 packages,
 so it runs in its own environment, ``make test-maxtext`` (.venv-maxtext), which
@@ -23,12 +26,12 @@ pytestmark = [pytest.mark.maxtext, pytest.mark.slow]
 ROOT = Path(__file__).parents[1]
 
 
-@pytest.mark.parametrize("layers", ["scan", "noscan"])
-def test_maxtext_decoder_splits_verifies_and_pipelines(layers):
+@pytest.mark.parametrize(("layers", "parallel"), [("scan", "tensor"), ("noscan", "data")])
+def test_maxtext_decoder_splits_verifies_and_pipelines_on_sub_meshes(layers, parallel):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "_maxtext.py"), layers],
+        [sys.executable, str(ROOT / "tests" / "_maxtext.py"), layers, parallel],
         env=env,
         capture_output=True,
         text=True,

@@ -409,16 +409,24 @@ def run_plan(
     and return the accumulated results in the plan's output tree. ``timings``, when a
     dict, receives the dispatch timings (see :meth:`pipemark.Pipeline.timed_call`);
     ``parallel=False`` walks every worker's actions on the caller's thread."""
-    call = _Call(plan, params, batch)
-    start = time.perf_counter()
-    try:
-        STRATEGIES[_strategy(plan, parallel)](call)
-        call.finish()
-        values_left = len(call.exchange)
-    finally:
-        call.exchange.clear()  # after a failure, values nobody will read
+    # Each program runs on its own slot (a device or a sub-mesh), whatever mesh the
+    # caller set with jax.set_mesh (MaxText's train loop does; a model with bare
+    # PartitionSpecs must be traced under one): JAX refuses to run a program on devices
+    # other than the context mesh's. The loss was traced under it before; its equations
+    # carry that mesh, rebuilt on each stage's sub-mesh.
+    with jax.set_mesh(None):
+        call = _Call(plan, params, batch)
+        start = time.perf_counter()
+        try:
+            STRATEGIES[_strategy(plan, parallel)](call)
+            call.finish()
+            values_left = len(call.exchange)
+        finally:
+            call.exchange.clear()  # after a failure, values nobody will read
+        dispatch_s = time.perf_counter() - start
+        results = call.results()
     if timings is not None:
-        timings["dispatch_s"] = time.perf_counter() - start
+        timings["dispatch_s"] = dispatch_s
         timings["host_s"] = sum(call.host_times)
         if call.cpu_times:  # in one process (the processes strategy does not measure it)
             timings["host_cpu_s"] = sum(call.cpu_times)
@@ -432,7 +440,7 @@ def run_plan(
             timings["bytes_sent"], timings["bytes_received"] = call.boundary_bytes
             timings["bytes_gathered"] = call.transport.bytes_received - call.boundary_bytes[1]
             timings["transfer_s"] = call.transport.seconds
-    return jax.tree_util.tree_unflatten(plan.out_tree, call.results())
+    return jax.tree_util.tree_unflatten(plan.out_tree, results)
 
 
 def action_costs(

@@ -482,8 +482,10 @@ class PipelinedStep:
         # process holds the state), over the whole inputs and the accumulated values;
         # on a sub-mesh the state keeps its layout there.
         values = [*jax.tree_util.tree_leaves(args), *accumulated]
-        inputs = jax.device_put(values, plan.update_shardings(len(values)))
-        return jax.tree_util.tree_unflatten(out_tree, apply(*inputs))
+        with jax.set_mesh(None):  # on that slot whatever the caller's mesh (see run_plan)
+            inputs = jax.device_put(values, plan.update_shardings(len(values)))
+            outputs = apply(*inputs)
+        return jax.tree_util.tree_unflatten(out_tree, outputs)
 
 
 def pipeline_train_step(

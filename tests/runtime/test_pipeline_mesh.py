@@ -41,10 +41,11 @@ def _meshes() -> dict[str, Mesh]:
     }
 
 
-def _tensor_parallel_mlp(constraint_mesh: Mesh | None):
+def _tensor_parallel_mlp(constraint_mesh: Mesh | None, *, bare: bool = False):
     """A residual MLP in Megatron's layout: the first matrix split by columns over
     ``model``, the second by rows, the hidden activations constrained to
-    ``P("data", "model")`` on ``constraint_mesh`` (none when ``None``)."""
+    ``P("data", "model")`` on ``constraint_mesh`` (none when ``None``); with ``bare``,
+    by the spec alone (traced under ``jax.set_mesh``)."""
     rng = np.random.default_rng(0)
 
     def matrix():
@@ -63,7 +64,9 @@ def _tensor_parallel_mlp(constraint_mesh: Mesh | None):
             if i:
                 pm.mark_pipeline_boundary()
             h = jnp.tanh(x @ a)
-            if constraint_mesh is not None:
+            if bare:
+                h = jax.lax.with_sharding_constraint(h, P("data", "model"))
+            elif constraint_mesh is not None:
                 h = jax.lax.with_sharding_constraint(
                     h, NamedSharding(constraint_mesh, P("data", "model"))
                 )
@@ -159,6 +162,25 @@ def test_the_parameters_own_shardings_are_the_default_specs():
     got = pipe(placed, batch)
     assert_trees_close(got, want)
     assert pipe.plan(placed, batch).param_specs[:2] == (P(None, "model"), P("model", None))
+
+
+@pytest.mark.parametrize("context", ["data-model", "2x2x2"])
+@pytest.mark.parametrize("bare", [True, False], ids=["bare-spec", "named-sharding"])
+def test_a_pipeline_called_under_set_mesh_runs_each_stage_on_its_sub_mesh(context, bare):
+    # As MaxText's train loop calls its step: under jax.set_mesh (one stage's mesh, or
+    # the pipeline's), which a model pinning activations with bare specs needs while it
+    # is traced; the stage programs still run on their own sub-meshes.
+    loss_fn, params, specs, batch = _tensor_parallel_mlp(_meshes()["data-model"], bare=bare)
+    with jax.sharding.set_mesh(_meshes()["data-model"]):
+        want = _reference(loss_fn, params, specs, batch, _meshes()["data-model"])
+    pipe = pm.pipeline_value_and_grad(
+        loss_fn, num_stages=2, num_microbatches=2, mesh=_meshes()["2x2x2"], param_specs=specs
+    )
+    with jax.sharding.set_mesh(_meshes()[context]):
+        got = pipe(params, batch)
+    assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
+    layouts = {frozenset(g.sharding.device_set) for g in jax.tree_util.tree_leaves(got[1])}
+    assert layouts == {frozenset(_meshes()["2x2x2"].devices[k].flat) for k in range(2)}
 
 
 def test_a_list_of_sub_meshes_is_a_mesh_per_slot():
@@ -284,3 +306,6 @@ def test_a_training_step_on_sub_meshes_matches_jax():
     # The updated parameters keep their layout (on the first stage's sub-mesh).
     new_params = got[0]
     assert new_params[0][0].sharding.spec == P(None, "model")
+    # Called under the pipeline's mesh (as MaxText's train loop sets its own), the same.
+    with jax.sharding.set_mesh(mesh):
+        assert_trees_close(pipelined(params, state, batch), want, rtol=1e-5, atol=1e-6)
