@@ -62,6 +62,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "Stage": ("pipemark.staged", "Stage"),
     "stage_graph": ("pipemark.graph", "stage_graph"),
     "StagedJaxpr": ("pipemark.staged", "StagedJaxpr"),
+    "StageRole": ("pipemark.roles", "StageRole"),
     "StageGraphError": ("pipemark.errors", "StageGraphError"),
     "StateMutationError": ("pipemark.mutation", "StateMutationError"),
     "ProcessError": ("pipemark.errors", "ProcessError"),
