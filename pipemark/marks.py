@@ -19,7 +19,8 @@ mark type      role
 Stage names follow one rule: the stage that :func:`jax.grad` mirrors from stage
 ``name`` is ``name + BACKWARD_SUFFIX`` (:func:`backward_name`, :func:`forward_name`);
 a training step's update, split off at its ``grad`` marker, is stage
-:data:`APPLY_STAGE`.
+:data:`APPLY_STAGE`. Slicing reads these names once into each stage's
+:class:`~pipemark.roles.StageRole`, which the passes carry from then on.
 
 >>> MARK_ROLES["start"].closed_by, MARK_ROLES["start"].tangent, MARK_ROLES["end"].transposed
 ('end', 'jvp_start', 'start')
@@ -144,11 +145,10 @@ def backward_name(name: str) -> str:
     return name + BACKWARD_SUFFIX
 
 
-def weight_name(name: str) -> str:
-    """The name of the weight-gradient stage split off backward stage ``name``
-    (``layer0_backward`` -> ``layer0_weight``)."""
-    forward = forward_name(name)
-    return (name if forward is None else forward) + WEIGHT_SUFFIX
+def weight_name(forward: str) -> str:
+    """The name of the weight-gradient stage split off the backward stage of forward
+    stage ``forward`` (``layer0`` -> ``layer0_weight``)."""
+    return forward + WEIGHT_SUFFIX
 
 
 def owner_name(name: str) -> str | None:

@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 from pipemark.errors import PipemarkError
-from pipemark.marks import forward_name, owner_name
+from pipemark.roles import BACKWARD
 from pipemark.staged import StagedJaxpr
 from pipemark.views.rows import (
     check_staged,
@@ -43,10 +43,11 @@ def _figure_class():
 def stage_layout(staged: StagedJaxpr) -> dict[str, tuple[float, float]]:
     """Where each stage is drawn, ``name -> (x, y)``.
 
-    Stages sit in one row in the order they run. When every backward stage
-    ``<name>_backward`` has its forward stage ``<name>``, forward stages form the top row
-    and each backward stage sits under its forward stage, so a training step reads as a
-    U: forward left to right, backward right to left.
+    Stages sit in one row in the order they run. When the forward stage of every
+    backward (and weight) stage is in the program (by their
+    :attr:`~pipemark.Stage.role`), forward stages form the top row and each backward
+    stage sits under its forward stage, so a training step reads as a U: forward left to
+    right, backward right to left.
 
     >>> import jax, pipemark as pm
     >>> from pipemark import examples
@@ -55,22 +56,23 @@ def stage_layout(staged: StagedJaxpr) -> dict[str, tuple[float, float]]:
     {'layer0': (0.0, 1.0), 'layer1': (1.0, 1.0), 'layer1_backward': (1.0, 0.0), 'layer0_backward': (0.0, 0.0)}
     """
     staged = check_staged(staged, "stage_layout")
-    names = [s.name for s in staged.stages]
+    stages = staged.stages
+    names = [s.name for s in stages]
     known = set(names)
-    backward = [n for n in names if owner_name(n) is not None]
-    paired = backward and all(owner_name(n) in known for n in backward)
+    owned = [s for s in stages if s.role.owner is not None]
+    paired = owned and all(s.role.owner in known for s in owned)
     if not paired:
         return {name: (float(k), 0.0) for k, name in enumerate(names)}
     layout: dict[str, tuple[float, float]] = {}
     column = 0
-    for name in names:
-        if owner_name(name) is None:
-            layout[name] = (float(column), 1.0)
+    for stage in stages:
+        if stage.role.owner is None:
+            layout[stage.name] = (float(column), 1.0)
             column += 1
-    for name in backward:
+    for stage in owned:
         # A weight-gradient stage (pm.passes.split_backward) sits under its backward.
-        row = 0.0 if forward_name(name) is not None else -1.0
-        layout[name] = (layout[owner_name(name)][0], row)
+        row = 0.0 if stage.role.kind == BACKWARD else -1.0
+        layout[stage.name] = (layout[stage.role.owner][0], row)
     return {name: layout[name] for name in names}
 
 
@@ -82,7 +84,8 @@ def _draw_graph(ax: Any, staged: StagedJaxpr, colors: list[str]) -> None:
     for u, v, size in edges:
         _draw_edge(ax, layout[u], layout[v], size, largest, two_rows)
     for k, (stage, color) in enumerate(zip(staged.stages, colors)):
-        _draw_stage(ax, k, display_name(stage.name), layout[stage.name], color, two_rows)
+        owned = stage.role.owner is not None
+        _draw_stage(ax, k, display_name(stage.name), layout[stage.name], color, two_rows, owned)
     xs = [x for x, _ in layout.values()]
     ys = [y for _, y in layout.values()]
     ax.set_xlim(min(xs) - 0.6, max(xs) + 0.6)
@@ -144,9 +147,11 @@ def _draw_edge(ax: Any, start: tuple, stop: tuple, size: int, largest: int, two_
     )
 
 
-def _draw_stage(ax: Any, k: int, name: str, at: tuple, color: str, two_rows: bool) -> None:
+def _draw_stage(
+    ax: Any, k: int, name: str, at: tuple, color: str, two_rows: bool, backward: bool
+) -> None:
+    """Stage ``k`` at ``at``; a backward or weight stage (``backward``) hatched."""
     x, y = at
-    backward = owner_name(name) is not None
     ax.scatter(
         [x],
         [y],
@@ -180,12 +185,11 @@ def _draw_costs(ax: Any, staged: StagedJaxpr, colors: list[str]) -> None:
     from matplotlib.ticker import FuncFormatter
 
     rows, total = stage_rows(staged)
-    names = [r.name for r in rows]
     values = [r.flops for r in rows]
     positions = list(range(len(rows)))
     bars = ax.barh(positions, values, color=colors, edgecolor=INK, linewidth=0.6)
-    for bar, name in zip(bars, names):
-        if owner_name(name) is not None:
+    for bar, row in zip(bars, rows):
+        if staged.stages[row.index].role.owner is not None:
             bar.set_hatch("////")
             bar.set_edgecolor("white")
     ax.set_yticks(positions, labels=[f"{r.index} {display_name(r.name)}" for r in rows], fontsize=9)

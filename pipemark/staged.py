@@ -31,6 +31,7 @@ from jax.extend.core import (
 from pipemark._text import plural
 from pipemark.cost import flatten_shape_byte_sizes
 from pipemark.errors import PipemarkError, StageGraphError
+from pipemark.roles import StageRole, role_from_name
 from pipemark.signature import Signature
 from pipemark.verification import (
     REFERENCE_KINDS,
@@ -132,12 +133,26 @@ class Stage:
         One :class:`ValueRef` per invar of ``closed_jaxpr``.
     eqn_indices:
         The indices, in the sliced program, of the equations this stage holds.
+    role:
+        What the stage is (forward, backward, weight, update) and which forward stage
+        a backward or weight stage belongs to (:class:`~pipemark.roles.StageRole`). The
+        passes that make stages set it; ``None`` (a stage made by hand) reads it from
+        the name, as slicing does (:func:`~pipemark.roles.role_from_name`).
     """
 
     name: str
     closed_jaxpr: ClosedJaxpr
     inputs: tuple[ValueRef, ...]
     eqn_indices: tuple[int, ...] = ()
+    role: StageRole = None  # type: ignore[assignment]  # None: from the name
+
+    def __post_init__(self) -> None:
+        if self.role is None:
+            object.__setattr__(self, "role", role_from_name(self.name))
+        elif not isinstance(self.role, StageRole):
+            raise PipemarkError(
+                f"Stage {self.name!r}: role must be a pipemark.roles.StageRole, got {self.role!r}."
+            )
 
     @property
     def jaxpr(self) -> Jaxpr:
@@ -167,7 +182,11 @@ class Stage:
 
 
 def new_stage(
-    name: str, closed_jaxpr: ClosedJaxpr, inputs: tuple[ValueRef, ...], eqn_indices: tuple
+    name: str,
+    closed_jaxpr: ClosedJaxpr,
+    inputs: tuple[ValueRef, ...],
+    eqn_indices: tuple,
+    role: StageRole,
 ) -> Stage:
     # As new_ref: a sliced program makes one Stage per stage, and filling the frozen
     # dataclass's instance dict directly skips its per-field object.__setattr__.
@@ -177,6 +196,7 @@ def new_stage(
     fields["closed_jaxpr"] = closed_jaxpr
     fields["inputs"] = inputs
     fields["eqn_indices"] = eqn_indices
+    fields["role"] = role
     return stage
 
 

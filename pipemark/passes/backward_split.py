@@ -22,9 +22,10 @@ import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from pipemark.errors import PipemarkError, StageGraphError
-from pipemark.marks import forward_name, weight_name
+from pipemark.marks import weight_name
 from pipemark.passes.framework import check_result, paused_collector
 from pipemark.primitive import pipeline_p
+from pipemark.roles import BACKWARD, WEIGHT, StageRole
 from pipemark.staged import Stage, StagedJaxpr, ValueRef, new_ref, stage_debug_info
 
 __all__ = ["split_backward"]
@@ -101,7 +102,7 @@ def _split(staged: StagedJaxpr) -> StagedJaxpr:
     where: list[int | list[ValueRef] | None] = []
     for c, stage in enumerate(stages):
         halves = None
-        if c in w_roots and forward_name(stage.name) is not None:
+        if c in w_roots and stage.role.kind == BACKWARD:
             halves = _halves(stage, w_roots[c])
         if len(new_stages) == c:  # nothing split before it: it reads what it read
             inputs = stage.inputs
@@ -111,7 +112,7 @@ def _split(staged: StagedJaxpr) -> StagedJaxpr:
             moved = len(new_stages) != c
             where.append(len(new_stages) if moved else None)
             if moved or inputs is not stage.inputs:
-                stage = Stage(stage.name, stage.closed_jaxpr, inputs, stage.eqn_indices)
+                stage = Stage(stage.name, stage.closed_jaxpr, inputs, stage.eqn_indices, stage.role)
             new_stages.append(stage)
             continue
         where.append(_append_halves(new_stages, stage, inputs, halves))
@@ -158,7 +159,7 @@ def _halves(stage: Stage, roots: list[int]) -> _Halves | None:
     w_need = {outvars[o] for o in w_roots}
     rooted = set(w_roots)
     b_need = {v for o, v in enumerate(outvars) if o not in rooted and type(v) is not Literal}
-    w_name = weight_name(stage.name)
+    w_name = weight_name(stage.role.owner)
     b_rev: list[Any] = []
     w_rev: list[Any] = []
     w_defined: set[Var] = set()
@@ -241,7 +242,7 @@ def _append_halves(
         jaxpr, stage.name, halves.b_eqns, b_out, [invars[i] for i in b_keep],
         b_inputs, [names[i] for i in b_keep],
     )  # fmt: skip
-    new_stages.append(Stage(stage.name, ClosedJaxpr(b_jaxpr, consts), b_inputs))
+    new_stages.append(Stage(stage.name, ClosedJaxpr(b_jaxpr, consts), b_inputs, (), stage.role))
     # W reads the stage inputs it needs, then B's exports.
     first = len(halves.b_outputs)
     exported = [new_ref("stage", first + k, b) for k in range(len(halves.exports))]
@@ -251,7 +252,8 @@ def _append_halves(
     w_out = [jaxpr.outvars[o] for o in halves.w_outputs]
     w_names = [names[i] for i in w_keep] + [str(ref) for ref in exported]
     w_jaxpr = _sub_jaxpr(jaxpr, w_name, halves.w_eqns, w_out, w_invars, w_inputs, w_names)
-    new_stages.append(Stage(w_name, ClosedJaxpr(w_jaxpr, consts), w_inputs))
+    w_role = StageRole(WEIGHT, stage.role.owner)
+    new_stages.append(Stage(w_name, ClosedJaxpr(w_jaxpr, consts), w_inputs, (), w_role))
     went: list[Any] = [None] * len(jaxpr.outvars)
     for k, o in enumerate(halves.b_outputs):
         went[o] = new_ref("stage", k, b)

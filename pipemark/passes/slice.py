@@ -11,6 +11,7 @@ from pipemark.errors import (
 )
 from pipemark.passes.flow import StageFlow, stage_flow
 from pipemark.passes.framework import jaxpr_pass
+from pipemark.roles import role_from_name
 from pipemark.staged import (
     Stage,
     StagedJaxpr,
@@ -182,7 +183,8 @@ class _Builder:
         info = stage_debug_info(name, refs, len(outvars), arg_names)
         stage_jaxpr = Jaxpr(constvars, invars, outvars, stage_eqns, effects, info)
         closed = ClosedJaxpr(stage_jaxpr, [self.const_value[c] for c in constvars])
-        return new_stage(name, closed, tuple(refs), tuple(indices))
+        # Where markers' names become stages: the one place a name is read as a role.
+        return new_stage(name, closed, tuple(refs), tuple(indices), role_from_name(name))
 
     def outputs(self) -> list[ValueRef]:
         outputs = []

@@ -11,16 +11,9 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Var
 
 from pipemark.errors import PipemarkError, StageGraphError
-from pipemark.marks import (
-    APPLY_STAGE,
-    BACKWARD_SUFFIX,
-    PAIRED_MARK_TYPES,
-    WEIGHT_SUFFIX,
-    backward_name,
-    owner_name,
-    weight_name,
-)
+from pipemark.marks import BACKWARD_SUFFIX, PAIRED_MARK_TYPES, WEIGHT_SUFFIX, backward_name
 from pipemark.primitive import pipeline_p
+from pipemark.roles import BACKWARD, FORWARD, MIXED, WEIGHT, StageRole
 from pipemark.staged import Stage, StagedJaxpr, ValueRef, stage_debug_info, substitute_operands
 
 __all__ = ["merge_consecutive", "merge_stages", "pair_stages", "rename_stages"]
@@ -107,6 +100,7 @@ def merge_stages(
     if not isinstance(staged, StagedJaxpr):
         raise PipemarkError(f"merge_stages takes a StagedJaxpr, got {type(staged).__name__}.")
     node_members, node_names, node_of = _nodes(staged, groups)
+    roles = _node_roles(staged, node_members, node_names, node_of)
     order = _merged_order(staged, node_of, node_names)
     old_stages = staged.stages
     produced: dict[tuple[int, int], tuple[int, int]] = {}  # (old stage, out) -> (new, out)
@@ -127,10 +121,13 @@ def merge_stages(
             for i in range(len(old.closed_jaxpr.jaxpr.outvars)):
                 produced[(members[0], i)] = (len(new_stages), i)
             # A group of one given a name in a mapping takes that name.
-            new_stages.append(Stage(node_names[node], old.closed_jaxpr, inputs, old.eqn_indices))
+            new_stages.append(
+                Stage(node_names[node], old.closed_jaxpr, inputs, old.eqn_indices, roles[node])
+            )
         else:
+            node_stage = (node_names[node], roles[node])
             merged = _merge_group(
-                staged, members, node_names[node], len(new_stages), produced, read_outside
+                staged, members, node_stage, len(new_stages), produced, read_outside
             )
             new_stages.append(merged)
     outputs = [_remap(ref, produced) for ref in staged.outputs]
@@ -190,6 +187,30 @@ def _nodes(
     return node_members, node_names, node_of
 
 
+def _node_roles(
+    staged: StagedJaxpr, node_members: list[list[int]], node_names: list[str], node_of: list[int]
+) -> list[StageRole]:
+    """The role of each merged stage: its members' kind when they share it, a backward
+    or weight stage owned by the merged stage that holds its members' owners; a merge
+    of kinds, or of the backward stages of forward stages merged apart, is ``mixed``."""
+    old = staged.stages
+    position = {stage.name: k for k, stage in enumerate(old)}
+    roles = []
+    for members in node_members:
+        kinds = {old[k].role.kind for k in members}
+        kind = kinds.pop() if len(kinds) == 1 else MIXED
+        if kind not in (BACKWARD, WEIGHT):
+            roles.append(StageRole(kind))
+            continue
+        # An owner that is no stage of this program (a hand-made one) keeps its name.
+        owners = {
+            node_names[node_of[position[o]]] if o in position else o
+            for o in (old[k].role.owner for k in members)
+        }
+        roles.append(StageRole(kind, owners.pop()) if len(owners) == 1 else StageRole(MIXED))
+    return roles
+
+
 def _merged_order(staged: StagedJaxpr, node_of: list[int], node_names: list[str]) -> list[int]:
     """A topological order of the merged stages, earliest first member first (Kahn with
     a heap: deterministic); a :class:`StageGraphError` naming a cycle if merging makes
@@ -229,14 +250,16 @@ def _merged_order(staged: StagedJaxpr, node_of: list[int], node_names: list[str]
 def _merge_group(
     staged: StagedJaxpr,
     members: list[int],
-    name: str,
+    node_stage: tuple[str, StageRole],
     position: int,
     produced: dict[tuple[int, int], tuple[int, int]],
     read_outside: set[tuple[int, int]],
 ) -> Stage:
-    """One stage running ``members`` in order: a value one member hands another stays
-    inside; what another stage or the program reads is a result. Records in
-    ``produced`` where each of those results now lives (new stage ``position``)."""
+    """One stage (``node_stage``: its name and role) running ``members`` in order: a
+    value one member hands another stays inside; what another stage or the program
+    reads is a result. Records in ``produced`` where each of those results now lives
+    (new stage ``position``)."""
+    name, role = node_stage
     old_stages = staged.stages
     invars: dict[Var, ValueRef] = {}
     outside_key: dict[tuple, Var] = {}  # one invar per outside value
@@ -276,7 +299,7 @@ def _merge_group(
     info = stage_debug_info(name, list(invars.values()), len(outvars))
     merged = Jaxpr(list(constvars), list(invars), outvars, eqns, effects, info)
     closed = ClosedJaxpr(merged, list(constvars.values()))
-    return Stage(name, closed, tuple(invars.values()), tuple(indices))
+    return Stage(name, closed, tuple(invars.values()), tuple(indices), role)
 
 
 def _remap(ref: ValueRef, produced: dict[tuple[int, int], tuple[int, int]]) -> ValueRef:
@@ -290,7 +313,9 @@ def rename_stages(staged: StagedJaxpr, mapping: Mapping[str, str]) -> StagedJaxp
 
     ``mapping`` maps old stage names to new ones; stages not in it keep their names.
     Only the markers whose name is the stage's own name change, so renaming ``layer0``
-    leaves ``layer0_backward`` alone unless it is in ``mapping`` too.
+    leaves ``layer0_backward``'s name alone unless it is in ``mapping`` too; its
+    :attr:`~pipemark.Stage.role` still names the renamed forward stage as its owner, so
+    the two stay paired (:func:`pair_stages`).
 
     Raises :class:`PipemarkError` for an unknown stage name, a new name that is not a
     non-empty str, or two stages ending up with the same name.
@@ -324,8 +349,15 @@ def rename_stages(staged: StagedJaxpr, mapping: Mapping[str, str]) -> StagedJaxp
         seen.add(name)
     stages = []
     for stage, name in zip(staged.stages, final):
+        # A backward or weight stage keeps belonging to its forward stage, renamed.
+        role = stage.role.renamed(dict(mapping))
         if name == stage.name:
-            stages.append(stage)
+            same = role == stage.role
+            stages.append(
+                stage
+                if same
+                else Stage(name, stage.closed_jaxpr, stage.inputs, stage.eqn_indices, role)
+            )
             continue
         jaxpr = stage.closed_jaxpr.jaxpr
         eqns = [
@@ -340,7 +372,7 @@ def rename_stages(staged: StagedJaxpr, mapping: Mapping[str, str]) -> StagedJaxp
             eqns=eqns, debug_info=stage_debug_info(name, stage.inputs, len(jaxpr.outvars))
         )
         closed = ClosedJaxpr(new_jaxpr, stage.closed_jaxpr.consts)
-        stages.append(Stage(name, closed, stage.inputs, stage.eqn_indices))
+        stages.append(Stage(name, closed, stage.inputs, stage.eqn_indices, role))
     return StagedJaxpr(
         stages, staged.invars, staged.outputs, staged.debug_info, signature=staged.signature
     )
@@ -351,7 +383,8 @@ def pair_stages(
 ) -> tuple[list[int], list[int | None], list[int | None]]:
     """Indices in ``staged.stages`` of each forward stage, of its mirrored backward stage
     and of its weight-gradient stage (:func:`pipemark.passes.split_backward`), ``None``
-    where it has none. A training step's update (``apply_grad``) is no forward stage.
+    where it has none, by the stages' :attr:`~pipemark.Stage.role`. A training step's
+    update (``apply_grad``) is no forward stage.
 
     >>> import jax, jax.numpy as jnp, pipemark as pm
     >>> staged = pm.split(jax.grad(lambda x: jnp.cos(jnp.sin(x))), 1.0, num_stages=2)
@@ -361,21 +394,41 @@ def pair_stages(
     Raises
     ------
     StageGraphError
-        When a ``_backward`` or ``_weight`` stage has no forward stage of its name.
+        When a backward or weight stage's forward stage is missing (a forward stage
+        named with a ``_backward`` suffix is sliced as a backward stage), when a forward
+        stage has two, or for a stage of ``mixed`` role.
     """
-    names = [s.name for s in staged.stages]
-    forward = [k for k, n in enumerate(names) if owner_name(n) is None and n != APPLY_STAGE]
-    position = {name: k for k, name in enumerate(names)}
-    backward: list[int | None] = [position.get(backward_name(names[k])) for k in forward]
-    weight: list[int | None] = [position.get(weight_name(names[k])) for k in forward]
-    paired = {b for b in (*backward, *weight) if b is not None}
-    for k, name in enumerate(names):
-        if owner_name(name) is not None and k not in paired:
+    stages = staged.stages
+    forward = [k for k, stage in enumerate(stages) if stage.role.kind == FORWARD]
+    slot_of = {stages[k].name: i for i, k in enumerate(forward)}
+    backward: list[int | None] = [None] * len(forward)
+    weight: list[int | None] = [None] * len(forward)
+    for k, stage in enumerate(stages):
+        role = stage.role
+        if role.kind == MIXED:
             raise StageGraphError(
-                f"Stage {name!r} has no forward stage named {owner_name(name)!r} to pair "
+                f"Stage {stage.name!r} merges stages of different roles (forward, backward, "
+                "weight, update), or the backward stages of forward stages merged apart; a "
+                "pipeline runs each backward stage where its forward stage runs. Merge "
+                "backward stages as their forward stages are merged "
+                "(pm.passes.merge_consecutive does)."
+            )
+        if role.kind not in (BACKWARD, WEIGHT):
+            continue
+        slot = slot_of.get(role.owner)
+        if slot is None:
+            raise StageGraphError(
+                f"Stage {stage.name!r} has no forward stage named {role.owner!r} to pair "
                 "with; a backward stage runs where its forward stage runs. Do not name a "
                 f"forward stage with a {BACKWARD_SUFFIX!r} or {WEIGHT_SUFFIX!r} suffix."
             )
+        found = backward if role.kind == BACKWARD else weight
+        if found[slot] is not None:
+            raise StageGraphError(
+                f"Stages {stages[found[slot]].name!r} and {stage.name!r} are both the "
+                f"{role.kind} stage of {role.owner!r}; merge them into one."
+            )
+        found[slot] = k
     return forward, backward, weight
 
 

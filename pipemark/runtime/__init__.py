@@ -1,5 +1,6 @@
 """Run staged programs on several devices: pipeline schedules as data
-(:mod:`pipemark.runtime.schedules`), their plots (:mod:`pipemark.runtime.plot`), and
+(:mod:`pipemark.runtime.schedules`) named in one registry
+(:mod:`pipemark.runtime.registry`), their plots (:mod:`pipemark.runtime.plot`), and
 :func:`pipeline_value_and_grad` / :func:`pipeline_train_step`
 (:mod:`pipemark.runtime.pipeline`), which plan (:mod:`pipemark.runtime.plan`) and run
 (:mod:`pipemark.runtime.execution`) a pipeline with :class:`PipelineOptions`.
@@ -13,19 +14,23 @@ from pipemark.runtime.pipeline import PipelinePlan as PipelinePlan
 from pipemark.runtime.pipeline import pipeline_train_step as pipeline_train_step
 from pipemark.runtime.pipeline import pipeline_value_and_grad as pipeline_value_and_grad
 from pipemark.runtime.plot import plot_schedule as plot_schedule
+from pipemark.runtime.registry import SCHEDULES as SCHEDULES
+from pipemark.runtime.registry import ZERO_BUBBLE_VARIANTS as ZERO_BUBBLE_VARIANTS
+from pipemark.runtime.registry import ScheduleEntry as ScheduleEntry
+from pipemark.runtime.registry import make_schedule as make_schedule
+from pipemark.runtime.registry import register_schedule as register_schedule
+from pipemark.runtime.registry import schedule_entry as schedule_entry
+from pipemark.runtime.registry import unregister_schedule as unregister_schedule
 from pipemark.runtime.schedules import BACKWARD as BACKWARD
 from pipemark.runtime.schedules import FORWARD as FORWARD
-from pipemark.runtime.schedules import SCHEDULES as SCHEDULES
 from pipemark.runtime.schedules import WEIGHT as WEIGHT
 from pipemark.runtime.schedules import Action as Action
 from pipemark.runtime.schedules import Schedule as Schedule
 from pipemark.runtime.schedules import gpipe_schedule as gpipe_schedule
 from pipemark.runtime.schedules import ideal_bubble_fraction as ideal_bubble_fraction
 from pipemark.runtime.schedules import interleaved_schedule as interleaved_schedule
-from pipemark.runtime.schedules import make_schedule as make_schedule
 from pipemark.runtime.schedules import one_f_one_b_schedule as one_f_one_b_schedule
 from pipemark.runtime.schedules import schedule_from_orders as schedule_from_orders
-from pipemark.runtime.simulation import ZERO_BUBBLE_VARIANTS as ZERO_BUBBLE_VARIANTS
 from pipemark.runtime.simulation import Simulation as Simulation
 from pipemark.runtime.simulation import simulate_schedule as simulate_schedule
 from pipemark.runtime.simulation import zero_bubble_schedule as zero_bubble_schedule

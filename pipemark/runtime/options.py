@@ -20,14 +20,10 @@ from typing import Any
 from pipemark.errors import PipemarkError
 from pipemark.passes.auto import check_block_cuts
 from pipemark.runtime.losses import LOSS_REDUCTIONS
+from pipemark.runtime.registry import schedule_entry
 from pipemark.runtime.schedules import Schedule
-from pipemark.runtime.simulation import ZERO_BUBBLE_VARIANTS
 
 __all__ = ["PipelineOptions", "check_positive"]
-
-#: The schedules named by a string (a :class:`~pipemark.runtime.schedules.Schedule`
-#: object is taken as it is).
-NAMED_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", *ZERO_BUBBLE_VARIANTS)
 
 
 def check_positive(value: Any, what: str) -> int:
@@ -55,9 +51,11 @@ class PipelineOptions:
         costs little balance (``"prefer"``), always (``"require"``) or anywhere
         (``"off"``); see :func:`pipemark.passes.auto_layers`.
     schedule:
+        The name of a registered schedule (:data:`pipemark.runtime.SCHEDULES`:
         ``"1f1b"``, ``"gpipe"``, ``"interleaved"``, the zero-bubble ``"zb-h1"`` or
-        ``"zb-v"`` (each backward split into B and W,
-        :func:`pipemark.passes.split_backward`) or a
+        ``"zb-v"``, whose backward is split into B and W by
+        :func:`pipemark.passes.split_backward`, or one added with
+        :func:`pipemark.runtime.register_schedule`) or a
         :class:`~pipemark.runtime.schedules.Schedule`.
     devices:
         The devices to use (``None``: ``jax.devices()``), one per device slot of the
@@ -117,11 +115,8 @@ class PipelineOptions:
                 "'sum_over_count' for a loss that returns (sum, count): a masked or "
                 "weighted mean."
             )
-        if not isinstance(self.schedule, Schedule) and self.schedule not in NAMED_SCHEDULES:
-            raise PipemarkError(
-                f"Unknown schedule {self.schedule!r}; choose 'gpipe', '1f1b', "
-                "'interleaved', 'zb-h1' or 'zb-v', or pass a pm.Schedule."
-            )
+        if not isinstance(self.schedule, Schedule):
+            schedule_entry(self.schedule)  # an unknown name: the error lists the known
         if self.devices is not None:
             object.__setattr__(self, "devices", _check_devices(self.devices))
         self._check_mesh()
@@ -150,7 +145,7 @@ class PipelineOptions:
         """Whether the schedule runs the backward as B and W (a zero-bubble schedule)."""
         if isinstance(self.schedule, Schedule):
             return self.schedule.splits_backward
-        return self.schedule in ZERO_BUBBLE_VARIANTS
+        return schedule_entry(self.schedule).splits_backward
 
     @property
     def schedule_name(self) -> str:

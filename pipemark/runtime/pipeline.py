@@ -267,8 +267,10 @@ def pipeline_value_and_grad(
         ``"1f1b"`` (default), ``"gpipe"``, ``"interleaved"`` (several stages per device:
         ``num_stages`` a multiple of the number of devices), the zero-bubble ``"zb-h1"``
         and ``"zb-v"`` (each backward split into B and W by
-        :func:`pipemark.passes.split_backward`; ZB-V puts two stages on each device) or
-        a :class:`~pipemark.runtime.schedules.Schedule`.
+        :func:`pipemark.passes.split_backward`; ZB-V puts two stages on each device),
+        another name registered with :func:`pipemark.runtime.register_schedule` (all
+        are in :data:`pipemark.runtime.SCHEDULES`), or a
+        :class:`~pipemark.runtime.schedules.Schedule`.
     devices:
         The devices to use; default ``jax.devices()``. Pipeline stage ``i`` runs on
         ``devices[i]`` (on ``devices[i % len(devices)]`` when interleaved). Under

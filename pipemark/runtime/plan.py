@@ -31,8 +31,8 @@ from pipemark.runtime.losses import (
 )
 from pipemark.runtime.options import PipelineOptions
 from pipemark.runtime.placement import Placement, Slot, available_slots, leaf_specs, place_stages
-from pipemark.runtime.schedules import BACKWARD, FORWARD, WEIGHT, Schedule, make_schedule
-from pipemark.runtime.simulation import ZERO_BUBBLE_VARIANTS, zero_bubble_schedule
+from pipemark.runtime.registry import SCHEDULES, make_schedule, schedule_entry
+from pipemark.runtime.schedules import BACKWARD, FORWARD, WEIGHT, Schedule
 from pipemark.runtime.steps import Steps, fuse_steps, resolve_steps
 from pipemark.runtime.transport import Watchdog
 from pipemark.staged import StagedJaxpr
@@ -378,33 +378,31 @@ def _schedule(
     checked against each other."""
     schedule = options.schedule
     available = available_slots(options)
-    if isinstance(schedule, Schedule) or schedule in ("interleaved", "zb-v"):
+    if isinstance(schedule, Schedule) or not schedule_entry(schedule).one_stage_per_device:
         # Several stages may share a device (a Schedule places its own): the devices
         # it uses are checked against those available below.
         num_devices = len(available)
     else:  # one stage per device
         num_devices = count
         if count > len(available):
+            sharing = " or ".join(
+                repr(name) for name in SCHEDULES if not schedule_entry(name).one_stage_per_device
+            )
             raise PipemarkError(
                 f"The pipeline has {count} stages but only {len(available)} device(s) "
                 f"({', '.join(str(d) for d in available)}); each stage needs its own "
                 f"device. Pass num_stages={len(available)} (consecutive marked stages are "
                 "merged), give more devices (on CPU, set XLA_FLAGS="
                 f"--xla_force_host_platform_device_count={count} before JAX starts), or use "
-                "schedule='interleaved' to put several stages on each device."
+                f"schedule={sharing} to put several stages on each device."
             )
-    if schedule in ZERO_BUBBLE_VARIANTS:
-        plan_schedule = zero_bubble_schedule(
-            count, options.num_microbatches, variant=schedule, stage_graph=sorted(edges)
-        )
-    else:
-        plan_schedule = make_schedule(
-            schedule,
-            count,
-            options.num_microbatches,
-            stage_graph=sorted(edges),
-            num_devices=num_devices,
-        )
+    plan_schedule = make_schedule(
+        schedule,
+        count,
+        options.num_microbatches,
+        stage_graph=sorted(edges),
+        num_devices=num_devices,
+    )
     if plan_schedule.num_devices > len(available):
         raise PipemarkError(
             f"The schedule {plan_schedule.name!r} uses {plan_schedule.num_devices} devices "

@@ -46,14 +46,13 @@ __all__ = [
     "FORWARD",
     "BACKWARD",
     "WEIGHT",
-    "SCHEDULES",
     "Action",
     "Schedule",
     "schedule_from_orders",
     "gpipe_schedule",
     "one_f_one_b_schedule",
     "interleaved_schedule",
-    "make_schedule",
+    "check_schedule_fits",
     "ideal_bubble_fraction",
 ]
 
@@ -62,8 +61,6 @@ BACKWARD = "backward"
 #: The parameter-gradient half of a backward split by :func:`pipemark.passes.split_backward`.
 WEIGHT = "weight"
 _KINDS = (FORWARD, BACKWARD, WEIGHT)
-
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
 
 
 class Action(NamedTuple):
@@ -301,7 +298,7 @@ class Schedule:
         same pipeline is built with, e.g. ``pm.zero_bubble_schedule(S, M, costs=...,
         stage_graph=pipe.plan(params, batch).schedule.stage_graph)``.
 
-        >>> make_schedule("1f1b", 3, 2).stage_graph
+        >>> one_f_one_b_schedule(3, 2).stage_graph
         {0: (), 1: (0,), 2: (1,)}
         """
         return dict(enumerate(self.predecessors))
@@ -673,54 +670,29 @@ def interleaved_schedule(
     )
 
 
-def make_schedule(
-    kind: str | Schedule,
-    num_stages: int,
-    num_microbatches: int,
-    *,
-    stage_graph: Any = None,
-    num_devices: int | None = None,
-) -> Schedule:
-    """Build a schedule by name: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (which
-    needs ``num_devices``). A :class:`Schedule` is checked against the sizes and
-    returned as is.
+def check_schedule_fits(
+    schedule: Schedule, num_stages: int, num_microbatches: int, stage_graph: Any = None
+) -> None:
+    """A :class:`PipemarkError` unless ``schedule`` is for ``num_stages`` stages and
+    ``num_microbatches`` microbatches, a :class:`StageGraphError` unless it was built
+    for ``stage_graph`` (``None``: a chain).
 
-    >>> make_schedule("gpipe", 2, 4).name
-    'gpipe'
+    >>> check_schedule_fits(gpipe_schedule(2, 4), 2, 4)
     """
-    if isinstance(kind, Schedule):
-        if kind.num_stages != num_stages or kind.num_microbatches != num_microbatches:
-            raise PipemarkError(
-                f"The schedule {kind.name!r} is for {kind.num_stages} stages and "
-                f"{kind.num_microbatches} microbatches, but the pipeline has {num_stages} "
-                f"stages and {num_microbatches} microbatches. Build it for these sizes."
-            )
-        preds = normalize_stage_graph(stage_graph, num_stages)
-        if kind.predecessors != preds:
-            raise StageGraphError(
-                f"The schedule {kind.name!r} was built for the stage graph "
-                f"{_edges_text(kind.predecessors)}, but the pipeline's is "
-                f"{_edges_text(preds)}. Build it with stage_graph= the pipeline's graph "
-                "(pipe.plan(params, batch).schedule.stage_graph gives it)."
-            )
-        return kind
-    if kind == "gpipe":
-        return gpipe_schedule(num_stages, num_microbatches, stage_graph=stage_graph)
-    if kind == "1f1b":
-        return one_f_one_b_schedule(num_stages, num_microbatches, stage_graph=stage_graph)
-    if kind == "interleaved":
-        if num_devices is None:
-            raise PipemarkError(
-                "The interleaved schedule needs num_devices (it puts several stages on "
-                "each device); pass num_devices= or devices=."
-            )
-        return interleaved_schedule(
-            num_stages, num_microbatches, num_devices=num_devices, stage_graph=stage_graph
+    if schedule.num_stages != num_stages or schedule.num_microbatches != num_microbatches:
+        raise PipemarkError(
+            f"The schedule {schedule.name!r} is for {schedule.num_stages} stages and "
+            f"{schedule.num_microbatches} microbatches, but the pipeline has {num_stages} "
+            f"stages and {num_microbatches} microbatches. Build it for these sizes."
         )
-    raise PipemarkError(
-        f"Unknown schedule {kind!r}; choose one of {', '.join(map(repr, SCHEDULES))} or "
-        "pass a Schedule."
-    )
+    preds = normalize_stage_graph(stage_graph, num_stages)
+    if schedule.predecessors != preds:
+        raise StageGraphError(
+            f"The schedule {schedule.name!r} was built for the stage graph "
+            f"{_edges_text(schedule.predecessors)}, but the pipeline's is "
+            f"{_edges_text(preds)}. Build it with stage_graph= the pipeline's graph "
+            "(pipe.plan(params, batch).schedule.stage_graph gives it)."
+        )
 
 
 def _edges_text(preds: Iterable[Iterable[int]]) -> str:

@@ -53,10 +53,11 @@ from pipemark.runtime.schedules import (
     stage_successors,
 )
 
-__all__ = ["ZERO_BUBBLE_VARIANTS", "Simulation", "simulate_schedule", "zero_bubble_schedule"]
+__all__ = ["Simulation", "simulate_schedule", "zero_bubble_schedule"]
 
-#: The zero-bubble schedules :func:`zero_bubble_schedule` builds.
-ZERO_BUBBLE_VARIANTS: tuple[str, ...] = ("zb-h1", "zb-v")
+# The variants zero_bubble_schedule builds; the names a pipeline takes live in
+# pipemark.runtime.registry.
+_VARIANTS: tuple[str, ...] = ("zb-h1", "zb-v")
 
 Costs = Mapping[str, float | Sequence[float]] | Callable[[Action], float] | None
 
@@ -214,10 +215,10 @@ def zero_bubble_schedule(
     with ``costs`` (1 each by default): whenever a device is free it runs a ready B,
     else a ready F (within the in-flight limit), else a pending W.
     """
-    if variant not in ZERO_BUBBLE_VARIANTS:
+    if variant not in _VARIANTS:
         raise PipemarkError(
             f"Unknown zero-bubble variant {variant!r}; choose one of "
-            f"{', '.join(map(repr, ZERO_BUBBLE_VARIANTS))}."
+            f"{', '.join(map(repr, _VARIANTS))}."
         )
     for value, what in ((num_stages, "num_stages"), (num_microbatches, "num_microbatches")):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

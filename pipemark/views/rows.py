@@ -18,7 +18,6 @@ from pipemark._compat import jaxpr_type_name
 from pipemark._text import display_name, format_bytes, format_count, format_share, type_text
 from pipemark.cost import estimate_cost, nbytes
 from pipemark.errors import PipemarkError
-from pipemark.marks import owner_name
 
 if TYPE_CHECKING:
     from pipemark.staged import StagedJaxpr
@@ -325,9 +324,9 @@ def program_inputs(staged: StagedJaxpr, stage: Any) -> list[tuple[str, Any]]:
 
 
 def stage_colors(staged: StagedJaxpr) -> list[str]:
-    """One ``#rrggbb`` colour per stage. A backward stage ``<name>_backward`` (and a
-    weight-gradient stage ``<name>_weight``) gets the colour of its forward stage
-    ``<name>``, so a layer reads as one colour both ways.
+    """One ``#rrggbb`` colour per stage. A backward stage (and a weight-gradient stage)
+    gets the colour of the forward stage its :attr:`~pipemark.Stage.role` names, so a
+    layer reads as one colour both ways.
 
     >>> import jax, pipemark as pm
     >>> from pipemark import examples
@@ -342,13 +341,12 @@ def stage_colors(staged: StagedJaxpr) -> list[str]:
     colors = []
     next_color = 0
     for stage in staged.stages:
-        name = stage.name
-        partner = owner_name(name)
+        partner = stage.role.owner
         if partner is not None and partner in assigned:
             color = assigned[partner]
         else:
             color = PALETTE[next_color % len(PALETTE)]
             next_color += 1
-        assigned[name] = color
+        assigned[stage.name] = color
         colors.append(color)
     return colors

@@ -14,6 +14,7 @@ from jax.extend.core import check_jaxpr
 import pipemark as pm
 from pipemark import examples
 from pipemark.marks import forward_name, weight_name
+from pipemark.roles import BACKWARD, FORWARD, WEIGHT, StageRole
 
 
 def _leaves(values):
@@ -59,7 +60,10 @@ def test_mlp_backward_stages_split_into_b_and_w():
     # B computes the cotangent (one dot_general), W the weight gradient (the other).
     b, w = split["layer1_backward"], split["layer1_weight"]
     assert _count_stage(b, "dot_general") == 1 and _count_stage(w, "dot_general") == 1
-    assert weight_name("layer1_backward") == "layer1_weight"
+    assert weight_name("layer1") == "layer1_weight"
+    # The halves carry their roles: B and W both belong to their forward stage.
+    assert b.role == StageRole(BACKWARD, "layer1") and w.role == StageRole(WEIGHT, "layer1")
+    assert [s.role.kind for s in split.stages[:3]] == [FORWARD] * 3
     # W's results are only program results (the gradients).
     w_index = [s.name for s in split.stages].index("layer1_weight")
     results = [r for r in split.outputs if r.kind == "stage" and r.stage == w_index]
@@ -115,6 +119,7 @@ def test_a_forward_program_is_unchanged():
     split = pm.passes.split_backward(staged)
     assert [s.closed_jaxpr for s in split.stages] == [s.closed_jaxpr for s in staged.stages]
     assert not any(forward_name(s.name) for s in split.stages)
+    assert {s.role.kind for s in split.stages} == {FORWARD}
 
 
 def test_split_backward_refuses_what_is_not_a_staged_program():
@@ -127,7 +132,7 @@ def test_a_w_name_already_taken_is_refused():
     ex = examples.mlp(num_layers=2, width=4, batch=2)
     staged = pm.split(jax.value_and_grad(ex.loss_fn), *ex.args)
     first = staged.stages[0]
-    taken = weight_name(staged.stages[2].name)  # what layer1_backward's W would be
+    taken = weight_name(staged.stages[2].role.owner)  # what layer1_backward's W would be
     stages = [pm.Stage(taken, first.closed_jaxpr, first.inputs), *staged.stages[1:]]
     renamed = pm.StagedJaxpr(stages, staged.invars, staged.outputs)
     with pytest.raises(pm.StageGraphError, match=f"names a W stage '{taken}'.*rename"):

@@ -1,4 +1,5 @@
-"""merge_stages and rename_stages."""
+"""merge_stages, rename_stages, merge_consecutive, pair_stages, and the stage roles
+they carry."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from jax.extend.core import check_jaxpr
 
 import pipemark as pm
 from pipemark import examples
+from pipemark.plot import stage_layout
+from pipemark.roles import BACKWARD, FORWARD, MIXED, WEIGHT, StageRole
 
 P = pm.passes
 X = jnp.linspace(-1.0, 1.0, 6, dtype=jnp.float32)
@@ -213,3 +216,83 @@ def test_merge_consecutive_pairs_backward_stages_and_keeps_the_update():
     np.testing.assert_allclose(with_update(X)[0], jax.jit(step)(X), rtol=1e-6)
     with pytest.raises(pm.PipemarkError, match="marks only 4 stages"):
         P.merge_consecutive(staged, 5)
+
+
+# ------------------------------------------------------ roles held on the stages
+
+
+def _roles(staged):
+    return [(s.role.kind, s.role.owner) for s in staged.stages]
+
+
+def test_merge_consecutive_and_split_backward_keep_the_roles():
+    ex = examples.mlp(num_layers=4, width=4, batch=2)
+    staged = pm.split(jax.value_and_grad(ex.loss_fn), *ex.args)
+    assert _roles(staged) == [(FORWARD, None)] * 4 + [(BACKWARD, f"layer{k}") for k in (3, 2, 1, 0)]
+    merged = P.merge_consecutive(staged, 2)
+    assert _roles(merged) == [
+        (FORWARD, None),
+        (FORWARD, None),
+        (BACKWARD, "stage1"),
+        (BACKWARD, "stage0"),
+    ]
+    split = P.split_backward(merged)
+    assert _roles(split) == [
+        (FORWARD, None),
+        (FORWARD, None),
+        (BACKWARD, "stage1"),
+        (WEIGHT, "stage1"),
+        (BACKWARD, "stage0"),  # nothing reads its input cotangent: all W, not split
+    ]
+    assert P.pair_stages(split) == ([0, 1], [4, 2], [None, 3])
+    want = jax.jit(jax.value_and_grad(ex.loss_fn))(*ex.args)
+    got = split(*ex.args)
+    for a, b in zip(got, jax.tree_util.tree_leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_merged_backward_belongs_to_the_merged_forward_whatever_its_name():
+    staged = pm.split(jax.grad(_four_marked_layers), X)
+    groups = {
+        "front": ["layer0", "layer1"],
+        "back": ["layer2", "layer3"],
+        "back_grads": ["layer3_backward", "layer2_backward"],
+        "front_grads": ["layer1_backward", "layer0_backward"],
+    }
+    merged = P.merge_stages(staged, groups)
+    assert merged["front_grads"].role == StageRole(BACKWARD, "front")
+    assert merged["back_grads"].role == StageRole(BACKWARD, "back")
+    assert P.pair_stages(merged) == ([0, 1], [3, 2], [None, None])
+
+
+def test_a_merge_across_roles_is_mixed_and_refused_by_the_pairing():
+    staged = pm.split(jax.grad(_four_marked_layers), X)
+    merged = P.merge_stages(staged, [["layer3", "layer3_backward"]])
+    assert merged["layer3+layer3_backward"].role.kind == MIXED
+    with pytest.raises(pm.StageGraphError, match="merges stages of different roles"):
+        P.pair_stages(merged)
+    # The backward stages of forward stages merged apart belong to no one stage.
+    apart = P.merge_stages(staged, [["layer1_backward", "layer0_backward"]])
+    assert apart["layer1_backward+layer0_backward"].role.kind == MIXED
+
+
+def test_a_forward_stage_renamed_with_a_backward_suffix_stays_forward():
+    staged = pm.split(jax.grad(_four_marked_layers), X)
+    renamed = P.rename_stages(staged, {"layer0": "embed_backward"})
+    assert renamed["embed_backward"].role == StageRole(FORWARD)
+    # Its backward stage keeps its name and follows its forward stage's new one.
+    assert renamed["layer0_backward"].role == StageRole(BACKWARD, "embed_backward")
+    assert P.pair_stages(renamed) == P.pair_stages(staged)
+    assert pm.views.stage_colors(renamed)[0] == pm.views.stage_colors(renamed)[-1]
+    layout = stage_layout(renamed)
+    assert layout["embed_backward"] == (0.0, 1.0) and layout["layer0_backward"] == (0.0, 0.0)
+    split = P.split_backward(renamed)
+    np.testing.assert_allclose(split(X)[0], jax.jit(jax.grad(_four_marked_layers))(X), rtol=1e-6)
+    assert all(
+        s.role.owner in {t.name for t in split.stages if t.role.kind == FORWARD}
+        for s in split.stages
+        if s.role.owner is not None
+    )
+    # Sliced from names alone, the same name reads as a backward stage with no forward.
+    with pytest.raises(pm.StageGraphError, match="no forward stage named 'embed'"):
+        P.pair_stages(P.slice_stages(renamed.as_closed_jaxpr()))
