@@ -88,12 +88,12 @@ def _transfers(repeat: int) -> dict:
     from jax.sharding import PartitionSpec as P
 
     from pipemark._compat import shard_map
-    from pipemark.runtime.transport import Transport, Watchdog
+    from pipemark.runtime.transport import CollectiveTransport, Watchdog
 
     devices = jax.devices()
     source, target = devices[0], devices[1]
     me, local = jax.process_index(), jax.local_devices()[0]
-    transport = Transport(Watchdog(120))
+    transport = CollectiveTransport(Watchdog(120))
     mesh = Mesh(np.array([source, target]), ("pair",))
     raw = jax.jit(
         shard_map(
