@@ -22,6 +22,17 @@ How a call runs (the plan was traced, sliced and compiled by
    device the schedule is walked on the caller's thread (``run_plan(...,
    parallel=False)`` does that for any number of devices: same programs in the same
    order per device, hence bit-identical results).
+
+   Under ``jax.distributed`` (:func:`_run_processes`) each of this process's devices
+   has a worker thread as above, and the caller's thread runs the transfers this
+   process is an end of, in the one global order every process derives from the
+   schedule (:attr:`pipemark.runtime.steps.Steps.transfers`). A worker publishes a
+   value for another process like any other, under the reading worker's index, and
+   goes on; the transfer thread takes it when the order reaches its transfer, and
+   publishes what it receives for the reading worker. On CPU, XLA runs a collective on
+   the thread that dispatches it until the other process arrives, so transfers run on
+   a thread of their own: a worker dispatches its next actions while a transfer waits
+   for its peer.
 """
 
 from __future__ import annotations
@@ -88,10 +99,10 @@ class _Call:
         self.local = plan.placement.local
         self.exchange = Exchange(len(self.local))
         self.copies: Transport = InProcessTransport()
-        # Under jax.distributed: the transport between processes, and the values this
-        # process hands to other processes until the global order reaches them.
+        # Under jax.distributed: the transport between processes. A value for a worker
+        # of another process waits in the exchange (under that worker's index, taken
+        # once) until the transfer thread reaches its transfer in the global order.
         self.transport: Transport | None = None
-        self.outbox: dict[tuple[Key, int], Any] = {}
         self.boundary_bytes = (0, 0)  # sent, received between stages (not gathering)
         # Per stage; each stage's worker alone writes its entry.
         self.accs: dict[int, Sequence[Any]] = dict(plan.zeros)
@@ -157,7 +168,7 @@ class _Call:
                 if reader == worker:
                     entries.append((key, reader, outs[position], count))
                 elif not self.local[reader]:  # sent when the global order reaches it
-                    self.outbox[(key, reader)] = outs[position]
+                    entries.append((key, reader, outs[position], 1))
                 else:
                     copies.setdefault(reader, []).append((key, position, count))
         slots = self.plan.placement.slots
@@ -181,12 +192,14 @@ class _Call:
     def transfer(self, producer: int, reader: int, keys: Sequence[Key], types: tuple) -> None:
         """One transfer of the values ``keys`` (of ``types``) from worker ``producer``
         to worker ``reader`` (of another process), if this process is one of the two
-        ends. What it carries is put into words only if a message needs it."""
+        ends: the sender waits until its worker has dispatched the values, the receiver
+        publishes what it received to its worker. What it carries is put into words
+        only if a message needs it."""
         slots = self.plan.placement.slots
         what = functools.partial(_describe, self.plan, keys)
         values = None
         if self.local[producer]:
-            values = [self.outbox.pop((key, reader)) for key in keys]
+            values = [self.exchange.take(key, reader)[0] for key in keys]
         received = self.transport.move(values, types, slots[producer], slots[reader], what)
         if received is not None:
             readers = self.steps.readers
@@ -293,23 +306,46 @@ def _guarded(call: _Call, worker: int) -> None:
 
 
 def _run_processes(call: _Call) -> None:
-    """Under ``jax.distributed``: run this process's workers' actions, and move values
-    to and from other processes, walking the schedule's one global order (every
-    process walks it, so the two ends of each transfer meet in the same order and
-    nothing waits on a process that waits on it). Then every process receives the
-    accumulated results of the others' stages."""
-    steps, plan = call.steps, call.plan
-    call.transport = transport = CollectiveTransport(plan.watchdog)
-    start = time.perf_counter()
-    placed = {w: call.place(w) for w, mine in enumerate(call.local) if mine}
-    for (worker, step), incoming in zip(steps.serial, steps.incoming):
-        for producer, keys, types in incoming:
-            call.transfer(producer, worker, keys, types)
-        if call.local[worker]:
-            call.run_step(worker, step, placed[worker])
+    """Under ``jax.distributed``: this process's workers each walk their column on a
+    thread of their own, as in the threaded strategy, while the caller's thread walks
+    the transfers to and from other processes in the one global order every process
+    derives from the schedule (so the two ends of each collective meet in the same
+    order, and nothing waits on a process that waits on it). A transfer blocks only the
+    transfer thread, which keeps the watchdog armed while it waits: a worker dispatches
+    its next action while the values of its last one are still on their way. Then
+    every process receives the accumulated results of the others' stages."""
+    call.transport = transport = CollectiveTransport(call.plan.watchdog)
+    workers = [w for w, mine in enumerate(call.local) if mine]
+    threads = [
+        threading.Thread(target=_guard, args=(call, call.walk, w), name=f"pipemark-device{w}")
+        for w in workers
+    ]
+    for thread in threads:
+        thread.start()
+    _guard(call, _walk_transfers, call)
+    for thread in threads:
+        thread.join()
+    if call.exchange.error is not None:
+        raise call.exchange.error
     call.boundary_bytes = (transport.bytes_sent, transport.bytes_received)
     call.gather()
-    call.host_times.append(time.perf_counter() - start - transport.seconds)
+
+
+def _walk_transfers(call: _Call) -> None:
+    """The transfers this process is an end of, one after another in the global order."""
+    for producer, reader, keys, types in call.steps.transfers:
+        call.transfer(producer, reader, keys, types)
+
+
+def _guard(call: _Call, walk: Callable[..., None], *args: Any) -> None:
+    """Run ``walk``; its error stops the others (through the exchange) and is raised in
+    the caller."""
+    try:
+        walk(*args)
+    except Cancelled:
+        pass
+    except BaseException as error:
+        call.exchange.fail(error)
 
 
 #: How a call walks its plan's steps, by name: ``"serial"`` (every worker's steps on the

@@ -3,8 +3,8 @@
 For each worker, the :class:`Step` objects it runs, in run order: which stage program,
 for which microbatch, where each input comes from (a parameter leaf, a batch leaf, or
 an output of another stage for the same microbatch) and which workers read each of its
-outputs. Under ``jax.distributed`` also the transfers between processes that precede
-each step in the one global order every process walks.
+outputs. Under ``jax.distributed`` also the transfers between this process and the
+others, in the one global order every process walks (:attr:`Steps.transfers`).
 """
 
 from __future__ import annotations
@@ -19,13 +19,17 @@ from pipemark.runtime.placement import Placement
 from pipemark.runtime.schedules import Action, Schedule
 from pipemark.staged import StagedJaxpr
 
-__all__ = ["BATCH", "PARAM", "STAGE", "Step", "Steps", "resolve_steps"]
+__all__ = ["BATCH", "PARAM", "STAGE", "Step", "Steps", "Transfer", "resolve_steps"]
 
 #: Where a step's input comes from (the first item of each entry of :attr:`Step.inputs`).
 PARAM, BATCH, STAGE = 0, 1, 2
 
 #: A value handed between stages: ``(microbatch, stage index, output index)``.
 Key = tuple[int, int, int]
+
+#: One transfer between processes: ``(producer worker, reader worker, keys, types)``,
+#: the values ``keys`` of ``(shape, dtype)`` ``types`` in one collective.
+Transfer = tuple[int, int, tuple[Key, ...], tuple]
 
 
 class Step(NamedTuple):
@@ -52,10 +56,10 @@ class Steps(NamedTuple):
     batch: tuple[tuple[int, ...], ...]  # per worker: batch leaves it reads
     num_actions: int
     readers: dict[tuple[int, int], dict[int, int]]  # stage output -> {worker: readers}
-    # Under jax.distributed, per entry of ``serial``: the transfers into its worker that
-    # precede it, as (producer worker, the keys it sends, their (shape, dtype)); empty
-    # in one process.
-    incoming: tuple[tuple[tuple[int, tuple[Key, ...], tuple], ...], ...]
+    # Under jax.distributed: the transfers this process is an end of, in the global
+    # order, as (producer worker, reader worker, the keys it sends, their (shape,
+    # dtype)); empty in one process.
+    transfers: tuple[Transfer, ...]
 
 
 def resolve_steps(
@@ -112,19 +116,21 @@ def resolve_steps(
         batch=tuple(tuple(sorted(b)) for b in batch),
         num_actions=len(serial),
         readers=readers,
-        incoming=_incoming(serial, owner, placement, staged),
+        transfers=_transfers(serial, owner, placement, staged),
     )
 
 
-def _incoming(
+def _transfers(
     serial: list[tuple[int, Step]], owner: dict[int, int], placement: Placement, staged: Any
-) -> tuple:
-    """For each action in the global order, the values it reads from workers of other
-    processes that no earlier action on its worker received, grouped by producer: the
-    producer, the values' keys and their ``(shape, dtype)``."""
+) -> tuple[Transfer, ...]:
+    """The transfers this process is an end of, in the global order: before each action
+    (in the schedule's order), the values it reads from workers of other processes that
+    no earlier action on its worker received, one transfer per producer. Every process
+    derives the same order from the same schedule, so the two ends of each collective
+    meet (gloo hangs or aborts otherwise)."""
     process = [slot.process for slot in placement.slots]
     moved: set[tuple[Key, int]] = set()
-    incoming = []
+    transfers: list[Transfer] = []
     for worker, step in serial:
         per_producer: dict[int, list[Key]] = {}
         for source, key in step.inputs:
@@ -134,17 +140,12 @@ def _incoming(
             if process[producer] != process[worker]:
                 moved.add((key, worker))
                 per_producer.setdefault(producer, []).append(key)
-        incoming.append(
-            tuple(
-                (
-                    p,
-                    tuple(keys),
-                    tuple(value_type(staged.stages[i].out_avals[o]) for _, i, o in keys),
-                )
-                for p, keys in per_producer.items()
-            )
-        )
-    return tuple(incoming)
+        for p, keys in per_producer.items():
+            if placement.process not in (process[p], process[worker]):
+                continue  # between two other processes
+            types = tuple(value_type(staged.stages[i].out_avals[o]) for _, i, o in keys)
+            transfers.append((p, worker, tuple(keys), types))
+    return tuple(transfers)
 
 
 def value_type(aval: Any) -> tuple[tuple[int, ...], Any]:
