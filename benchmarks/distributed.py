@@ -202,9 +202,9 @@ def _table(args) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--processes", nargs="+", type=int, default=[2, 4])
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--rows", type=int, default=64)
-    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--rows", type=int, default=2048)
+    parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="small and short")
     parser.add_argument("--mode", choices=["single", "multi"], help=argparse.SUPPRESS)

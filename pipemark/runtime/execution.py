@@ -52,7 +52,7 @@ from pipemark.errors import PipemarkError
 from pipemark.runtime.exchange import Cancelled, Exchange
 from pipemark.runtime.plan import PipelinePlan
 from pipemark.runtime.schedules import BACKWARD, FORWARD, WEIGHT, Action
-from pipemark.runtime.steps import PARAM, STAGE, Key, Step, value_type
+from pipemark.runtime.steps import PARAM, STAGE, Gather, Key, Step
 from pipemark.runtime.transport import CollectiveTransport, InProcessTransport, Transport
 
 __all__ = ["STRATEGIES", "action_costs", "run_plan", "split_leaf"]
@@ -97,13 +97,15 @@ class _Call:
         batch_leaves = jax.tree_util.tree_leaves(batch)
         self.slices = [split_leaf(x, num_micro, plan.microbatch_size) for x in batch_leaves]
         self.local = plan.placement.local
-        self.exchange = Exchange(len(self.local))
+        # One mailbox per worker, and one more for the transfer thread (processes).
+        self.exchange = Exchange(len(self.local) + 1)
         self.copies: Transport = InProcessTransport()
         # Under jax.distributed: the transport between processes. A value for a worker
         # of another process waits in the exchange (under that worker's index, taken
         # once) until the transfer thread reaches its transfer in the global order.
         self.transport: Transport | None = None
         self.boundary_bytes = (0, 0)  # sent, received between stages (not gathering)
+        self.gathered = [0, 0]  # sent, received of stages' results (processes)
         # Per stage; each stage's worker alone writes its entry.
         self.accs: dict[int, Sequence[Any]] = dict(plan.zeros)
         self.host_times: list[float] = []
@@ -185,8 +187,12 @@ class _Call:
         start = time.perf_counter()
         placed = self.place(worker)
         waited = 0.0
-        for step in self.steps.columns[worker]:
+        finals = self.steps.finals[worker]  # empty in one process
+        for n, step in enumerate(self.steps.columns[worker]):
             waited += self.run_step(worker, step, placed)
+            if n in finals:  # the stage's results are final: other processes get them
+                key = (-1, finals[n], 0)
+                self.exchange.publish([(key, len(self.local), self.accs[finals[n]], 1)])
         self.host_times.append(time.perf_counter() - start - waited)
 
     def transfer(self, producer: int, reader: int, keys: Sequence[Key], types: tuple) -> None:
@@ -207,27 +213,24 @@ class _Call:
                 [(key, reader, v, readers[key[1:]][reader]) for key, v in zip(keys, received)]
             )
 
-    def gather(self) -> None:
-        """Every process receives the accumulated results of every other process's
-        stages (in one order all processes walk: stage by stage, process by process)."""
-        plan, transport = self.plan, self.transport
-        slots = plan.placement.slots
-        me = plan.placement.process
-        for index in sorted(plan.units):
-            unit = plan.units[index]
-            if not unit.accumulated:
-                continue
-            out_avals = plan.staged.stages[index].out_avals
-            types = [value_type(out_avals[o]) for _, o in unit.accumulated]
-            what = f"the results of stage {plan.staged.stages[index].name!r}"
-            sender = slots[unit.worker].device
-            for process, receiver in plan.placement.receivers().items():
-                if process == sender.process_index:
-                    continue
-                if self.local[unit.worker]:
-                    transport.send(self.accs[index], sender, receiver, what)
-                elif process == me:
-                    self.accs[index] = transport.receive(types, sender, receiver, what)
+    def gather(self, gather: Gather) -> None:
+        """Every process other than its worker's receives the accumulated results of
+        stage ``gather.index``: the worker's process sends them to each in turn."""
+        transport, index = self.transport, gather.index
+        sender = self.plan.placement.slots[gather.worker].device
+        what = f"the results of stage {self.plan.staged.stages[index].name!r}"
+        if self.local[gather.worker]:
+            accs = self.exchange.take((-1, index, 0), len(self.local))[0]
+            before = transport.bytes_sent
+            for _, receiver in gather.receivers:
+                transport.send(accs, sender, receiver, what)
+            self.gathered[0] += transport.bytes_sent - before
+            return
+        for process, receiver in gather.receivers:
+            if process == self.plan.placement.process:
+                before = transport.bytes_received
+                self.accs[index] = transport.receive(gather.types, sender, receiver, what)
+                self.gathered[1] += transport.bytes_received - before
 
     def results(self) -> list[Any]:
         """The accumulated results, in the staged program's output order."""
@@ -312,8 +315,9 @@ def _run_processes(call: _Call) -> None:
     derives from the schedule (so the two ends of each collective meet in the same
     order, and nothing waits on a process that waits on it). A transfer blocks only the
     transfer thread, which keeps the watchdog armed while it waits: a worker dispatches
-    its next action while the values of its last one are still on their way. Then
-    every process receives the accumulated results of the others' stages."""
+    its next action while the values of its last one are still on their way. Each
+    stage's accumulated results go to every other process as soon as its last action is
+    dispatched (in the same order), while other stages still compute."""
     call.transport = transport = CollectiveTransport(call.plan.watchdog)
     workers = [w for w, mine in enumerate(call.local) if mine]
     threads = [
@@ -327,14 +331,19 @@ def _run_processes(call: _Call) -> None:
         thread.join()
     if call.exchange.error is not None:
         raise call.exchange.error
-    call.boundary_bytes = (transport.bytes_sent, transport.bytes_received)
-    call.gather()
+    sent, received = call.gathered
+    call.boundary_bytes = (transport.bytes_sent - sent, transport.bytes_received - received)
 
 
 def _walk_transfers(call: _Call) -> None:
-    """The transfers this process is an end of, one after another in the global order."""
-    for producer, reader, keys, types in call.steps.transfers:
-        call.transfer(producer, reader, keys, types)
+    """The transfers this process is an end of, one after another in the global order:
+    values between stages, and each stage's results once they are final (while other
+    stages still compute)."""
+    for transfer in call.steps.transfers:
+        if isinstance(transfer, Gather):
+            call.gather(transfer)
+        else:
+            call.transfer(*transfer)
 
 
 def _guard(call: _Call, walk: Callable[..., None], *args: Any) -> None:
@@ -392,7 +401,7 @@ def run_plan(
         timings["peak_values"] = call.exchange.peak
         if call.transport is not None:
             timings["bytes_sent"], timings["bytes_received"] = call.boundary_bytes
-            timings["bytes_gathered"] = call.transport.bytes_received - call.boundary_bytes[1]
+            timings["bytes_gathered"] = call.gathered[1]
             timings["transfer_s"] = call.transport.seconds
     return jax.tree_util.tree_unflatten(plan.out_tree, call.results())
 

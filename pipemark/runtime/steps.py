@@ -19,7 +19,7 @@ from pipemark.runtime.placement import Placement
 from pipemark.runtime.schedules import Action, Schedule
 from pipemark.staged import StagedJaxpr
 
-__all__ = ["BATCH", "PARAM", "STAGE", "Step", "Steps", "Transfer", "resolve_steps"]
+__all__ = ["BATCH", "PARAM", "STAGE", "Gather", "Step", "Steps", "Transfer", "resolve_steps"]
 
 #: Where a step's input comes from (the first item of each entry of :attr:`Step.inputs`).
 PARAM, BATCH, STAGE = 0, 1, 2
@@ -30,6 +30,16 @@ Key = tuple[int, int, int]
 #: One transfer between processes: ``(producer worker, reader worker, keys, types)``,
 #: the values ``keys`` of ``(shape, dtype)`` ``types`` in one collective.
 Transfer = tuple[int, int, tuple[Key, ...], tuple]
+
+
+class Gather(NamedTuple):
+    """The accumulated results (loss, gradients) of stage ``index``, sent by its
+    worker's process to every other process once its last action is dispatched."""
+
+    worker: int
+    index: int
+    types: tuple  # the results' (shape, dtype)
+    receivers: tuple[tuple[int, Any], ...]  # (process, receiving device), the others
 
 
 class Step(NamedTuple):
@@ -58,8 +68,12 @@ class Steps(NamedTuple):
     readers: dict[tuple[int, int], dict[int, int]]  # stage output -> {worker: readers}
     # Under jax.distributed: the transfers this process is an end of, in the global
     # order, as (producer worker, reader worker, the keys it sends, their (shape,
-    # dtype)); empty in one process.
-    transfers: tuple[Transfer, ...]
+    # dtype)), and each stage's results gathered after its last action; empty in one
+    # process.
+    transfers: tuple[Transfer | Gather, ...]
+    # Under jax.distributed, per worker: {position in its column: stage index} of the
+    # actions after which a stage's results are final; empty in one process.
+    finals: tuple[dict[int, int], ...]
 
 
 def resolve_steps(
@@ -108,7 +122,6 @@ def resolve_steps(
         step = Step(index, m, action, bool(unit.accumulated), tuple(inputs), sends)
         columns[w].append(step)
         serial.append((w, step))
-    owner = {index: unit.worker for index, unit in units.items()}
     return Steps(
         columns=tuple(tuple(c) for c in columns),
         serial=tuple(serial),
@@ -116,27 +129,36 @@ def resolve_steps(
         batch=tuple(tuple(sorted(b)) for b in batch),
         num_actions=len(serial),
         readers=readers,
-        transfers=_transfers(serial, owner, placement, staged),
+        transfers=_transfers(serial, units, placement, staged),
+        finals=_finals(columns, units, placement),
     )
 
 
 def _transfers(
-    serial: list[tuple[int, Step]], owner: dict[int, int], placement: Placement, staged: Any
-) -> tuple[Transfer, ...]:
+    serial: list[tuple[int, Step]],
+    units: Mapping[int, Unit],
+    placement: Placement,
+    staged: StagedJaxpr,
+) -> tuple[Transfer | Gather, ...]:
     """The transfers this process is an end of, in the global order: before each action
     (in the schedule's order), the values it reads from workers of other processes that
-    no earlier action on its worker received, one transfer per producer. Every process
-    derives the same order from the same schedule, so the two ends of each collective
-    meet (gloo hangs or aborts otherwise)."""
+    no earlier action on its worker received, one transfer per producer; after a
+    stage's last action, its results to every other process. Every process derives the
+    same order from the same schedule, so the two ends of each collective meet (gloo
+    hangs or aborts otherwise)."""
+    if not placement.distributed:
+        return ()
     process = [slot.process for slot in placement.slots]
+    last = {step.index: n for n, (_, step) in enumerate(serial) if units[step.index].accumulated}
+    receivers = placement.receivers()
     moved: set[tuple[Key, int]] = set()
-    transfers: list[Transfer] = []
-    for worker, step in serial:
+    transfers: list[Transfer | Gather] = []
+    for n, (worker, step) in enumerate(serial):
         per_producer: dict[int, list[Key]] = {}
         for source, key in step.inputs:
             if source != STAGE or (key, worker) in moved:
                 continue
-            producer = owner[key[1]]
+            producer = units[key[1]].worker
             if process[producer] != process[worker]:
                 moved.add((key, worker))
                 per_producer.setdefault(producer, []).append(key)
@@ -145,7 +167,26 @@ def _transfers(
                 continue  # between two other processes
             types = tuple(value_type(staged.stages[i].out_avals[o]) for _, i, o in keys)
             transfers.append((p, worker, tuple(keys), types))
+        if last.get(step.index) == n:
+            out_avals = staged.stages[step.index].out_avals
+            types = tuple(value_type(out_avals[o]) for _, o in units[step.index].accumulated)
+            others = tuple((q, d) for q, d in receivers.items() if q != process[worker])
+            transfers.append(Gather(worker, step.index, types, others))
     return tuple(transfers)
+
+
+def _finals(
+    columns: list[list[Step]], units: Mapping[int, Unit], placement: Placement
+) -> tuple[dict[int, int], ...]:
+    """Per worker, {position in its column: stage index} of the last action of each
+    stage with results, which other processes receive once it is dispatched."""
+    if not placement.distributed:
+        return tuple({} for _ in columns)
+    finals = []
+    for column in columns:
+        last = {step.index: n for n, step in enumerate(column) if units[step.index].accumulated}
+        finals.append({n: index for index, n in last.items()})
+    return tuple(finals)
 
 
 def value_type(aval: Any) -> tuple[tuple[int, ...], Any]:
