@@ -88,12 +88,12 @@ def _transfers(repeat: int) -> dict:
     from jax.sharding import PartitionSpec as P
 
     from pipemark._compat import shard_map
-    from pipemark.runtime.transport import Transport, Watchdog
+    from pipemark.runtime.transport import CollectiveTransport, Watchdog
 
     devices = jax.devices()
     source, target = devices[0], devices[1]
     me, local = jax.process_index(), jax.local_devices()[0]
-    transport = Transport(Watchdog(120))
+    transport = CollectiveTransport(Watchdog(120))
     mesh = Mesh(np.array([source, target]), ("pair",))
     raw = jax.jit(
         shard_map(
@@ -202,9 +202,9 @@ def _table(args) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--processes", nargs="+", type=int, default=[2, 4])
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--rows", type=int, default=64)
-    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--rows", type=int, default=2048)
+    parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="small and short")
     parser.add_argument("--mode", choices=["single", "multi"], help=argparse.SUPPRESS)

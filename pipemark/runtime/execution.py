@@ -23,6 +23,17 @@ How a call runs (the plan was traced, sliced and compiled by
    device the schedule is walked on the caller's thread (``run_plan(...,
    parallel=False)`` does that for any number of devices: same programs in the same
    order per device, hence bit-identical results).
+
+   Under ``jax.distributed`` (:func:`_run_processes`) each of this process's devices
+   has a worker thread as above, and the caller's thread runs the transfers this
+   process is an end of, in the one global order every process derives from the
+   schedule (:attr:`pipemark.runtime.steps.Steps.transfers`). A worker publishes a
+   value for another process like any other, under the reading worker's index, and
+   goes on; the transfer thread takes it when the order reaches its transfer, and
+   publishes what it receives for the reading worker. On CPU, XLA runs a collective on
+   the thread that dispatches it until the other process arrives, so transfers run on
+   a thread of their own: a worker dispatches its next actions while a transfer waits
+   for its peer.
 """
 
 from __future__ import annotations
@@ -43,7 +54,7 @@ from pipemark.errors import PipemarkError
 from pipemark.runtime.exchange import Cancelled, Exchange
 from pipemark.runtime.plan import PipelinePlan
 from pipemark.runtime.schedules import BACKWARD, FORWARD, WEIGHT, Action
-from pipemark.runtime.steps import PARAM, STAGE, Key, Step, resolve_steps, value_type
+from pipemark.runtime.steps import PARAM, STAGE, Gather, Key, Step, resolve_steps
 from pipemark.runtime.transport import CollectiveTransport, InProcessTransport, Transport
 
 __all__ = ["STRATEGIES", "action_costs", "run_plan", "split_leaf"]
@@ -103,20 +114,22 @@ class _Call:
             split_leaf(x, num_micro, plan.microbatch_size, replicas) for x in batch_leaves
         ]
         self.local = plan.placement.local
-        self.exchange = Exchange(len(self.local))
+        # One mailbox per worker, and one more for the transfer thread (processes).
+        self.exchange = Exchange(len(self.local) + 1)
         self.copies: Transport = InProcessTransport()
-        # Under jax.distributed: the transport between processes, and the values this
-        # process hands to other processes until the global order reaches them.
+        # Under jax.distributed: the transport between processes. A value for a worker
+        # of another process waits in the exchange (under that worker's index, taken
+        # once) until the transfer thread reaches its transfer in the global order.
         self.transport: Transport | None = None
-        self.outbox: dict[tuple[Key, int], Any] = {}
         self.boundary_bytes = (0, 0)  # sent, received between stages (not gathering)
+        self.gathered = [0, 0]  # sent, received of stages' results (processes)
         # Per stage; each stage's worker alone writes its entry. A unit that consumes
         # its accumulators starts from zeros of this call's own.
         self.accs: dict[int, Sequence[Any]] = dict(plan.zeros)
         for index, unit in plan.units.items():
             if unit.donates and unit.zeros is not None and self.local[unit.worker]:
                 self.accs[index] = unit.zeros()
-        self.finished = False
+        self.finished: set[int] = set()  # stages whose replicas are reduced
         self.host_times: list[float] = []
         # The same in CPU time of the walking threads: without the time the host thread
         # lost to other threads (on CPU devices, those computing the stages).
@@ -207,7 +220,7 @@ class _Call:
                 if reader == worker:
                     entries.append((key, reader, outs[position], count))
                 elif not self.local[reader]:  # sent when the global order reaches it
-                    self.outbox[(key, reader)] = outs[position]
+                    entries.append((key, reader, outs[position], 1))
                 else:
                     copies.setdefault(reader, []).append((key, position, count))
         slots = self.plan.placement.slots
@@ -225,20 +238,27 @@ class _Call:
         cpu = time.thread_time()
         placed = self.place(worker)
         waited = 0.0
-        for step in self.steps.columns[worker]:
+        finals = self.steps.finals[worker]  # empty in one process
+        for n, step in enumerate(self.steps.columns[worker]):
             waited += self.run_step(worker, step, placed)
+            for index in finals.get(n, ()):  # results final: other processes get them
+                self.finish_stage(index)
+                key = (-1, index, 0)
+                self.exchange.publish([(key, len(self.local), self.accs[index], 1)])
         self.host_times.append(time.perf_counter() - start - waited)
         self.cpu_times.append(time.thread_time() - cpu)
 
     def transfer(self, producer: int, reader: int, keys: Sequence[Key], types: tuple) -> None:
         """One transfer of the values ``keys`` (of ``types``) from worker ``producer``
         to worker ``reader`` (of another process), if this process is one of the two
-        ends. What it carries is put into words only if a message needs it."""
+        ends: the sender waits until its worker has dispatched the values, the receiver
+        publishes what it received to its worker. What it carries is put into words
+        only if a message needs it."""
         slots = self.plan.placement.slots
         what = functools.partial(_describe, self.plan, keys)
         values = None
         if self.local[producer]:
-            values = [self.outbox.pop((key, reader)) for key in keys]
+            values = [self.exchange.take(key, reader)[0] for key in keys]
         received = self.transport.move(values, types, slots[producer], slots[reader], what)
         if received is not None:
             readers = self.steps.readers
@@ -246,41 +266,41 @@ class _Call:
                 [(key, reader, v, readers[key[1:]][reader]) for key, v in zip(keys, received)]
             )
 
-    def gather(self) -> None:
-        """Every process receives the accumulated results of every other process's
-        stages (in one order all processes walk: stage by stage, process by process)."""
-        plan, transport = self.plan, self.transport
-        slots = plan.placement.slots
-        me = plan.placement.process
-        for index in sorted(plan.units):
-            unit = plan.units[index]
-            if not unit.accumulated:
-                continue
-            out_avals = plan.staged.stages[index].out_avals
-            types = [value_type(out_avals[o]) for _, o in unit.accumulated]
-            what = f"the results of stage {plan.staged.stages[index].name!r}"
-            sender = slots[unit.worker].device
-            for process, receiver in plan.placement.receivers().items():
-                if process == sender.process_index:
-                    continue
-                if self.local[unit.worker]:
-                    # A result on a sub-mesh goes whole, from its slot's first device.
-                    values = self.accs[index]
-                    if plan.placement.meshes:
-                        values = [jax.device_put(v, sender) for v in values]
-                    transport.send(values, sender, receiver, what)
-                elif process == me:
-                    self.accs[index] = transport.receive(types, sender, receiver, what)
+    def gather(self, gather: Gather) -> None:
+        """Every process other than its worker's receives the accumulated results of
+        stage ``gather.index``: the worker's process sends them to each in turn."""
+        transport, index = self.transport, gather.index
+        sender = self.plan.placement.slots[gather.worker].device
+        what = f"the results of stage {self.plan.staged.stages[index].name!r}"
+        if self.local[gather.worker]:
+            accs = self.exchange.take((-1, index, 0), len(self.local))[0]
+            if self.plan.placement.meshes:  # a sub-mesh's results go whole, from one device
+                accs = [jax.device_put(v, sender) for v in accs]
+            before = transport.bytes_sent
+            for _, receiver in gather.receivers:
+                transport.send(accs, sender, receiver, what)
+            self.gathered[0] += transport.bytes_sent - before
+            return
+        for process, receiver in gather.receivers:
+            if process == self.plan.placement.process:
+                before = transport.bytes_received
+                self.accs[index] = transport.receive(gather.types, sender, receiver, what)
+                self.gathered[1] += transport.bytes_received - before
 
     def finish(self) -> None:
         """Reduce this process's accumulators over their data-parallel replicas: the
         one cross-replica reduction of a call."""
-        if self.finished:
+        for index in self.plan.units:
+            self.finish_stage(index)
+
+    def finish_stage(self, index: int) -> None:
+        """Stage ``index``'s accumulators reduced over their replicas, once (only this
+        process's: results received from others are already reduced)."""
+        unit = self.plan.units[index]
+        if unit.finish is None or index in self.finished or not self.local[unit.worker]:
             return
-        self.finished = True
-        for index, unit in self.plan.units.items():
-            if unit.finish is not None and index in self.accs:
-                self.accs[index] = unit.finish(list(self.accs[index]))
+        self.finished.add(index)
+        self.accs[index] = unit.finish(list(self.accs[index]))
 
     def results(self) -> list[Any]:
         """The accumulated results, in the staged program's output order."""
@@ -361,24 +381,52 @@ def _guarded(call: _Call, worker: int) -> None:
 
 
 def _run_processes(call: _Call) -> None:
-    """Under ``jax.distributed``: run this process's workers' actions, and move values
-    to and from other processes, walking the schedule's one global order (every
-    process walks it, so the two ends of each transfer meet in the same order and
-    nothing waits on a process that waits on it). Then every process receives the
-    accumulated results of the others' stages."""
-    steps, plan = call.steps, call.plan
-    call.transport = transport = CollectiveTransport(plan.watchdog)
-    start = time.perf_counter()
-    placed = {w: call.place(w) for w, mine in enumerate(call.local) if mine}
-    for (worker, step), incoming in zip(steps.serial, steps.incoming):
-        for producer, keys, types in incoming:
-            call.transfer(producer, worker, keys, types)
-        if call.local[worker]:
-            call.run_step(worker, step, placed[worker])
-    call.boundary_bytes = (transport.bytes_sent, transport.bytes_received)
-    call.finish()
-    call.gather()
-    call.host_times.append(time.perf_counter() - start - transport.seconds)
+    """Under ``jax.distributed``: this process's workers each walk their column on a
+    thread of their own, as in the threaded strategy, while the caller's thread walks
+    the transfers to and from other processes in the one global order every process
+    derives from the schedule (so the two ends of each collective meet in the same
+    order, and nothing waits on a process that waits on it). A transfer blocks only the
+    transfer thread, which keeps the watchdog armed while it waits: a worker dispatches
+    its next action while the values of its last one are still on their way. Each
+    stage's accumulated results go to every other process as soon as its last action is
+    dispatched (in the same order), while other stages still compute."""
+    call.transport = transport = CollectiveTransport(call.plan.watchdog)
+    workers = [w for w, mine in enumerate(call.local) if mine]
+    threads = [
+        threading.Thread(target=_guard, args=(call, call.walk, w), name=f"pipemark-device{w}")
+        for w in workers
+    ]
+    for thread in threads:
+        thread.start()
+    _guard(call, _walk_transfers, call)
+    for thread in threads:
+        thread.join()
+    if call.exchange.error is not None:
+        raise call.exchange.error
+    sent, received = call.gathered
+    call.boundary_bytes = (transport.bytes_sent - sent, transport.bytes_received - received)
+
+
+def _walk_transfers(call: _Call) -> None:
+    """The transfers this process is an end of, one after another in the global order:
+    values between stages, and each stage's results once they are final (while other
+    stages still compute)."""
+    for transfer in call.steps.transfers:
+        if isinstance(transfer, Gather):
+            call.gather(transfer)
+        else:
+            call.transfer(*transfer)
+
+
+def _guard(call: _Call, walk: Callable[..., None], *args: Any) -> None:
+    """Run ``walk``; its error stops the others (through the exchange) and is raised in
+    the caller."""
+    try:
+        walk(*args)
+    except Cancelled:
+        pass
+    except BaseException as error:
+        call.exchange.fail(error)
 
 
 #: How a call walks its plan's steps, by name: ``"serial"`` (every worker's steps on the
@@ -438,7 +486,7 @@ def run_plan(
         timings["bytes_copied"] = call.copies.bytes_received
         if call.transport is not None:
             timings["bytes_sent"], timings["bytes_received"] = call.boundary_bytes
-            timings["bytes_gathered"] = call.transport.bytes_received - call.boundary_bytes[1]
+            timings["bytes_gathered"] = call.gathered[1]
             timings["transfer_s"] = call.transport.seconds
     return jax.tree_util.tree_unflatten(plan.out_tree, results)
 

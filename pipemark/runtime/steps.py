@@ -3,9 +3,8 @@
 For each worker, the :class:`Step` objects it runs, in run order: which stage program,
 for which microbatch, where each input comes from (a parameter leaf, a batch leaf, or
 an output of another stage for the same microbatch) and which workers read each of its
-outputs. Under ``jax.distributed`` also the transfers between processes that precede
-each step in the one global order every process walks.
-
+outputs. Under ``jax.distributed`` also the transfers between this process and the
+others, in the one global order every process walks (:attr:`Steps.transfers`).
 :func:`fuse_steps` then folds a forward step into the backward step that follows it on
 its worker, for the same pipeline stage and microbatch, when no other stage reads the
 forward's outputs (one stage; the last stage of 1F1B): the pair runs as one program
@@ -25,13 +24,37 @@ from pipemark.runtime.placement import Placement
 from pipemark.runtime.schedules import BACKWARD, FORWARD, Action, Schedule
 from pipemark.staged import StagedJaxpr
 
-__all__ = ["BATCH", "PARAM", "STAGE", "Step", "Steps", "fuse_steps", "resolve_steps"]
+__all__ = [
+    "BATCH",
+    "PARAM",
+    "STAGE",
+    "Gather",
+    "Step",
+    "Steps",
+    "Transfer",
+    "fuse_steps",
+    "resolve_steps",
+]
 
 #: Where a step's input comes from (the first item of each entry of :attr:`Step.inputs`).
 PARAM, BATCH, STAGE = 0, 1, 2
 
 #: A value handed between stages: ``(microbatch, stage index, output index)``.
 Key = tuple[int, int, int]
+
+#: One transfer between processes: ``(producer worker, reader worker, keys, types)``,
+#: the values ``keys`` of ``(shape, dtype)`` ``types`` in one collective.
+Transfer = tuple[int, int, tuple[Key, ...], tuple]
+
+
+class Gather(NamedTuple):
+    """The accumulated results (loss, gradients) of stage ``index``, sent by its
+    worker's process to every other process once its last action is dispatched."""
+
+    worker: int
+    index: int
+    types: tuple  # the results' (shape, dtype)
+    receivers: tuple[tuple[int, Any], ...]  # (process, receiving device), the others
 
 
 class Step(NamedTuple):
@@ -61,10 +84,14 @@ class Steps(NamedTuple):
     batch: tuple[tuple[int, ...], ...]  # per worker: batch leaves it reads
     num_actions: int  # the schedule's actions (a fused step is two)
     readers: dict[tuple[int, int], dict[int, int]]  # stage output -> {worker: readers}
-    # Under jax.distributed, per entry of ``serial``: the transfers into its worker that
-    # precede it, as (producer worker, the keys it sends, their (shape, dtype)); empty
-    # in one process.
-    incoming: tuple[tuple[tuple[int, tuple[Key, ...], tuple], ...], ...]
+    # Under jax.distributed: the transfers this process is an end of, in the global
+    # order, as (producer worker, reader worker, the keys it sends, their (shape,
+    # dtype)), and each stage's results gathered after its last action; empty in one
+    # process.
+    transfers: tuple[Transfer | Gather, ...]
+    # Under jax.distributed, per worker: {position in its column: stage index} of the
+    # actions after which a stage's results are final; empty in one process.
+    finals: tuple[dict[int, tuple[int, ...]], ...]
 
     @property
     def num_programs(self) -> int:
@@ -118,7 +145,6 @@ def resolve_steps(
         step = Step(index, m, action, bool(unit.accumulated), tuple(inputs), sends)
         columns[w].append(step)
         serial.append((w, step))
-    owner = {index: unit.worker for index, unit in units.items()}
     return Steps(
         columns=tuple(tuple(c) for c in columns),
         serial=tuple(serial),
@@ -126,7 +152,8 @@ def resolve_steps(
         batch=tuple(tuple(sorted(b)) for b in batch),
         num_actions=len(serial),
         readers=readers,
-        incoming=_incoming(serial, owner, placement, staged),
+        transfers=_transfers(serial, units, placement, staged),
+        finals=_finals(columns, units, placement),
     )
 
 
@@ -167,13 +194,13 @@ def fuse_steps(
         for column in steps.columns
     )
     serial = tuple((w, fused_steps.get(id(s), s)) for w, s in steps.serial if id(s) not in folded)
-    owner = {index: unit.worker for index, unit in units.items()}
     used = {s.index: s.fused for s in fused_steps.values()}
     return (
         steps._replace(
             columns=columns,
             serial=serial,
-            incoming=_incoming(list(serial), owner, placement, staged),
+            transfers=_transfers(list(serial), units, placement, staged),
+            finals=_finals([list(c) for c in columns], units, placement),
         ),
         used,
     )
@@ -212,35 +239,80 @@ def _fused_step(forward: Step, backward: Step) -> Step:
     )
 
 
-def _incoming(
-    serial: list[tuple[int, Step]], owner: dict[int, int], placement: Placement, staged: Any
-) -> tuple:
-    """For each action in the global order, the values it reads from workers of other
-    processes that no earlier action on its worker received, grouped by producer: the
-    producer, the values' keys and their ``(shape, dtype)``."""
+def _transfers(
+    serial: list[tuple[int, Step]],
+    units: Mapping[int, Unit],
+    placement: Placement,
+    staged: StagedJaxpr,
+) -> tuple[Transfer | Gather, ...]:
+    """The transfers this process is an end of, in the global order: before each action
+    (in the schedule's order), the values it reads from workers of other processes that
+    no earlier action on its worker received, one transfer per producer; after a
+    stage's last action, its results to every other process. Every process derives the
+    same order from the same schedule, so the two ends of each collective meet (gloo
+    hangs or aborts otherwise)."""
+    if not placement.distributed:
+        return ()
     process = [slot.process for slot in placement.slots]
+    last = {
+        index: n
+        for n, (_, step) in enumerate(serial)
+        for index in _stages_of(step)
+        if units[index].accumulated
+    }
+    receivers = placement.receivers()
     moved: set[tuple[Key, int]] = set()
-    incoming = []
-    for worker, step in serial:
+    transfers: list[Transfer | Gather] = []
+    for n, (worker, step) in enumerate(serial):
         per_producer: dict[int, list[Key]] = {}
         for source, key in step.inputs:
             if source != STAGE or (key, worker) in moved:
                 continue
-            producer = owner[key[1]]
+            producer = units[key[1]].worker
             if process[producer] != process[worker]:
                 moved.add((key, worker))
                 per_producer.setdefault(producer, []).append(key)
-        incoming.append(
-            tuple(
-                (
-                    p,
-                    tuple(keys),
-                    tuple(_passed_type(staged, placement, p, i, o) for _, i, o in keys),
-                )
-                for p, keys in per_producer.items()
-            )
-        )
-    return tuple(incoming)
+        for p, keys in per_producer.items():
+            if placement.process not in (process[p], process[worker]):
+                continue  # between two other processes
+            types = tuple(_passed_type(staged, placement, p, i, o) for _, i, o in keys)
+            transfers.append((p, worker, tuple(keys), types))
+        for index in _stages_of(step):
+            if last.get(index) != n:
+                continue
+            out_avals = staged.stages[index].out_avals
+            types = tuple(value_type(out_avals[o]) for _, o in units[index].accumulated)
+            others = tuple((q, d) for q, d in receivers.items() if q != process[worker])
+            transfers.append(Gather(worker, index, types, others))
+    return tuple(transfers)
+
+
+def _finals(
+    columns: list[list[Step]], units: Mapping[int, Unit], placement: Placement
+) -> tuple[dict[int, tuple[int, ...]], ...]:
+    """Per worker, {position in its column: stage indices} of the last action of each
+    stage with results (two for a fused step), which other processes receive once it
+    is dispatched."""
+    if not placement.distributed:
+        return tuple({} for _ in columns)
+    finals = []
+    for column in columns:
+        last = {
+            index: n
+            for n, step in enumerate(column)
+            for index in _stages_of(step)
+            if units[index].accumulated
+        }
+        per: dict[int, list[int]] = {}
+        for index, n in last.items():
+            per.setdefault(n, []).append(index)
+        finals.append({n: tuple(indices) for n, indices in per.items()})
+    return tuple(finals)
+
+
+def _stages_of(step: Step) -> tuple[int, ...]:
+    """The stages a step runs: its own, and the forward folded into it (fused)."""
+    return (step.index,) if step.fused is None else (step.fused, step.index)
 
 
 def _passed_type(

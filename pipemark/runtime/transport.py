@@ -15,7 +15,16 @@ for CPU), on GPU over NCCL; nothing here depends on which. Cross-process
 (``jax_cross_host_transfer_socket_address``, ``jax_cross_host_transport_addresses``).
 
 Every process must run the transfers it takes part in in the same order; the runtime
-walks one global order (the schedule's) in every process for that.
+walks one global order (the schedule's) in every process for that, on a thread of its
+own. A transfer is waited for (:meth:`CollectiveTransport.move` returns once it is
+done) with the :class:`Watchdog` armed: on CPU, dispatching the collective already
+blocks until the other process arrives (XLA runs it on the dispatching thread), so
+returning earlier would gain nothing, and waiting keeps the order of collectives
+that of the calls. The runtime's workers never wait for a transfer: they dispatch
+their next actions meanwhile.
+
+The program of a transfer is built in one function, ``_pair(source, target, types)``:
+for slots of one device each; slots on sub-meshes generalise it.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ language model with GPipe and 1F1B; their losses and gradients saved per process
     python tests/runtime/_distributed.py OUT_DIR spare      # one stage fewer than processes
     python tests/runtime/_distributed.py OUT_DIR shape      # process 1's batch differs
     python tests/runtime/_distributed.py OUT_DIR schedule   # process 1's schedule differs
+    python tests/runtime/_distributed.py OUT_DIR overlap    # process 1's first forward waits
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
 
 def _setup() -> tuple[str, str, int]:
@@ -39,12 +41,14 @@ if __name__ == "__main__":
     OUT, MODE, STAGES = _setup()
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pipemark as pm  # noqa: E402
 from pipemark import examples  # noqa: E402
 
 TIMEOUT = float(os.environ.get("PIPEMARK_TEST_TIMEOUT", "60"))
+OVERLAP_WAIT_S = 3.0
 
 
 def runs():
@@ -85,6 +89,44 @@ def spare() -> None:
     np.savez(os.path.join(OUT, f"{MODE}-{jax.process_index()}.npz"), **saved)
 
 
+def overlap(me: int) -> None:
+    """Two stages under GPipe, one per process; in the second call (the first compiles)
+    process 1's first forward waits ``OVERLAP_WAIT_S`` in a host callback. Saved: when
+    each of process 0's forwards ran, and when process 1's wait ended (one clock: the
+    processes share the machine)."""
+    from jax import lax
+
+    armed, times = [False], []
+
+    def mark_time(h):
+        if armed[0]:
+            if me == 1 and not times:
+                time.sleep(OVERLAP_WAIT_S)
+            times.append(time.time())
+        return np.zeros(h.shape, h.dtype)
+
+    def loss_fn(params, x):
+        for i, w in enumerate(params):
+            x, w = pm.mark((x, w), name=f"s{i}", mark_type="start")
+            h = jnp.tanh(x @ w)
+            # pure_callback has no derivative: call it on a value without one.
+            zero = jax.pure_callback(
+                mark_time, jax.ShapeDtypeStruct(h.shape, h.dtype), lax.stop_gradient(h)
+            )
+            x = pm.mark(h + zero, name=f"s{i}", mark_type="end")
+        return jnp.mean(x**2)
+
+    params = [jnp.eye(16) * (0.5 + i) for i in range(2)]
+    batch = jnp.ones((8, 16))
+    step = pm.pipeline_value_and_grad(
+        loss_fn, num_stages=2, num_microbatches=4, schedule="gpipe", timeout_s=TIMEOUT
+    )
+    jax.block_until_ready(step(params, batch))
+    armed[0] = True
+    jax.block_until_ready(step(params, batch))
+    np.save(os.path.join(OUT, f"{MODE}-{me}.npy"), np.asarray(times))
+
+
 def mismatched(me: int) -> None:
     """Process 1 calls with another batch size (``shape``) or schedule (``schedule``)."""
     rows = 8 if MODE == "schedule" or me == 0 else 12
@@ -110,6 +152,8 @@ def main() -> None:
         return spare()
     if MODE in ("shape", "schedule"):
         return mismatched(me)
+    if MODE == "overlap":
+        return overlap(me)
     saved = {}
     for name, loss_fn, params, batch, schedule, stages in runs():
         step = pm.pipeline_value_and_grad(

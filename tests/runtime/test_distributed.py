@@ -96,6 +96,19 @@ def test_sub_mesh_stages_in_two_processes_equal_one_process(tmp_path):
                 assert int(got[key]) == int(got[key.replace("received", "expected")]) > 0, key
 
 
+def test_a_process_dispatches_its_next_action_while_its_transfer_waits(tmp_path):
+    # Process 1's first forward waits 3 s. Process 0's forwards under GPipe need nothing
+    # from process 1, and its transfers wait on a thread of their own: all four run
+    # during that wait. Were each transfer waited for before the next action, process
+    # 0's third forward would come after process 1's wait, since its second transfer
+    # meets process 1 only once that process's first forward is done.
+    launched = _run(["-m", "pipemark.launch", "-n", "2", str(SCRIPT), str(tmp_path), "overlap"])
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    forwards, waited = (np.load(tmp_path / f"overlap-{p}.npy") for p in range(2))
+    assert len(forwards) == len(waited) == 4
+    assert forwards[-1] < waited[0], (forwards - waited[0]).tolist()
+
+
 def test_a_process_that_dies_stops_the_others_through_the_launcher(tmp_path):
     start = time.monotonic()
     launched = _run(
