@@ -62,14 +62,15 @@ docs-assets: $(STAMP)
 
 # pytest exits 5 when it collects no test, which fails this target like any failure.
 test: lint docs
-	$(BIN)/python -m pytest -n 2
+	$(BIN)/python -m pytest -n 2 --durations=15
 
 # The whole suite again on the newest JAX. Lint and the docs build do not depend on the
 # JAX version; the generated docs (equation counts...) are made on the developer's JAX
-# by `make docs-assets` and checked by `make test` (marker docs_assets).
+# by `make docs-assets` and checked by `make test` (marker docs_assets). The fuzzer runs
+# half its examples here, with another seed than `make test`'s.
 test-newest: $(NEWEST_STAMP)
 	$(NEWEST_BIN)/python -c 'import jax, sys; print("JAX", jax.__version__, "on Python", sys.version.split()[0])'
-	$(NEWEST_BIN)/python -m pytest -n 2 -m 'not docs_assets'
+	PIPEMARK_FUZZ=half PIPEMARK_FUZZ_SEED=1 $(NEWEST_BIN)/python -m pytest -n 2 -m 'not docs_assets' --durations=15
 
 # The two environments alone (.ci/run builds them while `make test` runs).
 newest-env: $(NEWEST_STAMP)
