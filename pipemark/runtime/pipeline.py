@@ -64,9 +64,8 @@ from pipemark.runtime.placement import leaf_specs
 from pipemark.runtime.plan import (
     PipelinePlan,
     build_plan,
-    microbatch_structs,
     plan_from_staged,
-    replicas_of,
+    replica_batch,
     stage_program,
 )
 from pipemark.runtime.schedules import Schedule
@@ -424,12 +423,7 @@ class PipelinedStep:
             return prepared
         *replicated, batch = args
         options = self.options
-        structs, micro = microbatch_structs(batch, options.num_microbatches)
-        replicas = replicas_of(options, micro)  # on sub-meshes, traced for one replica
-        structs = [
-            jax.ShapeDtypeStruct((s.shape[0] // replicas, *s.shape[1:]), s.dtype) for s in structs
-        ]
-        batch_structs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(batch), structs)
+        batch_structs, micro, replicas = replica_batch(batch, options)
         # The gradient part is traced for one microbatch (it runs per microbatch); the
         # update is traced for the whole batch (it runs once, and may read the batch).
         try:

@@ -258,12 +258,6 @@ class Placement:
             first.setdefault(_process_of(device), device)
         return first
 
-    def own_device(self) -> Any:
-        """The first device of this process's first pipeline stage: where a training
-        step's update runs (under ``jax.distributed``, every process runs it on its own
-        and so holds the whole state)."""
-        return next(s.device for s in self.slots if s.process == self.process)
-
 
 def place_stages(available: Sequence[Any], stage_devices: Sequence[int]) -> Placement:
     """The placement of pipeline stages whose schedule puts stage ``k`` on device slot

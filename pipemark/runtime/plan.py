@@ -327,13 +327,7 @@ def build_plan(
     """Trace ``loss_fn`` once for one microbatch of ``batch``, check it, differentiate
     the traced program, stage, schedule and compile it: the plan
     :func:`pipemark.runtime.execution.run_plan` runs."""
-    structs, micro = microbatch_structs(batch, options.num_microbatches)
-    replicas = replicas_of(options, micro)
-    # On sub-meshes with a data axis the program is traced for one replica's rows.
-    structs = [
-        jax.ShapeDtypeStruct((s.shape[0] // replicas, *s.shape[1:]), s.dtype) for s in structs
-    ]
-    batch_structs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(batch), structs)
+    batch_structs, micro, replicas = replica_batch(batch, options)
     loss = _trace_loss(loss_fn, params, batch_structs)
     num_param_leaves = len(jax.tree_util.tree_leaves(params))
     if options.loss_reduction == "mean":
@@ -354,6 +348,19 @@ def build_plan(
         param_specs=specs,
         result_specs=None if specs is None else (None, *specs),
     )
+
+
+def replica_batch(batch: Any, options: PipelineOptions) -> tuple[Any, int, int]:
+    """What a stage program is traced for: the batch's tree of ShapeDtypeStructs for one
+    replica's rows of one microbatch (on sub-meshes with a data axis, a microbatch is
+    split into replicas), the microbatch's rows and the number of replicas."""
+    structs, micro = microbatch_structs(batch, options.num_microbatches)
+    replicas = replicas_of(options, micro)
+    structs = [
+        jax.ShapeDtypeStruct((s.shape[0] // replicas, *s.shape[1:]), s.dtype) for s in structs
+    ]
+    tree = jax.tree_util.tree_structure(batch)
+    return jax.tree_util.tree_unflatten(tree, structs), micro, replicas
 
 
 def replicas_of(options: PipelineOptions, microbatch_size: int) -> int:
