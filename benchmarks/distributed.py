@@ -59,48 +59,105 @@ def _model(stages: int, width: int, rows: int):
     return loss_fn, params, batch
 
 
+#: The schedules timed, by table label: 1F1B, and 1F1B with one more forward in flight
+#: before each stage's first backward (which hides a transfer's latency).
+SCHEDULES = {"1f1b": 0, "1f1b +1 in flight": 1}
+
+
 def _step_times(args, stages: int) -> dict:
+    """Per schedule: the best step of ``args.repeat`` calls (calls of the schedules
+    alternate, so a burst of other work hits both alike), its timings, and the bytes
+    into this process; in one process also each action's cost (for the simulation)."""
     import jax
 
     import pipemark as pm
 
     loss_fn, params, batch = _model(stages, args.width, args.rows)
-    step = pm.pipeline_value_and_grad(
-        loss_fn, num_microbatches=args.microbatches, schedule="1f1b", timeout_s=120
-    )
-    jax.block_until_ready(step(params, batch))  # compile
-    best, timings = float("inf"), {}
+    steps = {
+        label: pm.pipeline_value_and_grad(
+            loss_fn,
+            num_microbatches=args.microbatches,
+            schedule=pm.one_f_one_b_schedule(stages, args.microbatches, extra_in_flight=extra),
+            timeout_s=120,
+        )
+        for label, extra in SCHEDULES.items()
+    }
+    result: dict = {}
+    for label, step in steps.items():
+        jax.block_until_ready(step(params, batch))  # compile
+        boundary = step.plan(params, batch).bytes_into_process(jax.process_index())
+        result[label] = {"step_s": float("inf"), "boundary": boundary}
     for _ in range(args.repeat):
+        for label, step in steps.items():
+            start = time.perf_counter()
+            out, timings = step.timed_call(params, batch)
+            jax.block_until_ready(out)
+            took = time.perf_counter() - start
+            if took < result[label]["step_s"]:
+                result[label].update(step_s=took, timings=timings)
+    if jax.process_count() == 1:
+        result["costs"] = steps["1f1b"].action_costs(params, batch)
+    result["value_bytes"] = args.rows // args.microbatches * args.width * 4
+    return result
+
+
+def _latency(nbytes: int, repeat: int) -> float:
+    """The median time of a raw ``shard_map(ppermute)`` of ``nbytes`` from process 0 to
+    process 1 (``10 x repeat`` calls after a warm-up): a transfer's latency."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+
+    mesh, raw = _raw_ppermute()
+    shape = (nbytes // 4,)
+    block = jax.device_put(np.zeros(shape, np.float32), jax.local_devices()[0])
+    glob = jax.make_array_from_single_device_arrays(
+        (2 * shape[0],), NamedSharding(mesh, jax.sharding.PartitionSpec("pair")), [block]
+    )
+    jax.block_until_ready(raw(glob))
+    times = []
+    for _ in range(10 * repeat):
         start = time.perf_counter()
-        out, timings = step.timed_call(params, batch)
-        jax.block_until_ready(out)
-        best = min(best, time.perf_counter() - start)
-    boundary = step.plan(params, batch).bytes_into_process(jax.process_index())
-    return {"step_s": best, "timings": timings, "boundary": boundary}
+        jax.block_until_ready(raw(glob))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
 
 
-def _transfers(repeat: int) -> dict:
-    """Per MiB: the runtime's transport and a raw ppermute, process 0 -> process 1."""
+def _raw_ppermute():
+    """A two-device mesh (process 0's device, process 1's) and a jitted ppermute over it."""
     import jax
     import numpy as np
     from jax import lax
-    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
     from pipemark._compat import shard_map
-    from pipemark.runtime.transport import CollectiveTransport, Watchdog
 
     devices = jax.devices()
-    source, target = devices[0], devices[1]
-    me, local = jax.process_index(), jax.local_devices()[0]
-    transport = CollectiveTransport(Watchdog(120))
-    mesh = Mesh(np.array([source, target]), ("pair",))
+    mesh = Mesh(np.array([devices[0], devices[1]]), ("pair",))
     raw = jax.jit(
         shard_map(
             lambda x: lax.ppermute(x, "pair", [(0, 1)]), mesh=mesh, in_specs=P("pair"),
             out_specs=P("pair"),
         )
     )  # fmt: skip
+    return mesh, raw
+
+
+def _transfers(repeat: int) -> dict:
+    """Per MiB: the runtime's transport and a raw ppermute, process 0 -> process 1."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from pipemark.runtime.transport import CollectiveTransport, Watchdog
+
+    devices = jax.devices()
+    source, target = devices[0], devices[1]
+    me, local = jax.process_index(), jax.local_devices()[0]
+    transport = CollectiveTransport(Watchdog(120))
+    mesh, raw = _raw_ppermute()
     result = {}
     for mib in SIZES_MIB:
         shape = (mib * 1024 * 256,)
@@ -147,6 +204,7 @@ def _worker(args) -> None:
     result = _step_times(args, jax.process_count())
     if jax.process_count() > 1 and jax.process_index() < 2:
         result["transfer_s_per_mib"] = _transfers(args.repeat)
+        result["latency_s"] = _latency(result["value_bytes"], args.repeat)
     Path(args.out, f"{args.mode}-{jax.process_index()}.json").write_text(json.dumps(result))
 
 
@@ -175,28 +233,59 @@ def _forwarded(args) -> list[str]:
 
 
 def _table(args) -> None:
-    print(
-        "| processes | step, 1 process (ms) | step, S processes (ms) | overhead per step (ms) "
-        "| bytes moved per step | boundary bytes per step | transport (ms/MiB) "
-        "| raw ppermute (ms/MiB) | transport / raw |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
+    steps, transfers = [], []
     for processes in args.processes:
         with tempfile.TemporaryDirectory() as out:
             _run_mode(args, "single", processes, out)
             _run_mode(args, "multi", processes, out)
             single = json.loads(Path(out, "single-0.json").read_text())
             multi = [json.loads(Path(out, f"multi-{p}.json").read_text()) for p in range(processes)]
-        step_1, step_s = single["step_s"], max(m["step_s"] for m in multi)
-        moved = sum(m["timings"]["bytes_received"] for m in multi)
-        boundary = sum(m["boundary"] for m in multi)
+        steps.extend(_step_rows(processes, args.microbatches, single, multi))
+        moved = sum(m["1f1b"]["timings"]["bytes_received"] for m in multi)
+        boundary = sum(m["1f1b"]["boundary"] for m in multi)
         for mib, per in multi[1]["transfer_s_per_mib"].items():
-            print(
-                f"| {processes} | {1e3 * step_1:.2f} | {1e3 * step_s:.2f} | "
-                f"{1e3 * (step_s - step_1):.2f} | {moved:,} | {boundary:,} | "
+            transfers.append(
+                f"| {processes} | {moved:,} | {boundary:,} | "
                 f"{1e3 * per['transport']:.2f} ({mib} MiB) | {1e3 * per['raw']:.2f} | "
                 f"{per['transport'] / per['raw']:.2f} |"
             )
+    print(
+        "| processes | schedule | step, 1 process (ms) | step, S processes (ms) "
+        "| S processes / 1 | transfer latency (ms) | simulated, S processes (ms) "
+        "| simulated / 1 process |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    print("\n".join(steps))
+    print()
+    print(
+        "| processes | bytes moved per step | boundary bytes per step | transport (ms/MiB) "
+        "| raw ppermute (ms/MiB) | transport / raw |"
+    )
+    print("|---|---|---|---|---|---|")
+    print("\n".join(transfers))
+
+
+def _step_rows(processes: int, micro: int, single: dict, multi: list[dict]) -> list[str]:
+    """A row per schedule: measured in 1 and S processes, and the S-process step as
+    ``simulate_schedule`` predicts it from the 1-process action costs and a transfer's
+    measured latency (a raw ppermute of one boundary value)."""
+    import pipemark as pm
+
+    latency = multi[1]["latency_s"]
+    rows = []
+    for label, extra in SCHEDULES.items():
+        step_1 = single[label]["step_s"]
+        step_s = max(m[label]["step_s"] for m in multi)
+        schedule = pm.one_f_one_b_schedule(processes, micro, extra_in_flight=extra)
+        costs = single["costs"]
+        free = pm.simulate_schedule(schedule, costs).makespan
+        simulated = pm.simulate_schedule(schedule, costs, transfer=latency).makespan
+        rows.append(
+            f"| {processes} | {label} | {1e3 * step_1:.2f} | {1e3 * step_s:.2f} | "
+            f"{step_s / step_1:.2f} | {1e3 * latency:.2f} | {1e3 * simulated:.2f} | "
+            f"{simulated / free:.2f} |"
+        )
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:

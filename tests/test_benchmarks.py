@@ -110,14 +110,23 @@ def test_scan_benchmark_prints_balance_and_time():
 
 def test_distributed_benchmark_prints_its_table():
     lines = _output_lines("distributed.py", "--processes", "2", "--quick")
-    header = next(line for line in lines if line.startswith("| processes |"))
-    assert "transport / raw" in header and "boundary bytes per step" in header
-    rows = [line for line in lines if line.startswith("| 2 |")]
-    assert len(rows) == 2  # 1 and 16 MiB transfers
-    cells = [c.strip() for c in rows[0].split("|")[1:-1]]
+    header = next(line for line in lines if line.startswith("| processes | schedule |"))
     titles = [c.strip() for c in header.split("|")[1:-1]]
-    moved = cells[titles.index("bytes moved per step")]
-    assert moved == cells[titles.index("boundary bytes per step")] and moved != "0"
+    rows = [
+        [c.strip() for c in line.split("|")[1:-1]] for line in lines if line.startswith("| 2 |")
+    ]
+    steps = [row for row in rows if len(row) == len(titles)]
+    assert [row[1] for row in steps] == ["1f1b", "1f1b +1 in flight"]
+    for row in steps:  # the simulation with a transfer's latency is no faster than without
+        assert float(row[titles.index("simulated / 1 process")]) >= 1.0
+        assert float(row[titles.index("transfer latency (ms)")]) > 0
+    header = next(line for line in lines if line.startswith("| processes | bytes moved"))
+    assert "transport / raw" in header
+    titles = [c.strip() for c in header.split("|")[1:-1]]
+    transfers = [row for row in rows if len(row) == len(titles)]
+    assert len(transfers) == 2  # 1 and 16 MiB transfers
+    moved = transfers[0][titles.index("bytes moved per step")]
+    assert moved == transfers[0][titles.index("boundary bytes per step")] and moved != "0"
 
 
 def test_zero_bubble_benchmark_prints_its_table():

@@ -60,6 +60,7 @@ __all__ = ["Simulation", "simulate_schedule", "zero_bubble_schedule"]
 _VARIANTS: tuple[str, ...] = ("zb-h1", "zb-v")
 
 Costs = Mapping[str, float | Sequence[float]] | Callable[[Action], float] | None
+Latency = float | Callable[[Action, Action], float]
 
 
 class Simulation(NamedTuple):
@@ -118,9 +119,37 @@ def _cost_function(costs: Costs, split: bool, num_stages: int) -> Callable[[Acti
     return cost
 
 
-def simulate_schedule(schedule: Schedule, costs: Costs = None) -> Simulation:
+def _delay_function(
+    transfer: Latency, stage_devices: Sequence[int]
+) -> Callable[[Action, Action], float]:
+    """``transfer`` as the delay from a producing action to a reading one: 0 on one
+    device."""
+    seconds = 0.0
+    if not callable(transfer):
+        if isinstance(transfer, bool) or not isinstance(transfer, (int, float)):
+            raise PipemarkError(
+                f"transfer is {type(transfer).__name__}; give a number (the latency of a "
+                "transfer between devices, in the costs' unit) or a function of "
+                "(producer, reader) actions."
+            )
+        if not (transfer >= 0 and math.isfinite(transfer)):
+            raise PipemarkError(f"transfer = {transfer!r}: give a non-negative, finite number.")
+        seconds = float(transfer)
+
+    def delay(producer: Action, reader: Action) -> float:
+        if stage_devices[producer.stage] == stage_devices[reader.stage]:
+            return 0.0
+        return transfer(producer, reader) if callable(transfer) else seconds
+
+    return delay
+
+
+def simulate_schedule(
+    schedule: Schedule, costs: Costs = None, *, transfer: Latency = 0.0
+) -> Simulation:
     """Run ``schedule`` on paper: each device runs its actions in the schedule's order,
-    each as soon as the device is free and everything it needs has finished.
+    each as soon as the device is free and everything it needs has finished (and, for
+    what another device computed, has arrived).
 
     Parameters
     ----------
@@ -130,12 +159,19 @@ def simulate_schedule(schedule: Schedule, costs: Costs = None) -> Simulation:
         ``{"forward": F, "backward": B, "weight": W}`` (numbers, or one per stage;
         1 by default), or a function of an :class:`Action`. A schedule that does not
         split its backward pays B + W per backward action.
+    transfer:
+        How long a value takes to reach another device (the latency of a transfer
+        between stages, in the costs' unit; 0 by default): a number, or a function of
+        ``(producer, reader)`` actions. Values read on their own device arrive at once.
+        With it, the simulation shows how much of a schedule's time is spent waiting
+        for transfers on its critical path (:mod:`pipemark.runtime.simulation`).
     """
     cost = _cost_function(costs, schedule.splits_backward, len(schedule.stage_devices))
     preds = schedule.predecessors
     succ = schedule.successors
     orders = schedule.device_orders()
     needs = {a: dependencies(a, preds, succ) for order in orders for a in order}
+    delay = _delay_function(transfer, schedule.stage_devices)
     position = [0] * len(orders)
     free = [0.0] * len(orders)
     busy = [0.0] * len(orders)
@@ -149,7 +185,7 @@ def simulate_schedule(schedule: Schedule, costs: Costs = None) -> Simulation:
                 action = order[position[d]]
                 if any(n not in finish for n in needs[action]):
                     break
-                begin = max([free[d], *(finish[n] for n in needs[action])])
+                begin = max([free[d], *(finish[n] + delay(n, action) for n in needs[action])])
                 length = cost(action)
                 start[action], finish[action] = begin, begin + length
                 free[d] = begin + length
@@ -162,15 +198,16 @@ def simulate_schedule(schedule: Schedule, costs: Costs = None) -> Simulation:
     makespan = max(finish.values(), default=0.0)
     idle = 1.0 - sum(busy) / (len(orders) * makespan) if makespan else 0.0
     bubble = makespan - sum(busy) / len(orders)
-    bound = _makespan_bound(orders, cost, needs)
+    bound = _makespan_bound(orders, cost, needs, delay)
     return Simulation(start, finish, makespan, tuple(busy), idle, bubble, bound)
 
 
-def _makespan_bound(orders, cost, needs) -> float:
+def _makespan_bound(orders, cost, needs, delay) -> float:
     """The least makespan of any order of these actions on these devices (``needs``:
-    what each action needs first): the longest chain of dependencies, and per device
-    the earliest any of its actions can start, plus its work, plus the least any of its
-    actions leaves to run after it."""
+    what each action needs first; ``delay``: how long a value takes from one action to
+    another): the longest chain of dependencies, and per device the earliest any of its
+    actions can start, plus its work, plus the least any of its actions leaves to run
+    after it."""
     readers: dict[Action, list[Action]] = {a: [] for a in needs}
     for a, ns in needs.items():
         for n in ns:
@@ -178,10 +215,10 @@ def _makespan_bound(orders, cost, needs) -> float:
     ranked = list(graphlib.TopologicalSorter(needs).static_order())
     head: dict[Action, float] = {}
     for a in ranked:  # the earliest each action can start
-        head[a] = max((head[n] + cost(n) for n in needs[a]), default=0.0)
+        head[a] = max((head[n] + cost(n) + delay(n, a) for n in needs[a]), default=0.0)
     tail: dict[Action, float] = {}
     for a in reversed(ranked):  # the least that must run after each action ends
-        tail[a] = max((cost(r) + tail[r] for r in readers[a]), default=0.0)
+        tail[a] = max((delay(a, r) + cost(r) + tail[r] for r in readers[a]), default=0.0)
     chain = max((head[a] + cost(a) + tail[a] for a in needs), default=0.0)
     per_device = (
         min(head[a] for a in order) + sum(map(cost, order)) + min(tail[a] for a in order)

@@ -85,6 +85,31 @@ def test_one_f_one_b_bounds_microbatches_in_flight(stages, micro):
             assert peak == bound(j), (kind, j)
 
 
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("extra", [1, 2])
+def test_one_f_one_b_with_more_in_flight(stages, extra):
+    # Each stage but the last starts extra more forwards before its first backward (and
+    # holds that many more microbatches); the last alternates from the start.
+    micro = 8
+    schedule = pm.one_f_one_b_schedule(stages, micro, extra_in_flight=extra)
+    plain = pm.one_f_one_b_schedule(stages, micro)
+    for j, (order, before) in enumerate(zip(schedule.device_orders(), plain.device_orders())):
+        first_backward = next(i for i, a in enumerate(order) if a.kind != F)
+        plain_first = next(i for i, a in enumerate(before) if a.kind != F)
+        assert first_backward == plain_first + (extra if j < stages - 1 else 0)
+        assert sorted(order) == sorted(before)
+    assert pm.one_f_one_b_schedule(2, 2, extra_in_flight=5).device_orders()[0][:2] == [
+        pm.runtime.Action(0, 0, F),
+        pm.runtime.Action(0, 1, F),
+    ]  # no more than the microbatches there are
+
+
+@pytest.mark.parametrize("extra", [-1, 1.5, True, "1"])
+def test_one_f_one_b_names_a_bad_extra_in_flight(extra):
+    with pytest.raises(pm.PipemarkError, match="extra_in_flight"):
+        pm.one_f_one_b_schedule(2, 4, extra_in_flight=extra)
+
+
 @st.composite
 def _dags(draw):
     stages = draw(st.integers(1, 6))

@@ -98,11 +98,12 @@ def test_zb_h1_reaches_the_makespan_bound(stages, factor):
     devices=st.integers(1, 4),
     micro=st.integers(1, 8),
     costs=st.lists(st.floats(0.0, 5.0), min_size=3, max_size=3),
+    transfer=st.sampled_from([0.0, 0.5, 3.0]),
 )
 @settings(max_examples=60, deadline=None)
-def test_no_schedule_beats_the_bound(kind, devices, micro, costs):
+def test_no_schedule_beats_the_bound(kind, devices, micro, costs, transfer):
     # The bound is a lower bound: every schedule's simulated makespan is at least it,
-    # whatever the costs.
+    # whatever the costs and the latency of transfers.
     table = dict(zip(("forward", "backward", "weight"), costs, strict=True))
     if kind.startswith("zb"):
         stages = 2 * devices if kind == "zb-v" else devices
@@ -112,9 +113,62 @@ def test_no_schedule_beats_the_bound(kind, devices, micro, costs):
         schedule = pm.runtime.interleaved_schedule(2 * devices, micro, num_devices=devices)
     else:
         schedule = pm.make_schedule(kind, devices, micro)
-    sim = simulate_schedule(schedule, table)
+    sim = simulate_schedule(schedule, table, transfer=transfer)
     assert sim.bound <= sim.makespan + 1e-9
     assert sim.bound >= max(sim.busy, default=0.0) - 1e-9
+    assert sim.makespan >= simulate_schedule(schedule, table).makespan - 1e-9
+
+
+def test_transfers_between_devices_delay_their_readers():
+    # 2 stages, 4 microbatches, F = 1, B = 2, a transfer t each way. GPipe pays t on the
+    # way in (stage 1's first forward) and on the way out (stage 0's first backward):
+    # its makespan is the bound, 2 t above the transfer-free one. Plain 1F1B pays a
+    # transfer each way per microbatch in its steady state (4 t in all). Each forward
+    # more in flight gives the transfers F + B more time to arrive: one is enough while
+    # 2 t <= F + B, two while 2 t <= 2 (F + B).
+    costs = {"forward": 1.0, "backward": 2.0, "weight": 0.0}
+    free = simulate_schedule(one_f_one_b_schedule(2, 4), costs).makespan
+    assert free == 15.0
+    for t in (0.5, 1.0, 1.5, 2.0, 3.0):
+        gpipe = simulate_schedule(gpipe_schedule(2, 4), costs, transfer=t)
+        plain, one, two = (
+            simulate_schedule(one_f_one_b_schedule(2, 4, extra_in_flight=k), costs, transfer=t)
+            for k in (0, 1, 2)
+        )
+        assert gpipe.makespan == gpipe.bound == plain.bound == free + 2 * t
+        assert plain.makespan == free + 4 * t
+        assert (one.makespan == one.bound) == (2 * t <= 3.0)
+        assert two.makespan == two.bound == free + 2 * t
+        # Stage 1's first forward starts when stage 0's has arrived.
+        assert plain.start[Action(1, 0, FORWARD)] == 1.0 + t
+
+
+def test_transfer_as_a_function_and_on_one_device():
+    # A function of (producer, reader) actions; stages sharing a device (ZB-V's V) pass
+    # values for free, so a function never sees such a pair.
+    seen = []
+
+    def latency(producer, reader):
+        seen.append((producer, reader))
+        return 1.0 if producer.kind == FORWARD else 0.0
+
+    schedule = zero_bubble_schedule(4, 4, variant="zb-v", costs=EQUAL)
+    sim = simulate_schedule(schedule, EQUAL, transfer=latency)
+    devices = schedule.stage_devices
+    assert seen and all(devices[p.stage] != devices[r.stage] for p, r in seen)
+    assert sim.makespan > simulate_schedule(schedule, EQUAL).makespan
+    # Backward values only: the forwards' transfers are free.
+    forward_free = simulate_schedule(
+        gpipe_schedule(2, 2), EQUAL, transfer=lambda p, r: 0.0 if p.kind == FORWARD else 3.0
+    )
+    assert forward_free.start[Action(1, 0, FORWARD)] == 1.0
+    assert forward_free.start[Action(0, 1, BACKWARD)] > forward_free.finish[Action(1, 1, BACKWARD)]
+
+
+@pytest.mark.parametrize("transfer", [-1.0, float("nan"), float("inf"), "1", True])
+def test_bad_transfers_are_named(transfer):
+    with pytest.raises(pm.PipemarkError, match="transfer"):
+        simulate_schedule(gpipe_schedule(2, 2), EQUAL, transfer=transfer)
 
 
 def test_weight_actions_are_checked_like_the_others():
