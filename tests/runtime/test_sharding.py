@@ -416,23 +416,26 @@ def test_retarget_spec_rules():
     assert retarget_spec(P(), sizes, sub) == P()
 
 
-def test_retarget_refuses_an_axis_the_sub_mesh_lacks():
-    other = _mesh((2, 2), ("data", "expert"))
+@pytest.mark.parametrize(
+    ("shape", "names", "axis", "match"),
+    [
+        (
+            (2, 2),
+            ("data", "expert"),
+            "expert",
+            r"equation 0 \(sharding_constraint.*'expert'.*lacks",
+        ),
+        ((1, 4), ("data", "model"), "model", r"sharding_constraint.*'model' of size 4.*size 2"),
+    ],
+    ids=["an-axis-the-sub-mesh-lacks", "an-axis-of-another-size"],
+)
+def test_retarget_refuses_a_constraint_the_sub_mesh_cannot_hold(shape, names, axis, match):
+    other = _mesh(shape, names)
     sub = _mesh((2, 2), ("data", "model"))
-    cj = jax.make_jaxpr(
-        lambda x: lax.with_sharding_constraint(x, NamedSharding(other, P("expert")))
-    )(jnp.ones((4,)))
-    with pytest.raises(PipemarkError, match=r"equation 0 \(sharding_constraint.*'expert'.*lacks"):
-        retarget_shardings(cj, sub)
-
-
-def test_retarget_refuses_an_axis_of_another_size():
-    model4 = _mesh((1, 4), ("data", "model"))
-    sub = _mesh((2, 2), ("data", "model"))
-    cj = jax.make_jaxpr(
-        lambda x: lax.with_sharding_constraint(x, NamedSharding(model4, P("model")))
-    )(jnp.ones((4,)))
-    with pytest.raises(PipemarkError, match=r"sharding_constraint.*'model' of size 4.*size 2"):
+    cj = jax.make_jaxpr(lambda x: lax.with_sharding_constraint(x, NamedSharding(other, P(axis))))(
+        jnp.ones((4,))
+    )
+    with pytest.raises(PipemarkError, match=match):
         retarget_shardings(cj, sub)
 
 
