@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 import pipemark as pm
 from pipemark import examples
+from tests.runtime._distributed import save_call
 
 SCHEDULES = (("gpipe", 2), ("1f1b", 2), ("interleaved", 4), ("zb-h1", 2), ("zb-v", 4))
 
@@ -56,12 +57,8 @@ def main() -> None:
             param_specs=specs,
             timeout_s=60,
         )
-        (loss, grads), timings = step.timed_call(params, batch)
-        for i, leaf in enumerate(jax.tree_util.tree_leaves((loss, grads))):
-            saved[f"{schedule}-{i}"] = np.asarray(jax.device_get(leaf))
-        saved[f"{schedule}-received"] = np.asarray(timings.get("bytes_received", 0))
-        expected = step.plan(params, batch).bytes_into_process(jax.process_index())
-        saved[f"{schedule}-expected"] = np.asarray(expected)
+        result, timings = step.timed_call(params, batch)
+        save_call(saved, schedule, result, timings, step.plan(params, batch))
     np.savez(os.path.join(OUT, f"{MODE}-{jax.process_index()}.npz"), **saved)
     print(f"process {jax.process_index()}: done", flush=True)
 
