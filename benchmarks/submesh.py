@@ -3,10 +3,11 @@
     python benchmarks/submesh.py           # width 512, 8 layers, batch 256, 8 microbatches
     python benchmarks/submesh.py --quick   # tiny sizes, to check that it runs
 
-The model is a residual tanh MLP in Megatron's tensor-parallel layout: per layer a
-``width × width`` matrix split by columns over ``model`` and one split by rows, the
-hidden activations constrained (``with_sharding_constraint``) to ``P("data", "model")``,
-or ``P("data", None)`` on a mesh without a model axis; the loss is a mean square error.
+The model is ``pipemark.examples.tensor_parallel_mlp``, a residual tanh MLP in
+Megatron's tensor-parallel layout: per layer a ``width × width`` matrix split by columns
+over ``model`` and one split by rows, the hidden activations constrained
+(``with_sharding_constraint``) to ``P("data", "model")``, or ``P("data", None)`` on a
+mesh without a model axis; the loss is a mean square error.
 Each layout of the 8 devices is a row group: 2 stages × 2 data × 2 model, 4 stages ×
 2 data, 2 stages × 4 data; each schedule (GPipe, 1F1B, ZB-H1) a row. It prints one
 markdown table, with per row:
@@ -69,70 +70,47 @@ def _set_flags(num_devices: int) -> None:
     ).strip()
 
 
-def _params(layers: int, width: int, rows: int):
-    import jax.numpy as jnp
-    import numpy as np
+def _model(args, num_stages: int, hidden):
+    """The residual MLP (``pipemark.examples.tensor_parallel_mlp``) cut into
+    ``num_stages`` stages of equal layers, its hidden activations constrained to
+    ``hidden`` (a ``NamedSharding``)."""
+    from pipemark import examples
 
-    rng = np.random.default_rng(0)
-
-    def matrix():
-        return jnp.asarray(rng.normal(size=(width, width)) / np.sqrt(width), jnp.float32)
-
-    params = [(matrix(), matrix()) for _ in range(layers)]
-    batch = tuple(jnp.asarray(rng.normal(size=(rows, width)), jnp.float32) for _ in range(2))
-    return params, batch
+    return examples.tensor_parallel_mlp(
+        args.layers, args.width, args.rows, num_stages=num_stages, hidden_sharding=hidden
+    )
 
 
-def _loss_fn(num_stages: int, layers: int, constraint):
-    """The residual MLP, cut into ``num_stages`` stages of equal layers, its hidden
-    activations constrained to ``constraint`` (a ``NamedSharding``)."""
-    import jax
-    import jax.numpy as jnp
-
-    import pipemark as pm
-
-    per_stage = layers // num_stages
-
-    def loss_fn(params, batch):
-        x, y = batch
-        for i, (w_in, w_out) in enumerate(params):
-            if i and i % per_stage == 0:
-                pm.mark_pipeline_boundary()
-            h = jax.lax.with_sharding_constraint(jnp.tanh(x @ w_in), constraint)
-            x = x + h @ w_out
-        return jnp.mean((x - y) ** 2)
-
-    return loss_fn
-
-
-def _model_specs(names: tuple[str, ...]):
-    """The hidden activations' spec and each layer's parameter specs (``None``:
-    replicated) on a mesh with these axis names."""
+def _model_specs(names: tuple[str, ...], layers: int):
+    """The hidden activations' spec and the parameter specs (``None``: replicated) on a
+    mesh with these axis names."""
     from jax.sharding import PartitionSpec as P
 
+    from pipemark import examples
+
     if "model" in names:
-        return P("data", "model"), (P(None, "model"), P("model", None))
+        return P("data", "model"), examples.tensor_parallel_mlp_specs(layers)
     return P("data", None), None
 
 
-def _jitted(layers: int, num_stages: int, mesh, params, batch):
+def _jitted(args, num_stages: int, mesh, params, batch):
     """``jax.jit(jax.value_and_grad(loss_fn))`` on ``mesh`` with the model's shardings,
     and its inputs placed in them."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    hidden, layer_specs = _model_specs(mesh.axis_names)
-    loss_fn = _loss_fn(num_stages, layers, NamedSharding(mesh, hidden))
-    replicated = NamedSharding(mesh, P())
-    param_shardings = [
-        tuple(NamedSharding(mesh, s) for s in layer_specs) if layer_specs else (replicated,) * 2
-        for _ in params
-    ]
+    hidden, specs = _model_specs(mesh.axis_names, args.layers)
+    loss_fn = _model(args, num_stages, NamedSharding(mesh, hidden)).loss_fn
+    if specs is None:
+        specs = jax.tree_util.tree_map(lambda _: P(), params)
+    param_shardings = jax.tree_util.tree_map(
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
+    )
     batch_shardings = (NamedSharding(mesh, P("data")),) * 2
     step = jax.jit(jax.value_and_grad(loss_fn), in_shardings=(param_shardings, batch_shardings))
-    args = jax.device_put((params, batch), (param_shardings, batch_shardings))
-    return lambda: step(*args)
+    placed = jax.device_put((params, batch), (param_shardings, batch_shardings))
+    return lambda: step(*placed)
 
 
 def _boundary_bytes(plan) -> int:
@@ -177,14 +155,14 @@ def _pipeline(layout: str, schedule: str, args, params, batch):
     shape, names = LAYOUTS[layout]
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(shape), names)
     stage_mesh = Mesh(mesh.devices[0], names[1:])  # how the model itself is written
-    hidden, layer_specs = _model_specs(names)
-    loss_fn = _loss_fn(shape[0], args.layers, NamedSharding(stage_mesh, hidden))
+    hidden, specs = _model_specs(names, args.layers)
+    loss_fn = _model(args, shape[0], NamedSharding(stage_mesh, hidden)).loss_fn
     pipe = pm.pipeline_value_and_grad(
         loss_fn,
         num_microbatches=args.microbatches,
         schedule=schedule,
         mesh=mesh,
-        param_specs=[layer_specs] * args.layers if layer_specs else None,
+        param_specs=specs,
     )
     # Gradients come back where the pipeline keeps each parameter.
     _, grads = pipe(params, batch)
@@ -202,13 +180,13 @@ def layout_rows(layout: str, args) -> list[str]:
     shape, names = LAYOUTS[layout]
     devices = np.array(jax.devices()[:8])
     stages = shape[0]
-    params, batch = _params(args.layers, args.width, args.rows)
+    _, params, batch = _model(args, stages, None)
     one_stage = Mesh(devices[: devices.size // stages].reshape(shape[1:]), names[1:])
     folded = (shape[1] * stages, *shape[2:])  # the stage axis folded into data
     all_devices = Mesh(devices.reshape(folded), names[1:])
     calls = {
-        "jit": _jitted(args.layers, stages, one_stage, params, batch),
-        "jit8": _jitted(args.layers, stages, all_devices, params, batch),
+        "jit": _jitted(args, stages, one_stage, params, batch),
+        "jit8": _jitted(args, stages, all_devices, params, batch),
     }
     pipes = {}
     for schedule in SCHEDULES:

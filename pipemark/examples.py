@@ -1,7 +1,8 @@
 """Small models in plain JAX, with and without pipeline markers.
 
 Tests, benchmarks and documentation need the same few programs: an MLP, a residual
-network whose skip connections jump over stages, and a transformer. Each builder returns
+network whose skip connections jump over stages, a transformer, and an MLP in
+Megatron's tensor-parallel layout for stages on sub-meshes. Each builder returns
 an :class:`Example` ``(loss_fn, params, batch)``; the traced programs are::
 
     jax.make_jaxpr(loss_fn)(params, batch)
@@ -47,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec, Sharding
 
 from pipemark.errors import PipemarkError
 from pipemark.primitive import mark, mark_gradient, mark_pipeline_boundary
@@ -55,6 +57,8 @@ __all__ = [
     "MARKER_STYLES",
     "Example",
     "mlp",
+    "tensor_parallel_mlp",
+    "tensor_parallel_mlp_specs",
     "resnet",
     "transformer",
     "scanned_transformer",
@@ -171,6 +175,82 @@ def mlp(
         return x
 
     return Example(loss_fn, params, data)
+
+
+# -------------------------------------------------------------- tensor-parallel MLP
+
+
+def tensor_parallel_mlp(
+    num_layers: int = 4,
+    width: int = 16,
+    batch: int = 32,
+    *,
+    num_stages: int | None = None,
+    hidden_sharding: Sharding | PartitionSpec | None = None,
+    seed: int = 0,
+) -> Example:
+    """A residual ``tanh`` MLP in Megatron's tensor-parallel layout, cut into
+    ``num_stages`` stages of equal layers by boundary markers.
+
+    Layer ``i`` computes ``x + tanh(x @ w_in) @ w_out``; the loss is the mean squared
+    error against ``y``. ``params`` is a list of ``(w_in, w_out)`` pairs of shape
+    ``(width, width)``, to be split by columns and by rows over a ``model`` axis
+    (:func:`tensor_parallel_mlp_specs`); ``batch`` is ``(x, y)`` of shape
+    ``(batch, width)``. The hidden activations ``tanh(x @ w_in)`` are constrained
+    (``jax.lax.with_sharding_constraint``) to ``hidden_sharding``: a ``NamedSharding``
+    such as ``NamedSharding(mesh, P("data", "model"))``, a bare ``PartitionSpec`` (then
+    the model is traced under ``jax.sharding.set_mesh``) or ``None`` (no constraint).
+    ``num_stages`` (by default ``num_layers``: a boundary between every two layers)
+    must divide ``num_layers``.
+
+    >>> import jax, pipemark as pm
+    >>> loss_fn, params, batch = tensor_parallel_mlp(num_layers=4, num_stages=2)
+    >>> len(params), batch[0].shape
+    (4, (32, 16))
+    >>> cj = jax.make_jaxpr(loss_fn)(params, batch)
+    >>> sum(e.primitive is pm.pipeline_p for e in cj.eqns)
+    1
+    """
+    num_stages = num_layers if num_stages is None else num_stages
+    _check_positive(num_layers=num_layers, width=width, batch=batch, num_stages=num_stages)
+    if num_layers % num_stages:
+        raise PipemarkError(f"num_stages ({num_stages}) must divide num_layers ({num_layers}).")
+    per_stage = num_layers // num_stages
+    rng = np.random.default_rng(seed)
+    scale = 1.0 / math.sqrt(width)
+    params = [
+        (_normal(rng, (width, width), scale), _normal(rng, (width, width), scale))
+        for _ in range(num_layers)
+    ]
+    data = (_normal(rng, (batch, width), 1.0), _normal(rng, (batch, width), 1.0))
+
+    def loss_fn(params, batch):
+        x, y = batch
+        for i, (w_in, w_out) in enumerate(params):
+            if i and i % per_stage == 0:
+                mark_pipeline_boundary()
+            hidden = jnp.tanh(x @ w_in)
+            if hidden_sharding is not None:
+                hidden = lax.with_sharding_constraint(hidden, hidden_sharding)
+            x = x + hidden @ w_out
+        return _mse(x, y)
+
+    return Example(loss_fn, params, data)
+
+
+def tensor_parallel_mlp_specs(
+    num_layers: int, model_axis: str = "model"
+) -> list[tuple[PartitionSpec, PartitionSpec]]:
+    """The ``PartitionSpec`` of each parameter of :func:`tensor_parallel_mlp`: per layer
+    ``w_in`` split by columns and ``w_out`` by rows over ``model_axis``, so that each
+    shard computes its slice of the hidden activations and one reduction sums the
+    layer's output.
+
+    >>> specs = tensor_parallel_mlp_specs(2)
+    >>> len(specs), specs[0]
+    (2, (P(None, 'model'), P('model', None)))
+    """
+    return [(PartitionSpec(None, model_axis), PartitionSpec(model_axis, None))] * num_layers
 
 
 # ------------------------------------------------------------------------------ ResNet

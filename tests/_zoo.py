@@ -63,7 +63,7 @@ def _model(loss: Callable[..., jax.Array], params: Any) -> ZooModel:
 # ------------------------------------------------------------------ penzai
 
 
-def _penzai_config(family: str, stacked: bool) -> Any:
+def _penzai_config(family: str, stacked: bool, blocks: int) -> Any:
     from penzai.models.transformer.variants import gpt_neox, llamalike_common
 
     if family == "gpt-neox":
@@ -72,7 +72,7 @@ def _penzai_config(family: str, stacked: bool) -> Any:
             embedding_dim=WIDTH,
             projection_dim=WIDTH // 2,
             mlp_hidden_dim=2 * WIDTH,
-            num_decoder_blocks=BLOCKS,
+            num_decoder_blocks=blocks,
             vocab_size=VOCAB,
             activation_fn="gelu_exact",
             rope_subset_size=4,
@@ -99,20 +99,21 @@ def _penzai_config(family: str, stacked: bool) -> Any:
         embedding_dim=WIDTH,
         projection_dim=WIDTH // 2,
         mlp_hidden_dim=2 * WIDTH,
-        num_decoder_blocks=BLOCKS,
+        num_decoder_blocks=blocks,
         vocab_size=VOCAB,
         use_layer_stack=stacked,
         **variant,
     )
 
 
-def penzai_model(family: str, stacked: bool) -> ZooModel:
-    """A penzai transformer (``family``: llama, gemma, gpt-neox) built from its config;
-    the parameters are the frozen ``pz.unbind_params`` values."""
+def penzai_model(family: str, stacked: bool, blocks: int = BLOCKS) -> ZooModel:
+    """A penzai transformer (``family``: llama, gemma, gpt-neox) of ``blocks`` decoder
+    blocks built from its config; the parameters are the frozen ``pz.unbind_params``
+    values."""
     from penzai import pz
     from penzai.models.transformer.variants import gpt_neox, llamalike_common
 
-    config = _penzai_config(family, stacked)
+    config = _penzai_config(family, stacked, blocks)
     build = (
         gpt_neox.build_gpt_neox_transformer
         if family == "gpt-neox"

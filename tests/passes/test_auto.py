@@ -21,6 +21,7 @@ from pipemark import examples
 from pipemark._compat import CLOSED_JAXPR_IS_JAXPR
 from pipemark.cost import nbytes
 from pipemark.passes.auto import balanced_cuts, crossing_bytes, equation_costs
+from tests._zoo import penzai_model
 
 # ------------------------------------------------------------------------- helpers
 
@@ -566,33 +567,12 @@ def test_equinox_transformer_with_dropout_is_cut_between_blocks():
 # ------------------------------------------------------------ cuts between blocks
 
 
-def _penzai_llama(num_blocks=4, width=16, vocab=32):
-    """A tiny penzai Llama-like (SwiGLU) language model: its loss and arguments."""
+def _penzai_llama():
+    """A tiny penzai Llama-like (SwiGLU) language model of 4 blocks: its loss and
+    arguments."""
     pytest.importorskip("penzai")
-    from penzai import pz
-    from penzai.models.transformer.variants import llamalike_common
-
-    config = llamalike_common.LlamalikeTransformerConfig(
-        num_kv_heads=2,
-        query_head_multiplier=1,
-        embedding_dim=width,
-        projection_dim=width // 2,
-        mlp_hidden_dim=2 * width,
-        num_decoder_blocks=num_blocks,
-        vocab_size=vocab,
-        mlp_variant="swiglu",
-        tie_embedder_and_logits=False,
-    )
-    model = llamalike_common.build_llamalike_transformer(config, init_base_rng=jax.random.key(0))
-    unbound, params = pz.unbind_params(model, freeze=True)
-
-    def loss(params, tokens, targets):
-        logits = pz.bind_variables(unbound, params)(pz.nx.wrap(tokens).tag("batch", "seq"))
-        logp = jax.nn.log_softmax(logits.unwrap("batch", "seq", "vocabulary"))
-        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
-
-    tokens = np.random.default_rng(0).integers(0, vocab, (4, 9), dtype=np.int32)
-    return loss, (params, jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:]))
+    model = penzai_model("llama", stacked=False, blocks=4)
+    return model.loss, (model.params, *model.batch)
 
 
 @functools.cache

@@ -138,6 +138,16 @@ def mismatched(me: int) -> None:
     step(mlp.params, mlp.batch)
 
 
+def save_call(saved: dict, key: str, result, timings: dict, plan) -> None:
+    """Store a call's loss and gradients (``key-0``, ``key-1``…), the bytes this process
+    received between stages (``key-received``) and those ``plan``'s stage graph says
+    cross into its stages from other processes (``key-expected``)."""
+    for i, leaf in enumerate(jax.tree_util.tree_leaves(result)):
+        saved[f"{key}-{i}"] = np.asarray(jax.device_get(leaf))
+    saved[f"{key}-received"] = np.asarray(timings.get("bytes_received", 0))
+    saved[f"{key}-expected"] = np.asarray(plan.bytes_into_process(jax.process_index()))
+
+
 def main() -> None:
     me = jax.process_index()
     if MODE == "absent" and me == 1:
@@ -168,12 +178,7 @@ def main() -> None:
         watchdogs = _watchdog_threads()
         jax.block_until_ready(step(params, batch))
         assert _watchdog_threads() == watchdogs, (watchdogs, _watchdog_threads())
-        leaves = jax.tree_util.tree_leaves((loss, grads))
-        for i, leaf in enumerate(leaves):
-            saved[f"{name}-{schedule}-{i}"] = np.asarray(leaf)
-        saved[f"{name}-{schedule}-received"] = np.asarray(timings.get("bytes_received", 0))
-        expected = step.plan(params, batch).bytes_into_process(jax.process_index())
-        saved[f"{name}-{schedule}-expected"] = np.asarray(expected)
+        save_call(saved, f"{name}-{schedule}", (loss, grads), timings, step.plan(params, batch))
     np.savez(os.path.join(OUT, f"{MODE}-{me}.npz"), **saved)
     print(f"process {me}: done", flush=True)
 

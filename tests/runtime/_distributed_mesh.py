@@ -28,12 +28,13 @@ if __name__ == "__main__":
         initialize()
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pipemark as pm
+from pipemark import examples
+from tests.runtime._distributed import save_call
 
 SCHEDULES = (("gpipe", 2), ("1f1b", 2), ("interleaved", 4), ("zb-h1", 2), ("zb-v", 4))
 
@@ -42,24 +43,9 @@ def main() -> None:
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     mesh = Mesh(np.array(devices).reshape(2, 2, 2), ("stage", "data", "model"))
     model_mesh = Mesh(mesh.devices[0], ("data", "model"))
-    rng = np.random.default_rng(0)
-    params = [
-        tuple(jnp.asarray(rng.normal(size=(16, 16)) / 4, jnp.float32) for _ in range(2))
-        for _ in range(4)
-    ]
-    specs = [(P(None, "model"), P("model", None))] * 4
-    batch = tuple(jnp.asarray(rng.normal(size=(16, 16)), jnp.float32) for _ in range(2))
-
-    def loss_fn(params, batch):
-        x, y = batch
-        for i, (a, b) in enumerate(params):
-            if i:
-                pm.mark_pipeline_boundary()
-            h = jnp.tanh(x @ a)
-            h = jax.lax.with_sharding_constraint(h, NamedSharding(model_mesh, P("data", "model")))
-            x = x + h @ b
-        return jnp.mean((x - y) ** 2)
-
+    hidden = NamedSharding(model_mesh, P("data", "model"))
+    loss_fn, params, batch = examples.tensor_parallel_mlp(4, 16, 16, hidden_sharding=hidden)
+    specs = examples.tensor_parallel_mlp_specs(4)
     saved = {}
     for schedule, stages in SCHEDULES:
         step = pm.pipeline_value_and_grad(
@@ -71,12 +57,8 @@ def main() -> None:
             param_specs=specs,
             timeout_s=60,
         )
-        (loss, grads), timings = step.timed_call(params, batch)
-        for i, leaf in enumerate(jax.tree_util.tree_leaves((loss, grads))):
-            saved[f"{schedule}-{i}"] = np.asarray(jax.device_get(leaf))
-        saved[f"{schedule}-received"] = np.asarray(timings.get("bytes_received", 0))
-        expected = step.plan(params, batch).bytes_into_process(jax.process_index())
-        saved[f"{schedule}-expected"] = np.asarray(expected)
+        result, timings = step.timed_call(params, batch)
+        save_call(saved, schedule, result, timings, step.plan(params, batch))
     np.savez(os.path.join(OUT, f"{MODE}-{jax.process_index()}.npz"), **saved)
     print(f"process {jax.process_index()}: done", flush=True)
 

@@ -10,31 +10,14 @@ import dataclasses
 import jax
 import pytest
 
-import pipemark as pm
-from pipemark import examples
 from pipemark.runtime import execution, placement
 from pipemark.runtime.execution import run_plan
-from pipemark.runtime.steps import resolve_steps
 from tests._trees import assert_trees_close, assert_trees_equal
-
-
-def _pipeline(num_stages, num_microbatches, schedule="1f1b", devices=None, batch=8):
-    ex = examples.mlp(num_layers=4, width=8, batch=batch)
-    pipe = pm.pipeline_value_and_grad(
-        ex.loss_fn,
-        num_stages=num_stages,
-        num_microbatches=num_microbatches,
-        schedule=schedule,
-        devices=jax.devices()[: devices or num_stages],
-    )
-    return pipe, ex
+from tests.runtime._fusion import mlp_pipeline, unfused_steps
 
 
 def _unfused(plan):
-    steps = resolve_steps(
-        plan.staged, plan.schedule, plan.roles(), plan.units, plan.placement, plan.num_param_leaves
-    )
-    return dataclasses.replace(plan, steps=steps, fused={})
+    return dataclasses.replace(plan, steps=unfused_steps(plan), fused={})
 
 
 @pytest.mark.parametrize(
@@ -55,7 +38,7 @@ def _unfused(plan):
 def test_every_schedule_with_fusion_matches_jax(
     num_stages, num_microbatches, schedule, devices, num_fused
 ):
-    pipe, ex = _pipeline(num_stages, num_microbatches, schedule, devices)
+    pipe, ex = mlp_pipeline(num_stages, num_microbatches, schedule, devices)
     plan = pipe.plan(*ex.args)
     fused = sum(s.fused is not None for _, s in plan.steps.serial)
     assert fused == num_fused
@@ -66,7 +49,7 @@ def test_every_schedule_with_fusion_matches_jax(
 
 
 def test_fused_steps_give_the_same_bits_threaded_and_serial():
-    pipe, ex = _pipeline(4, 8, batch=16)
+    pipe, ex = mlp_pipeline(4, 8, batch=16)
     plan = pipe.plan(*ex.args)
     assert plan.fused
     threaded = run_plan(plan, *ex.args, None)
@@ -124,7 +107,7 @@ class _Counts:
 def test_what_a_call_costs_the_host(
     monkeypatch, num_stages, num_microbatches, programs, transfers, splits
 ):
-    pipe, ex = _pipeline(num_stages, num_microbatches)
+    pipe, ex = mlp_pipeline(num_stages, num_microbatches)
     plan = pipe.plan(*ex.args)
     counts = _Counts(monkeypatch, plan)
     for parallel in (True, False):

@@ -41,39 +41,11 @@ def _meshes() -> dict[str, Mesh]:
     }
 
 
-def _tensor_parallel_mlp(constraint_mesh: Mesh | None, *, bare: bool = False):
-    """A residual MLP in Megatron's layout: the first matrix split by columns over
-    ``model``, the second by rows, the hidden activations constrained to
-    ``P("data", "model")`` on ``constraint_mesh`` (none when ``None``); with ``bare``,
-    by the spec alone (traced under ``jax.set_mesh``)."""
-    rng = np.random.default_rng(0)
-
-    def matrix():
-        return jnp.asarray(rng.normal(size=(WIDTH, WIDTH)) / 4, jnp.float32)
-
-    params = [(matrix(), matrix()) for _ in range(LAYERS)]
-    specs = [(P(None, "model"), P("model", None))] * LAYERS
-    batch = (
-        jnp.asarray(rng.normal(size=(ROWS, WIDTH)), jnp.float32),
-        jnp.asarray(rng.normal(size=(ROWS, WIDTH)), jnp.float32),
-    )
-
-    def loss_fn(params, batch):
-        x, y = batch
-        for i, (a, b) in enumerate(params):
-            if i:
-                pm.mark_pipeline_boundary()
-            h = jnp.tanh(x @ a)
-            if bare:
-                h = jax.lax.with_sharding_constraint(h, P("data", "model"))
-            elif constraint_mesh is not None:
-                h = jax.lax.with_sharding_constraint(
-                    h, NamedSharding(constraint_mesh, P("data", "model"))
-                )
-            x = x + h @ b
-        return jnp.mean((x - y) ** 2)
-
-    return loss_fn, params, specs, batch
+def _tensor_parallel_mlp(hidden_sharding: NamedSharding | P | None):
+    """The residual MLP in Megatron's layout, a boundary between every two layers, its
+    hidden activations constrained to ``hidden_sharding``; and its parameter specs."""
+    ex = examples.tensor_parallel_mlp(LAYERS, WIDTH, ROWS, hidden_sharding=hidden_sharding)
+    return ex.loss_fn, ex.params, examples.tensor_parallel_mlp_specs(LAYERS), ex.batch
 
 
 def _reference(loss_fn, params, specs, batch, mesh: Mesh):
@@ -96,7 +68,8 @@ def _reference(loss_fn, params, specs, batch, mesh: Mesh):
 def _case(layout: str):
     meshes = _meshes()
     if layout == "2x2x2":
-        loss_fn, params, specs, batch = _tensor_parallel_mlp(meshes["data-model"])
+        hidden = NamedSharding(meshes["data-model"], P("data", "model"))
+        loss_fn, params, specs, batch = _tensor_parallel_mlp(hidden)
         want = _reference(loss_fn, params, specs, batch, meshes["data-model"])
     else:
         loss_fn, params, _, batch = _tensor_parallel_mlp(None)
@@ -170,7 +143,10 @@ def test_a_pipeline_called_under_set_mesh_runs_each_stage_on_its_sub_mesh(contex
     # As MaxText's train loop calls its step: under jax.set_mesh (one stage's mesh, or
     # the pipeline's), which a model pinning activations with bare specs needs while it
     # is traced; the stage programs still run on their own sub-meshes.
-    loss_fn, params, specs, batch = _tensor_parallel_mlp(_meshes()["data-model"], bare=bare)
+    hidden = P("data", "model")
+    if not bare:
+        hidden = NamedSharding(_meshes()["data-model"], hidden)
+    loss_fn, params, specs, batch = _tensor_parallel_mlp(hidden)
     with jax.sharding.set_mesh(_meshes()["data-model"]):
         want = _reference(loss_fn, params, specs, batch, _meshes()["data-model"])
     pipe = pm.pipeline_value_and_grad(

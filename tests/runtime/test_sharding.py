@@ -113,6 +113,34 @@ def _staged_step(loss, params, batch, replicas: int, mesh: Mesh | None):
     return split_jaxpr(cj)
 
 
+def _compile(staged, index: int, sub: Mesh, specs: list, passed: list[int]):
+    """``compile_stage`` of stage ``index`` on ``sub``: the parameters it reads (the
+    first program inputs, one per leaf of ``specs``) laid out by their specs, the
+    program results it computes accumulated (result 0, the loss, replicated; result
+    ``r`` the gradient of parameter ``r - 1``); and those results' ``(result, output)``
+    pairs."""
+    stage = staged.stages[index]
+    param_specs = {
+        i: specs[ref.index]
+        for i, ref in enumerate(stage.inputs)
+        if ref.kind == "input" and ref.index < len(specs)
+    }
+    accumulated = [
+        (r, ref.index)
+        for r, ref in enumerate(staged.outputs)
+        if ref.kind == "stage" and ref.stage == index
+    ]
+    compiled = compile_stage(
+        stage.closed_jaxpr,
+        sub,
+        param_specs=param_specs,
+        accumulated=[o for _, o in accumulated],
+        passed=passed,
+        accumulated_specs=[P() if r == 0 else specs[r - 1] for r, _ in accumulated],
+    )
+    return compiled, accumulated
+
+
 def _run_pipeline(staged, subs, params, batch, *, replicas):
     """Run the stages one after another, each compiled with compile_stage on the
     sub-mesh of its pipeline stage, moving values between sub-meshes with device_put;
@@ -128,26 +156,9 @@ def _run_pipeline(staged, subs, params, batch, *, replicas):
     values: dict = {}
     for index, stage in enumerate(staged.stages):
         sub = subs[owner[index]]
-        param_specs = {
-            i: specs[ref.index]
-            for i, ref in enumerate(stage.inputs)
-            if ref.kind == "input" and ref.index < len(leaves)
-        }
-        accumulated = [
-            (r, ref.index)
-            for r, ref in enumerate(staged.outputs)
-            if ref.kind == "stage" and ref.stage == index
-        ]
         readers = {(ref.stage, ref.index) for s in staged.stages for ref in s.inputs}
         passed = [o for o in range(len(stage.out_avals)) if (index, o) in readers]
-        compiled = compile_stage(
-            stage.closed_jaxpr,
-            sub,
-            param_specs=param_specs,
-            accumulated=[o for _, o in accumulated],
-            passed=passed,
-            accumulated_specs=[P() if r == 0 else specs[r - 1] for r, _ in accumulated],
-        )
+        compiled, accumulated = _compile(staged, index, sub, specs, passed)
         assert compiled.replicas == replicas
         inputs = []
         for i, ref in enumerate(stage.inputs):
@@ -272,31 +283,14 @@ def test_stage_programs_do_not_all_reduce_over_data(model):
     params, batch = _data(3)
     staged = _staged_step(loss, params, batch, 2, None)
     subs = stage_meshes(full, 2)
-    leaves = jax.tree_util.tree_leaves(params)
     specs = jax.tree_util.tree_leaves(PARAM_SPECS, is_leaf=lambda s: isinstance(s, P))
     forward, backward, _ = pair_stages(staged)
     reduce_texts = []
     for k, (f, b) in enumerate(zip(forward, backward)):
         for index in (f, b):
             stage = staged.stages[index]
-            param_specs = {
-                i: specs[ref.index]
-                for i, ref in enumerate(stage.inputs)
-                if ref.kind == "input" and ref.index < len(leaves)
-            }
-            accumulated = [
-                (r, ref.index)
-                for r, ref in enumerate(staged.outputs)
-                if ref.kind == "stage" and ref.stage == index
-            ]
-            compiled = compile_stage(
-                stage.closed_jaxpr,
-                subs[k],
-                param_specs=param_specs,
-                accumulated=[o for _, o in accumulated],
-                passed=list(range(len(stage.out_avals))),
-                accumulated_specs=[P() if r == 0 else specs[r - 1] for r, _ in accumulated],
-            )
+            passed = list(range(len(stage.out_avals)))
+            compiled, accumulated = _compile(staged, index, subs[k], specs, passed)
             args = _abstract_args(compiled, stage)
             text = compiled.run.lower(*args).compile().as_text()
             groups = _all_reduce_groups(text)
@@ -416,23 +410,26 @@ def test_retarget_spec_rules():
     assert retarget_spec(P(), sizes, sub) == P()
 
 
-def test_retarget_refuses_an_axis_the_sub_mesh_lacks():
-    other = _mesh((2, 2), ("data", "expert"))
+@pytest.mark.parametrize(
+    ("shape", "names", "axis", "match"),
+    [
+        (
+            (2, 2),
+            ("data", "expert"),
+            "expert",
+            r"equation 0 \(sharding_constraint.*'expert'.*lacks",
+        ),
+        ((1, 4), ("data", "model"), "model", r"sharding_constraint.*'model' of size 4.*size 2"),
+    ],
+    ids=["an-axis-the-sub-mesh-lacks", "an-axis-of-another-size"],
+)
+def test_retarget_refuses_a_constraint_the_sub_mesh_cannot_hold(shape, names, axis, match):
+    other = _mesh(shape, names)
     sub = _mesh((2, 2), ("data", "model"))
-    cj = jax.make_jaxpr(
-        lambda x: lax.with_sharding_constraint(x, NamedSharding(other, P("expert")))
-    )(jnp.ones((4,)))
-    with pytest.raises(PipemarkError, match=r"equation 0 \(sharding_constraint.*'expert'.*lacks"):
-        retarget_shardings(cj, sub)
-
-
-def test_retarget_refuses_an_axis_of_another_size():
-    model4 = _mesh((1, 4), ("data", "model"))
-    sub = _mesh((2, 2), ("data", "model"))
-    cj = jax.make_jaxpr(
-        lambda x: lax.with_sharding_constraint(x, NamedSharding(model4, P("model")))
-    )(jnp.ones((4,)))
-    with pytest.raises(PipemarkError, match=r"sharding_constraint.*'model' of size 4.*size 2"):
+    cj = jax.make_jaxpr(lambda x: lax.with_sharding_constraint(x, NamedSharding(other, P(axis))))(
+        jnp.ones((4,))
+    )
+    with pytest.raises(PipemarkError, match=match):
         retarget_shardings(cj, sub)
 
 

@@ -3,30 +3,14 @@ backward step that follows them, and where the fused step goes."""
 
 from __future__ import annotations
 
-import jax
 import pytest
 
-import pipemark as pm
-from pipemark import examples
-from pipemark.runtime.steps import resolve_steps
+from tests.runtime._fusion import mlp_pipeline, unfused_steps
 
 
 def _plan(num_stages: int, num_microbatches: int, schedule: str = "1f1b", devices: int = 0):
-    ex = examples.mlp(num_layers=4, width=8, batch=8)
-    pipe = pm.pipeline_value_and_grad(
-        ex.loss_fn,
-        num_stages=num_stages,
-        num_microbatches=num_microbatches,
-        schedule=schedule,
-        devices=jax.devices()[: devices or num_stages],
-    )
+    pipe, ex = mlp_pipeline(num_stages, num_microbatches, schedule, devices)
     return pipe.plan(*ex.args)
-
-
-def _unfused(plan):
-    return resolve_steps(
-        plan.staged, plan.schedule, plan.roles(), plan.units, plan.placement, plan.num_param_leaves
-    )
 
 
 @pytest.mark.parametrize("num_microbatches", [1, 4])
@@ -42,7 +26,7 @@ def test_one_stage_fuses_every_forward_with_its_backward(num_microbatches):
     assert plan.steps.num_programs == num_microbatches
     # The fused step reads the forward's inputs first, then the backward's own (none of
     # them the forward's outputs: those stay inside the program).
-    unfused = _unfused(plan).columns[0]
+    unfused = unfused_steps(plan).columns[0]
     assert column[0].inputs[: len(unfused[0].inputs)] == unfused[0].inputs
     extra = column[0].inputs[len(unfused[0].inputs) :]
     assert all(key[1] != forward for source, key in extra if source == 2)
@@ -61,7 +45,7 @@ def test_the_last_stage_of_1f1b_is_fused_and_the_first_is_not():
     # The fused step takes its backward's place in the global order; the rest keeps its own.
     want = [
         (w, s.index, s.microbatch)
-        for w, s in _unfused(plan).serial
+        for w, s in unfused_steps(plan).serial
         if s.index != plan.forward_stages[1]
     ]
     assert [(w, s.index, s.microbatch) for w, s in plan.steps.serial] == want

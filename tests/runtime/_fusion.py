@@ -1,0 +1,40 @@
+"""The pipeline of the tests of fused forward and backward steps
+(tests/runtime/test_steps.py, which checks what is fused, and
+tests/runtime/test_execution.py, which runs it): a small MLP on one device per stage,
+and a plan's steps as they are before fusion."""
+
+from __future__ import annotations
+
+import jax
+
+import pipemark as pm
+from pipemark import examples
+from pipemark.runtime.steps import resolve_steps
+
+
+def mlp_pipeline(
+    num_stages: int,
+    num_microbatches: int,
+    schedule: str = "1f1b",
+    devices: int | None = None,
+    batch: int = 8,
+) -> tuple[pm.runtime.Pipeline, examples.Example]:
+    """``pm.pipeline_value_and_grad`` of a 4-layer MLP of width 8 on the first
+    ``devices`` devices (by default one per stage), and the MLP."""
+    ex = examples.mlp(num_layers=4, width=8, batch=batch)
+    pipe = pm.pipeline_value_and_grad(
+        ex.loss_fn,
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        devices=jax.devices()[: devices or num_stages],
+    )
+    return pipe, ex
+
+
+def unfused_steps(plan):
+    """``plan``'s steps as :func:`resolve_steps` makes them, no forward folded into a
+    backward."""
+    return resolve_steps(
+        plan.staged, plan.schedule, plan.roles(), plan.units, plan.placement, plan.num_param_leaves
+    )
