@@ -10,6 +10,12 @@ it starts its CPU backend, so it is set here, before any test or doctest runs a 
 operation; pytest imports this file in every pytest-xdist worker too. Tests that need
 one device ask for ``jax.devices()[:1]``. Real multi-process runs
 (tests/runtime/test_distributed.py, tests/test_launch.py) start their own processes.
+
+Tests marked ``slow`` run first. pytest-xdist deals the first quarter of the tests out
+one by one, in turn, to its workers, and then hands out the rest as workers free up:
+with the long tests at the front, each worker gets its share of them at the start, and
+the run ends with short tests on every worker instead of one worker still running a
+long test while the other has nothing left.
 """
 
 import jax
@@ -18,3 +24,16 @@ NUM_CPU_DEVICES = 8
 
 jax.config.update("jax_enable_checks", True)
 jax.config.update("jax_num_cpu_devices", NUM_CPU_DEVICES)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The ``slow`` tests first, those marked ``slow(first=True)`` (a script whose
+    output other tests read) before the others; each group in its collected order."""
+
+    def rank(item):
+        slow = item.get_closest_marker("slow")
+        if slow is None:
+            return 2
+        return 0 if slow.kwargs.get("first") else 1
+
+    items.sort(key=rank)

@@ -108,6 +108,7 @@ def test_scan_benchmark_prints_balance_and_time():
     assert any(line.startswith("- balance when the trip count divides") for line in lines)
 
 
+@pytest.mark.slow
 def test_distributed_benchmark_prints_its_table():
     lines = _output_lines("distributed.py", "--processes", "2", "--quick")
     header = next(line for line in lines if line.startswith("| processes | schedule |"))
@@ -158,6 +159,7 @@ def test_blocks_benchmark_prints_what_cuts_between_blocks_cost():
     assert any(line.startswith("- cuts between blocks cost at most") for line in lines)
 
 
+@pytest.mark.slow
 def test_submesh_benchmark_prints_its_table():
     lines = _output_lines("submesh.py", "--quick")
     header = next(line for line in lines if line.startswith("| layout"))

@@ -43,6 +43,7 @@ def _error_lines(err: str) -> list[str]:
 # ------------------------------------------------------------------------------ demo
 
 
+@pytest.mark.slow
 def test_demo_prints_the_table_verifies_and_writes_files(tmp_path, capsys):
     out_dir = tmp_path / "out"
     assert main(["demo", "--out", str(out_dir)]) == 0

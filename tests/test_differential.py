@@ -67,7 +67,8 @@ def fuzz(examples: int):
             database=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
         )(test)
-        return seed(SEED)(test)
+        # Slow (conftest.py runs slow tests first, so the workers share them).
+        return pytest.mark.slow(seed(SEED)(test))
 
     return wrap
 

@@ -41,6 +41,14 @@ def _result(zoo, case: str, check: str) -> dict:
     return result
 
 
+@pytest.mark.slow(first=True)
+def test_the_zoo_runs_first_on_one_worker(zoo):
+    # Runs at the very start (conftest.py): one worker runs the zoo's
+    # checks (about two minutes) while the other runs other tests, and the tests below,
+    # collected later, find the results there instead of a worker waiting for them.
+    assert zoo[("devices", None)]["count"] == 2
+
+
 # worst = max |got - want| / (1e-6 + 1e-5 |want|) over the leaves: below 1 is rtol 1e-5.
 
 

@@ -435,6 +435,7 @@ def _blocks_of(stage):
     return found
 
 
+@pytest.mark.slow
 def test_flax_transformer_is_cut_between_blocks_not_inside_attention():
     nn = pytest.importorskip("flax.linen")
 
@@ -594,6 +595,7 @@ def _assert_close(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_stages", [2, 4])
 def test_penzai_llama_is_cut_between_blocks(num_stages):
     loss, args, want = _reference("penzai")

@@ -31,6 +31,13 @@ def fuzzed(tmp_path_factory) -> dict[str, dict]:
     return {line["schedule"]: line for line in lines}
 
 
+@pytest.mark.slow(first=True)
+def test_the_programs_run_first_on_one_worker(fuzzed):
+    # Runs at the very start (conftest.py): one worker runs the fuzzed
+    # programs while the other runs other tests; the tests below find the results.
+    assert sorted(fuzzed) == sorted(EXAMPLES)
+
+
 @pytest.mark.parametrize("schedule", sorted(EXAMPLES))
 def test_schedule_matches_jax(fuzzed, schedule):
     line = fuzzed[schedule]

@@ -258,6 +258,7 @@ def test_mesh_errors_say_what_to_do():
         )(params, batch)
 
 
+@pytest.mark.slow
 def test_a_transformer_on_four_stages_of_two_replicas():
     ex = examples.transformer(num_layers=4, d_model=8, num_heads=2, seq=4, batch=16)
     want = jax.jit(jax.value_and_grad(ex.loss_fn))(*ex.args)
