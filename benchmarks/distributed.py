@@ -7,10 +7,26 @@
 For each process count ``S`` it runs, in one go: the single-process pipeline (``S`` host
 CPU devices in one process, a thread each) and the multi-process one (``S`` processes
 started by ``python -m pipemark.launch``, one CPU device each), on the same tanh MLP of
-``S`` equal stages, 1F1B over ``M`` microbatches. It prints a markdown table:
+``S`` equal stages, over ``M`` microbatches, with two schedules (calls alternate
+between them): 1F1B, and 1F1B with one more forward in flight before each stage's first
+backward (``one_f_one_b_schedule(..., extra_in_flight=1)``, which hides a transfer's
+latency). It prints two markdown tables.
 
-* time per step (the best of ``--repeat`` calls) in one process and in ``S``, and the
-  overhead per step of running in processes;
+Steps, per schedule:
+
+* time per step (the best of ``--repeat`` calls) in one process and in ``S``, and
+  their ratio;
+* the latency of one transfer (a raw ``ppermute`` of one boundary value, median) and
+  the ``S``-process step as ``pm.simulate_schedule`` predicts it from the actions'
+  costs measured in one process and that latency: what waiting for transfers costs;
+* the CPU time per step (all threads of the processes, from the call to its results,
+  the median call), in one process and summed over the ``S``, and the floor that sets:
+  no step on this machine is shorter than its CPU time spread over all the cores. On a
+  machine whose cores the one-process step already keeps busy, the extra CPU time of
+  moving values between processes (gloo over TCP: copies at both ends) is extra time.
+
+Transfers:
+
 * bytes moved between processes per step, summed over the processes, and the stage
   graph's boundary bytes (each value crossing a process boundary once per microbatch and
   reading device): equal when the runtime makes no extra copies;
@@ -87,14 +103,20 @@ def _step_times(args, stages: int) -> dict:
         jax.block_until_ready(step(params, batch))  # compile
         boundary = step.plan(params, batch).bytes_into_process(jax.process_index())
         result[label] = {"step_s": float("inf"), "boundary": boundary}
+    cpu: dict[str, list[float]] = {label: [] for label in steps}
     for _ in range(args.repeat):
         for label, step in steps.items():
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             out, timings = step.timed_call(params, batch)
             jax.block_until_ready(out)
             took = time.perf_counter() - start
+            # The process's CPU time (every thread: XLA's, gloo's, the runtime's) from
+            # the call to its results computed.
+            cpu[label].append(time.process_time() - cpu_start)
             if took < result[label]["step_s"]:
                 result[label].update(step_s=took, timings=timings)
+    for label, seconds in cpu.items():
+        result[label]["cpu_s"] = sorted(seconds)[len(seconds) // 2]
     if jax.process_count() == 1:
         result["costs"] = steps["1f1b"].action_costs(params, batch)
     result["value_bytes"] = args.rows // args.microbatches * args.width * 4
@@ -252,9 +274,10 @@ def _table(args) -> None:
     print(
         "| processes | schedule | step, 1 process (ms) | step, S processes (ms) "
         "| S processes / 1 | transfer latency (ms) | simulated, S processes (ms) "
-        "| simulated / 1 process |"
+        "| simulated / 1 process | CPU per step, 1 process (ms) "
+        "| CPU per step, S processes (ms) | CPU floor, S processes (ms) | floor / 1 process |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(steps))
     print()
     print(
@@ -266,12 +289,15 @@ def _table(args) -> None:
 
 
 def _step_rows(processes: int, micro: int, single: dict, multi: list[dict]) -> list[str]:
-    """A row per schedule: measured in 1 and S processes, and the S-process step as
+    """A row per schedule: measured in 1 and S processes; the S-process step as
     ``simulate_schedule`` predicts it from the 1-process action costs and a transfer's
-    measured latency (a raw ppermute of one boundary value)."""
+    measured latency (a raw ppermute of one boundary value); the CPU time per step
+    (the median call's, summed over the processes) and the floor it sets on this
+    machine: that CPU time spread over all its cores (or the 1-process step)."""
     import pipemark as pm
 
     latency = multi[1]["latency_s"]
+    cores = os.cpu_count() or 1
     rows = []
     for label, extra in SCHEDULES.items():
         step_1 = single[label]["step_s"]
@@ -280,10 +306,15 @@ def _step_rows(processes: int, micro: int, single: dict, multi: list[dict]) -> l
         costs = single["costs"]
         free = pm.simulate_schedule(schedule, costs).makespan
         simulated = pm.simulate_schedule(schedule, costs, transfer=latency).makespan
+        cpu_1 = single[label]["cpu_s"]
+        cpu_s = sum(m[label]["cpu_s"] for m in multi)
+        # No step can be shorter than its CPU time spread over every core of the machine.
+        floor = max(cpu_s / cores, step_1)
         rows.append(
             f"| {processes} | {label} | {1e3 * step_1:.2f} | {1e3 * step_s:.2f} | "
             f"{step_s / step_1:.2f} | {1e3 * latency:.2f} | {1e3 * simulated:.2f} | "
-            f"{simulated / free:.2f} |"
+            f"{simulated / free:.2f} | {1e3 * cpu_1:.1f} | {1e3 * cpu_s:.1f} | "
+            f"{1e3 * floor:.2f} | {floor / step_1:.2f} |"
         )
     return rows
 
