@@ -7,10 +7,11 @@
 For each process count ``S`` it runs, in one go: the single-process pipeline (``S`` host
 CPU devices in one process, a thread each) and the multi-process one (``S`` processes
 started by ``python -m pipemark.launch``, one CPU device each), on the same tanh MLP of
-``S`` equal stages, over ``M`` microbatches, with two schedules (calls alternate
-between them): 1F1B, and 1F1B with one more forward in flight before each stage's first
-backward (``one_f_one_b_schedule(..., extra_in_flight=1)``, which hides a transfer's
-latency). It prints two markdown tables.
+``S`` equal stages, over ``M`` microbatches, three ways (calls alternate between them):
+1F1B; 1F1B with one more forward in flight before each stage's first backward
+(``one_f_one_b_schedule(..., extra_in_flight=1)``, which hides a transfer's latency);
+1F1B with each process keeping its own stages' results (``gather_results=False``). It
+prints two markdown tables.
 
 Steps, per schedule:
 
@@ -75,9 +76,12 @@ def _model(stages: int, width: int, rows: int):
     return loss_fn, params, batch
 
 
-#: The schedules timed, by table label: 1F1B, and 1F1B with one more forward in flight
-#: before each stage's first backward (which hides a transfer's latency).
-SCHEDULES = {"1f1b": 0, "1f1b +1 in flight": 1}
+#: What is timed, by table label: (forwards in flight beyond 1F1B's, whether every
+#: process gets every result). 1F1B; 1F1B with one more forward in flight before each
+#: stage's first backward (which hides a transfer's latency); 1F1B with each process
+#: keeping its own stages' results (``gather_results=False``: nothing moves after the
+#: last action).
+SCHEDULES = {"1f1b": (0, True), "1f1b +1 in flight": (1, True), "1f1b, results kept": (0, False)}
 
 
 def _step_times(args, stages: int) -> dict:
@@ -95,8 +99,9 @@ def _step_times(args, stages: int) -> dict:
             num_microbatches=args.microbatches,
             schedule=pm.one_f_one_b_schedule(stages, args.microbatches, extra_in_flight=extra),
             timeout_s=120,
+            gather_results=gather,
         )
-        for label, extra in SCHEDULES.items()
+        for label, (extra, gather) in SCHEDULES.items()
     }
     result: dict = {}
     for label, step in steps.items():
@@ -299,7 +304,7 @@ def _step_rows(processes: int, micro: int, single: dict, multi: list[dict]) -> l
     latency = multi[1]["latency_s"]
     cores = os.cpu_count() or 1
     rows = []
-    for label, extra in SCHEDULES.items():
+    for label, (extra, _) in SCHEDULES.items():
         step_1 = single[label]["step_s"]
         step_s = max(m[label]["step_s"] for m in multi)
         schedule = pm.one_f_one_b_schedule(processes, micro, extra_in_flight=extra)

@@ -44,6 +44,8 @@ def call_summary(plan: Any) -> dict[str, str]:
         f"{hashlib.sha256(ticks.encode()).hexdigest()[:12]})",
         "the stage devices": ", ".join(str(d) for d in plan.devices),
         "loss_reduction": plan.loss_reduction,
+        # Gathering results adds transfers at the end of a call.
+        "gather_results": str(plan.gather_results),
     }
 
 

@@ -35,7 +35,7 @@ from pipemark.runtime.placement import Placement, Slot
 from pipemark.runtime.sharding import compile_stage
 from pipemark.staged import StagedJaxpr
 
-__all__ = ["Unit", "compile_fused", "compile_units", "stage_readers"]
+__all__ = ["Unit", "compile_fused", "compile_units", "result_shardings", "stage_readers"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +80,15 @@ class Unit:
     #: On a sub-mesh, the compiled stage with its shardings
     #: (:class:`pipemark.runtime.sharding.CompiledStage`).
     program: Any = None
+
+
+def result_shardings(unit: Unit, slot: Slot) -> tuple[Any, ...]:
+    """Where each of ``unit``'s accumulated results lies at the end of a call, on its
+    slot ``slot``: the slot's device, or on a sub-mesh the result's own layout (its
+    replicas reduced)."""
+    if unit.program is None:
+        return (slot.sharding,) * len(unit.accumulated)
+    return tuple(unit.program.accumulated_shardings)
 
 
 def stage_readers(staged: StagedJaxpr) -> dict[tuple[int, int], int]:

@@ -51,6 +51,7 @@ import numpy as np
 
 from pipemark.caches import register_cache
 from pipemark.errors import PipemarkError
+from pipemark.runtime.compilation import Unit, result_shardings
 from pipemark.runtime.exchange import Cancelled, Exchange
 from pipemark.runtime.plan import PipelinePlan
 from pipemark.runtime.schedules import BACKWARD, FORWARD, WEIGHT, Action
@@ -308,8 +309,11 @@ class _Call:
         staged = plan.staged
         results: list[Any] = [None] * len(staged.outputs)
         for index, unit in plan.units.items():
+            accs = self.accs.get(index)
+            if accs is None:  # another process's stage, its results not gathered
+                accs = _held_elsewhere(plan, unit)
             for slot, (r, _) in enumerate(unit.accumulated):
-                results[r] = self.accs[index][slot]
+                results[r] = accs[slot]
         num_params = plan.num_param_leaves
         for r, ref in enumerate(staged.outputs):
             if ref.kind == "stage":
@@ -328,6 +332,20 @@ class _Call:
             total = sum(parts[1:], parts[0])
             results[r] = jnp.asarray(total * np.float32(plan.scale))
         return results
+
+
+def _held_elsewhere(plan: PipelinePlan, unit: Unit) -> list[Any]:
+    """The results of ``unit``, a stage of another process, as this process sees them
+    when they are not gathered: arrays of the global program with no data here, laid
+    out as that process holds them (what ``jax.jit`` returns for such arrays)."""
+    out_avals = plan.staged.stages[unit.index].out_avals
+    shardings = result_shardings(unit, plan.placement.slots[unit.worker])
+    return [
+        jax.make_array_from_single_device_arrays(
+            tuple(out_avals[o].shape), sharding, [], dtype=out_avals[o].dtype
+        )
+        for (_, o), sharding in zip(unit.accumulated, shardings)
+    ]
 
 
 def _run_serial(call: _Call) -> None:

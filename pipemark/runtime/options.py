@@ -81,6 +81,14 @@ class PipelineOptions:
         seconds a process waits for a value from another before it stops with an
         error naming the stage, microbatch and process it waited for (a process that
         died or raised cannot answer). ``None``: wait for ever.
+    gather_results:
+        Under ``jax.distributed``: ``True`` (default), every process gets every result
+        (each stage's results are sent to the other processes once final); ``False``,
+        a process holds the results of its own stages only, and the others are arrays
+        of the global program that the process which computed them holds
+        (``is_fully_addressable`` is ``False``), as ``jax.jit`` returns arrays held by
+        other processes: nothing moves after a stage's last action, and no process
+        needs memory for the whole model's gradients.
     """
 
     num_microbatches: int
@@ -94,6 +102,7 @@ class PipelineOptions:
     param_specs: Any = None
     stage_axis: str = "stage"
     data_axis: str = "data"
+    gather_results: bool = True
 
     def __post_init__(self) -> None:
         if self.timeout_s is not None and (
@@ -105,6 +114,11 @@ class PipelineOptions:
                 f"timeout_s must be a positive number of seconds or None, got {self.timeout_s!r}."
             )
         check_positive(self.num_microbatches, "num_microbatches")
+        if not isinstance(self.gather_results, bool):
+            raise PipemarkError(
+                f"gather_results must be True (every process gets every result) or False "
+                f"(each process its own stages'), got {self.gather_results!r}."
+            )
         if self.num_stages is not None:
             check_positive(self.num_stages, "num_stages")
         check_block_cuts(self.block_cuts)

@@ -243,6 +243,7 @@ def pipeline_value_and_grad(
     param_specs: Any = None,
     stage_axis: str = "stage",
     data_axis: str = "data",
+    gather_results: bool = True,
 ) -> Pipeline:
     """``jax.value_and_grad(loss_fn)`` computed as a pipeline over several devices.
 
@@ -276,7 +277,8 @@ def pipeline_value_and_grad(
         ``jax.distributed`` these may be devices of several processes (``jax.devices()``
         is all of them): every process makes the same pipeline and calls it with the
         same arguments, runs only its own devices' stages, and values move between
-        processes point to point; every process gets the whole result.
+        processes point to point; every process gets the whole result (see
+        ``gather_results``).
     loss_reduction:
         ``"mean"`` (default) averages the microbatch losses and gradients, right for a
         loss that is a mean over the batch; ``"sum"`` adds them, right for a sum;
@@ -307,6 +309,11 @@ def pipeline_value_and_grad(
         layout on their stage's sub-mesh.
     stage_axis, data_axis:
         With ``mesh``: the names of its stage and data-parallel axes.
+    gather_results:
+        Under ``jax.distributed``: ``False`` leaves each result with the process whose
+        stage computed it (the others get arrays of the global program they do not
+        hold, as ``jax.jit`` returns); ``True`` (default) sends every result to every
+        process.
 
     Returns
     -------
@@ -349,6 +356,7 @@ def pipeline_value_and_grad(
         param_specs=param_specs,
         stage_axis=stage_axis,
         data_axis=data_axis,
+        gather_results=gather_results,
     )
     return Pipeline(loss_fn, options)
 

@@ -33,7 +33,7 @@ from pipemark.runtime.options import PipelineOptions
 from pipemark.runtime.placement import Placement, Slot, available_slots, leaf_specs, place_stages
 from pipemark.runtime.registry import SCHEDULES, make_schedule, schedule_entry
 from pipemark.runtime.schedules import BACKWARD, FORWARD, WEIGHT, Schedule
-from pipemark.runtime.steps import Steps, fuse_steps, resolve_steps
+from pipemark.runtime.steps import Steps, fuse_steps, resolve_steps, without_gathers
 from pipemark.runtime.transport import Watchdog
 from pipemark.staged import StagedJaxpr
 from pipemark.staging import has_stage_markers, split_jaxpr
@@ -225,6 +225,9 @@ class PipelinePlan:
     watchdog: Watchdog | None = dataclasses.field(default=None, repr=False, compare=False)
     #: On sub-meshes: each parameter leaf's ``PartitionSpec`` on its stage's sub-mesh.
     param_specs: tuple[Any, ...] | None = None
+    #: Under jax.distributed: whether each stage's results go to every process
+    #: (:class:`~pipemark.runtime.PipelineOptions` ``gather_results``).
+    gather_results: bool = True
 
     @property
     def num_stages(self) -> int:
@@ -473,6 +476,7 @@ def plan_from_staged(
         loss_reduction=options.loss_reduction,
         timeout_s=options.timeout_s,
         param_specs=None if param_specs is None else tuple(param_specs),
+        gather_results=options.gather_results,
     )
     return _ready(plan)
 
@@ -490,6 +494,8 @@ def _ready(plan: PipelinePlan) -> PipelinePlan:
     pairs: dict[int, int] = {}
     if not placement.meshes:  # a fused program on a sub-mesh is not written yet
         steps, pairs = fuse_steps(steps, plan.staged, plan.roles(), plan.units, placement)
+    if not plan.gather_results:
+        steps = without_gathers(steps)
     units = plan.units
     fused = {
         backward: compile_fused(

@@ -34,6 +34,7 @@ __all__ = [
     "Transfer",
     "fuse_steps",
     "resolve_steps",
+    "without_gathers",
 ]
 
 #: Where a step's input comes from (the first item of each entry of :attr:`Step.inputs`).
@@ -221,6 +222,16 @@ def _fusable_pairs(
         if backward is not None and read_by.get(forward, set()) <= {backward}:
             pairs[backward] = forward
     return pairs
+
+
+def without_gathers(steps: Steps) -> Steps:
+    """``steps`` without sending each stage's results to the other processes once final
+    (:class:`Gather`): each process keeps its own stages' results
+    (``PipelineOptions(gather_results=False)``)."""
+    return steps._replace(
+        transfers=tuple(t for t in steps.transfers if not isinstance(t, Gather)),
+        finals=tuple({} for _ in steps.finals),
+    )
 
 
 def _fused_step(forward: Step, backward: Step) -> Step:

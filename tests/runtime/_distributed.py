@@ -148,6 +148,19 @@ def save_call(saved: dict, key: str, result, timings: dict, plan) -> None:
     saved[f"{key}-expected"] = np.asarray(plan.bytes_into_process(jax.process_index()))
 
 
+def save_held(saved: dict, key: str, result, timings: dict) -> None:
+    """Store a call made with ``gather_results=False``: each leaf this process holds
+    (``key-i``), the shape of each it does not (``key-i-elsewhere``: an array of the
+    global program held by another process), and the bytes gathered (``key-gathered``)."""
+    for i, leaf in enumerate(jax.tree_util.tree_leaves(result)):
+        if leaf.is_fully_addressable:
+            saved[f"{key}-{i}"] = np.asarray(jax.device_get(leaf))
+        else:
+            assert not leaf.addressable_shards, leaf.sharding  # no data here
+            saved[f"{key}-{i}-elsewhere"] = np.asarray((*leaf.shape, np.dtype(leaf.dtype).num))
+    saved[f"{key}-gathered"] = np.asarray(timings.get("bytes_gathered", 0))
+
+
 def main() -> None:
     me = jax.process_index()
     if MODE == "absent" and me == 1:
@@ -179,6 +192,18 @@ def main() -> None:
         jax.block_until_ready(step(params, batch))
         assert _watchdog_threads() == watchdogs, (watchdogs, _watchdog_threads())
         save_call(saved, f"{name}-{schedule}", (loss, grads), timings, step.plan(params, batch))
+        if schedule in ("1f1b", "zb-v") and name == "mlp":
+            # The same, each process keeping its own stages' results.
+            held = pm.pipeline_value_and_grad(
+                loss_fn,
+                num_stages=stages,
+                num_microbatches=4,
+                schedule=schedule,
+                timeout_s=TIMEOUT,
+                gather_results=False,
+            )
+            result, timings = held.timed_call(params, batch)
+            save_held(saved, f"held-{schedule}", result, timings)
     np.savez(os.path.join(OUT, f"{MODE}-{me}.npz"), **saved)
     print(f"process {me}: done", flush=True)
 

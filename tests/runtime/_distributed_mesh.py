@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 import pipemark as pm
 from pipemark import examples
-from tests.runtime._distributed import save_call
+from tests.runtime._distributed import save_call, save_held
 
 SCHEDULES = (("gpipe", 2), ("1f1b", 2), ("interleaved", 4), ("zb-h1", 2), ("zb-v", 4))
 
@@ -59,6 +59,18 @@ def main() -> None:
         )
         result, timings = step.timed_call(params, batch)
         save_call(saved, schedule, result, timings, step.plan(params, batch))
+    # 1F1B again, each process keeping its own stage's results (on its sub-mesh).
+    held = pm.pipeline_value_and_grad(
+        loss_fn,
+        num_stages=2,
+        num_microbatches=4,
+        mesh=mesh,
+        param_specs=specs,
+        timeout_s=60,
+        gather_results=False,
+    )
+    result, timings = held.timed_call(params, batch)
+    save_held(saved, "held-1f1b", result, timings)
     np.savez(os.path.join(OUT, f"{MODE}-{jax.process_index()}.npz"), **saved)
     print(f"process {jax.process_index()}: done", flush=True)
 

@@ -38,6 +38,27 @@ def _run(args: list[str], timeout: float = 300, **env: str) -> subprocess.Comple
     )
 
 
+def _check_held(want, runs: list, schedules: tuple[str, ...], reference: str = "mlp-") -> None:
+    """The calls made with ``gather_results=False``: each result leaf is held by exactly
+    one process, equal bit for bit to one process's result; the others have an array
+    of the global program of the same shape and dtype, with no data; nothing gathered."""
+    for schedule in schedules:
+        key = f"held-{schedule}"
+        leaves = [k for k in want.files if k.startswith(f"{reference}{schedule}-")]
+        leaves = [k for k in leaves if not k.endswith(("received", "expected"))]
+        held = [0] * len(leaves)
+        for got in runs:
+            assert int(got[f"{key}-gathered"]) == 0
+            for i, name in enumerate(leaves):
+                if f"{key}-{i}" in got.files:
+                    np.testing.assert_array_equal(got[f"{key}-{i}"], want[name], err_msg=name)
+                    held[i] += 1
+                else:
+                    shape = tuple(got[f"{key}-{i}-elsewhere"])
+                    assert shape == (*want[name].shape, want[name].dtype.num), name
+        assert held == [1] * len(leaves), (schedule, held)
+
+
 @pytest.mark.parametrize("num_processes", [2, 4])
 def test_stages_in_processes_equal_the_single_process_pipeline(tmp_path, num_processes):
     n = str(num_processes)
@@ -47,6 +68,7 @@ def test_stages_in_processes_equal_the_single_process_pipeline(tmp_path, num_pro
     assert reference.returncode == 0, reference.stderr[-3000:]
     want = np.load(tmp_path / "reference-0.npz")
     results = [k for k in want.files if not k.endswith(("received", "expected"))]
+    results = [k for k in results if not k.startswith("held-")]
     assert {k.split("-")[0] for k in results} == {"mlp", "lm"}
     assert {k.split("-", 1)[1].rsplit("-", 1)[0] for k in results} == {
         "gpipe",
@@ -67,6 +89,8 @@ def test_stages_in_processes_equal_the_single_process_pipeline(tmp_path, num_pro
             if key.endswith("received"):
                 expected = key.replace("received", "expected")
                 assert int(got[key]) == int(got[expected]) > 0, key
+    runs = [np.load(tmp_path / f"run-{p}.npz") for p in range(num_processes)]
+    _check_held(want, runs, ("1f1b", "zb-v"))
 
 
 def test_sub_mesh_stages_in_two_processes_equal_one_process(tmp_path):
@@ -79,6 +103,7 @@ def test_sub_mesh_stages_in_two_processes_equal_one_process(tmp_path):
     assert reference.returncode == 0, reference.stderr[-3000:]
     want = np.load(tmp_path / "reference-0.npz")
     results = [k for k in want.files if not k.endswith(("received", "expected"))]
+    results = [k for k in results if not k.startswith("held-")]
     assert {k.rsplit("-", 1)[0] for k in results} == {
         "gpipe",
         "1f1b",
@@ -94,6 +119,8 @@ def test_sub_mesh_stages_in_two_processes_equal_one_process(tmp_path):
         for key in got.files:  # bytes moved between stages = the stage graph's
             if key.endswith("received"):
                 assert int(got[key]) == int(got[key.replace("received", "expected")]) > 0, key
+    runs = [np.load(tmp_path / f"run-{p}.npz") for p in range(2)]
+    _check_held(want, runs, ("1f1b",), reference="")
 
 
 def test_a_process_dispatches_its_next_action_while_its_transfer_waits(tmp_path):

@@ -44,6 +44,24 @@ def test_block_cuts_is_checked_before_tracing():
         pm.pipeline_train_step(lambda p, x: x, num_microbatches=1, block_cuts=None)
 
 
+@pytest.mark.parametrize("value", [None, 0, "no"])
+def test_gather_results_must_be_a_bool(value):
+    with pytest.raises(pm.PipemarkError, match="gather_results must be True"):
+        pm.pipeline_value_and_grad(lambda p, x: x, num_microbatches=1, gather_results=value)
+
+
+def test_gather_results_changes_nothing_in_one_process():
+    # Every stage is this process's: its results are held here whatever the option.
+    ex = examples.mlp(4)
+    got = pm.pipeline_value_and_grad(
+        ex.loss_fn, num_stages=2, num_microbatches=2, gather_results=False
+    )(*ex.args)
+    want = jax.jit(jax.value_and_grad(ex.loss_fn))(*ex.args)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.is_fully_addressable
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def _two_blocks_then_a_head(params, x):
     # Two blocks, each two matmuls, then a head as heavy as a block: balanced best by a
     # cut inside the second block, between blocks only at 4 | 2 matmuls.
