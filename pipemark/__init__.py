@@ -66,6 +66,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "StageGraphError": ("pipemark.errors", "StageGraphError"),
     "StateMutationError": ("pipemark.mutation", "StateMutationError"),
     "ProcessError": ("pipemark.errors", "ProcessError"),
+    "runtime": ("pipemark.runtime", None),
     "summary": ("pipemark.views", "summary"),
     "topological_order": ("pipemark.graph", "topological_order"),
     "verification": ("pipemark.verification", None),
