@@ -3,11 +3,14 @@
 The report is checked in light and dark; every page of the site (built here with
 ``mkdocs build --strict``) must fit a 1280 px wide window and load nothing from the
 network. Skipped where Chromium is not installed (Debian: ``apt-get install chromium``).
+``.ci/run`` installs it in the background while the tests start and sets
+``PIPEMARK_CHROMIUM_WAIT``: these tests then wait that many seconds at most for it.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import html
 import io
 import json
@@ -15,6 +18,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -23,14 +27,34 @@ import pytest
 from pipemark import _demo
 from tests._docs import build_site
 
-CHROMIUM = next(
-    (shutil.which(n) for n in ("chromium", "chromium-browser") if shutil.which(n)), None
-)
 
+def _find_chromium() -> str | None:
+    return next(
+        (shutil.which(n) for n in ("chromium", "chromium-browser") if shutil.which(n)), None
+    )
+
+
+# Seconds to wait for Chromium being installed in the background (.ci/run), 0: none.
+WAIT_S = float(os.environ.get("PIPEMARK_CHROMIUM_WAIT", "0"))
+INSTALLED = _find_chromium() is not None or WAIT_S > 0
 # CI installs Chromium (.ci/run), so there a missing browser is a failure, not a skip.
-if CHROMIUM is None and os.environ.get("CI") == "true":
+if not INSTALLED and os.environ.get("CI") == "true":
     raise RuntimeError("CI=true but Chromium is not installed: .ci/run installs it.")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed")
+pytestmark = pytest.mark.skipif(not INSTALLED, reason="Chromium is not installed")
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    """Chromium's path, once installed (waiting ``PIPEMARK_CHROMIUM_WAIT`` s at most)."""
+    deadline = time.monotonic() + WAIT_S
+    found = _find_chromium()
+    while found is None and time.monotonic() < deadline:
+        time.sleep(2)
+        found = _find_chromium()
+    if found is None:
+        pytest.fail(f"Chromium was not installed within {WAIT_S:g} s (PIPEMARK_CHROMIUM_WAIT).")
+    return found
+
 
 SMALL = {"num_layers": 4, "vocab": 32, "d_model": 16, "num_heads": 2, "seq": 8, "batch": 2}
 WIDTH, HEIGHT = 1280, 1600
@@ -43,7 +67,7 @@ def report(tmp_path_factory):
     return out_dir / "report.html"
 
 
-def _screenshot(page, png, profile, *, dark: bool) -> np.ndarray:
+def _screenshot(chromium, page, png, profile, *, dark: bool) -> np.ndarray:
     image = pytest.importorskip("matplotlib.image")
     flags = [
         "--headless",
@@ -61,16 +85,16 @@ def _screenshot(page, png, profile, *, dark: bool) -> np.ndarray:
     if dark:
         # Both ask for prefers-color-scheme: dark; older and newer builds honour one each.
         flags += ["--force-dark-mode", "--blink-settings=preferredColorScheme=0"]
-    subprocess.run([CHROMIUM, *flags, page.as_uri()], capture_output=True, timeout=120, check=True)
+    subprocess.run([chromium, *flags, page.as_uri()], capture_output=True, timeout=120, check=True)
     pixels = image.imread(str(png))[..., :3]
     assert pixels.shape == (HEIGHT, WIDTH, 3)
     return pixels.mean(axis=2)  # luminance, 0 (black) to 1 (white)
 
 
 @pytest.mark.parametrize("dark", [False, True], ids=["light", "dark"])
-def test_report_renders_in_chromium(report, tmp_path, dark):
+def test_report_renders_in_chromium(chromium, report, tmp_path, dark):
     png = tmp_path / "shot.png"
-    gray = _screenshot(report, png, tmp_path / "profile", dark=dark)
+    gray = _screenshot(chromium, report, png, tmp_path / "profile", dark=dark)
     background = gray[5, 5]
     if dark:
         assert background < 0.2
@@ -154,7 +178,7 @@ def _pages(site_dir: Path) -> list[Path]:
     return sorted(p for p in site_dir.rglob("*.html") if p.name != "404.html")
 
 
-def _layout(page: Path, profile: Path) -> dict:
+def _layout(chromium: str, page: Path, profile: Path) -> dict:
     """Load ``page`` (with the probe added) in headless Chromium at the site width."""
     text = page.read_text(encoding="utf-8")
     page.write_text(text.replace("</body>", PROBE + "</body>", 1), encoding="utf-8")
@@ -175,13 +199,13 @@ def _layout(page: Path, profile: Path) -> dict:
         "--virtual-time-budget=5000",
         "--dump-dom",
     ]
-    run = subprocess.run([CHROMIUM, *flags, page.as_uri()], capture_output=True, timeout=120)
+    run = subprocess.run([chromium, *flags, page.as_uri()], capture_output=True, timeout=120)
     match = re.search(rf'<pre id="{RESULT_ID}">(.*?)</pre>', run.stdout.decode("utf-8"), re.S)
     assert match, f"{page}: the probe did not report (Chromium: {run.stderr[-500:]!r})"
     return json.loads(html.unescape(match.group(1)))
 
 
-def test_site_fits_1280_px_and_works_offline(site, tmp_path):
+def test_site_fits_1280_px_and_works_offline(chromium, site, tmp_path):
     pages = _pages(site)
     assert len(pages) > 10 and (site / "api" / "index.html") in pages
     problems = []
@@ -192,7 +216,7 @@ def test_site_fits_1280_px_and_works_offline(site, tmp_path):
     # even on two cores.
     with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
         profiles = [tmp_path / f"profile{k}" for k in range(len(pages))]
-        layouts = list(pool.map(_layout, pages, profiles))
+        layouts = list(pool.map(functools.partial(_layout, chromium), pages, profiles))
     for page, layout in zip(pages, layouts):
         name = page.relative_to(site)
         if layout["scrollWidth"] > layout["clientWidth"]:
