@@ -133,14 +133,9 @@ def _latency(nbytes: int, repeat: int) -> float:
     process 1 (``10 x repeat`` calls after a warm-up): a transfer's latency."""
     import jax
     import numpy as np
-    from jax.sharding import NamedSharding
 
     mesh, raw = _raw_ppermute()
-    shape = (nbytes // 4,)
-    block = jax.device_put(np.zeros(shape, np.float32), jax.local_devices()[0])
-    glob = jax.make_array_from_single_device_arrays(
-        (2 * shape[0],), NamedSharding(mesh, jax.sharding.PartitionSpec("pair")), [block]
-    )
+    glob = _pair_array(mesh, _float_block((nbytes // 4,)))
     jax.block_until_ready(raw(glob))
     times = []
     for _ in range(10 * repeat):
@@ -148,6 +143,24 @@ def _latency(nbytes: int, repeat: int) -> float:
         jax.block_until_ready(raw(glob))
         times.append(time.perf_counter() - start)
     return float(np.median(times))
+
+
+def _float_block(shape: tuple[int, ...]):
+    """A float32 block of ``shape`` on this process's device, holding its index."""
+    import jax
+    import numpy as np
+
+    return jax.device_put(np.full(shape, jax.process_index(), np.float32), jax.local_devices()[0])
+
+
+def _pair_array(mesh, block):
+    """The global array over ``mesh``'s two devices whose shard here is ``block``."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    shape = (2 * block.shape[0], *block.shape[1:])
+    return jax.make_array_from_single_device_arrays(shape, NamedSharding(mesh, P("pair")), [block])
 
 
 def _raw_ppermute():
@@ -175,23 +188,19 @@ def _transfers(repeat: int) -> dict:
     """Per MiB: the runtime's transport and a raw ppermute, process 0 -> process 1."""
     import jax
     import numpy as np
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     from pipemark.runtime.transport import CollectiveTransport, Watchdog
 
     devices = jax.devices()
     source, target = devices[0], devices[1]
-    me, local = jax.process_index(), jax.local_devices()[0]
+    me = jax.process_index()
     transport = CollectiveTransport(Watchdog(120))
     mesh, raw = _raw_ppermute()
     result = {}
     for mib in SIZES_MIB:
         shape = (mib * 1024 * 256,)
-        block = jax.device_put(np.full(shape, me, np.float32), local)
-        glob = jax.make_array_from_single_device_arrays(
-            (2 * shape[0],), NamedSharding(mesh, P("pair")), [block]
-        )
+        block = _float_block(shape)
+        glob = _pair_array(mesh, block)
 
         def by_transport(block=block, shape=shape) -> None:
             if me == 0:

@@ -603,13 +603,15 @@ def one_f_one_b_schedule(
     [44.0, 38.0]
     """
     _check_sizes(num_stages, num_microbatches)
-    if isinstance(extra_in_flight, bool) or not isinstance(extra_in_flight, int):
+    if (
+        isinstance(extra_in_flight, bool)
+        or not isinstance(extra_in_flight, int)
+        or extra_in_flight < 0
+    ):
         raise PipemarkError(
             f"extra_in_flight must be an int >= 0, got {extra_in_flight!r} (0 is plain "
             "1F1B; 1 hides the latency of transfers between devices)."
         )
-    if extra_in_flight < 0:
-        raise PipemarkError(f"extra_in_flight must be >= 0, got {extra_in_flight}.")
     preds = normalize_stage_graph(stage_graph, num_stages)
     depth = _depth_to_sink(preds)
     orders = []

@@ -179,13 +179,8 @@ def main() -> None:
         return overlap(me)
     saved = {}
     for name, loss_fn, params, batch, schedule, stages in runs():
-        step = pm.pipeline_value_and_grad(
-            loss_fn,
-            num_stages=stages,
-            num_microbatches=4,
-            schedule=schedule,
-            timeout_s=TIMEOUT,
-        )
+        options = dict(num_stages=stages, num_microbatches=4, schedule=schedule, timeout_s=TIMEOUT)
+        step = pm.pipeline_value_and_grad(loss_fn, **options)
         (loss, grads), timings = step.timed_call(params, batch)
         # Later calls reuse the plan's watchdog: no thread is left behind per call.
         watchdogs = _watchdog_threads()
@@ -194,14 +189,7 @@ def main() -> None:
         save_call(saved, f"{name}-{schedule}", (loss, grads), timings, step.plan(params, batch))
         if schedule in ("1f1b", "zb-v") and name == "mlp":
             # The same, each process keeping its own stages' results.
-            held = pm.pipeline_value_and_grad(
-                loss_fn,
-                num_stages=stages,
-                num_microbatches=4,
-                schedule=schedule,
-                timeout_s=TIMEOUT,
-                gather_results=False,
-            )
+            held = pm.pipeline_value_and_grad(loss_fn, **options, gather_results=False)
             result, timings = held.timed_call(params, batch)
             save_held(saved, f"held-{schedule}", result, timings)
     np.savez(os.path.join(OUT, f"{MODE}-{me}.npz"), **saved)

@@ -47,28 +47,13 @@ def main() -> None:
     loss_fn, params, batch = examples.tensor_parallel_mlp(4, 16, 16, hidden_sharding=hidden)
     specs = examples.tensor_parallel_mlp_specs(4)
     saved = {}
+    options = dict(num_microbatches=4, mesh=mesh, param_specs=specs, timeout_s=60)
     for schedule, stages in SCHEDULES:
-        step = pm.pipeline_value_and_grad(
-            loss_fn,
-            num_stages=stages,
-            num_microbatches=4,
-            schedule=schedule,
-            mesh=mesh,
-            param_specs=specs,
-            timeout_s=60,
-        )
+        step = pm.pipeline_value_and_grad(loss_fn, num_stages=stages, schedule=schedule, **options)
         result, timings = step.timed_call(params, batch)
         save_call(saved, schedule, result, timings, step.plan(params, batch))
     # 1F1B again, each process keeping its own stage's results (on its sub-mesh).
-    held = pm.pipeline_value_and_grad(
-        loss_fn,
-        num_stages=2,
-        num_microbatches=4,
-        mesh=mesh,
-        param_specs=specs,
-        timeout_s=60,
-        gather_results=False,
-    )
+    held = pm.pipeline_value_and_grad(loss_fn, num_stages=2, **options, gather_results=False)
     result, timings = held.timed_call(params, batch)
     save_held(saved, "held-1f1b", result, timings)
     np.savez(os.path.join(OUT, f"{MODE}-{jax.process_index()}.npz"), **saved)
