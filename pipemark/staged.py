@@ -31,6 +31,7 @@ from jax.extend.core import (
 from pipemark._text import plural
 from pipemark.cost import flatten_shape_byte_sizes
 from pipemark.errors import PipemarkError, StageGraphError
+from pipemark.precision import reference_compute_types
 from pipemark.roles import StageRole, role_from_name
 from pipemark.signature import Signature
 from pipemark.verification import (
@@ -600,15 +601,32 @@ class StagedJaxpr:
         ``"eager"`` calls it as it is; by default both.
 
         Floating-point results agree to rounding, not bit for bit (``jax.jit`` lets XLA
-        fuse and reorder arithmetic): by default each must lie within the tolerance
-        :mod:`pipemark.verification` documents (``rtol`` 1e-5 for float32, ``atol`` that
-        ``rtol`` times the result's largest magnitude); integer results must be equal.
-        ``rtol=0, atol=0`` demands bit equality; other numbers set the tolerance.
+        fuse and reorder arithmetic), and the rounding is that of the narrowest floating
+        type each result's computation passes through, which ``verify`` reads from the
+        reference's own trace: a float32 gradient of a model that casts to bfloat16
+        before its matmuls is judged at bfloat16's tolerance (``rtol`` 3e-2), one that
+        meets only float32 values at float32's (``rtol`` 1e-5), and on a TPU a float32
+        matmul at ``DEFAULT`` precision counts as bfloat16. ``atol`` is ``rtol`` times
+        the result's largest magnitude (:mod:`pipemark.verification` has the tables).
+        Against both references, the report measures how far ``jax.jit`` and eager
+        differ from each other per result (the spread), and a result whose references
+        differ by more than its tolerance allows is judged at twice that spread.
+        Integer results must be equal. ``rtol=0, atol=0`` demands bit equality; other
+        numbers set the tolerance of every result.
 
         Returns a :class:`~pipemark.verification.VerifyReport` (what was compared, with
-        which tolerance, the largest difference; ``print`` it for a table). Raises
-        :class:`~pipemark.verification.VerificationError` (a :class:`PipemarkError`)
-        naming the first result that differs.
+        which tolerance and why, the largest difference, the jit-eager spread; ``print``
+        it for a table). Raises :class:`~pipemark.verification.VerificationError` (a
+        :class:`PipemarkError`) naming the first result that differs, where its
+        tolerance comes from and how its difference compares with the spread.
+
+        >>> import jax, jax.numpy as jnp, pipemark as pm
+        >>> def f(w, x):
+        ...     return jnp.sum((x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)) ** 2), x * 2
+        >>> w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+        >>> report = pm.split(f, w, x, num_stages=1).verify(f, w, x)
+        >>> [c.tolerance_from for c in report.checks[:2]], report.comparison
+        (['bfloat16', 'float32'], 'within rtol 1e-05, 0.03')
         """
         kinds = (against,) if isinstance(against, str) else tuple(against)
         got = self(*args, **kwargs)
@@ -627,7 +645,14 @@ class StagedJaxpr:
             )
         wants = {kind: evaluate_reference(fn, inputs, kind) for kind in kinds}
         where = [self._describe_output(i) for i in range(len(got))]
-        report = compare_results(got, wants, where, rtol=rtol, atol=atol)
+        compute_types = None
+        if rtol is None and atol is None:
+            # The reference's own trace, never a rewritten one, says what it computes in.
+            traced = reference if isinstance(reference, ClosedJaxpr) else fn
+            compute_types = reference_compute_types(traced, inputs)
+        report = compare_results(
+            got, wants, where, rtol=rtol, atol=atol, compute_types=compute_types
+        )
         return raise_on_mismatch(report)
 
     def _describe_output(self, i: int) -> str:
