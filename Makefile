@@ -21,7 +21,7 @@ MAXTEXT_BIN     = $(MAXTEXT_VENV)/bin
 MAXTEXT_STAMP   = $(MAXTEXT_VENV)/.pipemark-installed
 MAXTEXT_REQS    = dependencies/requirements/generated_requirements/decoupled-requirements.txt
 
-.PHONY: demo test test-newest test-maxtext newest-env maxtext-env lint docs docs-assets bench clean
+.PHONY: demo test test-newest test-maxtext test-tpu newest-env maxtext-env lint docs docs-assets bench clean
 
 $(STAMP): setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -78,6 +78,20 @@ maxtext-env: $(MAXTEXT_STAMP)
 
 test-maxtext: $(MAXTEXT_STAMP)
 	$(MAXTEXT_BIN)/python -m pytest -m maxtext tests/test_maxtext.py
+
+# The device-independent tests on an accelerator (README, "On a TPU"): with the Python
+# that runs make and what it has installed (JAX with its accelerator plugin, numpy,
+# pytest, hypothesis), no venv, no download, one pytest process. PIP_INDEX=URL first
+# installs networkx and rich (and flax and optax, where the index has them) from that
+# index. tests/_accelerator.py lists the tests and says why those; TPU_OUT gets
+# junit.xml and pytest.log; pytest is interrupted after TPU_BUDGET_S seconds (it then
+# reports what ran).
+TPU_OUT      ?= tpu-results
+TPU_BUDGET_S ?= 270
+PIP_INDEX    ?=
+
+test-tpu:
+	$(PYTHON) tests/_accelerator.py --out $(TPU_OUT) --budget-s $(TPU_BUDGET_S) $(if $(PIP_INDEX),--pip-index $(PIP_INDEX))
 
 clean:
 	rm -rf $(VENV) $(NEWEST_VENV) $(MAXTEXT_VENV) site build *.egg-info

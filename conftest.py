@@ -7,9 +7,17 @@ a pass that builds an ill-typed program fails where it builds it.
 The host CPU platform has 8 devices (``jax_num_cpu_devices``), so multi-device pipelines
 (4 stages, 2x2x2 meshes) run in the test process itself. JAX reads the setting only when
 it starts its CPU backend, so it is set here, before any test or doctest runs a JAX
-operation; pytest imports this file in every pytest-xdist worker too. Tests that need
-one device ask for ``jax.devices()[:1]``. Real multi-process runs
-(tests/runtime/test_distributed.py, tests/test_launch.py) start their own processes.
+operation; pytest imports this file in every pytest-xdist worker too. Tests take their
+devices from ``tests._devices.devices(k)``: the default backend's first ``k``, or on an
+accelerator with fewer (``make test-tpu`` on one TPU chip) the host CPU platform's. Real
+multi-process runs (tests/runtime/test_distributed.py, tests/test_launch.py) start their
+own processes.
+
+On an accelerator, float32 matrix products run at full float32 precision
+(``jax_default_matmul_precision="highest"``), as on the CPU: a TPU's default is
+bfloat16 passes (about three digits), far coarser than the tolerances the tests
+compare results to. On the CPU nothing changes (the setting would print in every
+jaxpr's ``dot_general``).
 
 Tests marked ``slow`` run first. pytest-xdist deals the first quarter of the tests out
 one by one, in turn, to its workers, and then hands out the rest as workers free up:
@@ -40,6 +48,20 @@ atexit.register(shutil.rmtree, _COMPILATION_CACHE, True)
 jax.config.update("jax_compilation_cache_dir", _COMPILATION_CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+if jax.default_backend() != "cpu":
+    jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_report_header(config):
+    """Which JAX and which devices the run is on (the same suite runs on the CPU and,
+    ``make test-tpu``, on an accelerator)."""
+    return (
+        f"jax {jax.__version__}: default backend {jax.default_backend()} "
+        f"({jax.device_count()} devices: {jax.devices()[0].device_kind}), host CPU "
+        f"{len(jax.devices('cpu'))} devices, matmul precision "
+        f"{jax.config.jax_default_matmul_precision or 'default'}"
+    )
 
 
 def pytest_collection_modifyitems(config, items):

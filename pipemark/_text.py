@@ -1,9 +1,11 @@
-"""Small helpers for the text pipemark shows people: plurals, and the one way every
-view (tables, HTML, plots, schedules, the CLI) writes counts, bytes and percentages."""
+"""Small helpers for the text pipemark shows people: plurals, the one way every view
+(tables, HTML, plots, schedules, the CLI) writes counts, bytes and percentages, and
+lines kept to a width."""
 
 from __future__ import annotations
 
 import re
+import textwrap
 from typing import Any
 
 __all__ = [
@@ -13,7 +15,13 @@ __all__ = [
     "format_share",
     "plural",
     "type_text",
+    "wrap",
+    "KEEP_TOGETHER",
 ]
+
+#: Joins two words :func:`wrap` keeps on one line; shown as a space. No name pipemark
+#: shows holds one: :func:`display_name` writes NUL escaped.
+KEEP_TOGETHER = "\0"
 
 # Characters that act on a terminal or reorder text instead of showing: C0 and C1
 # controls (ANSI escape sequences start with one), zero-width and directional marks,
@@ -90,3 +98,22 @@ def type_text(aval: Any) -> str:
         return aval.str_short(short_dtypes=True)
     except (AttributeError, TypeError):
         return str(aval)
+
+
+def wrap(text: str, width: int, indent: str = "  ") -> str:
+    """``text`` in lines of at most ``width`` columns, broken at spaces (a word longer
+    than a line is cut), the lines after the first starting with ``indent``; words
+    joined by :data:`KEEP_TOGETHER` stay on one line.
+
+    >>> print(wrap("balance: 2 forward layers, largest / mean cost 1.001", 30))
+    balance: 2 forward layers,
+      largest / mean cost 1.001
+    """
+    lines = textwrap.wrap(
+        text,
+        width=width,
+        subsequent_indent=indent,
+        break_long_words=True,
+        break_on_hyphens=False,
+    )
+    return "\n".join(line.replace(KEEP_TOGETHER, " ") for line in lines)

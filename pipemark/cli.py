@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pipemark._text import display_name, plural
+from pipemark._text import display_name, plural, wrap
 from pipemark.progress import Progress
 
 __all__ = ["main", "build_parser", "parse_arg_spec", "CommandError"]
@@ -222,7 +222,7 @@ def _inspect(args: argparse.Namespace) -> int:
         import pipemark as pm
         from pipemark.signature import Signature
         from pipemark.staging import has_stage_markers
-        from pipemark.views.text import print_stage_inputs, print_summary
+        from pipemark.views.text import DEFAULT_WIDTH, print_stage_inputs, print_summary
 
         fn = _import_target(args.target)
         made, kwargs = _example_args(args.args) if args.args else ([], {})
@@ -270,10 +270,12 @@ def _inspect(args: argparse.Namespace) -> int:
                 )
             except OSError as err:
                 raise CommandError(f"cannot write {args.html}: {err.strerror or err}") from None
+    # Every line within DEFAULT_WIDTH columns, as the table is (on a terminal, the table
+    # may take its width).
     print_summary(staged, sys.stdout)
     if staged.balance is not None:
-        print(f"balance: {staged.balance}", file=sys.stdout)
-    print_stage_inputs(staged, sys.stdout)
+        print(wrap(f"balance: {staged.balance}", DEFAULT_WIDTH), file=sys.stdout)
+    print_stage_inputs(staged, sys.stdout, width=DEFAULT_WIDTH)
     return 0
 
 

@@ -35,6 +35,20 @@ def _table_rows(out: str) -> dict[str, str]:
     return rows
 
 
+def _entry(out: str, start: str) -> str:
+    """The line of ``out`` that starts with ``start`` and the lines that continue it
+    (indented deeper), joined by spaces."""
+    lines = out.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith(start))
+    depth = len(start) - len(start.lstrip())
+    entry = [lines[first]]
+    for line in lines[first + 1 :]:
+        if len(line) - len(line.lstrip()) <= depth:
+            break
+        entry.append(line.strip())
+    return " ".join(entry)
+
+
 def _error_lines(err: str) -> list[str]:
     # Progress lines start with "[k/n]"; everything else on stderr is an error.
     return [line for line in err.splitlines() if line and not line.startswith("[")]
@@ -157,9 +171,11 @@ def test_inspect_reports_the_balance_and_takes_block_cuts(capsys):
     pytest.importorskip("flax")
     argv = ["inspect", "tests._cli_targets:flax_loss", "--args", "tests._cli_targets:flax_args"]
     assert main([*argv, "--num-stages", "2"]) == 0
-    balance = [line for line in capsys.readouterr().out.splitlines() if line.startswith("balance:")]
-    assert len(balance) == 1 and balance[0].startswith("balance: 2 forward layers, largest / mean")
-    assert balance[0].endswith("cuts between 3 blocks (name scopes 'Dense_0' … 'Dense_2')")
+    out = capsys.readouterr().out
+    assert sum(line.startswith("balance:") for line in out.splitlines()) == 1
+    balance = _entry(out, "balance:")
+    assert balance.startswith("balance: 2 forward layers, largest / mean")
+    assert balance.endswith("cuts between 3 blocks (name scopes 'Dense_0' … 'Dense_2')")
     assert main([*argv, "--num-stages", "2", "--block-cuts", "require"]) == 0
     assert main([*argv, "--num-stages", "2", "--block-cuts", "sometimes"]) == 1
     assert capsys.readouterr().err.endswith(
@@ -193,9 +209,20 @@ def test_inspect_a_flax_training_loss_from_make_args(capsys):
         "layer0", "layer1", "layer1_backward", "layer0_backward"
     ]  # fmt: skip
     assert "program inputs each stage reads:" in captured.out
-    layer0 = next(line for line in captured.out.splitlines() if line.startswith("  layer0:"))
+    layer0 = _entry(captured.out, "  layer0:")
     assert "params['params']['Dense_0']['kernel'] f32[8,8]" in layer0
     assert "argnums=0" in captured.err
+
+
+def test_every_line_inspect_prints_fits_80_columns(capsys):
+    # As the stage table does: the balance line and each stage's inputs (long pytree
+    # paths here) continue on lines of their own.
+    pytest.importorskip("flax")
+    argv = ["inspect", "tests._cli_targets:flax_loss", "--args", "tests._cli_targets:flax_args"]
+    assert main([*argv, "--grad", "--num-stages", "2"]) == 0
+    out = capsys.readouterr().out
+    assert len(_entry(out, "balance:")) > 80 and len(_entry(out, "  layer0:")) > 80
+    assert max(len(line) for line in out.splitlines()) <= 80
 
 
 def test_inspect_make_args_with_keywords_and_html(tmp_path, capsys):

@@ -154,7 +154,10 @@ def test_vmap_of_grad_equals_unmarked():
 
 
 def test_check_grads_second_order():
-    check_grads(marked_loss, (PARAMS, X), order=2, modes=["fwd", "rev"], atol=1e-2, rtol=1e-2)
+    # Finite differences need float32 matmuls: an accelerator's default precision (a
+    # TPU's bf16 passes) is coarser than their step.
+    with jax.default_matmul_precision("highest"):
+        check_grads(marked_loss, (PARAMS, X), order=2, modes=["fwd", "rev"], atol=1e-2, rtol=1e-2)
 
 
 # -------------------------------------------------------- inside control flow

@@ -69,7 +69,15 @@ def split_leaf(leaf: Any, num_microbatches: int, micro: int, replicas: int = 1) 
     if isinstance(leaf, jax.Array):
         # One compiled program for all the slices: slicing a jax.Array op by op costs a
         # dispatch (about 0.3 ms) per microbatch.
-        return list(_splitter(num_microbatches, replicas)(leaf))
+        split = _splitter(num_microbatches, replicas)
+        devices = leaf.devices()
+        if leaf.committed or len(devices) != 1:
+            return list(split(leaf))
+        # An uncommitted array would be split on JAX's default device, which need not
+        # be where it lies, nor the pipeline's platform (a TPU, for a pipeline given the
+        # host CPU's devices): split it where it is.
+        with jax.default_device(next(iter(devices))):
+            return list(split(leaf))
     array = np.asarray(leaf)
     parts = [array[m * micro : (m + 1) * micro] for m in range(num_microbatches)]
     if replicas > 1:
@@ -330,7 +338,7 @@ class _Call:
                 value = getattr(ref.value, "val", ref.value)
                 parts = [np.asarray(value)] * num_micro
             total = sum(parts[1:], parts[0])
-            results[r] = jnp.asarray(total * np.float32(plan.scale))
+            results[r] = jax.device_put(total * np.float32(plan.scale), plan.placement.home())
         return results
 
 

@@ -254,9 +254,23 @@ class Placement:
         stages: one of its pipeline devices where it has one, else its first device (a
         process may own no stage: more processes than stage slots)."""
         first: dict[int, Any] = {}
-        for device in (*(s.device for s in self.slots), *jax.devices()):
+        # The slots' platform, not the default backend's: a pipeline given the host
+        # CPU's devices on an accelerator machine receives on the CPU too.
+        platform = self.slots[0].device.platform
+        for device in (*(s.device for s in self.slots), *jax.devices(platform)):
             first.setdefault(_process_of(device), device)
         return first
+
+    def home(self) -> Any:
+        """Where this process keeps a result that no stage computes (a program input or
+        a constant, such as the zero gradient of a parameter under ``stop_gradient``):
+        whole on its first slot, or, in a process that runs no slot, on its receiving
+        device (:meth:`receivers`). Never JAX's default device, which may be another
+        platform's than the pipeline's."""
+        mine = next((s for s in self.slots if s.process == self.process), None)
+        if mine is not None:
+            return mine.replicated
+        return SingleDeviceSharding(self.receivers()[self.process])
 
 
 def place_stages(available: Sequence[Any], stage_devices: Sequence[int]) -> Placement:

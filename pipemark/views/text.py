@@ -20,6 +20,7 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from pipemark._text import KEEP_TOGETHER, wrap
 from pipemark.errors import PipemarkError
 from pipemark.views.rows import (
     COLUMNS,
@@ -266,9 +267,10 @@ def _check_width(width: Any) -> None:
         raise PipemarkError(f"width must be a positive int or None, got {width!r}.")
 
 
-def stage_inputs(staged: StagedJaxpr, *, limit: int = 6) -> str:
+def stage_inputs(staged: StagedJaxpr, *, limit: int = 6, width: int | None = DEFAULT_WIDTH) -> str:
     """For each stage, the program inputs it reads, by their pytree paths (at most
-    ``limit`` a stage, then how many more).
+    ``limit`` a stage, then how many more), in lines of at most ``width`` columns
+    (``None``: one line a stage).
 
     >>> import jax.numpy as jnp, pipemark as pm
     >>> def f(params, x):
@@ -282,16 +284,26 @@ def stage_inputs(staged: StagedJaxpr, *, limit: int = 6) -> str:
       layer1: params['b'] f32[]
     """
     staged = check_staged(staged, "stage_inputs")
+    _check_width(width)
     lines = ["program inputs each stage reads:"]
     for stage in staged.stages:
+        # A name and its type stay on one line.
         read = [
-            f"{display_name(name)} {type_text(aval)}"
+            f"{display_name(name)}{KEEP_TOGETHER}{type_text(aval)}"
             for name, aval in program_inputs(staged, stage)
         ]
-        more = f", … {len(read) - limit} more" if len(read) > limit else ""
+        more = f", …{KEEP_TOGETHER}{len(read) - limit} more" if len(read) > limit else ""
         name = display_name(stage.name)
-        lines.append(f"  {name}: {', '.join(read[:limit]) or '(none)'}{more}")
+        lines.append(_fitted(f"  {name}: {', '.join(read[:limit]) or '(none)'}{more}", width))
     return "\n".join(lines)
+
+
+def _fitted(line: str, width: int | None) -> str:
+    """A line of :func:`stage_inputs` or :func:`print_stage_inputs`, continued under its
+    stage's name past ``width`` columns."""
+    if width is None:
+        return line.replace(KEEP_TOGETHER, " ")
+    return wrap(line, width, indent="    ")
 
 
 def stage_ends(staged: StagedJaxpr) -> dict[str, str]:
@@ -381,18 +393,22 @@ def _parameter_end(staged: StagedJaxpr, stage: Any) -> str | None:
     return "".join(last[:end])
 
 
-def print_stage_inputs(staged: StagedJaxpr, file: Any = None) -> None:
+def print_stage_inputs(
+    staged: StagedJaxpr, file: Any = None, width: int | None = DEFAULT_WIDTH
+) -> None:
     """Print :func:`stage_inputs` and, where the program has module scopes, the module
-    each stage ends in (:func:`stage_ends`), to ``file`` (standard output by default)."""
+    each stage ends in (:func:`stage_ends`), to ``file`` (standard output by default),
+    in lines of at most ``width`` columns (``None``: one line each)."""
     import sys
 
     file = sys.stdout if file is None else file
-    print(stage_inputs(staged), file=file)
+    print(stage_inputs(staged, width=width), file=file)
     ends = stage_ends(staged)
     if ends:
         print("each stage ends in:", file=file)
         for name, scope in ends.items():
-            print(f"  {display_name(name)}: after {display_name(scope)}", file=file)
+            line = f"  {display_name(name)}: after {display_name(scope)}"
+            print(_fitted(line, width), file=file)
 
 
 def print_summary(staged: StagedJaxpr, file: Any = None, width: int | None = None) -> None:

@@ -5,11 +5,11 @@ and a plan's steps as they are before fusion."""
 
 from __future__ import annotations
 
-import jax
-
 import pipemark as pm
 from pipemark import examples
 from pipemark.runtime.steps import resolve_steps
+from tests._devices import computing_on
+from tests._devices import devices as pick_devices
 
 
 def mlp_pipeline(
@@ -19,15 +19,18 @@ def mlp_pipeline(
     devices: int | None = None,
     batch: int = 8,
 ) -> tuple[pm.runtime.Pipeline, examples.Example]:
-    """``pm.pipeline_value_and_grad`` of a 4-layer MLP of width 8 on the first
-    ``devices`` devices (by default one per stage), and the MLP."""
-    ex = examples.mlp(num_layers=4, width=8, batch=batch)
+    """``pm.pipeline_value_and_grad`` of a 4-layer MLP of width 8 on ``devices``
+    devices (by default one per stage; :func:`tests._devices.devices`), and the MLP,
+    its arrays made on the pipeline's first device."""
+    used = pick_devices(devices or num_stages)
+    with computing_on(used):
+        ex = examples.mlp(num_layers=4, width=8, batch=batch)
     pipe = pm.pipeline_value_and_grad(
         ex.loss_fn,
         num_stages=num_stages,
         num_microbatches=num_microbatches,
         schedule=schedule,
-        devices=jax.devices()[: devices or num_stages],
+        devices=used,
     )
     return pipe, ex
 

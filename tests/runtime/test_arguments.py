@@ -11,6 +11,7 @@ import pytest
 import pipemark as pm
 from pipemark.errors import PipemarkError
 from pipemark.runtime.arguments import batch_arg_names, partition_params
+from tests._devices import devices
 
 
 def _assert_close(got, want, rtol=1e-5, atol=1e-6):
@@ -23,7 +24,7 @@ def _assert_close(got, want, rtol=1e-5, atol=1e-6):
 
 def _pipeline(loss, **options):
     options = {"num_stages": 2, "num_microbatches": 2, "schedule": "interleaved", **options}
-    return pm.pipeline_value_and_grad(loss, devices=jax.devices()[:1], **options)
+    return pm.pipeline_value_and_grad(loss, devices=devices(1), **options)
 
 
 def _mlp_params(widths=(8, 16, 16, 4), seed=0):

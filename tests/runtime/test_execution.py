@@ -10,8 +10,11 @@ import dataclasses
 import jax
 import pytest
 
+import pipemark as pm
+from pipemark import examples
 from pipemark.runtime import execution, placement
 from pipemark.runtime.execution import run_plan
+from tests._devices import computing_on
 from tests._trees import assert_trees_close, assert_trees_equal
 from tests.runtime._fusion import mlp_pipeline, unfused_steps
 
@@ -42,7 +45,8 @@ def test_every_schedule_with_fusion_matches_jax(
     plan = pipe.plan(*ex.args)
     fused = sum(s.fused is not None for _, s in plan.steps.serial)
     assert fused == num_fused
-    want = jax.value_and_grad(ex.loss_fn)(*ex.args)
+    with computing_on(plan.devices):
+        want = jax.value_and_grad(ex.loss_fn)(*ex.args)
     assert assert_trees_close(pipe(*ex.args), want, rtol=1e-5) > 2
     # Fused or not, the same values up to float rounding (XLA may fuse differently).
     assert_trees_close(run_plan(_unfused(plan), *ex.args, None), want, rtol=1e-5)
@@ -122,3 +126,16 @@ def test_what_a_call_costs_the_host(
         assert timings["num_programs"] == programs
         assert timings["num_actions"] == 4 * num_stages * num_microbatches // 2
         assert timings["host_cpu_s"] > 0
+
+
+def test_an_uncommitted_batch_is_split_where_it_lies(monkeypatch):
+    # On a device that is not JAX's default one (on an accelerator machine, the host
+    # CPU's: not even the default platform), the example's arrays made there: the
+    # batch is split on that device, so neither it nor the parameters are copied.
+    used = [d for d in jax.devices("cpu") if d != jax.devices()[0]][-1:]
+    with computing_on(used):
+        ex = examples.mlp(num_layers=2, width=8, batch=8)
+    pipe = pm.pipeline_value_and_grad(ex.loss_fn, num_stages=1, num_microbatches=4, devices=used)
+    counts = _Counts(monkeypatch, pipe.plan(*ex.args))
+    jax.block_until_ready(run_plan(counts.plan, *ex.args, {}))
+    assert (counts.transfers, counts.splits) == (0, 2)

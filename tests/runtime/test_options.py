@@ -9,10 +9,11 @@ import pytest
 
 import pipemark as pm
 from pipemark import examples
+from tests._devices import computing_on, devices
 
 
 @pytest.mark.parametrize(
-    "devices, message",
+    "bad, message",
     [
         ([], r"devices is empty; give at least one jax device"),
         (["cpu:0", "cpu:1"], r"devices\[0\] is 'cpu:0', not a jax.Device \(a device's name"),
@@ -21,16 +22,16 @@ from pipemark import examples
         ([jax.devices()[0], 3], r"devices\[1\] is 3, not a jax.Device;"),
     ],
 )
-def test_bad_devices_are_named_before_tracing(devices, message):
+def test_bad_devices_are_named_before_tracing(bad, message):
     ex = examples.mlp(2)
     with pytest.raises(pm.PipemarkError, match=message):
-        pm.pipeline_value_and_grad(ex.loss_fn, num_stages=1, num_microbatches=1, devices=devices)
+        pm.pipeline_value_and_grad(ex.loss_fn, num_stages=1, num_microbatches=1, devices=bad)
 
 
 def test_devices_may_be_any_iterable_of_devices():
     ex = examples.mlp(2)
     pipe = pm.pipeline_value_and_grad(
-        ex.loss_fn, num_stages=1, num_microbatches=1, devices=iter(jax.devices()[:1])
+        ex.loss_fn, num_stages=1, num_microbatches=1, devices=iter(devices(1))
     )
     loss, _ = pipe(*ex.args)
     want, _ = jax.jit(jax.value_and_grad(ex.loss_fn))(*ex.args)
@@ -53,10 +54,12 @@ def test_gather_results_must_be_a_bool(value):
 def test_gather_results_changes_nothing_in_one_process():
     # Every stage is this process's: its results are held here whatever the option.
     ex = examples.mlp(4)
+    used = devices(2)
     got = pm.pipeline_value_and_grad(
-        ex.loss_fn, num_stages=2, num_microbatches=2, gather_results=False
+        ex.loss_fn, num_stages=2, num_microbatches=2, gather_results=False, devices=used
     )(*ex.args)
-    want = jax.jit(jax.value_and_grad(ex.loss_fn))(*ex.args)
+    with computing_on(used):
+        want = jax.jit(jax.value_and_grad(ex.loss_fn))(*ex.args)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert a.is_fully_addressable
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -82,7 +85,7 @@ def test_the_runtime_cuts_by_block_cuts(block_cuts, aligned):
         num_stages=2,
         num_microbatches=2,
         schedule="interleaved",
-        devices=jax.devices()[:1],
+        devices=devices(1),
         loss_reduction="sum",
         block_cuts=block_cuts,
     )

@@ -1,8 +1,10 @@
 """Tests for pipemark.runtime.pipeline: pipeline_value_and_grad and pipeline_train_step.
 
-The multi-device cases run here, in the test process, on the host CPU devices the root
-conftest.py asks JAX for (8, of which these use up to 4); each case is its own test
-and compares with ``jax.jit(jax.value_and_grad(loss_fn))`` of the user's loss.
+The multi-device cases run here, in the test process, on the devices
+``tests._devices.devices`` gives (on the CPU: the 8 host devices the root conftest.py
+asks JAX for, of which these use up to 4; on one TPU chip: the host CPU's, with the
+reference computed there too); each case is its own test and compares with
+``jax.jit(jax.value_and_grad(loss_fn))`` of the user's loss.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from jax import lax
 import pipemark as pm
 from pipemark import examples
 from pipemark.errors import PipemarkError
+from tests._devices import computing_on, devices
 from tests._trees import assert_trees_close
 
 
@@ -61,14 +64,18 @@ def _example(model: str, rows: int) -> examples.Example:
 
 
 @functools.cache
-def _reference(model: str, rows: int):
+def _reference(model: str, rows: int, platform: str):
+    """``jax.jit(jax.value_and_grad(loss_fn))`` of the example, computed on ``platform``
+    (the pipeline's)."""
     ex = _example(model, rows)
-    return jax.jit(jax.value_and_grad(ex.loss_fn))(*ex.args)
+    with computing_on(jax.devices(platform)):
+        return jax.jit(jax.value_and_grad(ex.loss_fn))(*ex.args)
 
 
 def _case(model, rows, stages, micro, schedule="1f1b", *, num_stages=True, **options):
     """A multi-device case: ``stages`` is the stage count the plan must have; it is
-    passed as ``num_stages`` unless ``num_stages=False`` (the markers give it)."""
+    passed as ``num_stages`` unless ``num_stages=False`` (the markers give it). The
+    pipeline gets ``options["devices"]`` devices, by default one a stage."""
     options = dict(num_microbatches=micro, schedule=schedule, **options)
     if num_stages:
         options["num_stages"] = stages
@@ -106,12 +113,24 @@ def test_the_host_platform_has_the_devices_conftest_asks_for():
     assert len(jax.devices("cpu")) == 8
 
 
+def test_without_devices_a_pipeline_takes_the_default_backends_first_ones():
+    if len(jax.devices()) < 2:
+        pytest.skip(f"the default backend ({jax.default_backend()}) has one device")
+    ex = _example("mlp", 4)
+    pipeline = pm.pipeline_value_and_grad(ex.loss_fn, num_stages=2, num_microbatches=2)
+    assert list(pipeline.plan(*ex.args).devices) == jax.devices()[:2]
+    _, grads = pipeline(*ex.args)
+    assert {d for g in jax.tree_util.tree_leaves(grads) for d in g.devices()} == set(
+        jax.devices()[:2]
+    )
+
+
 @pytest.mark.parametrize(("model", "rows", "options", "stages"), MULTIDEVICE)
 def test_loss_and_every_gradient_equal_value_and_grad(model, rows, options, stages):
     ex = _example(model, rows)
-    want = _reference(model, rows)
-    if "devices" in options:
-        options = dict(options, devices=jax.devices()[: options["devices"]])
+    used = devices(options.get("devices", stages))
+    want = _reference(model, rows, used[0].platform)
+    options = dict(options, devices=used)
     pipeline = pm.pipeline_value_and_grad(ex.loss_fn, **options)
     loss, grads = pipeline(*ex.args)
     assert assert_trees_close((loss, grads), want, rtol=1e-5, atol=1e-6) > 1
@@ -121,11 +140,11 @@ def test_loss_and_every_gradient_equal_value_and_grad(model, rows, options, stag
     assert plan.num_stages == stages
     assert plan.schedule.name == options["schedule"]
     if options["schedule"] == "interleaved":  # 4 stages on 2 devices, round robin
-        assert list(plan.devices) == jax.devices()[:2] * 2
+        assert list(plan.devices) == used * 2
     else:  # stage i on device i, and each gradient stays on its stage's device
-        assert list(plan.devices) == jax.devices()[:stages]
+        assert list(plan.devices) == used
         grad_devices = {d for g in jax.tree_util.tree_leaves(grads) for d in g.devices()}
-        assert grad_devices == set(jax.devices()[:stages])
+        assert grad_devices == set(used)
     if model.startswith("resnet"):
         # resnet(skip=2): block i reads block i - 2, so stage 2 reads 0 and 3 reads 1,
         # whether the skips are routed through the stages between or bypass them.
@@ -143,9 +162,11 @@ def test_pipelined_training_step_equals_the_step(optimizer, options, stages):
     ex = examples.mlp(num_layers=4, width=8, batch=8)
     step, init_state = examples.train_step(ex.loss_fn, optimizer=optimizer)
     state = init_state(ex.params)
-    pipelined = pm.pipeline_train_step(step, **options)
+    used = devices(stages)
+    pipelined = pm.pipeline_train_step(step, devices=used, **options)
     got = pipelined(ex.params, state, ex.batch)
-    want = jax.jit(step)(ex.params, state, ex.batch)
+    with computing_on(used):
+        want = jax.jit(step)(ex.params, state, ex.batch)
     # new params, new optimizer state and loss, all to float32 tolerance
     assert assert_trees_close(got, want, rtol=1e-5, atol=1e-6) > 3
     plan = pipelined.plan(ex.params, state, ex.batch)
@@ -180,7 +201,7 @@ def test_num_stages_merges_consecutive_marked_stages():
         num_stages=2,
         num_microbatches=2,
         schedule="interleaved",
-        devices=jax.devices()[:1],
+        devices=devices(1),
     )
     plan = pipeline.plan(*ex.args)
     assert plan.num_stages == 2
@@ -212,7 +233,7 @@ def _mlp():
     [
         (dict(num_microbatches=4), r"batch of 6 does not split into 4 .* \[1, 2, 3, 6\]"),
         (
-            dict(num_microbatches=2, devices=jax.devices()[:1]),
+            dict(num_microbatches=2, devices=devices(1)),
             r"2 stages but only 1 device.*xla_force_host_platform",
         ),
         (dict(num_stages=3, num_microbatches=1), r"num_stages=3, but the program marks only 2"),
@@ -265,9 +286,42 @@ def test_batch_leaves_must_share_a_batch_axis():
 def test_more_stages_than_devices_with_explicit_devices():
     ex = _mlp()
     with pytest.raises(PipemarkError, match="schedule='interleaved'"):
-        pm.pipeline_value_and_grad(ex.loss_fn, num_microbatches=1, devices=jax.devices()[:1])(
-            *ex.args
-        )
+        pm.pipeline_value_and_grad(ex.loss_fn, num_microbatches=1, devices=devices(1))(*ex.args)
+
+
+def _stopped_loss(params, batch):
+    """Two layers, and a term whose parameter is under ``stop_gradient``: its gradient
+    is a constant zero, which no stage computes."""
+    x, y = batch
+    h = jnp.tanh(x @ params["w1"])
+    pm.mark_pipeline_boundary()
+    return jnp.mean((h @ params["w2"] - y) ** 2) + lax.stop_gradient(params["offset"])
+
+
+def test_a_pipeline_away_from_the_default_device_keeps_everything_on_its_devices():
+    # The host CPU's last two devices: not JAX's default device, and on an accelerator
+    # machine not even its platform. Every result, the constant gradient included, and
+    # a training step's update are on the pipeline's devices, committed there.
+    used = [d for d in jax.devices("cpu") if d != jax.devices()[0]][-2:]
+    params = {"w1": jnp.eye(3) * 0.5, "w2": jnp.ones((3, 2)), "offset": jnp.float32(1.0)}
+    batch = (jnp.linspace(-1, 1, 12).reshape(4, 3), jnp.ones((4, 2)))
+    pipe = pm.pipeline_value_and_grad(_stopped_loss, num_microbatches=2, devices=used)
+    got = pipe(params, batch)
+    assert "const" in {ref.kind for ref in pipe.plan(params, batch).staged.outputs}
+    for leaf in jax.tree_util.tree_leaves(got):
+        assert leaf.committed and leaf.devices() <= set(used), leaf.devices()
+    with computing_on(used):
+        want = jax.jit(jax.value_and_grad(_stopped_loss))(params, batch)
+    assert assert_trees_close(got, want) == 4
+
+    def step(params, batch):
+        loss, grads = jax.value_and_grad(_stopped_loss)(params, batch)
+        grads = pm.mark_gradient(grads)
+        return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+    stepped = pm.pipeline_train_step(step, num_microbatches=2, devices=used)(params, batch)
+    for leaf in jax.tree_util.tree_leaves(stepped):
+        assert leaf.committed and leaf.devices() == {used[0]}, leaf.devices()
 
 
 def test_a_schedule_object_places_its_stages_itself():
@@ -281,7 +335,7 @@ def test_a_schedule_object_places_its_stages_itself():
         num_microbatches=2,
     )
     pipe = pm.pipeline_value_and_grad(
-        ex.loss_fn, num_microbatches=2, devices=jax.devices()[:1], schedule=schedule
+        ex.loss_fn, num_microbatches=2, devices=devices(1), schedule=schedule
     )
     loss, grads = pipe(*ex.args)
     want_loss, want_grads = jax.value_and_grad(ex.loss_fn)(*ex.args)
@@ -300,12 +354,19 @@ def test_one_f_one_b_with_a_forward_more_in_flight_equals_value_and_grad(model):
     # stage graph with skips (the schedule gets the pipeline's graph).
     rows = 32 if model == "mlp_wide" else 16
     ex = _example(model, rows)
-    want = _reference(model, rows)
-    graph = pm.pipeline_value_and_grad(ex.loss_fn, num_microbatches=4).plan(*ex.args).schedule
+    used = devices(4)
+    want = _reference(model, rows, used[0].platform)
+    graph = (
+        pm.pipeline_value_and_grad(ex.loss_fn, num_microbatches=4, devices=used)
+        .plan(*ex.args)
+        .schedule
+    )
     schedule = pm.one_f_one_b_schedule(
         4, 4, stage_graph=dict(enumerate(graph.predecessors)), extra_in_flight=1
     )
-    pipe = pm.pipeline_value_and_grad(ex.loss_fn, num_microbatches=4, schedule=schedule)
+    pipe = pm.pipeline_value_and_grad(
+        ex.loss_fn, num_microbatches=4, schedule=schedule, devices=used
+    )
     assert assert_trees_close(pipe(*ex.args), want, rtol=1e-5, atol=1e-6) > 1
     first_backward = [
         next(i for i, a in enumerate(order) if a.kind != "forward")
@@ -411,7 +472,7 @@ def test_flax_optax_train_step_runs_as_a_pipeline():
         return optax.apply_updates(params, updates), state, value
 
     pipelined = pm.pipeline_train_step(
-        step, num_stages=2, num_microbatches=2, schedule="interleaved", devices=jax.devices()[:1]
+        step, num_stages=2, num_microbatches=2, schedule="interleaved", devices=devices(1)
     )
     names = [s.name for s in pipelined.plan(params, state, (x, y)).staged.stages]
     assert names == ["layer0", "layer1", "layer1_backward", "layer0_backward"]
@@ -428,7 +489,7 @@ def test_a_forward_stage_named_like_a_backward_half_is_refused(suffix):
         x, w = pm.mark((x, w), name="layer" + suffix, mark_type="start")
         return jnp.mean(pm.mark(jnp.tanh(x @ w), name="layer" + suffix, mark_type="end"))
 
-    pipe = pm.pipeline_value_and_grad(loss_fn, num_microbatches=1, devices=jax.devices()[:1])
+    pipe = pm.pipeline_value_and_grad(loss_fn, num_microbatches=1, devices=devices(1))
     with pytest.raises(pm.StageGraphError, match="'_backward' or '_weight' suffix"):
         pipe(jnp.eye(2), jnp.ones((2, 2)))
 
@@ -458,7 +519,7 @@ def test_the_loss_is_traced_once_per_input_shape():
             num_microbatches=2,
             loss_reduction=reduction,
             schedule="interleaved",
-            devices=jax.devices()[:1],
+            devices=devices(1),
         )
         pipe(params, jnp.ones((4, 3)))
         pipe(params, jnp.ones((4, 3)) * 2.0)
@@ -480,7 +541,7 @@ def test_a_marked_program_and_num_stages_give_one_answer(capsys):
         num_stages=2,
         num_microbatches=1,
         schedule="interleaved",
-        devices=jax.devices()[:1],
+        devices=devices(1),
     )
     runtime = pipe.plan(x, w).staged
     assert [s.name for s in runtime.stages] == names
@@ -502,7 +563,7 @@ def test_a_jitted_training_step_runs_as_a_pipeline():
     jitted = jax.jit(step)
     state = init_state(ex.params)
     pipelined = pm.pipeline_train_step(
-        jitted, num_microbatches=2, schedule="interleaved", devices=jax.devices()[:1]
+        jitted, num_microbatches=2, schedule="interleaved", devices=devices(1)
     )
     got = pipelined(ex.params, state, ex.batch)
     want = jitted(ex.params, state, ex.batch)
@@ -544,7 +605,7 @@ def test_a_sum_counts_a_term_without_the_batch_once(reduction):
         num_microbatches=4,
         loss_reduction=reduction,
         schedule="interleaved",
-        devices=jax.devices()[:1],
+        devices=devices(1),
     )
     loss, grads = pipe(params, batch)
     want_loss, want_grads = jax.value_and_grad(_decayed_sum_loss)(params, batch)
@@ -567,7 +628,7 @@ def test_a_summed_training_step_counts_weight_decay_once():
         num_microbatches=4,
         loss_reduction="sum",
         schedule="interleaved",
-        devices=jax.devices()[:1],
+        devices=devices(1),
     )
     got = pipelined(params, batch)
     want = jax.jit(step)(params, batch)
