@@ -200,6 +200,26 @@ def test_lowering_for_cpu_and_tpu_at_once_gives_each_its_kernel():
     assert text.count("@tpu_custom_call") == 3 and text.count("@pipeline_marker") == 3
 
 
+def test_markers_in_scan_cond_and_checkpoint_lower_for_tpu():
+    def body(carry, w):
+        (carry,) = pm.mark((jnp.tanh(carry @ w),), name="shared", mark_type="end")
+        return carry, None
+
+    def f(x, ws):
+        x = jax.lax.scan(body, x, ws)[0]
+        x = jax.lax.cond(jnp.sum(x) > 0, lambda x: pm.mark(x, name="c", mark_type="start"),
+                         lambda x: -x, x)  # fmt: skip
+        return jnp.sum(jax.checkpoint(lambda x: pm.mark(x * 2, name="k", mark_type="end"))(x))
+
+    step = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
+    args = (jnp.ones((8, 128)), jnp.full((3, 128, 128), 0.01))
+    with pm.lowering("custom_call"):
+        text = step.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    names = {kernel for kernel, _, _ in _kernels(text)}
+    assert {f"pipeline_marker.{k}" for k in ("end.shared", "start.c", "end.k")} <= names
+    assert any(name.endswith("_backward") for name in names)
+
+
 @pytest.mark.skipif(ON_TPU, reason="a TPU host knows its TPU's kind")
 def test_rank_one_operands_need_a_tpu_kind_off_a_tpu():
     f = jax.jit(lambda b: pm.mark(b, name="bias", mark_type="start"))
