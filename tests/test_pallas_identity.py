@@ -283,6 +283,7 @@ def test_marked_programs_through_the_kernel_equal_identity_lowering(pallas_on_cp
         jax.tree_util.tree_map(functools.partial(np.testing.assert_allclose, rtol=1e-6), got, want)
 
 
+@pytest.mark.slow  # 2-5 s: the runtime plans and compiles four stage programs
 def test_pipeline_through_the_kernel_equals_value_and_grad(pallas_on_cpu):
     ex = examples.mlp(num_layers=2, width=8, batch=4)
     loss_fn = lambda params, batch: ex.loss_fn(params, batch)  # noqa: E731 (fresh)
