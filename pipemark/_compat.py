@@ -80,6 +80,17 @@ VERSION_TABLE: dict[str, dict[str, str]] = {
         "jax.ffi": "0.10.2, 0.11.2, 0.12.0.1: jax.ffi.register_ffi_target, pycapsule, "
         "build_ffi_lowering_function, ffi_call",
     },
+    # The TPU identity kernel of custom-call markers (pipemark.pallas_identity).
+    "Pallas TPU kernel": {
+        "SideEffectType": "0.10.2 (measured), 0.11.1 and 0.12.0.1 (read in their source): "
+        "pl.pallas_call(kernel, out_shape, in_specs, out_specs, scratch_shapes, "
+        "input_output_aliases, interpret, name, compiler_params, metadata); "
+        "pltpu.CompilerParams(has_side_effects=pltpu.SideEffectType.SIDE_EFFECTING), a "
+        "kernel XLA never removes or deduplicates; pl.ANY refs, pltpu.make_async_copy, "
+        "pltpu.SemaphoreType.DMA; the TPU lowering writes name as the tpu_custom_call's "
+        "kernel_name and metadata as its kernel_metadata frontend attribute, and asks the "
+        "device kind (jax.sharding.AbstractDevice) for a rank-1 block",
+    },
     # Every equation records the abstract mesh it was traced under (jax.sharding.set_mesh)
     # and evaluating it enters that mesh again: pipemark.runtime.sharding rebuilds it on
     # a stage's sub-mesh through eqn_context_with_mesh.
@@ -147,6 +158,8 @@ def jax_form(row: str) -> str:
         return "one_minus_square" if "one_minus_square" in names else "sub/mul"
     if row == "closed jaxpr class":
         return "Jaxpr" if CLOSED_JAXPR_IS_JAXPR else "ClosedJaxpr"
+    if row == "Pallas TPU kernel":
+        return "SideEffectType" if pallas_side_effecting() is not True else "bool only"
     if row == "closed call primitive":
         from jax.extend.core.primitives import closed_call_p
 
@@ -288,11 +301,28 @@ def _with_all_live(rule: Any, used_outputs: Sequence[bool], eqn: Any) -> tuple[l
     return rule(used_outputs, [True] * len(eqn.invars), eqn)
 
 
-def register_lowering(primitive: Any, rule: Callable[..., Any]) -> None:
-    """``mlir.register_lowering(primitive, rule)`` on every platform (the "lowering
-    registration" row of :data:`VERSION_TABLE`); pipemark.primitive registers the
-    marker's lowering with it."""
-    _mlir.register_lowering(primitive, rule)
+def register_lowering(
+    primitive: Any, rule: Callable[..., Any], platform: str | None = None
+) -> None:
+    """``mlir.register_lowering(primitive, rule, platform)``: on every platform, or for
+    ``platform`` only (the "lowering registration" row of :data:`VERSION_TABLE`);
+    pipemark.primitive registers the marker's lowering with it."""
+    _mlir.register_lowering(primitive, rule, platform=platform)
+
+
+def pallas_side_effecting() -> Any:
+    """The ``has_side_effects`` value of ``pltpu.CompilerParams`` that makes XLA keep a
+    Pallas TPU kernel whose results are unused and never merge two calls of it:
+    ``pltpu.SideEffectType.SIDE_EFFECTING`` (the "Pallas TPU kernel" row of
+    :data:`VERSION_TABLE`); ``True``, the older spelling, where the enum is missing.
+
+    >>> pallas_side_effecting().name
+    'SIDE_EFFECTING'
+    """
+    from jax.experimental.pallas import tpu as pltpu
+
+    kinds = getattr(pltpu, "SideEffectType", None)
+    return True if kinds is None else kinds.SIDE_EFFECTING
 
 
 def define_lowering_state():

@@ -1,14 +1,21 @@
 """Custom-call identity targets: ``pipeline_marker`` and ``identity``.
 
-Both targets copy each operand to its result. They are typed-FFI handlers (XLA FFI C
-API, ``api_version=1``) written with :mod:`ctypes` (the API's structs and the generic
-handler are in :mod:`pipemark._ffi`), so nothing is compiled to register them:
+Both targets copy each operand to its result. On CPU and CUDA they are typed-FFI
+handlers (XLA FFI C API, ``api_version=1``) written with :mod:`ctypes` (the API's
+structs and the generic handler are in :mod:`pipemark._ffi`), so nothing is compiled to
+register them; on TPU a marker is a Pallas kernel (:mod:`pipemark.pallas_identity`):
 
 * on CPU the handler copies host memory and counts what it copied
   (:func:`cpu_copy_stats`), which lets tests prove that donated buffers are never copied;
 * on CUDA GPUs the handler launches ``kernels/batched_identity.cu``, compiled once per
   process and device by CuPy, on the stream XLA hands the call, and declares itself safe
-  for CUDA-graph (command buffer) capture.
+  for CUDA-graph (command buffer) capture;
+* on TPUs each marker lowers to a side-effecting ``pallas_call`` (a ``tpu_custom_call``
+  named after the marker) whose results alias its operands; nothing is registered with
+  XLA and no host code runs, so :func:`copy_stats` counts nothing there.
+
+:func:`lower_marker` is the one lowering of every platform: :data:`PLATFORM_LOWERINGS`
+says which kernel each platform gets.
 
 A pair whose result buffer *is* its operand buffer (XLA aliased them, as the
 ``custom_call`` lowering asks for) costs nothing. Every failure goes back to XLA as an
@@ -18,8 +25,8 @@ never returns a silently wrong result.
 XLA kills the process when a target name is registered twice, so :func:`register_targets`
 registers each (name, platform) exactly once per process, however often it is called.
 
-``import pipemark`` does not import this module's CuPy side: CuPy is imported only when
-CUDA targets are registered.
+``import pipemark`` does not import this module's CuPy or Pallas side: CuPy is imported
+only when CUDA targets are registered, Pallas only for TPUs.
 
 >>> import jax.numpy as jnp
 >>> from pipemark import custom_call
@@ -71,6 +78,7 @@ __all__ = [
     "launch_copies",
     "kernel_dir",
     "kernel_sources",
+    "PLATFORM_LOWERINGS",
     "lower_marker",
 ]
 
@@ -111,7 +119,9 @@ def copy_stats(platform: str = "cpu") -> CopyStats:
     """Counts of what the ``pipeline_marker``/``identity`` targets of ``platform`` did.
 
     On CUDA, ``copies`` counts the pairs handed to the kernel; calls replayed from a
-    captured CUDA graph do not run the handler and are not counted.
+    captured CUDA graph do not run the handler and are not counted. On TPU nothing is
+    counted (all zeros): the Pallas kernel runs on the device without host code; the
+    copies XLA inserts before aliased calls are ``copy`` ops in the compiled HLO.
     """
     with _stats_lock:
         return _stats.get(_canonical_platform(platform), CopyStats())
@@ -313,7 +323,7 @@ _handlers: list[Any] = []  # XLA keeps raw pointers: the ctypes callbacks must l
 def _canonical_platform(platform: str) -> str:
     if not isinstance(platform, str):
         raise PipemarkError(
-            f"platform must be 'cpu' or 'cuda' (a str), got {platform!r} of type "
+            f"platform must be 'cpu', 'cuda' or 'tpu' (a str), got {platform!r} of type "
             f"{type(platform).__name__}."
         )
     platform = platform.lower()
@@ -327,16 +337,21 @@ def registered_platforms() -> frozenset[str]:
 
 
 def register_targets(platform: str = "cpu") -> None:
-    """Register ``pipeline_marker`` and ``identity`` for ``platform`` (``"cpu"`` or
-    ``"cuda"``), once per process: later calls do nothing.
+    """Register ``pipeline_marker`` and ``identity`` for ``platform`` (``"cpu"``,
+    ``"cuda"`` or ``"tpu"``), once per process: later calls do nothing.
 
     For CUDA this imports CuPy (a :class:`PipemarkError` says how to install it) and
     compiles the kernel for every local GPU now, so no compilation happens while XLA
-    captures a CUDA graph.
+    captures a CUDA graph. For TPU it imports Pallas's TPU side (the marker kernel is a
+    ``pallas_call``, which needs no registration with XLA).
     """
     platform = _canonical_platform(platform)
     with _registry_lock:
         if platform in _registered:
+            return
+        if platform == "tpu":
+            _import_pallas_tpu()
+            _registered.add(platform)
             return
         if platform == "cpu":
             handler = make_handler(_cpu_execute, traits=0)
@@ -345,8 +360,9 @@ def register_targets(platform: str = "cpu") -> None:
             handler = make_handler(_cuda_execute, traits=TRAIT_COMMAND_BUFFER_COMPATIBLE)
         else:
             raise PipemarkError(
-                f"pipemark has custom-call targets for 'cpu' and 'cuda', not {platform!r}; "
-                "use pm.lowering('barrier') or pm.lowering('identity') on this platform."
+                "pipemark has custom-call targets for 'cpu', 'cuda' and 'tpu', not "
+                f"{platform!r}; use pm.lowering('barrier') or pm.lowering('identity') on "
+                "this platform."
             )
         _handlers.append(handler)
         for name in TARGET_NAMES:
@@ -357,6 +373,18 @@ def register_targets(platform: str = "cpu") -> None:
     if platform == "cuda":
         for device in jax.local_devices(backend="gpu"):
             _cuda_function(device.local_hardware_id)
+
+
+def _import_pallas_tpu():
+    try:
+        from pipemark import pallas_identity
+    except ImportError as error:
+        raise PipemarkError(
+            "The 'custom_call' lowering on a TPU lowers markers to a Pallas kernel, but "
+            f"this JAX cannot import Pallas's TPU side ({error}). Install a jax and jaxlib "
+            "of the same release, or use pm.lowering('barrier')."
+        ) from None
+    return pallas_identity
 
 
 def check_available(platform: str | None = None) -> None:
@@ -381,39 +409,78 @@ _SUB_BYTE_DTYPES = frozenset(
 
 def _passes_through_call(aval: Any) -> bool:
     # Extended dtypes (PRNG keys), float0 and sub-byte types (which XLA may pack) have no
-    # plain buffer of numpy's itemsize per element; they skip the call unchanged.
+    # plain buffer of numpy's itemsize per element, and an empty array has no data: they
+    # skip the call unchanged.
     dtype = getattr(aval, "dtype", None)
     if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return True
+    if 0 in getattr(aval, "shape", ()):
         return True
     return dtype == jax.dtypes.float0 or np.dtype(dtype) in _SUB_BYTE_DTYPES
 
 
-def lower_marker(ctx: mlir.LoweringRuleContext, *args, name: str, mark_type: str) -> list:
-    """Lower one marker to a side-effecting ``pipeline_marker`` custom call.
-
-    The call carries ``name``, ``mark_type`` and ``byte_sizes`` as FFI attributes and
-    aliases operand ``i`` to result ``i``, so a donated or intermediate buffer is never
-    copied.
-    """
-    for platform in ctx.platforms or ctx.module_context.platforms:
-        register_targets(platform)
-    kept = [i for i, aval in enumerate(ctx.avals_in) if not _passes_through_call(aval)]
-    avals = [ctx.avals_in[i] for i in kept]
+def _lower_ffi(ctx: mlir.LoweringRuleContext, *args, name: str, mark_type: str):
+    """A side-effecting typed-FFI ``pipeline_marker`` call (CPU and CUDA)."""
     call = jax.ffi.build_ffi_lowering_function(
         "pipeline_marker",
         has_side_effect=True,
-        operand_output_aliases={j: j for j in range(len(kept))},
+        operand_output_aliases={j: j for j in range(len(args))},
     )
     op = call(
+        ctx,
+        *args,
+        name=name,
+        mark_type=mark_type,
+        byte_sizes=flatten_shape_byte_sizes(ctx.avals_in),
+    )
+    return list(op.results)
+
+
+def _lower_pallas(ctx: mlir.LoweringRuleContext, *args, name: str, mark_type: str):
+    """The aliased Pallas identity kernel (TPU): :func:`pipemark.pallas_identity.lower_marker`."""
+    return _import_pallas_tpu().lower_marker(ctx, *args, name=name, mark_type=mark_type)
+
+
+#: How a marker lowers on each platform under ``pm.lowering("custom_call")``: a rule
+#: ``rule(ctx, *operands, name=, mark_type=) -> results`` given only the operands that go
+#: through the call. Platforms not listed get the typed-FFI ``pipeline_marker`` call.
+PLATFORM_LOWERINGS: dict[str, Any] = {"tpu": _lower_pallas}
+
+
+def lower_marker(ctx: mlir.LoweringRuleContext, *args, name: str, mark_type: str) -> list:
+    """Lower one marker to a side-effecting identity call that carries ``name`` and
+    ``mark_type``: on CPU and CUDA a typed-FFI ``pipeline_marker`` call (with
+    ``byte_sizes`` as a third FFI attribute), on TPU a Pallas kernel
+    (:mod:`pipemark.pallas_identity`).
+
+    Operand ``i`` is aliased to result ``i``, so a donated or intermediate buffer is
+    never copied. A lowering for several platforms at once (``jax.export`` with
+    ``platforms=[...]``) reaches this rule once per kernel kind:
+    :mod:`pipemark.primitive` registers the marker's lowering for ``"tpu"`` on its own,
+    so JAX splits TPU from the others.
+    """
+    platforms = tuple(ctx.platforms or ctx.module_context.platforms)
+    rules = {PLATFORM_LOWERINGS.get(_canonical_platform(p), _lower_ffi) for p in platforms}
+    if len(rules) != 1:
+        raise PipemarkError(
+            f"Cannot lower the {mark_type!r} marker {name!r} for platforms {platforms} "
+            "in one custom call: they need different kernels. Lower for one of them at a "
+            "time, or use pm.lowering('barrier')."
+        )
+    for platform in platforms:
+        register_targets(platform)
+    kept = [i for i, aval in enumerate(ctx.avals_in) if not _passes_through_call(aval)]
+    avals = [ctx.avals_in[i] for i in kept]
+    (rule,) = rules
+    outs = rule(
         ctx.replace(avals_in=avals, avals_out=avals),
         *(args[i] for i in kept),
         name=name,
         mark_type=mark_type,
-        byte_sizes=flatten_shape_byte_sizes(avals),
     )
     results = list(args)
     for j, i in enumerate(kept):
-        results[i] = op.results[j]
+        results[i] = outs[j]
     return results
 
 
@@ -421,13 +488,17 @@ def lower_marker(ctx: mlir.LoweringRuleContext, *args, name: str, mark_type: str
 
 
 def identity(*arrays: Any, alias: bool = True) -> tuple[jax.Array, ...]:
-    """Put ``arrays`` through the ``identity`` target: one call, one result per array.
+    """Put ``arrays`` through the ``identity`` target of JAX's default backend: one
+    call, one result per array.
 
     With ``alias=True`` each result reuses its operand's buffer (XLA copies a
     non-donated jit argument first); with ``alias=False`` the target copies every
-    buffer itself, which :func:`cpu_copy_stats` counts on CPU.
+    buffer itself, which :func:`cpu_copy_stats` counts on CPU. On a TPU this is
+    :func:`pipemark.pallas_identity.identity` (the copies are DMAs).
     """
     check_available()
+    if jax.default_backend() == "tpu":
+        return _import_pallas_tpu().identity(*arrays, alias=alias)
     arrays = tuple(jax.numpy.asarray(a) for a in arrays)
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
     call = jax.ffi.ffi_call(

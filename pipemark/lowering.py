@@ -9,8 +9,9 @@ Three modes, chosen with :func:`set_lowering` or the :func:`lowering` context ma
 ``"identity"``
     The operands pass straight through; the marker costs nothing at run time.
 ``"custom_call"``
-    A side-effecting custom call that carries the marker's name and mark type
-    (see :mod:`pipemark.custom_call`).
+    A side-effecting custom call that carries the marker's name and mark type: a
+    typed-FFI target on CPU and CUDA, a Pallas kernel on TPU (see
+    :mod:`pipemark.custom_call` and :mod:`pipemark.pallas_identity`).
 
 The mode is part of JAX's jit cache key, so a function compiled under one mode is
 recompiled, not reused, under another. Its default can also be set with the

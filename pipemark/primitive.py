@@ -210,8 +210,12 @@ def _marker_dce(used_outputs: list[bool], eqn: JaxprEqn):
 
 register_dce_rule(pipeline_p, _marker_dce)
 
-# Lowering to StableHLO: one of three modes (pipemark.lowering).
+# Lowering to StableHLO: one of three modes (pipemark.lowering). The same rule is
+# registered for "tpu" on its own so that a lowering for several platforms at once
+# (jax.export(..., platforms=["cpu", "tpu"])) calls it separately for the TPU, whose
+# custom-call marker is a Pallas kernel, and for the others, whose is a typed-FFI call.
 register_lowering(pipeline_p, lower_marker)
+register_lowering(pipeline_p, lower_marker, platform="tpu")
 
 
 # ------------------------------------------------------------------------ public API

@@ -173,3 +173,28 @@ def test_submesh_benchmark_prints_its_table():
         moved = cells[titles.index("bytes moved per step")]
         assert moved == cells[titles.index("boundary bytes per step")] and moved != "0", row
     assert "- bytes moved = boundary bytes in 9 of 9 rows" in lines
+
+
+@pytest.mark.slow
+def test_tpu_marker_benchmark_prints_its_tables(tmp_path):
+    # Slow (10-30 s): a process that imports JAX, runs the Pallas copies in interpret
+    # mode and compiles a language-model step under two lowerings.
+    out = tmp_path / "tpu_marker.md"
+    lines = _output_lines("tpu_marker.py", "--quick", "--styles", "startend", "--out", str(out))
+    assert out.read_text(encoding="utf-8").splitlines() == lines
+    if not lines[0].endswith("(tpu)"):  # off a TPU the script says its numbers mean nothing
+        assert lines[1].startswith("(no TPU: the Pallas kernels run in Pallas's interpreter")
+    header = next(line for line in lines if line.startswith("| copy |"))
+    rows = [line for line in lines if line.startswith(("| XLA:", "| Pallas"))]
+    assert rows[0].split("|")[4].strip() == "1.000"  # XLA's copy is the reference
+    assert sum("Pallas DMA" in row for row in rows) == 4 and len(rows) == 7
+    assert all(row.count("|") == header.count("|") for row in rows)
+    assert any(line.startswith("- the marker kernel's copy (best DMA count)") for line in lines)
+    header = next(line for line in lines if line.startswith("| markers | lowering |"))
+    steps = [line for line in lines if line.startswith("| startend |")]
+    assert [row.split("|")[2].strip() for row in steps] == ["barrier", "custom_call"]
+    calls = steps[1].split("|")[5].split("/")
+    assert int(calls[0].split()[0]) == int(calls[1]) > 0  # every marker is a call
+    assert all(row.count("|") == header.count("|") for row in steps)
+    assert any(line.startswith("- startend: custom_call ÷ barrier") for line in lines)
+    assert not any("failed:" in line for line in lines)  # every kind ran

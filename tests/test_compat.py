@@ -208,6 +208,28 @@ def test_guard_lowering_and_ffi_entry_points_exist():
     assert not missing, f"JAX {jax.__version__}: jax.ffi lacks {missing}; update 'FFI'"
 
 
+def test_guard_the_pallas_tpu_entry_points_exist():
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    wanted = {
+        "pl.pallas_call": (pl.pallas_call, {"name", "metadata", "input_output_aliases"}),
+        "pltpu.CompilerParams": (pltpu.CompilerParams, {"has_side_effects"}),
+        "jax.sharding.AbstractMesh": (jax.sharding.AbstractMesh, {"abstract_device"}),
+    }
+    missing = {
+        what: sorted(params - set(inspect.signature(fn).parameters))
+        for what, (fn, params) in wanted.items()
+    }
+    names = ("make_async_copy", "SemaphoreType")
+    missing["pltpu"] = [name for name in names if not hasattr(pltpu, name)]
+    missing["pl"] = [] if hasattr(pl, "ANY") else ["ANY"]
+    assert not any(missing.values()), (
+        f"JAX {jax.__version__}: Pallas TPU lacks {missing}; update 'Pallas TPU kernel' "
+        "in pipemark._compat.VERSION_TABLE and pipemark.pallas_identity"
+    )
+
+
 def _tested_range() -> tuple[tuple[int, ...], tuple[int, ...]]:
     setup = (Path(__file__).parents[1] / "setup.py").read_text(encoding="utf-8")
     low, high = re.search(r'"jax>=([\d.]+),<([\d.]+)"', setup).groups()
