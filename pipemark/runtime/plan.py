@@ -516,7 +516,7 @@ def _ready(plan: PipelinePlan) -> PipelinePlan:
     watchdog = None
     if placement.distributed:
         check_agreement(plan, plan.timeout_s)
-        watchdog = Watchdog(plan.timeout_s)
+        watchdog = Watchdog(plan.timeout_s, placement.process)
     return dataclasses.replace(
         plan,
         steps=steps,
