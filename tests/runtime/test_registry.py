@@ -1,4 +1,5 @@
-"""Tests for pipemark.runtime.registry: the one table of schedule names.
+"""Tests for pipemark.runtime.registry: the one table of schedule names, each built for
+a pm.ScheduleProblem.
 
 A schedule registered here runs as a pipeline with no other change: each case below
 registers one, runs ``pm.pipeline_value_and_grad(..., schedule=name)`` on the host CPU
@@ -16,33 +17,39 @@ from pipemark.errors import PipemarkError
 from tests._trees import assert_trees_close
 
 
-def _lifo(num_stages, num_microbatches, *, stage_graph, num_devices):
+def _lifo(problem):
     """GPipe with the backwards newest microbatch first: each device runs every
     forward, then the backwards in reverse."""
+    micro = problem.num_microbatches
     orders = [
-        [pm.Action(j, m, pm.runtime.FORWARD) for m in range(num_microbatches)]
-        + [pm.Action(j, m, pm.runtime.BACKWARD) for m in reversed(range(num_microbatches))]
-        for j in range(num_stages)
+        [pm.Action(j, m, pm.runtime.FORWARD) for m in range(micro)]
+        + [pm.Action(j, m, pm.runtime.BACKWARD) for m in reversed(range(micro))]
+        for j in range(problem.num_stages)
     ]
     return pm.schedule_from_orders(
         orders,
-        stage_devices=tuple(range(num_stages)),
-        num_microbatches=num_microbatches,
-        stage_graph=stage_graph,
+        stage_devices=tuple(range(problem.num_stages)),
+        num_microbatches=micro,
+        stage_graph=problem.stage_graph,
         name="lifo",
     )
 
 
-def _pairs(num_stages, num_microbatches, *, stage_graph, num_devices):
+def _pairs(problem):
     """Interleaved 1F1B under another name: several stages on each device."""
     return pm.interleaved_schedule(
-        num_stages, num_microbatches, num_devices=num_devices, stage_graph=stage_graph
+        problem.num_stages,
+        problem.num_microbatches,
+        num_devices=problem.num_devices,
+        stage_graph=problem.stage_graph,
     )
 
 
-def _split(num_stages, num_microbatches, *, stage_graph, num_devices):
+def _split(problem):
     """ZB-H1 under another name: the backward split into B and W."""
-    return pm.zero_bubble_schedule(num_stages, num_microbatches, stage_graph=stage_graph)
+    return pm.zero_bubble_schedule(
+        problem.num_stages, problem.num_microbatches, stage_graph=problem.stage_graph
+    )
 
 
 @pytest.fixture
@@ -121,3 +128,54 @@ def test_a_name_registers_once_and_unregisters():
 def test_registry_errors(call, message):
     with pytest.raises(PipemarkError, match=message):
         call()
+
+
+def test_a_builder_of_the_old_form_still_registers_with_a_warning():
+    given = {}
+
+    def old(num_stages, num_microbatches, *, stage_graph, num_devices):
+        given.update(stage_graph=stage_graph, num_devices=num_devices)
+        return pm.gpipe_schedule(num_stages, num_microbatches, stage_graph=stage_graph)
+
+    with pytest.warns(DeprecationWarning, match=r"write build\(problem\) -> Schedule"):
+        pm.register_schedule("old", old)
+    try:
+        assert pm.make_schedule("old", 3, 2, num_devices=4).ticks == pm.gpipe_schedule(3, 2).ticks
+        # As the planner called it: one device per stage.
+        assert given == {"stage_graph": {0: (), 1: (0,), 2: (1,)}, "num_devices": 3}
+    finally:
+        pm.runtime.unregister_schedule("old")
+
+
+def test_the_entry_checks_the_devices_a_schedule_needs():
+    few = pm.ScheduleProblem(4, 2, num_devices=2)
+    with pytest.raises(
+        PipemarkError,
+        match=r"4 stages but only 2 device\(s\); each stage needs its own device.*"
+        r"schedule='interleaved' or 'zb-v'",
+    ):
+        pm.runtime.schedule_entry("1f1b").schedule(few)
+    # A schedule that places its stages itself must keep to the devices available.
+    with pytest.raises(PipemarkError, match="uses 4 devices but only 2 are available"):
+        pm.runtime.build_schedule(pm.gpipe_schedule(4, 2), few)
+    pm.register_schedule("wide", _lifo, one_stage_per_device=False)
+    pm.register_schedule("nothing", lambda problem: None)
+    try:
+        with pytest.raises(PipemarkError, match="uses 4 devices but only 2 are available"):
+            pm.runtime.build_schedule("wide", few)
+        with pytest.raises(PipemarkError, match=r"returned NoneType, not a pm\.Schedule"):
+            pm.make_schedule("nothing", 2, 2)
+    finally:
+        pm.runtime.unregister_schedule("wide")
+        pm.runtime.unregister_schedule("nothing")
+
+
+def test_the_problem_times_reach_the_zero_bubble_builders():
+    # ZB-H1 orders its actions by simulating them with the problem's times: with a slow
+    # last stage the order differs from the one for unit times.
+    slow_last = pm.ScheduleProblem(4, 8, splits_backward=True).with_costs(
+        {"forward": (1.0, 1.0, 1.0, 4.0)}
+    )
+    tuned = pm.runtime.build_schedule("zb-h1", slow_last)
+    assert tuned.ticks == pm.zero_bubble_schedule(4, 8, costs=slow_last.costs).ticks
+    assert tuned.ticks != pm.make_schedule("zb-h1", 4, 8).ticks
