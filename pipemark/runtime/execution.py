@@ -56,7 +56,7 @@ from pipemark.runtime.exchange import Cancelled, Exchange
 from pipemark.runtime.placement import device_slot
 from pipemark.runtime.plan import PipelinePlan
 from pipemark.runtime.schedules import BACKWARD, FORWARD, WEIGHT, Action
-from pipemark.runtime.steps import PARAM, STAGE, Gather, Key, Step, resolve_steps
+from pipemark.runtime.steps import PARAM, STAGE, Gather, Key, Step
 from pipemark.runtime.transport import CollectiveTransport, InProcessTransport, Transport
 
 __all__ = ["STRATEGIES", "action_costs", "run_plan", "split_leaf"]
@@ -525,11 +525,8 @@ def action_costs(
     runs a forward and its backward as one (fused) program."""
     if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
         raise PipemarkError(f"repeat must be a positive int, got {repeat!r}.")
-    # Every action on its own: the plan's steps without fusion.
-    steps = resolve_steps(
-        plan.staged, plan.schedule, plan.roles(), plan.units, plan.placement, plan.num_param_leaves
-    )
-    plan = dataclasses.replace(plan, steps=steps, fused={})
+    # Every action on its own: the plan's steps without fusion, resolved with the plan.
+    plan = dataclasses.replace(plan, steps=plan.unfused_steps, fused={})
     seconds: dict[tuple[str, int], list[float]] = {}
     for walk in range(repeat + 1):
         call = _Call(plan, params, batch)

@@ -87,6 +87,15 @@ def test_a_registered_schedule_runs_a_pipeline_equal_to_value_and_grad(registere
     assert plan.schedule.num_devices == expected_devices
     assert registered.name in pm.runtime.SCHEDULES
     assert (registered.name in pm.runtime.ZERO_BUBBLE_VARIANTS) == registered.splits_backward
+    # The plan keeps what the builder was given: the pipeline's stage graph, every
+    # device, the split, and each stage's residuals (at least its input activation,
+    # 2 rows x 8 float32 per microbatch; the two middle layers alike).
+    problem = plan.problem
+    assert problem.stage_graph == plan.schedule.stage_graph
+    assert problem.num_devices == len(devices or jax.devices())
+    assert problem.splits_backward == registered.splits_backward
+    sizes = problem.activation_bytes
+    assert len(sizes) == 4 and min(sizes) >= 2 * 8 * 4 and sizes[1] == sizes[2], sizes
 
 
 def test_the_built_in_schedules_and_their_entries():
