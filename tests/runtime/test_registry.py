@@ -4,9 +4,15 @@ a pm.ScheduleProblem.
 A schedule registered here runs as a pipeline with no other change: each case below
 registers one, runs ``pm.pipeline_value_and_grad(..., schedule=name)`` on the host CPU
 devices of the root conftest.py and compares with ``jax.value_and_grad`` of the loss.
+The memory-aware schedule of docs/architecture.md ("Adding a schedule") is run from
+the page itself.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
 
 import jax
 import pytest
@@ -52,6 +58,39 @@ def _split(problem):
     )
 
 
+def _docs_schedule():
+    """The builder of docs/architecture.md's "Adding a schedule", run as the page shows
+    it (which registers it as "memory-capped"), then unregistered."""
+    section = DOCS.read_text(encoding="utf-8").split("## Adding a schedule", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    namespace: dict = {}
+    exec(compile(code, f"{DOCS} (Adding a schedule)", "exec"), namespace)
+    pm.runtime.unregister_schedule("memory-capped")
+    return namespace["memory_capped"]
+
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
+MEMORY_CAPPED = _docs_schedule()
+
+
+def _one_in_flight_on_the_largest(problem):
+    """The docs' memory-aware schedule with room for one microbatch of the stage with
+    the most residuals."""
+    limit = max(problem.activation_bytes)
+    return MEMORY_CAPPED(dataclasses.replace(problem, memory_limit=limit))
+
+
+def _in_flight(schedule):
+    """Per stage, the most microbatches in flight at once (forward run, backward not);
+    each stage on a device of its own."""
+    now = [0] * schedule.num_stages
+    peak = [0] * schedule.num_stages
+    for _, _, action in schedule.actions():
+        now[action.stage] += {pm.runtime.FORWARD: 1, pm.runtime.BACKWARD: -1}[action.kind]
+        peak[action.stage] = max(peak[action.stage], now[action.stage])
+    return peak
+
+
 @pytest.fixture
 def registered(request):
     """Registers the case's schedule and forgets it after the test."""
@@ -65,6 +104,7 @@ CASES = [
     ("lifo", _lifo, {}),
     ("pairs", _pairs, {"one_stage_per_device": False}),
     ("split", _split, {"splits_backward": True}),
+    ("memory-capped", _one_in_flight_on_the_largest, {}),
 ]
 
 
@@ -96,6 +136,27 @@ def test_a_registered_schedule_runs_a_pipeline_equal_to_value_and_grad(registere
     assert problem.splits_backward == registered.splits_backward
     sizes = problem.activation_bytes
     assert len(sizes) == 4 and min(sizes) >= 2 * 8 * 4 and sizes[1] == sizes[2], sizes
+    if registered.name == "memory-capped":  # the residuals reached the builder
+        peaks = _in_flight(plan.schedule)
+        assert all(n * size <= max(sizes) for n, size in zip(peaks, sizes)), (peaks, sizes)
+        assert peaks != _in_flight(pm.make_schedule("1f1b", 4, 4)), peaks
+
+
+@pytest.mark.parametrize("graph", [None, [(0, 1), (1, 2), (2, 3), (0, 2)]], ids=["chain", "skip"])
+def test_the_docs_memory_aware_schedule_keeps_its_residuals_under_the_limit(graph):
+    sizes = (300, 100, 200, 100)
+    unlimited = pm.ScheduleProblem(4, 8, stage_graph=graph, activation_bytes=sizes)
+    # Without a limit it is 1F1B (stage j holds up to 4 - j microbatches on a chain).
+    one_f_one_b = pm.make_schedule("1f1b", 4, 8, stage_graph=graph)
+    assert MEMORY_CAPPED(unlimited).ticks == one_f_one_b.ticks
+    for limit in (300, 500, 900, 1200, 10_000):
+        schedule = MEMORY_CAPPED(dataclasses.replace(unlimited, memory_limit=limit))
+        peaks = _in_flight(schedule)
+        assert all(n * size <= limit for n, size in zip(peaks, sizes)), (limit, peaks)
+        # Stage 0 holds as many as fit, up to 1F1B's 4.
+        assert peaks[0] == min(limit // sizes[0], 4), (limit, peaks)
+    with pytest.raises(PipemarkError, match=r"Stage 0 holds 300 bytes .* memory_limit=250"):
+        MEMORY_CAPPED(dataclasses.replace(unlimited, memory_limit=250))
 
 
 def test_the_built_in_schedules_and_their_entries():
