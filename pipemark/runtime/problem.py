@@ -129,8 +129,8 @@ class ScheduleProblem:
         The pipeline's stages and microbatches.
     stage_graph:
         ``{stage: its predecessors}``, the stages each forward stage reads from, as
-        :attr:`Schedule.stage_graph <pipemark.runtime.Schedule.stage_graph>` gives it
-        and every schedule builder takes it (given as anything
+        :attr:`~pipemark.runtime.Schedule.stage_graph` gives it and every schedule
+        builder takes it (given as anything
         :func:`~pipemark.runtime.schedules.normalize_stage_graph` reads: ``None`` for a
         chain, ``(source, target)`` edges, a mapping, a ``networkx.DiGraph``).
     splits_backward:
