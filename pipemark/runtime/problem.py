@@ -168,7 +168,7 @@ class ScheduleProblem:
     stage_graph: Any = None
     splits_backward: bool = False
     num_devices: int | None = None
-    slots: tuple[Any, ...] = ()
+    slots: tuple[Any, ...] = dataclasses.field(default=(), repr=False)
     forward_time: Any = 1.0
     backward_time: Any = 1.0
     weight_time: Any = 1.0
