@@ -194,7 +194,7 @@ def _transfers(repeat: int) -> dict:
     devices = jax.devices()
     source, target = devices[0], devices[1]
     me = jax.process_index()
-    transport = CollectiveTransport(Watchdog(120))
+    transport = CollectiveTransport(Watchdog(120, me), me)
     mesh, raw = _raw_ppermute()
     result = {}
     for mib in SIZES_MIB:

@@ -56,13 +56,9 @@ def _set_flags(num_devices: int) -> None:
 def _unfused(pipe, params, batch):
     """A call of ``pipe``'s plan with every action its own program (no fusion)."""
     from pipemark.runtime.execution import run_plan
-    from pipemark.runtime.steps import resolve_steps
 
     plan = pipe.plan(params, batch)
-    steps = resolve_steps(
-        plan.staged, plan.schedule, plan.roles(), plan.units, plan.placement, plan.num_param_leaves
-    )
-    plan = dataclasses.replace(plan, steps=steps, fused={})
+    plan = dataclasses.replace(plan, steps=plan.unfused_steps, fused={})
 
     def call(timings):
         return run_plan(plan, params, batch, timings)

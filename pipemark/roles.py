@@ -26,6 +26,7 @@ from pipemark.errors import PipemarkError
 from pipemark.marks import APPLY_STAGE, forward_name, owner_name
 
 __all__ = [
+    "ACTION_KINDS",
     "APPLY",
     "BACKWARD",
     "FORWARD",
@@ -50,6 +51,10 @@ APPLY = "apply"
 MIXED = "mixed"
 #: The kinds, in the order above.
 ROLE_KINDS: tuple[str, ...] = (FORWARD, BACKWARD, WEIGHT, APPLY, MIXED)
+#: The kinds of stage program a pipeline schedule runs, one action per pipeline stage
+#: and microbatch (:class:`pipemark.runtime.Action`'s ``kind``): the one definition the
+#: runtime reads.
+ACTION_KINDS: tuple[str, ...] = (FORWARD, BACKWARD, WEIGHT)
 _OWNED = frozenset((BACKWARD, WEIGHT))
 
 

@@ -1,6 +1,8 @@
 """Run staged programs on several devices: pipeline schedules as data
-(:mod:`pipemark.runtime.schedules`) named in one registry
-(:mod:`pipemark.runtime.registry`), their plots (:mod:`pipemark.runtime.plot`), and
+(:mod:`pipemark.runtime.schedules`, :mod:`pipemark.runtime.zero_bubble`), built for a
+:class:`ScheduleProblem` by builders named in one registry
+(:mod:`pipemark.runtime.registry`), their simulation
+(:mod:`pipemark.runtime.simulation`) and plots (:mod:`pipemark.runtime.plot`), and
 :func:`pipeline_value_and_grad` / :func:`pipeline_train_step`
 (:mod:`pipemark.runtime.pipeline`), which plan (:mod:`pipemark.runtime.plan`) and run
 (:mod:`pipemark.runtime.execution`) a pipeline with :class:`PipelineOptions`.
@@ -14,9 +16,11 @@ from pipemark.runtime.pipeline import PipelinePlan as PipelinePlan
 from pipemark.runtime.pipeline import pipeline_train_step as pipeline_train_step
 from pipemark.runtime.pipeline import pipeline_value_and_grad as pipeline_value_and_grad
 from pipemark.runtime.plot import plot_schedule as plot_schedule
+from pipemark.runtime.problem import ScheduleProblem as ScheduleProblem
 from pipemark.runtime.registry import SCHEDULES as SCHEDULES
 from pipemark.runtime.registry import ZERO_BUBBLE_VARIANTS as ZERO_BUBBLE_VARIANTS
 from pipemark.runtime.registry import ScheduleEntry as ScheduleEntry
+from pipemark.runtime.registry import build_schedule as build_schedule
 from pipemark.runtime.registry import make_schedule as make_schedule
 from pipemark.runtime.registry import register_schedule as register_schedule
 from pipemark.runtime.registry import schedule_entry as schedule_entry
@@ -33,4 +37,5 @@ from pipemark.runtime.schedules import one_f_one_b_schedule as one_f_one_b_sched
 from pipemark.runtime.schedules import schedule_from_orders as schedule_from_orders
 from pipemark.runtime.simulation import Simulation as Simulation
 from pipemark.runtime.simulation import simulate_schedule as simulate_schedule
-from pipemark.runtime.simulation import zero_bubble_schedule as zero_bubble_schedule
+from pipemark.runtime.zero_bubble import build_zero_bubble as build_zero_bubble
+from pipemark.runtime.zero_bubble import zero_bubble_schedule as zero_bubble_schedule

@@ -31,6 +31,7 @@ from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from jax.sharding import PartitionSpec as P
 
 from pipemark.caches import register_cache
+from pipemark.runtime.losses import microbatch_share
 from pipemark.runtime.placement import Placement, Slot
 from pipemark.runtime.sharding import compile_stage
 from pipemark.staged import StagedJaxpr
@@ -234,7 +235,7 @@ def _jit_unit(
 
     def run(accs: list[Any], inputs: list[Any], scale: Any) -> tuple[list[Any], list[Any]]:
         outs = fun(*inputs)
-        new = [acc + _contribution(outs[o], scale) for acc, o in zip(accs, accumulated)]
+        new = [acc + microbatch_share(outs[o], scale) for acc, o in zip(accs, accumulated)]
         return new, [outs[o] for o in passed]
 
     sharding = slot.sharding
@@ -247,13 +248,6 @@ def _jit_unit(
 
         zeros = jax.jit(make_zeros, out_shardings=sharding)
     return jax.jit(run, out_shardings=sharding), zeros
-
-
-def _contribution(value: Any, scale: Any) -> Any:
-    """A microbatch's share of an accumulated result (an integer result is not scaled)."""
-    if jnp.issubdtype(value.dtype, jnp.inexact):
-        return value * scale.astype(value.dtype)
-    return value
 
 
 # ----------------------------------------------------------------- fused programs
@@ -346,7 +340,7 @@ def _jit_fused(
         extra = inputs[num_forward_inputs:]
         outs = backward_fun(*(forward_outs[i] if inside else extra[i] for inside, i in wiring))
         shares = [forward_outs[o] for o in accumulated[0]] + [outs[o] for o in accumulated[1]]
-        new = [acc + _contribution(v, scale) for acc, v in zip(accs, shares)]
+        new = [acc + microbatch_share(v, scale) for acc, v in zip(accs, shares)]
         return new, [outs[o] for o in passed]
 
     return jax.jit(run, out_shardings=slot.sharding)

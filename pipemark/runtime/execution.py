@@ -53,9 +53,10 @@ from pipemark.caches import register_cache
 from pipemark.errors import PipemarkError
 from pipemark.runtime.compilation import Unit, result_shardings
 from pipemark.runtime.exchange import Cancelled, Exchange
+from pipemark.runtime.placement import device_slot
 from pipemark.runtime.plan import PipelinePlan
 from pipemark.runtime.schedules import BACKWARD, FORWARD, WEIGHT, Action
-from pipemark.runtime.steps import PARAM, STAGE, Gather, Key, Step, resolve_steps
+from pipemark.runtime.steps import PARAM, STAGE, Gather, Key, Step
 from pipemark.runtime.transport import CollectiveTransport, InProcessTransport, Transport
 
 __all__ = ["STRATEGIES", "action_costs", "run_plan", "split_leaf"]
@@ -277,24 +278,24 @@ class _Call:
 
     def gather(self, gather: Gather) -> None:
         """Every process other than its worker's receives the accumulated results of
-        stage ``gather.index``: the worker's process sends them to each in turn."""
+        stage ``gather.index``: one transport move to each receiving device in turn,
+        which the worker's process sends and that device's process receives (the
+        others pass it by)."""
         transport, index = self.transport, gather.index
-        sender = self.plan.placement.slots[gather.worker].device
+        source = device_slot(self.plan.placement.slots[gather.worker].device)
         what = f"the results of stage {self.plan.staged.stages[index].name!r}"
+        accs = None
         if self.local[gather.worker]:
             accs = self.exchange.take((-1, index, 0), len(self.local))[0]
             if self.plan.placement.meshes:  # a sub-mesh's results go whole, from one device
-                accs = [jax.device_put(v, sender) for v in accs]
-            before = transport.bytes_sent
-            for _, receiver in gather.receivers:
-                transport.send(accs, sender, receiver, what)
-            self.gathered[0] += transport.bytes_sent - before
-            return
-        for process, receiver in gather.receivers:
-            if process == self.plan.placement.process:
-                before = transport.bytes_received
-                self.accs[index] = transport.receive(gather.types, sender, receiver, what)
-                self.gathered[1] += transport.bytes_received - before
+                accs = [jax.device_put(v, source.device) for v in accs]
+        sent, received = transport.bytes_sent, transport.bytes_received
+        for _, receiver in gather.receivers:
+            moved = transport.move(accs, gather.types, source, device_slot(receiver), what)
+            if moved is not None:
+                self.accs[index] = moved
+        self.gathered[0] += transport.bytes_sent - sent
+        self.gathered[1] += transport.bytes_received - received
 
     def finish(self) -> None:
         """Reduce this process's accumulators over their data-parallel replicas: the
@@ -416,7 +417,8 @@ def _run_processes(call: _Call) -> None:
     its next action while the values of its last one are still on their way. Each
     stage's accumulated results go to every other process as soon as its last action is
     dispatched (in the same order), while other stages still compute."""
-    call.transport = transport = CollectiveTransport(call.plan.watchdog)
+    process = call.plan.placement.process
+    call.transport = transport = CollectiveTransport(call.plan.watchdog, process)
     workers = [w for w, mine in enumerate(call.local) if mine]
     threads = [
         threading.Thread(target=_guard, args=(call, call.walk, w), name=f"pipemark-device{w}")
@@ -531,11 +533,8 @@ def action_costs(
     runs a forward and its backward as one (fused) program."""
     if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
         raise PipemarkError(f"repeat must be a positive int, got {repeat!r}.")
-    # Every action on its own: the plan's steps without fusion.
-    steps = resolve_steps(
-        plan.staged, plan.schedule, plan.roles(), plan.units, plan.placement, plan.num_param_leaves
-    )
-    plan = dataclasses.replace(plan, steps=steps, fused={})
+    # Every action on its own: the plan's steps without fusion, resolved with the plan.
+    plan = dataclasses.replace(plan, steps=plan.unfused_steps, fused={})
     seconds: dict[tuple[str, int], list[float]] = {}
     for walk in range(repeat + 1):
         call = _Call(plan, params, batch)

@@ -30,9 +30,30 @@ from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
 from pipemark.errors import describe_eqn
 from pipemark.passes.rewrite import dce
 
-__all__ = ["LOSS_REDUCTIONS", "count_batch_free_terms_once", "find_batch_normaliser", "split_count"]
+__all__ = [
+    "LOSS_REDUCTIONS",
+    "count_batch_free_terms_once",
+    "find_batch_normaliser",
+    "microbatch_share",
+    "split_count",
+]
 
 LOSS_REDUCTIONS = ("mean", "sum", "sum_over_count")
+
+
+def microbatch_share(value: Any, scale: Any) -> Any:
+    """A microbatch's share of an accumulated result: ``value * scale`` (``scale`` is
+    ``1/M`` for a mean, 1 for a sum, as an array so that one compiled program serves
+    every number of microbatches), in ``value``'s dtype; an integer result (a count) is
+    not scaled. The one rule every compiled stage program accumulates by.
+
+    >>> import jax.numpy as jnp
+    >>> microbatch_share(jnp.float32(3.0), jnp.float32(0.5)), microbatch_share(jnp.int32(3), 0.5)
+    (Array(1.5, dtype=float32), Array(3, dtype=int32))
+    """
+    if jnp.issubdtype(value.dtype, jnp.inexact):
+        return value * scale.astype(value.dtype)
+    return value
 
 
 def find_batch_normaliser(cj: ClosedJaxpr, num_param_leaves: int) -> str | None:

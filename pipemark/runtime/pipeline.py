@@ -60,15 +60,11 @@ from pipemark.runtime.arguments import (
 from pipemark.runtime.execution import action_costs, run_plan
 from pipemark.runtime.losses import LOSS_REDUCTIONS, count_batch_free_terms_once, split_count
 from pipemark.runtime.options import PipelineOptions
+from pipemark.runtime.pipeline_stages import stage_program
 from pipemark.runtime.placement import leaf_specs
-from pipemark.runtime.plan import (
-    PipelinePlan,
-    build_plan,
-    plan_from_staged,
-    replica_batch,
-    stage_program,
-)
+from pipemark.runtime.plan import PipelinePlan, build_plan, plan_from_staged
 from pipemark.runtime.schedules import Schedule
+from pipemark.runtime.tracing import replica_batch
 
 __all__ = [
     "LOSS_REDUCTIONS",

@@ -1,6 +1,8 @@
-"""How a pipeline is planned: trace ``value_and_grad`` of a loss for one microbatch,
-slice it into forward and mirrored backward stages, pair them into pipeline stages,
-schedule them, and compile each stage program once for its device.
+"""How a pipeline is planned: trace ``value_and_grad`` of a loss for one microbatch
+(:mod:`pipemark.runtime.tracing`), cut it into pipeline stages
+(:mod:`pipemark.runtime.pipeline_stages`), schedule them for the pipeline's
+:class:`~pipemark.runtime.ScheduleProblem` (:mod:`pipemark.runtime.scheduling`), place
+them and compile each stage program once for its slot: the :class:`PipelinePlan`.
 :mod:`pipemark.runtime.execution` runs the plan; :mod:`pipemark.runtime.pipeline` is
 the API over both.
 """
@@ -13,155 +15,34 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from jax.sharding import NamedSharding
 
-from pipemark.errors import PipemarkError, StageGraphError
-from pipemark.passes.backward_split import split_backward
-from pipemark.passes.inline import inline_calls
-from pipemark.passes.stages import pair_stages
 from pipemark.runtime.agreement import check_agreement
 from pipemark.runtime.compilation import Unit, compile_fused, compile_units
-from pipemark.runtime.losses import (
-    LOSS_REDUCTIONS,
-    count_batch_free_terms_once,
-    find_batch_normaliser,
-)
+from pipemark.runtime.losses import LOSS_REDUCTIONS
 from pipemark.runtime.options import PipelineOptions
-from pipemark.runtime.placement import Placement, Slot, available_slots, leaf_specs, place_stages
-from pipemark.runtime.registry import SCHEDULES, make_schedule, schedule_entry
+from pipemark.runtime.pipeline_stages import pipeline_stages, stage_program
+from pipemark.runtime.placement import Placement, Slot, leaf_specs, place_stages
+from pipemark.runtime.problem import ScheduleProblem
 from pipemark.runtime.schedules import BACKWARD, FORWARD, WEIGHT, Schedule
+from pipemark.runtime.scheduling import plan_schedule
 from pipemark.runtime.steps import Steps, fuse_steps, resolve_steps, without_gathers
+from pipemark.runtime.tracing import (
+    loss_over_microbatches,
+    replica_batch,
+    trace_loss,
+    trace_value_and_grad,
+)
 from pipemark.runtime.transport import Watchdog
 from pipemark.staged import StagedJaxpr
-from pipemark.staging import has_stage_markers, split_jaxpr
 
 __all__ = [
     "LOSS_REDUCTIONS",
     "PipelinePlan",
     "build_plan",
-    "microbatch_structs",
     "plan_from_staged",
-    "stage_program",
 ]
-
-
-# ------------------------------------------------------------------------ checks
-
-
-def microbatch_structs(batch: Any, num_microbatches: int) -> tuple[list[Any], int]:
-    """The ShapeDtypeStruct of one microbatch of each batch leaf, and the microbatch
-    size."""
-    leaves = jax.tree_util.tree_leaves(batch)
-    if not leaves:
-        raise PipemarkError(
-            "The batch has no arrays to split into microbatches; pass the data as the "
-            "second argument, loss_fn(params, batch)."
-        )
-    sizes = set()
-    for i, leaf in enumerate(leaves):
-        shape = np.shape(leaf)
-        if len(shape) == 0:
-            raise PipemarkError(
-                f"Batch leaf {i} is a scalar; every batch array needs a leading batch axis "
-                "to split into microbatches. Move scalars into params or close over them "
-                "in loss_fn."
-            )
-        sizes.add(shape[0])
-    if len(sizes) != 1:
-        raise PipemarkError(
-            f"The batch arrays have different leading sizes {sorted(sizes)}; all of them "
-            "must share the batch axis (axis 0) that is split into microbatches."
-        )
-    (size,) = sizes
-    if size % num_microbatches:
-        divisors = [d for d in range(1, size + 1) if size % d == 0]
-        raise PipemarkError(
-            f"A batch of {size} does not split into {num_microbatches} equal microbatches. "
-            f"Use num_microbatches in {divisors}, or pad the batch to a multiple of "
-            f"{num_microbatches}."
-        )
-    micro = size // num_microbatches
-    structs = [jax.ShapeDtypeStruct((micro, *np.shape(x)[1:]), jnp.result_type(x)) for x in leaves]
-    return structs, micro
-
-
-def _trace_loss(loss_fn: Callable, params: Any, batch_structs: Any) -> ClosedJaxpr:
-    """The loss traced for one microbatch, its calls inlined: the one trace of
-    ``loss_fn`` that the checks, the rewrites and the differentiation all read."""
-    cj, out = jax.make_jaxpr(loss_fn, return_shape=True)(params, batch_structs)
-    leaves = jax.tree_util.tree_leaves(out)
-    if len(leaves) != 1 or not hasattr(out, "shape"):
-        raise PipemarkError(
-            f"loss_fn returns {jax.tree_util.tree_structure(out)}, not one array. "
-            "pipeline_value_and_grad differentiates a scalar loss: return only the loss "
-            "(auxiliary outputs are not supported)."
-        )
-    if out.shape != () or not jnp.issubdtype(out.dtype, jnp.inexact):
-        raise PipemarkError(
-            f"loss_fn returns {out.dtype}{list(out.shape)}; pipeline_value_and_grad needs a "
-            "scalar floating-point loss. Reduce it over the batch (jnp.mean or jnp.sum, "
-            "and pass loss_reduction= accordingly)."
-        )
-    return inline_calls(cj)
-
-
-def _refuse_batch_normaliser(loss: ClosedJaxpr, num_param_leaves: int) -> None:
-    """A mean normalised by a count from the batch cannot be averaged per microbatch."""
-    found = find_batch_normaliser(loss, num_param_leaves)
-    if found is not None:
-        raise PipemarkError(
-            f"loss_fn divides by a count computed from the batch at {found} (a masked or "
-            "weighted mean). Averaging it per microbatch differs from the mean over the "
-            "whole batch, and a microbatch that is all padding divides 0 by 0. Return "
-            "(sum, count) instead, e.g. (jnp.sum(losses * mask), jnp.sum(mask)), and pass "
-            "loss_reduction='sum_over_count'."
-        )
-
-
-# ------------------------------------------------------------------- stage plan
-
-
-def stage_program(
-    cj: ClosedJaxpr, num_stages: int | None, what: str, block_cuts: str = "prefer"
-) -> StagedJaxpr:
-    """Cut a traced program for the runtime as :func:`pipemark.split` cuts it (through
-    :func:`pipemark.split_jaxpr`): at its markers, or, without any, into ``num_stages``
-    balanced stages under the split policy ``block_cuts`` (``what`` names the program
-    in the error when there is neither)."""
-    # Inlined once here; has_stage_markers and split_jaxpr then find nothing to inline.
-    cj = inline_calls(cj)
-    if num_stages is None and not has_stage_markers(cj):
-        raise PipemarkError(
-            f"{what} has no pipeline markers, so the pipeline cannot tell where to cut it. "
-            "Pass num_stages= to cut it automatically into balanced stages, or mark the "
-            "layers with pm.mark(..., mark_type='start'/'end') or "
-            "pm.mark_pipeline_boundary()."
-        )
-    # Marked stages are merged into num_stages, or an unmarked program is cut into
-    # num_stages, exactly as pm.split and the CLI do.
-    return split_jaxpr(cj, num_stages=num_stages, block_cuts=block_cuts)
-
-
-def _trace_staged(
-    loss: ClosedJaxpr, params: Any, batch_structs: Any, options: PipelineOptions
-) -> tuple[StagedJaxpr, Any]:
-    """Differentiate the traced loss (``value_and_grad`` of the program, not of
-    ``loss_fn`` again) and cut it into forward and mirrored backward stages. Returns the
-    staged program and the output tree."""
-    program = jaxpr_as_fun(loss)
-
-    def replayed(params: Any, batch: Any) -> Any:
-        leaves = jax.tree_util.tree_leaves((params, batch))
-        return program(*leaves)[0]
-
-    cj, out_shape = jax.make_jaxpr(jax.value_and_grad(replayed), return_shape=True)(
-        params, batch_structs
-    )
-    staged = stage_program(cj, options.num_stages, "loss_fn", options.block_cuts)
-    return staged, jax.tree_util.tree_structure(out_shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,6 +109,13 @@ class PipelinePlan:
     #: Under jax.distributed: whether each stage's results go to every process
     #: (:class:`~pipemark.runtime.PipelineOptions` ``gather_results``).
     gather_results: bool = True
+    #: What the schedule was built for (:class:`~pipemark.runtime.ScheduleProblem`):
+    #: ``plan.problem.with_costs(costs)`` rebuilds it for measured costs
+    #: (:func:`~pipemark.runtime.build_schedule`).
+    problem: ScheduleProblem | None = dataclasses.field(default=None, compare=False)
+    #: The schedule's actions resolved with every action its own program (no fusion),
+    #: as :func:`~pipemark.runtime.execution.action_costs` times them.
+    unfused_steps: Steps | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def num_stages(self) -> int:
@@ -299,31 +187,6 @@ class PipelinePlan:
         return size * self.schedule.num_microbatches * replicas
 
 
-def _stage_edges(
-    staged: StagedJaxpr, pipeline_stage: dict[int, int], is_backward: set[int]
-) -> set[tuple[int, int]]:
-    """Edges of the pipeline-stage graph that make every cross-stage read safe: a value
-    read from another pipeline stage orders the two stages (see the module docstring of
-    :mod:`pipemark.runtime.schedules`)."""
-    edges: set[tuple[int, int]] = set()
-    for c, stage in enumerate(staged.stages):
-        for ref in stage.inputs:
-            if ref.kind != "stage":
-                continue
-            p = ref.stage
-            if c not in is_backward and p in is_backward:
-                raise StageGraphError(
-                    f"Forward stage {stage.name!r} reads a value of backward stage "
-                    f"{staged.stages[p].name!r}; a pipeline runs every forward before the "
-                    "matching backward. Keep gradient computations out of the forward "
-                    "stages."
-                )
-            a, b = pipeline_stage[p], pipeline_stage[c]
-            if a != b:
-                edges.add((min(a, b), max(a, b)))
-    return edges
-
-
 def build_plan(
     loss_fn: Callable, params: Any, batch: Any, options: PipelineOptions
 ) -> PipelinePlan:
@@ -331,14 +194,12 @@ def build_plan(
     the traced program, stage, schedule and compile it: the plan
     :func:`pipemark.runtime.execution.run_plan` runs."""
     batch_structs, micro, replicas = replica_batch(batch, options)
-    loss = _trace_loss(loss_fn, params, batch_structs)
+    loss = trace_loss(loss_fn, params, batch_structs)
     num_param_leaves = len(jax.tree_util.tree_leaves(params))
-    if options.loss_reduction == "mean":
-        _refuse_batch_normaliser(loss, num_param_leaves)
-    else:  # a sum: the terms without the batch (weight decay) count once, not per microbatch
-        evaluations = options.num_microbatches * replicas  # (and replica)
-        loss = count_batch_free_terms_once(loss, num_param_leaves, evaluations)
-    staged, out_tree = _trace_staged(loss, params, batch_structs, options)
+    evaluations = options.num_microbatches * replicas  # each microbatch (and replica)
+    loss = loss_over_microbatches(loss, num_param_leaves, options, evaluations)
+    program, out_tree = trace_value_and_grad(loss, params, batch_structs)
+    staged = stage_program(program, options.num_stages, "loss_fn", options.block_cuts)
     specs = None
     if options.mesh is not None:
         specs = leaf_specs(options.param_specs, params, options.stage_axis)
@@ -351,74 +212,6 @@ def build_plan(
         param_specs=specs,
         result_specs=None if specs is None else (None, *specs),
     )
-
-
-def replica_batch(batch: Any, options: PipelineOptions) -> tuple[Any, int, int]:
-    """What a stage program is traced for: the batch's tree of ShapeDtypeStructs for one
-    replica's rows of one microbatch (on sub-meshes with a data axis, a microbatch is
-    split into replicas), the microbatch's rows and the number of replicas."""
-    structs, micro = microbatch_structs(batch, options.num_microbatches)
-    replicas = replicas_of(options, micro)
-    structs = [
-        jax.ShapeDtypeStruct((s.shape[0] // replicas, *s.shape[1:]), s.dtype) for s in structs
-    ]
-    tree = jax.tree_util.tree_structure(batch)
-    return jax.tree_util.tree_unflatten(tree, structs), micro, replicas
-
-
-def replicas_of(options: PipelineOptions, microbatch_size: int) -> int:
-    """The data-parallel replicas each microbatch is split into (1 without a mesh, or
-    without a data axis), checked to divide the microbatch's rows."""
-    if options.mesh is None:
-        return 1
-    replicas = available_slots(options)[0].replicas
-    if microbatch_size % replicas:
-        raise PipemarkError(
-            f"A microbatch of {microbatch_size} rows does not split into {replicas} "
-            f"data-parallel replicas (the mesh's {options.data_axis!r} axis). Use a batch "
-            f"that is a multiple of num_microbatches x {replicas}, or fewer microbatches."
-        )
-    return replicas
-
-
-def _schedule(
-    options: PipelineOptions, count: int, edges: set[tuple[int, int]]
-) -> tuple[Schedule, list[Any]]:
-    """The pipeline's schedule for ``count`` pipeline stages and the devices available,
-    checked against each other."""
-    schedule = options.schedule
-    available = available_slots(options)
-    if isinstance(schedule, Schedule) or not schedule_entry(schedule).one_stage_per_device:
-        # Several stages may share a device (a Schedule places its own): the devices
-        # it uses are checked against those available below.
-        num_devices = len(available)
-    else:  # one stage per device
-        num_devices = count
-        if count > len(available):
-            sharing = " or ".join(
-                repr(name) for name in SCHEDULES if not schedule_entry(name).one_stage_per_device
-            )
-            raise PipemarkError(
-                f"The pipeline has {count} stages but only {len(available)} device(s) "
-                f"({', '.join(str(d) for d in available)}); each stage needs its own "
-                f"device. Pass num_stages={len(available)} (consecutive marked stages are "
-                "merged), give more devices (on CPU, set XLA_FLAGS="
-                f"--xla_force_host_platform_device_count={count} before JAX starts), or use "
-                f"schedule={sharing} to put several stages on each device."
-            )
-    plan_schedule = make_schedule(
-        schedule,
-        count,
-        options.num_microbatches,
-        stage_graph=sorted(edges),
-        num_devices=num_devices,
-    )
-    if plan_schedule.num_devices > len(available):
-        raise PipemarkError(
-            f"The schedule {plan_schedule.name!r} uses {plan_schedule.num_devices} devices "
-            f"but only {len(available)} are available; pass devices= with enough devices."
-        )
-    return plan_schedule, available
 
 
 def plan_from_staged(
@@ -435,25 +228,12 @@ def plan_from_staged(
     parameter leaves followed by the batch leaves (split into microbatches). On
     sub-meshes (``options.mesh``), ``param_specs`` lays each parameter leaf out on its
     stage's sub-mesh and ``result_specs`` each result (``None``: replicated)."""
-    if options.splits_backward:
-        # A zero-bubble schedule runs each backward's parameter gradients (W) apart.
-        staged = split_backward(staged)
-    forward, backward, weight = pair_stages(staged)
-    count = len(forward)
-    pipeline_stage: dict[int, int] = {}
-    for k, (f, b, w) in enumerate(zip(forward, backward, weight)):
-        pipeline_stage[f] = k
-        for other in (b, w):
-            if other is not None:
-                pipeline_stage[other] = k
-    is_backward = {b for b in (*backward, *weight) if b is not None}
-    edges = _stage_edges(staged, pipeline_stage, is_backward)
-
-    plan_schedule, available = _schedule(options, count, edges)
-    placement = place_stages(available, plan_schedule.stage_devices)
+    stages = pipeline_stages(staged, options.splits_backward)
+    problem, schedule = plan_schedule(stages, options)
+    placement = place_stages(problem.slots, schedule.stage_devices)
     units = compile_units(
-        staged,
-        {index: placement.stage_slots[k] for index, k in pipeline_stage.items()},
+        stages.staged,
+        {index: placement.stage_slots[k] for index, k in stages.pipeline_stage().items()},
         placement,
         num_params=num_param_leaves,
         param_specs=param_specs,
@@ -462,12 +242,12 @@ def plan_from_staged(
     )
     units = types.MappingProxyType(units)  # the plan is immutable
     plan = PipelinePlan(
-        staged=staged,
-        schedule=plan_schedule,
+        staged=stages.staged,
+        schedule=schedule,
         placement=placement,
-        forward_stages=tuple(forward),
-        backward_stages=tuple(backward),
-        weight_stages=tuple(weight),
+        forward_stages=stages.forward,
+        backward_stages=stages.backward,
+        weight_stages=stages.weight,
         microbatch_size=microbatch_size,
         num_param_leaves=num_param_leaves,
         out_tree=out_tree,
@@ -477,6 +257,7 @@ def plan_from_staged(
         timeout_s=options.timeout_s,
         param_specs=None if param_specs is None else tuple(param_specs),
         gather_results=options.gather_results,
+        problem=problem,
     )
     return _ready(plan)
 
@@ -488,7 +269,7 @@ def _ready(plan: PipelinePlan) -> PipelinePlan:
     ``jax.distributed`` the processes checked to make the same plan, and its
     watchdog."""
     placement, local = plan.placement, plan.placement.local
-    steps = resolve_steps(
+    unfused = steps = resolve_steps(
         plan.staged, plan.schedule, plan.roles(), plan.units, placement, plan.num_param_leaves
     )
     pairs: dict[int, int] = {}
@@ -516,10 +297,11 @@ def _ready(plan: PipelinePlan) -> PipelinePlan:
     watchdog = None
     if placement.distributed:
         check_agreement(plan, plan.timeout_s)
-        watchdog = Watchdog(plan.timeout_s)
+        watchdog = Watchdog(plan.timeout_s, placement.process)
     return dataclasses.replace(
         plan,
         steps=steps,
+        unfused_steps=unfused,
         fused=types.MappingProxyType(fused),
         zeros=zeros,
         scales=scales,

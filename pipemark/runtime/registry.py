@@ -1,15 +1,15 @@
 """The schedules a pipeline can name: one registry, name -> :class:`ScheduleEntry`.
 
-An entry says how to build the schedule for a pipeline's sizes, whether it puts one
+An entry says how to build the schedule for a :class:`~pipemark.runtime.ScheduleProblem`
+(the pipeline's sizes, stage graph, devices, times and memory), whether it puts one
 stage on each device or several (interleaved, ZB-V), and whether it splits each
 backward into B and W (:func:`pipemark.passes.split_backward`). The options
 (:class:`~pipemark.runtime.PipelineOptions`), the planner and :func:`make_schedule` read
-it, so adding a schedule is one call to :func:`register_schedule`:
+it, so adding a schedule is one builder and one call to :func:`register_schedule`:
 
 >>> from pipemark.runtime.schedules import gpipe_schedule
->>> entry = register_schedule(
-...     "gpipe-again", lambda s, m, *, stage_graph, num_devices: gpipe_schedule(
-...         s, m, stage_graph=stage_graph))
+>>> entry = register_schedule("gpipe-again", lambda problem: gpipe_schedule(
+...     problem.num_stages, problem.num_microbatches, stage_graph=problem.stage_graph))
 >>> "gpipe-again" in SCHEDULES, make_schedule("gpipe-again", 2, 2).num_ticks
 (True, 6)
 >>> unregister_schedule("gpipe-again")
@@ -21,11 +21,15 @@ it, so adding a schedule is one call to :func:`register_schedule`:
 
 from __future__ import annotations
 
+import functools
+import inspect
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pipemark.errors import PipemarkError
+from pipemark.runtime.problem import ScheduleProblem
 from pipemark.runtime.schedules import (
     Schedule,
     check_schedule_fits,
@@ -33,21 +37,23 @@ from pipemark.runtime.schedules import (
     interleaved_schedule,
     one_f_one_b_schedule,
 )
-from pipemark.runtime.simulation import zero_bubble_schedule
+from pipemark.runtime.zero_bubble import build_zero_bubble
 
 __all__ = [
     "SCHEDULES",
     "ZERO_BUBBLE_VARIANTS",
+    "ScheduleBuilder",
     "ScheduleEntry",
+    "build_schedule",
     "make_schedule",
     "register_schedule",
     "schedule_entry",
     "unregister_schedule",
 ]
 
-#: ``build(num_stages, num_microbatches, *, stage_graph, num_devices) -> Schedule``;
-#: ``num_devices`` is ``None`` when the caller gives none.
-ScheduleBuilder = Callable[..., Schedule]
+#: ``build(problem) -> Schedule``: a schedule for a
+#: :class:`~pipemark.runtime.ScheduleProblem`.
+ScheduleBuilder = Callable[[ScheduleProblem], Schedule]
 
 
 @dataclass(frozen=True)
@@ -59,15 +65,13 @@ class ScheduleEntry:
     name:
         What ``schedule=`` names it by.
     build:
-        ``build(num_stages, num_microbatches, *, stage_graph, num_devices)`` returns the
-        :class:`~pipemark.runtime.Schedule`. ``stage_graph`` is the pipeline's (edges
-        between forward stages, or ``None`` for a chain); ``num_devices`` the devices
-        available (``None`` when not known; equal to ``num_stages`` for a schedule with
-        one stage per device).
+        ``build(problem) -> Schedule`` for a :class:`~pipemark.runtime.ScheduleProblem`
+        (stage graph, devices available, times, residual bytes and memory).
     one_stage_per_device:
         ``True``: pipeline stage ``j`` runs on device ``j``, so the pipeline needs as
-        many devices as stages. ``False``: the schedule places several stages on a
-        device (interleaved, ZB-V) and gets every available device.
+        many devices as stages (:meth:`schedule` checks it). ``False``: the schedule
+        places several stages on a device (interleaved, ZB-V) and gets every available
+        device.
     splits_backward:
         Whether the schedule runs each backward as B and W (weight actions), so the
         planner splits the backward stages first.
@@ -77,6 +81,54 @@ class ScheduleEntry:
     build: ScheduleBuilder
     one_stage_per_device: bool = True
     splits_backward: bool = False
+
+    def schedule(self, problem: ScheduleProblem) -> Schedule:
+        """The schedule for ``problem``: the devices it has checked against what this
+        schedule needs (one each per stage, when it puts one stage on each device),
+        then built, then its devices checked against those available.
+
+        >>> schedule_entry("1f1b").schedule(ScheduleProblem(2, 3)).num_ticks
+        8
+        """
+        if self.one_stage_per_device:
+            _check_one_device_per_stage(problem)
+        schedule = self.build(problem)
+        if not isinstance(schedule, Schedule):
+            raise PipemarkError(
+                f"The builder of schedule {self.name!r} returned {type(schedule).__name__}, "
+                "not a pm.Schedule; return one (pm.schedule_from_orders builds it from "
+                "each device's order of actions)."
+            )
+        _check_devices_used(schedule, problem)
+        return schedule
+
+
+def _check_one_device_per_stage(problem: ScheduleProblem) -> None:
+    """A :class:`PipemarkError` when a schedule with one stage per device has fewer
+    devices than stages."""
+    count, available = problem.num_stages, problem.num_devices
+    if available is None or count <= available:
+        return
+    sharing = " or ".join(
+        repr(name) for name in SCHEDULES if not schedule_entry(name).one_stage_per_device
+    )
+    listed = f" ({', '.join(str(s) for s in problem.slots)})" if problem.slots else ""
+    raise PipemarkError(
+        f"The pipeline has {count} stages but only {available} device(s){listed}; each "
+        f"stage needs its own device. Pass num_stages={available} (consecutive marked "
+        "stages are merged), give more devices (on CPU, set XLA_FLAGS="
+        f"--xla_force_host_platform_device_count={count} before JAX starts), or use "
+        f"schedule={sharing} to put several stages on each device."
+    )
+
+
+def _check_devices_used(schedule: Schedule, problem: ScheduleProblem) -> None:
+    if problem.num_devices is not None and schedule.num_devices > problem.num_devices:
+        raise PipemarkError(
+            f"The schedule {schedule.name!r} uses {schedule.num_devices} devices "
+            f"but only {problem.num_devices} are available; pass devices= with enough "
+            "devices."
+        )
 
 
 _REGISTRY: dict[str, ScheduleEntry] = {}
@@ -89,15 +141,19 @@ def register_schedule(
     one_stage_per_device: bool = True,
     splits_backward: bool = False,
 ) -> ScheduleEntry:
-    """Make ``schedule=name`` build its schedule with ``build``; returns the entry.
+    """Make ``schedule=name`` build its schedule with ``build(problem) -> Schedule``
+    (``problem`` a :class:`~pipemark.runtime.ScheduleProblem`); returns the entry.
 
     Raises :class:`~pipemark.PipemarkError` for a name that is not a non-empty str, one
     already registered (:func:`unregister_schedule` it first), or a ``build`` that is
-    not callable.
+    not callable. A ``build(num_stages, num_microbatches, *, stage_graph, num_devices)``
+    (the form before :class:`~pipemark.runtime.ScheduleProblem`) still works, with a
+    ``DeprecationWarning``: it is called with the problem's fields.
 
     >>> from pipemark.runtime.schedules import one_f_one_b_schedule
-    >>> register_schedule("my-1f1b", lambda s, m, *, stage_graph, num_devices:
-    ...     one_f_one_b_schedule(s, m, stage_graph=stage_graph)).splits_backward
+    >>> register_schedule("my-1f1b", lambda problem: one_f_one_b_schedule(
+    ...     problem.num_stages, problem.num_microbatches, stage_graph=problem.stage_graph,
+    ...     extra_in_flight=1)).splits_backward
     False
     >>> unregister_schedule("my-1f1b")
     """
@@ -110,12 +166,51 @@ def register_schedule(
         )
     if not callable(build):
         raise PipemarkError(
-            f"register_schedule: build must be callable (num_stages, num_microbatches, *, "
-            f"stage_graph, num_devices) -> Schedule, got {build!r}."
+            f"register_schedule: build must be callable (problem: pm.ScheduleProblem) -> "
+            f"Schedule, got {build!r}."
         )
+    if _takes_sizes(build):
+        warnings.warn(
+            f"register_schedule({name!r}): build(num_stages, num_microbatches, *, "
+            "stage_graph, num_devices) is deprecated; write build(problem) -> Schedule, "
+            "reading problem.num_stages, problem.num_microbatches, problem.stage_graph "
+            "and problem.num_devices (a pm.ScheduleProblem, which also has the stage "
+            "times and residual bytes).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        build = functools.partial(_call_with_sizes, build, bool(one_stage_per_device))
     entry = ScheduleEntry(name, build, bool(one_stage_per_device), bool(splits_backward))
     _REGISTRY[name] = entry
     return entry
+
+
+def _takes_sizes(build: Callable[..., Any]) -> bool:
+    """Whether ``build`` is a builder of the old form, which cannot be called with the
+    problem alone."""
+    try:
+        signature = inspect.signature(build)
+    except (TypeError, ValueError):  # a builtin without a signature: called as given
+        return False
+    try:
+        signature.bind(None)
+    except TypeError:
+        return True
+    return False
+
+
+def _call_with_sizes(
+    build: Callable[..., Schedule], one_stage_per_device: bool, problem: ScheduleProblem
+) -> Schedule:
+    """A builder of the old form called for ``problem``, with the ``num_devices`` the
+    planner gave it (the stage count for one stage per device)."""
+    num_devices = problem.num_stages if one_stage_per_device else problem.num_devices
+    return build(
+        problem.num_stages,
+        problem.num_microbatches,
+        stage_graph=problem.stage_graph,
+        num_devices=num_devices,
+    )
 
 
 def unregister_schedule(name: str) -> None:
@@ -178,6 +273,25 @@ SCHEDULES: Sequence[str] = _Names(lambda entry: True)
 ZERO_BUBBLE_VARIANTS: Sequence[str] = _Names(lambda entry: entry.splits_backward)
 
 
+def build_schedule(kind: str | Schedule, problem: ScheduleProblem) -> Schedule:
+    """The schedule ``kind`` for ``problem``: a registered name's entry builds it
+    (:meth:`ScheduleEntry.schedule`, which checks the devices); a
+    :class:`~pipemark.runtime.Schedule` is checked against the problem's sizes, stage
+    graph and devices and returned as is. The planner calls it with the pipeline's
+    problem (``pipe.plan(params, batch).problem``); with measured costs, it rebuilds a
+    zero-bubble schedule for them:
+
+    >>> problem = ScheduleProblem(2, 4, backward_time=2.0)
+    >>> build_schedule("zb-h1", problem.with_costs({"weight": (0.0, 3.0)})).name
+    'zb-h1'
+    """
+    if isinstance(kind, Schedule):
+        check_schedule_fits(kind, problem.num_stages, problem.num_microbatches, problem.stage_graph)
+        _check_devices_used(kind, problem)
+        return kind
+    return schedule_entry(kind).schedule(problem)
+
+
 def make_schedule(
     kind: str | Schedule,
     num_stages: int,
@@ -188,53 +302,63 @@ def make_schedule(
 ) -> Schedule:
     """Build a registered schedule by name (:data:`SCHEDULES`: ``"gpipe"``,
     ``"1f1b"``, ``"interleaved"`` (which needs ``num_devices``), ``"zb-h1"``,
-    ``"zb-v"``, ...). A :class:`~pipemark.runtime.Schedule` is checked against the
-    sizes and the stage graph and returned as is.
+    ``"zb-v"``, ...) for these sizes, with unit times (:func:`build_schedule` takes a
+    whole :class:`~pipemark.runtime.ScheduleProblem`). A
+    :class:`~pipemark.runtime.Schedule` is checked against the sizes and the stage
+    graph and returned as is.
 
     >>> make_schedule("gpipe", 2, 4).name
     'gpipe'
     """
     if isinstance(kind, Schedule):
-        check_schedule_fits(kind, num_stages, num_microbatches, stage_graph)
-        return kind
-    entry = schedule_entry(kind)
-    return entry.build(
-        num_stages, num_microbatches, stage_graph=stage_graph, num_devices=num_devices
+        split = kind.splits_backward
+    else:
+        split = schedule_entry(kind).splits_backward
+    problem = ScheduleProblem(
+        num_stages,
+        num_microbatches,
+        stage_graph=stage_graph,
+        splits_backward=split,
+        num_devices=num_devices,
     )
+    return build_schedule(kind, problem)
 
 
-def _interleaved(
-    num_stages: int, num_microbatches: int, *, stage_graph: Any, num_devices: int | None
-) -> Schedule:
-    if num_devices is None:
+def _interleaved(problem: ScheduleProblem) -> Schedule:
+    if problem.num_devices is None:
         raise PipemarkError(
             "The interleaved schedule needs num_devices (it puts several stages on "
             "each device); pass num_devices= or devices=."
         )
     return interleaved_schedule(
-        num_stages, num_microbatches, num_devices=num_devices, stage_graph=stage_graph
+        problem.num_stages,
+        problem.num_microbatches,
+        num_devices=problem.num_devices,
+        stage_graph=problem.stage_graph,
     )
 
 
-def _zero_bubble(variant: str) -> ScheduleBuilder:
-    def build(
-        num_stages: int, num_microbatches: int, *, stage_graph: Any, num_devices: int | None
-    ) -> Schedule:
-        return zero_bubble_schedule(
-            num_stages, num_microbatches, variant=variant, stage_graph=stage_graph
-        )
-
-    return build
+def _gpipe(problem: ScheduleProblem) -> Schedule:
+    return gpipe_schedule(
+        problem.num_stages, problem.num_microbatches, stage_graph=problem.stage_graph
+    )
 
 
-register_schedule(
-    "gpipe",
-    lambda s, m, *, stage_graph, num_devices: gpipe_schedule(s, m, stage_graph=stage_graph),
-)
-register_schedule(
-    "1f1b",
-    lambda s, m, *, stage_graph, num_devices: one_f_one_b_schedule(s, m, stage_graph=stage_graph),
-)
+def _one_f_one_b(problem: ScheduleProblem) -> Schedule:
+    return one_f_one_b_schedule(
+        problem.num_stages, problem.num_microbatches, stage_graph=problem.stage_graph
+    )
+
+
+register_schedule("gpipe", _gpipe)
+register_schedule("1f1b", _one_f_one_b)
 register_schedule("interleaved", _interleaved, one_stage_per_device=False)
-register_schedule("zb-h1", _zero_bubble("zb-h1"), splits_backward=True)
-register_schedule("zb-v", _zero_bubble("zb-v"), one_stage_per_device=False, splits_backward=True)
+register_schedule(
+    "zb-h1", functools.partial(build_zero_bubble, variant="zb-h1"), splits_backward=True
+)
+register_schedule(
+    "zb-v",
+    functools.partial(build_zero_bubble, variant="zb-v"),
+    one_stage_per_device=False,
+    splits_backward=True,
+)

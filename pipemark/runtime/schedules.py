@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 
 from pipemark._text import format_share, plural
 from pipemark.errors import PipemarkError, StageGraphError
+from pipemark.roles import ACTION_KINDS, BACKWARD, FORWARD, WEIGHT
 
 __all__ = [
     "FORWARD",
@@ -56,11 +57,9 @@ __all__ = [
     "ideal_bubble_fraction",
 ]
 
-FORWARD = "forward"
-BACKWARD = "backward"
-#: The parameter-gradient half of a backward split by :func:`pipemark.passes.split_backward`.
-WEIGHT = "weight"
-_KINDS = (FORWARD, BACKWARD, WEIGHT)
+# The action kinds (FORWARD, BACKWARD and WEIGHT, the parameter-gradient half of a
+# backward split by pipemark.passes.split_backward) are stage roles, defined once in
+# pipemark.roles and re-exported here.
 
 
 class Action(NamedTuple):
@@ -368,7 +367,7 @@ def _action_ticks(schedule: Schedule, num_stages: int, m_count: int) -> dict[Act
                     f"Tick {t}, device {d} holds {action!r}; a cell is an Action or None."
                 )
             _check_action(action, f"Tick {t}, device {d}")
-            if action.kind not in _KINDS or not (
+            if action.kind not in ACTION_KINDS or not (
                 0 <= action.stage < num_stages and 0 <= action.microbatch < m_count
             ):
                 raise StageGraphError(
@@ -440,7 +439,7 @@ def _validate(schedule: Schedule) -> dict[Action, int]:
             )
     when = _action_ticks(schedule, num_stages, m_count)
     split = any(a.kind == WEIGHT for a in when)
-    kinds = _KINDS if split else (FORWARD, BACKWARD)
+    kinds = ACTION_KINDS if split else (FORWARD, BACKWARD)
     missing = [
         Action(j, m, k)
         for j in range(num_stages)
@@ -499,7 +498,7 @@ def schedule_from_orders(
     for d, queue in enumerate(queues):
         for i, action in enumerate(queue):
             _check_action(action, f"orders[{d}][{i}]")
-            if action.kind not in _KINDS or not 0 <= action.stage < num_stages:
+            if action.kind not in ACTION_KINDS or not 0 <= action.stage < num_stages:
                 raise StageGraphError(
                     f"orders[{d}][{i}]: {action!r} is not an action of this pipeline "
                     f"(stages 0..{num_stages - 1}, kind 'forward', 'backward' or 'weight')."

@@ -75,6 +75,7 @@ from jax.sharding import PartitionSpec as P
 
 from pipemark._compat import eqn_context_with_mesh, literal_value_with_aval
 from pipemark.errors import PipemarkError, check_closed_jaxpr, describe_eqn
+from pipemark.runtime.losses import microbatch_share
 from pipemark.walk import map_bodies
 
 __all__ = [
@@ -600,7 +601,7 @@ def _runner(
         # scale is an argument so that one compiled program serves every number of
         # microbatches and replicas (1/(M*D) for a mean, 1 for a sum).
         outs = fun(*inputs)
-        new = [acc + _contribution(outs[o], scale) for acc, o in zip(accs, accumulated)]
+        new = [acc + microbatch_share(outs[o], scale) for acc, o in zip(accs, accumulated)]
         return new, [outs[o] for o in passed]
 
     return jax.jit(
@@ -609,12 +610,6 @@ def _runner(
         out_shardings=(list(acc_shardings), list(passed_shardings)),
         donate_argnums=0,  # the accumulators: updated in place, no second copy
     )
-
-
-def _contribution(value: Any, scale: Any) -> Any:
-    if jnp.issubdtype(value.dtype, jnp.inexact):
-        return value * scale.astype(value.dtype)
-    return value
 
 
 def _reducer(

@@ -1,14 +1,11 @@
-"""Compare pipeline schedules before running them: :func:`simulate_schedule` gives the makespan
-and bubble fraction of any :class:`~pipemark.runtime.schedules.Schedule` for given
-per-action costs, and :func:`zero_bubble_schedule` builds the zero-bubble schedules
-(ZB-H1, ZB-V) that a backward split in two (:func:`pipemark.passes.split_backward`)
-makes possible.
-
-Costs are per kind of action: ``forward`` (F), ``backward`` (B: the activation
-cotangents) and ``weight`` (W: the parameter gradients), each a number or one number per
-stage. In a schedule that does not split its backward, a backward action costs B + W.
+"""Compare pipeline schedules before running them: :func:`simulate_schedule` gives the
+makespan and bubble fraction of any :class:`~pipemark.runtime.schedules.Schedule` for
+given per-action costs (:data:`~pipemark.runtime.problem.Costs`: ``forward``,
+``backward``, ``weight``, each a number or one per stage; in a schedule that does not
+split its backward, a backward action costs B + W).
 
 >>> from pipemark.runtime.schedules import one_f_one_b_schedule
+>>> from pipemark.runtime.zero_bubble import zero_bubble_schedule
 >>> costs = {"forward": 1.0, "backward": 1.0, "weight": 1.0}
 >>> round(simulate_schedule(one_f_one_b_schedule(4, 8), costs).bubble_fraction, 3)
 0.273
@@ -37,29 +34,15 @@ from __future__ import annotations
 
 import graphlib
 import math
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from pipemark.errors import PipemarkError, StageGraphError
-from pipemark.runtime.schedules import (
-    BACKWARD,
-    FORWARD,
-    WEIGHT,
-    Action,
-    Schedule,
-    dependencies,
-    normalize_stage_graph,
-    schedule_from_orders,
-    stage_successors,
-)
+from pipemark.runtime.problem import Costs, cost_function
+from pipemark.runtime.schedules import Action, Schedule, dependencies
 
-__all__ = ["Simulation", "simulate_schedule", "zero_bubble_schedule"]
+__all__ = ["Simulation", "simulate_schedule"]
 
-# The variants zero_bubble_schedule builds; the names a pipeline takes live in
-# pipemark.runtime.registry.
-_VARIANTS: tuple[str, ...] = ("zb-h1", "zb-v")
-
-Costs = Mapping[str, float | Sequence[float]] | Callable[[Action], float] | None
 Latency = float | Callable[[Action, Action], float]
 
 
@@ -78,45 +61,6 @@ class Simulation(NamedTuple):
     bubble_fraction: float
     bubble: float
     bound: float
-
-
-def _cost_function(costs: Costs, split: bool, num_stages: int) -> Callable[[Action], float]:
-    """``costs`` as a function of an action (an unsplit backward costs B + W)."""
-    if callable(costs):
-        return costs
-    if costs is not None and not isinstance(costs, Mapping):
-        raise PipemarkError(
-            f"costs is {type(costs).__name__}; give a dict {{'forward': F, 'backward': B, "
-            "'weight': W} (numbers, or one per stage) or a function of an Action."
-        )
-    table = {FORWARD: 1.0, BACKWARD: 1.0, WEIGHT: 1.0, **(costs or {})}
-    for kind, value in table.items():
-        values = value if isinstance(value, Sequence) else [value]
-        if kind not in (FORWARD, BACKWARD, WEIGHT) or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 and math.isfinite(v)
-            for v in values
-        ):
-            raise PipemarkError(
-                f"costs[{kind!r}] = {value!r}: give 'forward', 'backward' and 'weight' "
-                "each a non-negative number, or one per stage."
-            )
-        if isinstance(value, Sequence) and len(value) != num_stages:
-            raise PipemarkError(
-                f"costs[{kind!r}] has {len(value)} entries but the schedule has "
-                f"{num_stages} stages; give one per stage, or one number for all."
-            )
-
-    def of(kind: str, stage: int) -> float:
-        value = table[kind]
-        return float(value[stage] if isinstance(value, Sequence) else value)
-
-    def cost(action: Action) -> float:
-        own = of(action.kind, action.stage)
-        if action.kind == BACKWARD and not split:
-            own += of(WEIGHT, action.stage)
-        return own
-
-    return cost
 
 
 def _delay_function(
@@ -166,7 +110,7 @@ def simulate_schedule(
         With it, the simulation shows how much of a schedule's time is spent waiting
         for transfers on its critical path (:mod:`pipemark.runtime.simulation`).
     """
-    cost = _cost_function(costs, schedule.splits_backward, len(schedule.stage_devices))
+    cost = cost_function(costs, schedule.splits_backward, len(schedule.stage_devices))
     preds = schedule.predecessors
     succ = schedule.successors
     orders = schedule.device_orders()
@@ -226,148 +170,3 @@ def _makespan_bound(orders, cost, needs, delay) -> float:
         if order
     )
     return max([chain, *per_device])
-
-
-def zero_bubble_schedule(
-    num_stages: int,
-    num_microbatches: int,
-    *,
-    variant: str = "zb-h1",
-    costs: Costs = None,
-    stage_graph: Any = None,
-) -> Schedule:
-    """A zero-bubble schedule: the backward split into B and W, each W run where the
-    device would otherwise idle.
-
-    ``"zb-h1"``: one stage per device (``num_stages`` devices); 1F1B's order with W
-    deferred until the device has nothing else ready, no more microbatches in flight
-    per device (forward run, backward not) than 1F1B, so 1F1B's activation memory, and
-    at most about ``num_stages`` deferred W per device (each holds its layer's input
-    and cotangent).
-    ``"zb-v"``: ``num_stages`` must be even; two stages per device in a V (device ``d``
-    holds stages ``d`` and ``num_stages - 1 - d``), so that the first and last stages,
-    which bound the pipeline's fill and drain, share a device.
-
-    The order is found by running the pipeline on paper (:func:`simulate_schedule`'s model)
-    with ``costs`` (1 each by default): whenever a device is free it runs a ready B,
-    else a ready F (within the in-flight limit), else a pending W.
-    """
-    if variant not in _VARIANTS:
-        raise PipemarkError(
-            f"Unknown zero-bubble variant {variant!r}; choose one of "
-            f"{', '.join(map(repr, _VARIANTS))}."
-        )
-    for value, what in ((num_stages, "num_stages"), (num_microbatches, "num_microbatches")):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise PipemarkError(f"{what} must be a positive int, got {value!r}.")
-    if variant == "zb-v":
-        if num_stages % 2:
-            raise PipemarkError(
-                f"zb-v puts two stages on each device in a V, so num_stages must be even, "
-                f"got {num_stages}."
-            )
-        half = num_stages // 2
-        devices = tuple(j if j < half else num_stages - 1 - j for j in range(num_stages))
-    else:
-        devices = tuple(range(num_stages))
-    preds = normalize_stage_graph(stage_graph, num_stages)
-    # In flight per device (forwards whose backward has not run): 1F1B's count for
-    # ZB-H1, so 1F1B's activation memory; for the V, twice the device count (a device
-    # holds two stages). Deferred W actions (each holding only its input and cotangent)
-    # are capped too: past the cap a W runs before the next forward. With equal costs
-    # these caps reach the makespan bound (Simulation.bound) for every M >= 2 x devices
-    # tried (tests/runtime/test_simulation.py); a V owed only 2 x devices W missed it
-    # by one unit at 8 devices, 32 microbatches.
-    count = max(devices) + 1
-    zb_h1 = variant == "zb-h1"
-    limit = [count - d for d in range(count)] if zb_h1 else [2 * count] * count
-    owed = [count if zb_h1 else 3 * count] * count
-    cost = _cost_function(costs, True, len(devices))
-    orders = _greedy_orders(devices, preds, num_microbatches, cost, (limit, owed))
-    return schedule_from_orders(
-        orders,
-        stage_devices=devices,
-        num_microbatches=num_microbatches,
-        stage_graph=dict(enumerate(preds)),
-        name=variant,
-    )
-
-
-def _greedy_orders(
-    devices: tuple[int, ...],
-    preds: Sequence[Sequence[int]],
-    num_micro: int,
-    cost: Callable[[Action], float],
-    caps: tuple[list[int], list[int]],
-) -> list[list[Action]]:
-    """Each device's order, from list scheduling on paper (see
-    :func:`zero_bubble_schedule`). Long: one event loop; its pick is
-    :func:`_pick`."""
-    num_devices = max(devices) + 1
-    succ = stage_successors(preds)
-    pending = [
-        {Action(j, m, k) for j in range(len(devices)) if devices[j] == d for m in range(num_micro)
-         for k in (FORWARD, BACKWARD, WEIGHT)}
-        for d in range(num_devices)
-    ]  # fmt: skip
-    limit, w_cap = caps
-    in_flight = [0] * num_devices  # forwards whose backward has not run
-    owed = [0] * num_devices  # backwards whose weight action has not run
-    stuck = False  # nothing could run: let forwards past the limit rather than deadlock
-    finish: dict[Action, float] = {}
-    free = [0.0] * num_devices
-    orders: list[list[Action]] = [[] for _ in range(num_devices)]
-    time = 0.0
-    while any(pending):
-        ran = False
-        for d in range(num_devices):
-            if free[d] > time or not pending[d]:
-                continue
-            may_start = stuck or in_flight[d] < limit[d]
-            w_first = owed[d] > w_cap[d]
-            action = _pick(pending[d], finish, time, preds, succ, may_start, w_first)
-            if action is None:
-                continue
-            ran = True
-            pending[d].discard(action)
-            finish[action] = free[d] = time + cost(action)
-            orders[d].append(action)
-            in_flight[d] += {FORWARD: 1, BACKWARD: -1}.get(action.kind, 0)
-            owed[d] += {BACKWARD: 1, WEIGHT: -1}.get(action.kind, 0)
-        if ran:  # look again at the same time: an action of cost 0 may have freed more
-            stuck = False
-            continue
-        later = [t for t in (*free, *finish.values()) if t > time]
-        if later:
-            time, stuck = min(later), False
-        elif stuck:
-            raise StageGraphError("zero_bubble_schedule: no action can run (a bug).")
-        else:
-            stuck = True
-    return orders
-
-
-def _pick(pending, finish, time, preds, succ, may_start, w_first) -> Action | None:
-    """The action a free device runs now: a ready B, else a ready F (when it may start
-    another microbatch), else a pending W whose B is done (before the F when
-    ``w_first``: too many W are owed); the earliest microbatch first, and among a
-    device's stages the one nearer the loss for B."""
-    ready = [
-        a
-        for a in pending
-        if all(finish.get(n, math.inf) <= time for n in dependencies(a, preds, succ))
-    ]
-    kinds = [
-        (BACKWARD, lambda a: (a.microbatch, -a.stage)),
-        (FORWARD, lambda a: (a.microbatch, a.stage)),
-        (WEIGHT, lambda a: (a.microbatch, -a.stage)),
-    ]
-    if w_first:
-        kinds = [kinds[0], kinds[2], kinds[1]]
-    for kind, order in kinds:
-        if kind == FORWARD and not may_start:
-            continue
-        chosen = [a for a in ready if a.kind == kind]
-        if chosen:
-            return min(chosen, key=order)
-    return None

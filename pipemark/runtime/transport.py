@@ -64,7 +64,11 @@ class Transport(Protocol):
         """Move ``values`` (of ``(shape, dtype)`` ``types``) from ``source`` to
         ``target``. The process owning ``source`` passes the values; the process owning
         ``target`` gets the values on its slot (``None`` elsewhere). ``what`` names
-        what moves, for a message: a string, or a function giving one."""
+        what moves, for a message: a string, or a function giving one.
+
+        Every process calls it for every move it may be an end of, in the same order; a
+        process that is neither end passes it by. Sending a stage's results to every
+        other process (a gather) is one move to each receiving process's device."""
         ...
 
 
@@ -105,16 +109,18 @@ def _layout_on(target: Slot, value: Any) -> Any:
 
 
 class Watchdog:
-    """Stops this process, saying on standard error what it waited for, when a wait started by
-    :meth:`arm` lasts longer than ``timeout_s``. A process blocked in a collective
-    whose peer died or raised cannot be interrupted from Python: exiting is the only
-    bounded way out (the launcher, :mod:`pipemark.launch`, then stops the others)."""
+    """Stops this process (``process``, the placement's index of it), saying on standard
+    error what it waited for, when a wait started by :meth:`arm` lasts longer than
+    ``timeout_s``. A process blocked in a collective whose peer died or raised cannot be
+    interrupted from Python: exiting is the only bounded way out (the launcher,
+    :mod:`pipemark.launch`, then stops the others)."""
 
     #: The exit status of a process the watchdog stopped.
     EXIT_STATUS = 75
 
-    def __init__(self, timeout_s: float | None) -> None:
+    def __init__(self, timeout_s: float | None, process: int) -> None:
         self.timeout_s = timeout_s
+        self.process = process
         # What the current wait is for and when it times out, as one tuple (or None):
         # one attribute store arms or disarms, so the hot path (a wait per transfer)
         # takes no lock, and the watching thread reads a consistent pair.
@@ -143,7 +149,7 @@ class Watchdog:
             if waiting is not None and time.monotonic() > waiting[0]:
                 what = waiting[1]
                 print(
-                    f"pipemark: process {jax.process_index()} waited more than "
+                    f"pipemark: process {self.process} waited more than "
                     f"{self.timeout_s:g} s {what() if callable(what) else what}; that "
                     "process has died, raised or hangs. Stopping this process "
                     "(PipelineOptions.timeout_s).",
@@ -155,10 +161,13 @@ class Watchdog:
 
 class CollectiveTransport:
     """Point-to-point transfers between two devices of different processes, and the
-    bytes they moved (:attr:`bytes_sent`, :attr:`bytes_received`)."""
+    bytes they moved (:attr:`bytes_sent`, :attr:`bytes_received`), made by process
+    ``process`` (the placement's index of this process); ``watchdog`` stops it when a
+    transfer waits too long."""
 
-    def __init__(self, watchdog: Watchdog) -> None:
+    def __init__(self, watchdog: Watchdog, process: int) -> None:
         self.watchdog = watchdog
+        self.process = process
         self.bytes_sent = 0
         self.bytes_received = 0
         self.seconds = 0.0
@@ -168,10 +177,10 @@ class CollectiveTransport:
     ) -> list[Any] | None:
         if source.mesh is not None:
             return self._move_between_meshes(values, types, source, target, what)
-        if source.process == jax.process_index():
+        if source.process == self.process:
             self.send(values, source.device, target.device, what)
             return None
-        if target.process == jax.process_index():
+        if target.process == self.process:
             return self.receive(types, source.device, target.device, what)
         return None
 
@@ -182,8 +191,8 @@ class CollectiveTransport:
         shard to the device at the same position of ``target`` (both slots have the
         same mesh shape, and the values their ``sharding``)."""
         types = tuple((tuple(s), np.dtype(d)) for s, d in types)
-        pair = _mesh_pair(source, target, types)
-        me = jax.process_index()
+        me = self.process
+        pair = _mesh_pair(source, target, types, me)
         if source.process == me:
             # Both ends agree on the slot's layout (the receiver cannot see the
             # sender's): a value in another one is resharded first, within the sender.
@@ -216,7 +225,8 @@ class CollectiveTransport:
         from programs compiled for it) to ``target``; the process owning ``target``
         calls :meth:`receive` at the same point. ``what`` names what moves, for a
         message: a string, or a function giving one."""
-        pair = _pair(source, target, tuple((tuple(v.shape), np.dtype(v.dtype)) for v in values))
+        types = tuple((tuple(v.shape), np.dtype(v.dtype)) for v in values)
+        pair = _pair(source, target, types, self.process)
         arrays = [make([_as_block(v)]) for make, v in zip(pair.makers, values)]
         self._transfer(pair.program, arrays, ("sending", what, "to", target))
         self.bytes_sent += pair.nbytes
@@ -225,7 +235,7 @@ class CollectiveTransport:
         """The values ``source``'s process sends with :meth:`send`, on ``target`` (a
         device of this process); ``types`` are their ``(shape, dtype)``."""
         types = tuple((tuple(s), np.dtype(d)) for s, d in types)
-        pair = _pair(source, target, types)
+        pair = _pair(source, target, types, self.process)
         out = self._transfer(pair.program, pair.placeholders, ("for", what, "from", source))
         values = [a.addressable_data(0) for a in out]
         values = [v.reshape(s) if v.shape != s else v for v, (s, _) in zip(values, types)]
@@ -248,7 +258,7 @@ class CollectiveTransport:
         except Exception as error:
             first = str(error).splitlines()[0] if str(error) else ""
             raise ProcessError(
-                f"process {jax.process_index()}: the transfer {_says(what)} failed; that "
+                f"process {self.process}: the transfer {_says(what)} failed; that "
                 f"process has probably died or raised ({type(error).__name__}: {first})."
             ) from error
         finally:
@@ -280,9 +290,10 @@ class _Pair(NamedTuple):
 
 
 @functools.lru_cache(maxsize=256)
-def _pair(source: Any, target: Any, types: tuple) -> _Pair:
+def _pair(source: Any, target: Any, types: tuple, process: int) -> _Pair:
     """The compiled transfer of values of ``types`` from ``source`` to ``target``, how
-    the sender makes its global arrays, and, where this process owns ``target``, the
+    the sender makes its global arrays, and, where this process (``process``) owns
+    ``target``, the
     global arrays the receiving end passes (placeholders of those types: immutable, so
     one set serves every transfer). One sharding object per pair and types: jit's fast
     dispatch path recognises an argument's sharding by identity, and a new (equal) one
@@ -302,7 +313,7 @@ def _pair(source: Any, target: Any, types: tuple) -> _Pair:
         for b, (_, dtype) in zip(blocks, types)
     ]
     placeholders = None
-    if target.process_index == jax.process_index():
+    if target.process_index == process:
         placeholders = [
             make([jax.device_put(np.zeros(b, dtype), target)])
             for make, b, (_, dtype) in zip(makers, blocks, types)
@@ -315,7 +326,7 @@ register_cache(_pair.cache_clear)
 
 
 @functools.lru_cache(maxsize=256)
-def _mesh_pair(source: Slot, target: Slot, types: tuple) -> _Pair:
+def _mesh_pair(source: Slot, target: Slot, types: tuple, process: int) -> _Pair:
     """The compiled transfer of values of ``types``, each laid out by its slot's
     ``sharding``, from sub-mesh ``source`` to sub-mesh ``target`` (of the same shape):
     ``shard_map`` of ``lax.ppermute`` over a mesh that stacks the two along a new
@@ -336,7 +347,7 @@ def _mesh_pair(source: Slot, target: Slot, types: tuple) -> _Pair:
         for shape, _ in types
     ]
     placeholders = None
-    if target.process == jax.process_index():
+    if target.process == process:  # this process receives
         placeholders = []
         for make, (shape, dtype) in zip(makers, types):
             block = (1, *target.sharding.shard_shape(shape))

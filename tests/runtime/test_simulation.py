@@ -16,7 +16,8 @@ from pipemark.runtime.schedules import (
     one_f_one_b_schedule,
     schedule_from_orders,
 )
-from pipemark.runtime.simulation import simulate_schedule, zero_bubble_schedule
+from pipemark.runtime.simulation import simulate_schedule
+from pipemark.runtime.zero_bubble import zero_bubble_schedule
 
 EQUAL = {"forward": 1.0, "backward": 1.0, "weight": 1.0}
 
