@@ -197,7 +197,7 @@ class _Call:
         passed outputs."""
         index, plan = step.index, self.plan
         if step.fused is None:
-            new_accs, outs = plan.units[index].run(self.accs.get(index, []), inputs, scale)
+            new_accs, outs = plan.units[index].run(list(self.accs.get(index, ())), inputs, scale)
             if step.accumulate:
                 self.accs[index] = new_accs
             return new_accs, outs

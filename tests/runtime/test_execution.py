@@ -10,9 +10,12 @@ import dataclasses
 import jax
 import pytest
 
+import pipemark as pm
+from pipemark import examples
 from pipemark.runtime import execution, placement
 from pipemark.runtime.execution import run_plan
 from tests._trees import assert_trees_close, assert_trees_equal
+from tests.runtime._compiles import compilations
 from tests.runtime._fusion import mlp_pipeline, unfused_steps
 
 
@@ -122,3 +125,30 @@ def test_what_a_call_costs_the_host(
         assert timings["num_programs"] == programs
         assert timings["num_actions"] == 4 * num_stages * num_microbatches // 2
         assert timings["host_cpu_s"] > 0
+
+
+def test_each_stage_program_compiles_once():
+    # The accumulators a call starts from and those a program returns must have one
+    # pytree type: a tuple at the first microbatch and a list at the next compiled every
+    # accumulating stage program twice.
+    pm.clear_caches()  # fresh stage programs: none compiled by an earlier test
+    ex = examples.mlp(num_layers=4, width=3, batch=8)
+    pipe = pm.pipeline_value_and_grad(
+        ex.loss_fn,
+        num_stages=4,
+        num_microbatches=4,
+        schedule="interleaved",
+        devices=jax.devices()[:2],
+    )
+    with compilations() as compiled:
+        jax.block_until_ready(pipe(*ex.args))
+    plan = pipe.plan(*ex.args)
+    runs = {
+        id(plan.units[s.index].run if s.fused is None else plan.fused[s.index].run)
+        for _, s in plan.steps.serial
+    }
+    assert len(runs) >= 5  # forwards, backwards and a fused program
+    assert compiled.count("jit(run)") == len(runs)
+    with compilations() as compiled:
+        jax.block_until_ready(pipe(*ex.args))
+    assert compiled == []
