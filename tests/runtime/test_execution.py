@@ -152,3 +152,18 @@ def test_each_stage_program_compiles_once():
     with compilations() as compiled:
         jax.block_until_ready(pipe(*ex.args))
     assert compiled == []
+
+
+def test_threaded_and_serial_walks_run_the_same_compiled_programs():
+    # The walk on a worker thread runs under the caller's mesh context (jax.set_mesh is
+    # per thread, and JAX compiles a program apart for each context).
+    pm.clear_caches()
+    ex = examples.mlp(num_layers=4, width=3, batch=4)
+    pipe = pm.pipeline_value_and_grad(
+        ex.loss_fn, num_stages=2, num_microbatches=2, devices=jax.devices()[:2]
+    )
+    jax.block_until_ready(pipe(*ex.args))  # threaded: stage 1 on a worker thread
+    plan = pipe.plan(*ex.args)
+    with compilations() as compiled:
+        jax.block_until_ready(run_plan(plan, *ex.args, None, parallel=False))
+    assert compiled == []
