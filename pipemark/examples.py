@@ -39,6 +39,7 @@ a target equation count.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -62,6 +63,7 @@ __all__ = [
     "resnet",
     "transformer",
     "scanned_transformer",
+    "gpt",
     "sized",
     "train_step",
 ]
@@ -534,6 +536,24 @@ def language_model(
     tokens = jnp.asarray(stream[:, :-1], jnp.int32)
     targets = jnp.asarray(stream[:, 1:], jnp.int32)
 
+    def block(x, p):
+        return _transformer_block(x, p, num_heads, causal=True)
+
+    def head(normed, unembed, targets):
+        return _cross_entropy(normed @ unembed, targets)
+
+    return Example(_decoder_loss(markers, block, head), params, (tokens, targets))
+
+
+def _decoder_loss(
+    markers: str | None,
+    block: Callable[[jax.Array, Any], jax.Array],
+    head: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
+) -> Callable[[Any, Any], jax.Array]:
+    """The loss of a decoder-only language model (:func:`language_model`, :func:`gpt`):
+    the embedding lookup in the first block, ``block(x, p)`` per block, and in the last
+    the final layer norm and ``head(normed, unembed, targets)``, the loss."""
+
     def loss_fn(params, batch):
         tokens, targets = batch
         blocks = params["blocks"]
@@ -552,14 +572,162 @@ def language_model(
             x, p, extra = _layer_begin(markers, name, i, (x, p, extra))
             if i == 0:
                 x = jnp.take(extra["embed"], x, axis=0) + extra["position"]
-            x = _transformer_block(x, p, num_heads, causal=True)
+            x = block(x, p)
             if i == last:
                 normed = _layer_norm(x, extra["final_scale"], extra["final_bias"])
-                x = _cross_entropy(normed @ extra["unembed"], targets)
+                x = head(normed, extra["unembed"], targets)
             x = _layer_finish(markers, name, x)
         return x
 
-    return Example(loss_fn, params, (tokens, targets))
+    return loss_fn
+
+
+# -------------------------------------------------------------------- GPT in bfloat16
+
+
+def _gpt_attention(h: jax.Array, p: dict[str, jax.Array], num_heads: int, dtype: Any) -> jax.Array:
+    """Causal self-attention of ``h`` (already in ``dtype``): the projections and both
+    attention matmuls in ``dtype``, the scaled scores and their softmax in float32
+    (cast back to ``dtype`` for the matmul with the values)."""
+    batch, seq, d_model = h.shape
+    head = d_model // num_heads
+
+    def heads(t):
+        return t.reshape(batch, seq, num_heads, head).transpose(0, 2, 1, 3)
+
+    q, k, v = (heads(h @ p[w].astype(dtype)) for w in ("wq", "wk", "wv"))
+    scores = jnp.matmul(q, k.transpose(0, 1, 3, 2)).astype(jnp.float32) / math.sqrt(head)
+    # A token attends to itself and the tokens before it, never to later ones.
+    allowed = lax.broadcasted_iota(jnp.int32, (seq, seq), 0) >= lax.broadcasted_iota(
+        jnp.int32, (seq, seq), 1
+    )
+    scores = jnp.where(allowed, scores, jnp.float32(-1e9))
+    mixed = jnp.matmul(_softmax(scores).astype(dtype), v)
+    return mixed.transpose(0, 2, 1, 3).reshape(batch, seq, d_model) @ p["wo"].astype(dtype)
+
+
+def _gpt_block(x: jax.Array, p: dict[str, jax.Array], num_heads: int, dtype: Any) -> jax.Array:
+    """A pre-layer-norm block over the float32 residual stream ``x``: layer norms in
+    float32, every matmul's operands cast to ``dtype`` first (the parameters stay
+    float32), each branch's result added back in float32."""
+    h = _layer_norm(x, p["ln1_scale"], p["ln1_bias"]).astype(dtype)
+    x = x + _gpt_attention(h, p, num_heads, dtype).astype(jnp.float32)
+    h = _layer_norm(x, p["ln2_scale"], p["ln2_bias"]).astype(dtype)
+    hidden = _gelu(h @ p["w1"].astype(dtype) + p["b1"].astype(dtype))
+    return x + (hidden @ p["w2"].astype(dtype)).astype(jnp.float32) + p["b2"]
+
+
+def _gpt_shapes(num_layers: int, vocab: int, d_model: int, d_ff: int, seq: int) -> dict[str, Any]:
+    """:func:`gpt`'s parameters as ``(shape, scale)`` (scale 0: zeros, -1: ones)."""
+    square = (d_model, d_model), 1.0 / math.sqrt(d_model)
+    block = {
+        "ln1_scale": ((d_model,), -1),
+        "ln1_bias": ((d_model,), 0),
+        **{w: square for w in ("wq", "wk", "wv", "wo")},
+        "ln2_scale": ((d_model,), -1),
+        "ln2_bias": ((d_model,), 0),
+        "w1": ((d_model, d_ff), 1.0 / math.sqrt(d_model)),
+        "b1": ((d_ff,), 0),
+        "w2": ((d_ff, d_model), 1.0 / math.sqrt(d_ff)),
+        "b2": ((d_model,), 0),
+    }
+    return {
+        "embed": ((vocab, d_model), 1.0),
+        "position": ((seq, d_model), 0.1),
+        "blocks": [dict(block) for _ in range(num_layers)],
+        "final_scale": ((d_model,), -1),
+        "final_bias": ((d_model,), 0),
+        "unembed": ((d_model, vocab), 1.0 / math.sqrt(d_model)),
+    }
+
+
+@functools.lru_cache(maxsize=8)
+def _gpt_init(
+    num_layers: int, vocab: int, d_model: int, d_ff: int, seq: int
+) -> Callable[[jax.Array], Any]:
+    """The compiled program drawing :func:`gpt`'s parameters from a key: one normal
+    draw for all of them, cut and scaled, so that it compiles in a second whatever the
+    depth (a draw per array is a random-number generator per array to compile)."""
+    tree = _gpt_shapes(num_layers, vocab, d_model, d_ff, seq)
+    leaves, structure = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: isinstance(x, tuple))
+    total = sum(math.prod(shape) for shape, scale in leaves if scale > 0)
+
+    def init(key):
+        flat = jax.random.normal(key, (total,), jnp.float32)
+        arrays, offset = [], 0
+        for shape, scale in leaves:
+            if scale <= 0:
+                arrays.append(jnp.full(shape, 1.0 if scale < 0 else 0.0, jnp.float32))
+                continue
+            size = math.prod(shape)
+            arrays.append(scale * flat[offset : offset + size].reshape(shape))
+            offset += size
+        return jax.tree_util.tree_unflatten(structure, arrays)
+
+    return jax.jit(init)
+
+
+def gpt(
+    num_layers: int = 4,
+    d_model: int = 32,
+    num_heads: int = 4,
+    seq: int = 16,
+    batch: int = 4,
+    *,
+    vocab: int = 64,
+    d_ff: int | None = None,
+    compute_dtype: Any = jnp.bfloat16,
+    markers: str | None = "boundary",
+    seed: int = 0,
+) -> Example:
+    """A GPT (decoder-only transformer language model) trained in mixed precision:
+    float32 parameters, matmuls in ``compute_dtype``.
+
+    The layout is :func:`language_model`'s (token and learned position embeddings,
+    ``num_layers`` pre-layer-norm blocks with causal self-attention and a GELU MLP of
+    width ``d_ff``, by default ``4 * d_model``, a final layer norm, an untied output
+    projection to ``vocab`` logits, the next-token cross-entropy). The residual stream,
+    the layer norms, the attention scores and their softmax, the logits' softmax and the
+    loss are float32; every matmul casts its operands to ``compute_dtype`` first
+    (``astype``, so the gradients come back float32 through the casts), as
+    mixed-precision training does. ``compute_dtype=jnp.float32`` gives the same model
+    all in float32.
+
+    ``params`` is a dict like :func:`language_model`'s, drawn with ``jax.random`` from
+    ``seed`` on the default device; ``batch`` is ``(tokens, targets)``, ``int32`` of
+    shape ``(batch, seq)``, ``targets`` the tokens shifted by one. ``markers`` defaults
+    to ``"boundary"``, a :func:`pipemark.mark_pipeline_boundary` between consecutive
+    blocks (block ``i`` is ``block{i}`` with ``"startend"``). The model of
+    ``benchmarks/accelerator.py``, about 270M parameters, is ``gpt(16, 1024, 16,
+    seq=1024, batch=8, vocab=32768)``.
+
+    >>> ex = gpt(num_layers=2, d_model=16, num_heads=2, seq=8, batch=2, vocab=32)
+    >>> ex.params["blocks"][0]["w1"].dtype, ex.params["blocks"][0]["w1"].shape
+    (dtype('float32'), (16, 64))
+    >>> loss = ex.loss_fn(*ex.args)
+    >>> loss.dtype, bool(3.0 < float(loss) < 5.0)  # about log(32) = 3.47 at first
+    (dtype('float32'), True)
+    """
+    _check_markers(markers)
+    d_ff = 4 * d_model if d_ff is None else d_ff
+    _check_positive(num_layers=num_layers, d_model=d_model, num_heads=num_heads, seq=seq)
+    _check_positive(batch=batch, vocab=vocab, d_ff=d_ff)
+    if d_model % num_heads:
+        raise PipemarkError(f"d_model ({d_model}) must be a multiple of num_heads ({num_heads}).")
+    params = _gpt_init(num_layers, vocab, d_model, d_ff, seq)(jax.random.key(seed))
+    stream = np.random.default_rng(seed).integers(0, vocab, size=(batch, seq + 1))
+    tokens = jnp.asarray(stream[:, :-1], jnp.int32)
+    targets = jnp.asarray(stream[:, 1:], jnp.int32)
+    dtype = jnp.dtype(compute_dtype)
+
+    def block(x, p):
+        return _gpt_block(x, p, num_heads, dtype)
+
+    def head(normed, unembed, targets):
+        logits = normed.astype(dtype) @ unembed.astype(dtype)
+        return _cross_entropy(logits.astype(jnp.float32), targets)
+
+    return Example(_decoder_loss(markers, block, head), params, (tokens, targets))
 
 
 # ------------------------------------------------------------ stages of fixed duration

@@ -6,10 +6,12 @@ scripts' tables and verdicts are.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -198,3 +200,91 @@ def test_tpu_marker_benchmark_prints_its_tables(tmp_path):
     assert all(row.count("|") == header.count("|") for row in steps)
     assert any(line.startswith("- startend: custom_call ÷ barrier") for line in lines)
     assert not any("failed:" in line for line in lines)  # every kind ran
+
+
+def _accelerator():
+    if str(REPO / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+    import accelerator
+
+    return accelerator
+
+
+@pytest.mark.slow  # two processes, each compiling a bfloat16 GPT's step on CPU (~10 s)
+def test_accelerator_benchmark_measures_each_row_in_its_own_process(tmp_path):
+    out = tmp_path / "table.md"
+    options = ["--size", "tiny", "--layers", "2", "--configs", "jit,s2", "--repeat", "1"]
+    lines = _output_lines("accelerator.py", *options, "--microbatches", "2", "--out", str(out))
+    assert out.read_text().splitlines() == lines[lines.index("") + 1 :]
+    assert lines[lines.index("") + 1].endswith("; cpu (cpu); JAX " + jax.__version__)
+    header = next(line for line in lines if line.startswith("| configuration |"))
+    titles = [c.strip() for c in header.split("|")[1:-1]]
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]]
+        for line in lines
+        if line.startswith(("| `jax.jit", "| pipeline"))
+    }
+    jit, piped = (
+        rows["`jax.jit(value_and_grad)`, B 8"],
+        rows["pipeline S 2, M 2, interleaved on 1 device, B 8"],
+    )
+    assert jit[titles.index("compilations")] == "1: loss_fn 1"
+    assert piped[titles.index("temporaries (largest / sum)")].endswith("(3 programs)")
+    assert all(row[titles.index("peak memory")].endswith("(RSS)") for row in (jit, piped))
+    assert "- compilations in the timed calls after the first: none" in lines
+    assert "- compilations while reading the compiled programs' memory: none" in lines
+    results = json.loads(out.with_suffix(".json").read_text())
+    assert [(r["config"], r["status"]) for r in results] == [("jit", "ok"), ("s2", "ok")]
+    # One stage program per stage and kind, the last stage's forward and backward fused.
+    assert results[1]["compiles"]["jit(run)"] == results[1]["memory"]["programs"] == 3
+
+
+def test_accelerator_table_and_verdicts_from_results():
+    bench = _accelerator()
+    sizes = dict(bench.SIZES["tiny"], preset="tiny")
+    memory = {"programs": 1, "temp_max": 100, "temp_sum": 100, "args_sum": 10, "out_sum": 10}
+    ok = {"status": "ok", "rows": 8, "compiles": {"jit(run)": 1}, "peak_kind": "device"}
+    results = [
+        dict(ok, config="jit", first_s=10.0, step_s=0.10, memory=memory, peak=1000),
+        dict(ok, config="scan", first_s=20.0, step_s=0.08, memory=memory, peak=900),
+        {"config": "s1", "status": "oom", "message": "HLO temporaries 2G exceeds available HBM 1G"},
+        dict(ok, config="s4", first_s=40.0, step_s=0.085, memory=dict(memory, programs=8)),
+        dict(ok, config="s16", first_s=31.0, step_s=0.2, memory=dict(memory, programs=32)),
+    ]
+    results[3]["peak"] = results[4]["peak"] = 1200
+    lines = bench.table(results, sizes, 8).splitlines()
+    assert len({line.count("|") for line in lines}) == 1
+    assert "| out of memory: HLO temporaries 2G exceeds available HBM 1G |" in lines[4]
+    assert "| 1.062 × scan, ≤ 1.1: met |" in lines[5] and "(8 programs)" in lines[5]
+    assert "| 31.0 (1.55 × scan, ≤ 1.5: not met) |" in lines[6]
+    verdicts = bench.verdicts(results)
+    assert verdicts[0].startswith("- s1 (S 1, M 1): step / jit: not measured (s1: oom; target")
+    assert verdicts[1] == "- s4 (S 4, M 8): step / scan 1.062 (target ≤ 1.1: met)"
+    assert verdicts[2] == "- s16: first call / the scan's 1.550 (target ≤ 1.5: not met)"
+
+
+@pytest.mark.parametrize(
+    ("message", "short"),
+    [
+        (
+            "XlaRuntimeError: RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of "
+            "memory in memory space hbm. Used 26.81G of 15.75G hbm. Exceeded hbm capacity by "
+            "11.06G.\n\nTotal hbm usage >= 27.06G:",
+            "Used 26.81G of 15.75G hbm",
+        ),
+        (
+            "RESOURCE_EXHAUSTED: HLO temporaries 26.81G exceeds available HBM 15.75G; more",
+            "HLO temporaries 26.81G exceeds available HBM 15.75G",
+        ),
+        (
+            "XlaRuntimeError: RESOURCE_EXHAUSTED: Error loading program: Attempting to reserve "
+            "2.34G at the bottom of memory. That was not possible.",
+            "Attempting to reserve 2.34G at the bottom of memory",
+        ),
+        ("ValueError: something else\nand more", "ValueError: something else"),
+    ],
+)
+def test_accelerator_shortens_what_did_not_fit(message, short):
+    bench = _accelerator()
+    assert bench.short_error(message) == short
+    assert bench.is_out_of_memory(message) == ("RESOURCE_EXHAUSTED" in message)

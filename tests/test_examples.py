@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -175,6 +176,8 @@ def test_sgd_step_is_plain_sgd():
         (lambda: examples.mlp(num_layers=0), "num_layers must be a positive int"),
         (lambda: examples.resnet(skip=0), "skip must be a positive int"),
         (lambda: examples.transformer(d_model=10, num_heads=4), "multiple of num_heads"),
+        (lambda: examples.gpt(d_model=10, num_heads=4), "multiple of num_heads"),
+        (lambda: examples.gpt(d_ff=0), "d_ff must be a positive int"),
         (lambda: examples.sized("cnn", 100), "Unknown model kind 'cnn'"),
         (lambda: examples.sized("mlp", -1), "num_eqns must be a positive int"),
         (lambda: examples.train_step(lambda p, b: 0.0, optimizer="lamb"), "'lamb'"),
@@ -183,3 +186,51 @@ def test_sgd_step_is_plain_sgd():
 def test_bad_arguments_raise_pipemark_errors(call, message):
     with pytest.raises(PipemarkError, match=message):
         call()
+
+
+def _gpt(num_layers=2, **options):
+    return examples.gpt(num_layers, d_model=16, num_heads=2, seq=8, batch=2, vocab=32, **options)
+
+
+def test_gpt_keeps_float32_parameters_and_multiplies_in_bfloat16():
+    ex = _gpt(num_layers=1)
+    dots = [e for e in ex.trace(grad=True).jaxpr.eqns if e.primitive.name == "dot_general"]
+    # Forward: 4 projections, 2 attention matmuls, 2 of the MLP, the output projection;
+    # the backward has two for each (both operands need a cotangent).
+    assert len(dots) == 3 * 9
+    assert all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+    loss, grads = jax.eval_shape(jax.value_and_grad(ex.loss_fn), *ex.args)
+    assert loss.dtype == jnp.float32
+    float32 = {np.dtype(np.float32)}
+    assert {x.dtype for x in jax.tree.leaves((ex.params, grads))} == float32
+    # The same model in float32 (JAX's own evaluation, no casts): close, not equal.
+    exact = _gpt(num_layers=1, compute_dtype=jnp.float32)
+    casts = [e for e in exact.trace().jaxpr.eqns if e.primitive.name == "convert_element_type"]
+    assert all(e.params["new_dtype"] != jnp.bfloat16 for e in casts)
+    with jax.default_matmul_precision("highest"):
+        want = jax.jit(exact.loss_fn)(*exact.args)
+    got = jax.jit(ex.loss_fn)(*ex.args)
+    assert got != want
+    np.testing.assert_allclose(got, want, rtol=2e-2)
+
+
+def test_gpt_markers_sit_between_blocks_and_do_not_change_the_loss():
+    # The layout is language_model's (one loss function for both), whose gradients with
+    # markers tests/test_language_model.py compares: here the forward, compiled once each.
+    marked, plain = _gpt(markers="boundary"), _gpt(markers=None)
+    assert [t for t, _, _ in _markers(marked.trace())] == ["boundary"]
+    assert [t for t, _, _ in _markers(_gpt(markers="startend").trace())] == ["start", "end"] * 2
+    assert not _markers(plain.trace())
+    assert np.array_equal(
+        jax.jit(marked.loss_fn)(*marked.args), jax.jit(plain.loss_fn)(*plain.args)
+    )
+
+
+def test_gpt_attention_is_causal():
+    block = _gpt(num_layers=1).params["blocks"][0]
+    attend = jax.jit(lambda h: examples._gpt_attention(h, block, 2, jnp.bfloat16))
+    h = jax.random.normal(jax.random.key(1), (2, 8, 16), jnp.bfloat16)
+    later = h.at[:, 5:].add(1.0)  # change the tokens after position 4
+    out, changed = attend(h), attend(later)
+    assert np.array_equal(out[:, :5], changed[:, :5])
+    assert not np.array_equal(out[:, 5:], changed[:, 5:])

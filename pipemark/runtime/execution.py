@@ -206,7 +206,7 @@ class _Call:
         passed outputs."""
         index, plan = step.index, self.plan
         if step.fused is None:
-            new_accs, outs = plan.units[index].run(self.accs.get(index, []), inputs, scale)
+            new_accs, outs = plan.units[index].run(list(self.accs.get(index, ())), inputs, scale)
             if step.accumulate:
                 self.accs[index] = new_accs
             return new_accs, outs
@@ -400,7 +400,11 @@ def _guarded(call: _Call, worker: int) -> None:
         # call began, long before a pipeline's first value reaches device w.
         if worker < len(call.threads):
             call.threads[worker].start()
-        call.walk(worker)
+        # The mesh context is per thread: without run_plan's set_mesh(None) here too,
+        # JAX would compile a program walked on this thread apart from the same program
+        # walked on the caller's (a serial walk, action_costs).
+        with jax.set_mesh(None):
+            call.walk(worker)
     except Cancelled:
         pass
     except BaseException as error:  # handed to the caller, which re-raises it
@@ -447,10 +451,11 @@ def _walk_transfers(call: _Call) -> None:
 
 
 def _guard(call: _Call, walk: Callable[..., None], *args: Any) -> None:
-    """Run ``walk``; its error stops the others (through the exchange) and is raised in
-    the caller."""
+    """Run ``walk`` (under ``run_plan``'s mesh context, as :func:`_guarded` does); its
+    error stops the others (through the exchange) and is raised in the caller."""
     try:
-        walk(*args)
+        with jax.set_mesh(None):
+            walk(*args)
     except Cancelled:
         pass
     except BaseException as error:
@@ -545,7 +550,8 @@ def action_costs(
             )
         call.spans = []
         try:
-            _run_serial(call)
+            with jax.set_mesh(None):  # as run_plan walks them: the same compiled programs
+                _run_serial(call)
         finally:
             call.exchange.clear()
         for action, took in call.spans if walk else ():  # the first walk warms up

@@ -63,6 +63,7 @@ from pipemark.runtime.options import PipelineOptions
 from pipemark.runtime.pipeline_stages import stage_program
 from pipemark.runtime.placement import leaf_specs
 from pipemark.runtime.plan import PipelinePlan, build_plan, plan_from_staged
+from pipemark.runtime.programs import compiled_programs
 from pipemark.runtime.schedules import Schedule
 from pipemark.runtime.tracing import replica_batch
 
@@ -223,6 +224,25 @@ class Pipeline:
         """
         key, dynamic, data, _ = self._bind(params, batch)
         return action_costs(self._plan(key, dynamic, data), dynamic, data, repeat)
+
+    def compiled_programs(self, params: Any, *batch: Any) -> dict[str, jax.stages.Compiled]:
+        """The XLA programs a call with inputs like these dispatches, compiled, by stage
+        name (``"<forward>+<backward>"`` for a fused pair): read each one's
+        ``memory_analysis()`` (temporary, argument and output bytes) or
+        ``cost_analysis()``. After a call, JAX's caches give back the programs the call
+        compiled; see :func:`pipemark.runtime.programs.compiled_programs`.
+
+        >>> import jax, pipemark as pm
+        >>> from pipemark import examples
+        >>> loss_fn, params, batch = examples.mlp(num_layers=2, batch=4)
+        >>> pipe = pm.pipeline_value_and_grad(loss_fn, num_stages=1, num_microbatches=1)
+        >>> programs = pipe.compiled_programs(params, batch)
+        >>> list(programs)  # one stage, its forward and backward fused into one program
+        ['stage0+stage0_backward']
+        >>> programs["stage0+stage0_backward"].memory_analysis().output_size_in_bytes > 0
+        True
+        """
+        return compiled_programs(self.plan(params, *batch))
 
 
 def pipeline_value_and_grad(

@@ -16,6 +16,7 @@ from pipemark.runtime import execution, placement
 from pipemark.runtime.execution import run_plan
 from tests._devices import computing_on
 from tests._trees import assert_trees_close, assert_trees_equal
+from tests.runtime._compiles import compilations
 from tests.runtime._fusion import mlp_pipeline, unfused_steps
 
 
@@ -139,3 +140,45 @@ def test_an_uncommitted_batch_is_split_where_it_lies(monkeypatch):
     counts = _Counts(monkeypatch, pipe.plan(*ex.args))
     jax.block_until_ready(run_plan(counts.plan, *ex.args, {}))
     assert (counts.transfers, counts.splits) == (0, 2)
+
+
+def test_each_stage_program_compiles_once():
+    # The accumulators a call starts from and those a program returns must have one
+    # pytree type: a tuple at the first microbatch and a list at the next compiled every
+    # accumulating stage program twice.
+    pm.clear_caches()  # fresh stage programs: none compiled by an earlier test
+    ex = examples.mlp(num_layers=4, width=3, batch=8)
+    pipe = pm.pipeline_value_and_grad(
+        ex.loss_fn,
+        num_stages=4,
+        num_microbatches=4,
+        schedule="interleaved",
+        devices=jax.devices()[:2],
+    )
+    with compilations() as compiled:
+        jax.block_until_ready(pipe(*ex.args))
+    plan = pipe.plan(*ex.args)
+    runs = {
+        id(plan.units[s.index].run if s.fused is None else plan.fused[s.index].run)
+        for _, s in plan.steps.serial
+    }
+    assert len(runs) >= 5  # forwards, backwards and a fused program
+    assert compiled.count("jit(run)") == len(runs)
+    with compilations() as compiled:
+        jax.block_until_ready(pipe(*ex.args))
+    assert compiled == []
+
+
+def test_threaded_and_serial_walks_run_the_same_compiled_programs():
+    # The walk on a worker thread runs under the caller's mesh context (jax.set_mesh is
+    # per thread, and JAX compiles a program apart for each context).
+    pm.clear_caches()
+    ex = examples.mlp(num_layers=4, width=3, batch=4)
+    pipe = pm.pipeline_value_and_grad(
+        ex.loss_fn, num_stages=2, num_microbatches=2, devices=jax.devices()[:2]
+    )
+    jax.block_until_ready(pipe(*ex.args))  # threaded: stage 1 on a worker thread
+    plan = pipe.plan(*ex.args)
+    with compilations() as compiled:
+        jax.block_until_ready(run_plan(plan, *ex.args, None, parallel=False))
+    assert compiled == []

@@ -1,0 +1,607 @@
+"""A bfloat16 GPT's training step on one accelerator: plain ``jax.jit``, a ``lax.scan``
+gradient accumulation and the pipeline runtime, side by side (issue #33).
+
+    python benchmarks/accelerator.py --out results/tpu.md      # the GPT on an accelerator
+    python benchmarks/accelerator.py --configs jit,s1 --size tiny   # a quick look on CPU
+
+The model is ``pipemark.examples.gpt``: float32 parameters, matmuls in bfloat16,
+boundary markers between its blocks. ``--size auto`` (the default) takes the 270M
+GPT (16 blocks, d_model 1024, 16 heads, MLP 4096, vocabulary 32768, sequence 1024,
+batch 8 rows, 8 microbatches) on an accelerator and a tiny one on CPU; ``--size tiny``,
+``medium`` or ``gpt`` choose, and ``--layers``, ``--d-model``, ... override one size.
+
+Rows (``--configs``, in this order by default), each measured in a process of its own
+(only one process may hold a TPU, and a device's peak memory is per process), one after
+another:
+
+* ``jit``: ``jax.jit(jax.value_and_grad(loss))`` of the unmarked model on the batch;
+* ``jit-markers``: the same, the model with its boundary markers (barrier lowering);
+* ``scan``: ``jax.jit`` of a ``lax.scan`` accumulating ``value_and_grad`` over the
+  ``M`` microbatches, what a user writes instead of a pipeline;
+* ``s1``, ``s1-half``: ``pm.pipeline_value_and_grad`` with 1 stage and 1 microbatch on
+  the batch and on half of it (1F1B: its forward and backward are one program);
+* ``jit-half``: ``jax.jit`` on half of the batch, ``s1-half``'s reference;
+* ``sN`` (``s4``, ``s16``): the pipeline with ``N`` stages and ``M`` microbatches on the
+  one device (the interleaved schedule puts every stage there).
+
+Columns: the first call (tracing, compiling, one step) in seconds and how many XLA
+compilations it made (``jax.monitoring``'s backend-compile events; later calls must
+make none); the step, the median of ``--repeat`` calls after one warm-up, each waited
+for with ``block_until_ready``; its ratio to the row's baseline (``jax.jit`` for S 1, the
+scan for more stages); model TFLOP/s (6 x the matmul parameters x the tokens, plus the
+attention's 12 x layers x rows x seq² x d_model: counted, not measured; XLA's own count
+of the ``jit`` program is in the header); the compiled programs' ``memory_analysis()``
+(temporaries; arguments and outputs; for the pipeline, its largest stage program's and
+the sum over its programs, from ``Pipeline.compiled_programs``), and the device's
+``memory_stats()["peak_bytes_in_use"]`` (on CPU, which has none, the process's peak
+resident memory). A configuration that does not fit shows "out of memory" with XLA's
+message shortened. Verdict lines give the issue's targets: S 1 / M 1 within 1.05 x
+``jax.jit`` and its memory within 5 %; S 4 / M 8 within 1.10 x the scan; the first call
+of S 16 within 1.5 x the scan's.
+
+The table goes to stdout and to ``--out`` (with the results as JSON beside it). Each
+row runs under ``--timeout-s``, and no row starts once ``--budget-s`` is spent (it is
+marked skipped): the S 16 compilation alone took 104 s on a TPU v5e.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax.monitoring's
+GIB = 1024**3
+REPO = Path(__file__).resolve().parents[1]
+
+#: Model sizes by name; ``auto`` is ``gpt`` on an accelerator and ``tiny`` on CPU.
+SIZES = {
+    "gpt": dict(layers=16, d_model=1024, heads=16, d_ff=4096, vocab=32768, seq=1024, batch=8),
+    "medium": dict(layers=4, d_model=256, heads=4, d_ff=1024, vocab=2048, seq=128, batch=8),
+    "tiny": dict(layers=4, d_model=32, heads=2, d_ff=128, vocab=64, seq=16, batch=8),
+}
+DEFAULT_CONFIGS = "jit,jit-markers,scan,s1,s1-half,jit-half,s4,s16"
+CONFIG = re.compile(r"(jit|jit-markers|scan|jit-half|s(\d+)(-half)?)$")
+
+
+def _log(message: str) -> None:
+    print(f"[{datetime.datetime.now():%H:%M:%S}] {message}", flush=True)
+
+
+# ------------------------------------------------------------------ configurations
+
+
+def stages_of(config: str) -> int | None:
+    """The pipeline's stage count of a configuration (``None``: not a pipeline)."""
+    match = CONFIG.match(config)
+    return int(match.group(2)) if match and match.group(2) else None
+
+
+def baseline_of(config: str) -> str | None:
+    """The configuration a row's step is compared with."""
+    stages = stages_of(config)
+    if stages is None:
+        return {"jit-markers": "jit", "scan": "jit"}.get(config)
+    if stages == 1:
+        return "jit-half" if config.endswith("-half") else "jit"
+    return "scan"
+
+
+def rows_of(config: str, sizes: dict) -> int:
+    return sizes["batch"] // 2 if config.endswith("-half") else sizes["batch"]
+
+
+def label(config: str, sizes: dict, microbatches: int) -> str:
+    """What a row is, in words."""
+    rows = rows_of(config, sizes)
+    stages = stages_of(config)
+    if stages is None:
+        return {
+            "jit": f"`jax.jit(value_and_grad)`, B {rows}",
+            "jit-half": f"`jax.jit(value_and_grad)`, B {rows}",
+            "jit-markers": f"the same with boundary markers (barrier), B {rows}",
+            "scan": f"`jax.jit` of a `lax.scan` accumulation, B {rows}, M {microbatches}",
+        }[config]
+    if stages == 1:
+        return f"pipeline S 1, M 1, B {rows}"
+    return f"pipeline S {stages}, M {microbatches}, interleaved on 1 device, B {rows}"
+
+
+def model_flops(sizes: dict, rows: int) -> float:
+    """A step's model FLOPs: 6 x matmul parameters x tokens (forward 2, backward 4),
+    plus attention's two (seq x seq) matmuls per layer, 3 x 2 x 2 x rows x seq² x d."""
+    layers, d, d_ff, vocab, seq = (sizes[k] for k in ("layers", "d_model", "d_ff", "vocab", "seq"))
+    matmul_params = layers * (4 * d * d + 2 * d * d_ff) + d * vocab
+    return 6.0 * matmul_params * rows * seq + 12.0 * layers * rows * seq * seq * d
+
+
+def resolve_sizes(args: argparse.Namespace, platform: str) -> dict:
+    """The model sizes: the preset (``auto`` by the backend) with the flags over it."""
+    name = args.size if args.size != "auto" else ("tiny" if platform == "cpu" else "gpt")
+    sizes = dict(SIZES[name], preset=name)
+    for key in ("layers", "d_model", "heads", "d_ff", "vocab", "seq", "batch"):
+        if getattr(args, key) is not None:
+            sizes[key] = getattr(args, key)
+    return sizes
+
+
+# ----------------------------------------------------------------- one configuration
+
+
+def short_error(message: str) -> str:
+    """XLA's message shortened to the sentence that says what did not fit (or its
+    first line): ``"HLO temporaries 26.81G exceeds available HBM 15.75G"``."""
+    text = re.sub(r"\s+", " ", message)
+    rest = r"(?:[^.;:]|\.(?=\d))*"  # to the sentence's end (a decimal point is not one)
+    for pattern in (
+        r"[\w ]*temporaries [\d.]+\w* exceeds " + rest,
+        r"Used [\d.]+\w* of [\d.]+\w* \w+",
+        r"Ran out of memory in memory space \w+",
+        r"(?:Out of memory|out of memory|Attempting to (?:allocate|reserve))" + rest,
+    ):
+        found = re.search(pattern, text)
+        if found:
+            return found.group(0).strip()
+    first = next((line.strip() for line in message.splitlines() if line.strip()), "")
+    first = re.sub(r"^(XlaRuntimeError: )?(RESOURCE_EXHAUSTED: |INTERNAL: )?", "", first)
+    return first if len(first) <= 120 else first[:117] + "..."
+
+
+def is_out_of_memory(message: str) -> bool:
+    return bool(
+        re.search(
+            r"RESOURCE_EXHAUSTED|[Oo]ut of memory|exceeds available|Ran out of memory", message
+        )
+    )
+
+
+class CompileCounter:
+    """Counts the XLA compilations JAX makes (its backend-compile monitoring event, the
+    same name on JAX 0.10 to 0.12), by function name."""
+
+    def __init__(self) -> None:
+        import jax
+
+        self.names: list[str] = []
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+
+    def _listen(self, event: str, duration: float, **kwargs: object) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            self.names.append(str(kwargs.get("fun_name")))
+
+    def take(self) -> list[str]:
+        """The compilations since the last take."""
+        names, self.names = self.names, []
+        return names
+
+
+def _by_name(names: list[str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for name in names:
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def _step(config: str, loss_fn, device, microbatches: int):
+    """``(step, pipeline)``: the function a row calls with ``(params, batch)``, and the
+    pipeline when it is one (for its compiled programs)."""
+    import jax
+    import jax.numpy as jnp
+
+    import pipemark as pm
+
+    stages = stages_of(config)
+    if stages is not None:
+        pipe = pm.pipeline_value_and_grad(
+            loss_fn,
+            num_stages=stages,
+            num_microbatches=1 if stages == 1 else microbatches,
+            schedule="1f1b" if stages == 1 else "interleaved",
+            devices=[device],
+        )
+        return pipe, pipe
+    if config != "scan":
+        return jax.jit(jax.value_and_grad(loss_fn)), None
+
+    def accumulate(params, batch):
+        micro = jax.tree.map(lambda x: x.reshape(microbatches, -1, *x.shape[1:]), batch)
+        value_and_grad = jax.value_and_grad(loss_fn)
+
+        def body(total, one):
+            return jax.tree.map(jnp.add, total, value_and_grad(params, one)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, (jnp.zeros((), jnp.float32), params))
+        total, _ = jax.lax.scan(body, zeros, micro)
+        return jax.tree.map(lambda t: t / microbatches, total)
+
+    return jax.jit(accumulate), None
+
+
+def _memory(step, pipe, params, batch) -> dict:
+    """The compiled programs' memory analysis (and XLA's FLOPs for a single program)."""
+    if pipe is not None:
+        programs = pipe.compiled_programs(params, batch)
+    else:
+        programs = {"step": step.lower(params, batch).compile()}
+    analyses = {name: program.memory_analysis() for name, program in programs.items()}
+    out = {
+        "programs": len(programs),
+        "temp_max": max(a.temp_size_in_bytes for a in analyses.values()),
+        "temp_sum": sum(a.temp_size_in_bytes for a in analyses.values()),
+        "args_max": max(a.argument_size_in_bytes for a in analyses.values()),
+        "args_sum": sum(a.argument_size_in_bytes for a in analyses.values()),
+        "out_max": max(a.output_size_in_bytes for a in analyses.values()),
+        "out_sum": sum(a.output_size_in_bytes for a in analyses.values()),
+    }
+    if pipe is None:
+        cost = programs["step"].cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # JAX < 0.4.30: a list
+        out["xla_flops"] = float(cost.get("flops", 0.0)) if cost else None
+    return out
+
+
+def _peak(device) -> dict:
+    """The device's peak memory, or on a device without statistics (CPU) the process's
+    peak resident memory."""
+    stats = device.memory_stats()
+    if stats and "peak_bytes_in_use" in stats:
+        return {
+            "peak": stats["peak_bytes_in_use"],
+            "peak_kind": "device",
+            "limit": stats.get("bytes_limit"),
+        }
+    import resource
+
+    return {
+        "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_kind": "host RSS",
+    }
+
+
+def measure(config: str, sizes: dict, microbatches: int, repeat: int, device, counter) -> dict:
+    """Time one configuration's first call and steps, count its compilations, read its
+    compiled programs' memory."""
+    import jax
+    import jax.numpy as jnp
+
+    import pipemark as pm
+    from pipemark import examples
+
+    pm.set_lowering("barrier")
+    markers = None if config in ("jit", "jit-half", "scan") else "boundary"
+    ex = examples.gpt(
+        sizes["layers"], sizes["d_model"], sizes["heads"], seq=sizes["seq"],
+        batch=rows_of(config, sizes), vocab=sizes["vocab"], d_ff=sizes["d_ff"],
+        compute_dtype=jnp.bfloat16, markers=markers,
+    )  # fmt: skip
+    params, batch = jax.block_until_ready(jax.device_put(ex.args, device))
+    step, pipe = _step(config, ex.loss_fn, device, microbatches)
+    counter.take()
+    _log(f"{config}: first call")
+    start = time.perf_counter()
+    jax.block_until_ready(step(params, batch))
+    result = {"first_s": time.perf_counter() - start, "compiles": _by_name(counter.take())}
+    _log(f"{config}: first call {result['first_s']:.1f} s; timing {repeat} steps")
+    jax.block_until_ready(step(params, batch))
+    seconds = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        jax.block_until_ready(step(params, batch))
+        seconds.append(time.perf_counter() - start)
+    result["step_s"] = sorted(seconds)[len(seconds) // 2]
+    result["steps_s"] = seconds
+    result["steady_compiles"] = len(counter.take())
+    result["memory"] = _memory(step, pipe, params, batch)
+    result["memory_compiles"] = len(counter.take())  # 0: the programs the calls compiled
+    return result
+
+
+def child(args: argparse.Namespace) -> None:
+    """Run one configuration in this process and write its results as JSON."""
+    import jax
+
+    jax.config.update("jax_enable_compilation_cache", False)  # every first call compiles
+    counter = CompileCounter()
+    device = jax.devices()[0]
+    sizes = resolve_sizes(args, device.platform)
+    result = {
+        "config": args.child,
+        "platform": device.platform,
+        "device_kind": device.device_kind,
+        "jax": jax.__version__,
+        "sizes": sizes,
+        "rows": rows_of(args.child, sizes),
+    }
+    stages = stages_of(args.child)
+    try:
+        if stages is not None and stages > sizes["layers"]:
+            result["status"] = "skipped"
+            result["message"] = f"{stages} stages > {sizes['layers']} blocks"
+        else:
+            result.update(
+                measure(args.child, sizes, args.microbatches, args.repeat, device, counter)
+            )
+            result["status"] = "ok"
+    except Exception as error:  # reported in the table, not raised
+        message = f"{type(error).__name__}: {error}"
+        result["status"] = "oom" if is_out_of_memory(message) else "error"
+        result["message"] = short_error(message)
+        _log(f"{args.child}: {result['status']}: {result['message']}")
+    result.update(_peak(device))
+    Path(args.result).write_text(json.dumps(result))
+
+
+# ----------------------------------------------------------------------- the parent
+
+
+def _child_command(args: argparse.Namespace, config: str, result: str) -> list[str]:
+    command = [sys.executable, "-u", __file__, "--child", config, "--result", result]
+    command += ["--size", args.size, "--repeat", str(args.repeat)]
+    command += ["--microbatches", str(args.microbatches)]
+    for key in ("layers", "d_model", "heads", "d_ff", "vocab", "seq", "batch"):
+        if getattr(args, key) is not None:
+            command += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    return command
+
+
+def run_one(args: argparse.Namespace, config: str, timeout: float) -> dict:
+    """One configuration in a process of its own: its results, or why there are none."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "result.json")
+        # The child imports the pipemark of this checkout (the script's repository).
+        path_list = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(path_list))
+        try:
+            run = subprocess.run(
+                _child_command(args, config, path),
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=timeout,
+                env=env,
+            )
+        except subprocess.TimeoutExpired:
+            return {
+                "config": config,
+                "status": "error",
+                "message": f"timed out after {timeout:.0f} s",
+            }
+        if os.path.exists(path):
+            return json.loads(Path(path).read_text())
+        stderr = run.stderr or ""
+        tail = stderr.strip().splitlines()[-20:]
+        status = "oom" if is_out_of_memory(stderr) else "error"
+        reason = short_error("\n".join(tail[-3:])) if tail else f"exit status {run.returncode}"
+        return {"config": config, "status": status, "message": f"process died: {reason}"}
+
+
+def run_all(args: argparse.Namespace, configs: list[str]) -> list[dict]:
+    begin = time.perf_counter()
+    results = []
+    for config in configs:
+        left = args.budget_s - (time.perf_counter() - begin)
+        if left < 20:
+            _log(f"{config}: skipped, {args.budget_s:.0f} s budget spent")
+            results.append({"config": config, "status": "skipped", "message": "time budget spent"})
+            continue
+        timeout = min(args.timeout_s, left)
+        _log(f"{config}: starting its process (at most {timeout:.0f} s)")
+        result = run_one(args, config, timeout)
+        summary = result.get("message") or (
+            f"first call {result['first_s']:.1f} s, step {1e3 * result['step_s']:.1f} ms"
+        )
+        _log(f"{config}: {result['status']}: {summary}")
+        results.append(result)
+    return results
+
+
+# -------------------------------------------------------------------------- the table
+
+
+def param_count(sizes: dict) -> int:
+    d, d_ff, vocab, seq = (sizes[k] for k in ("d_model", "d_ff", "vocab", "seq"))
+    block = 4 * d * d + 2 * d * d_ff + d_ff + 5 * d
+    return vocab * d + seq * d + sizes["layers"] * block + 2 * d + d * vocab
+
+
+def _bytes(count: float | None) -> str:
+    if count is None:
+        return "—"
+    for unit, size in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if count >= size:
+            return f"{count / size:.2f} {unit}"
+    return f"{count:.0f} B"
+
+
+def _ratio(result: dict, base: dict | None, key: str = "step_s") -> float | None:
+    if base is None or result.get("status") != "ok" or base.get("status") != "ok":
+        return None
+    return result[key] / base[key]
+
+
+def _memory_cells(result: dict) -> tuple[str, str]:
+    memory = result.get("memory")
+    if memory is None:
+        return "—", "—"
+    if memory["programs"] == 1:
+        return _bytes(
+            memory["temp_max"]
+        ), f"{_bytes(memory['args_sum'])} + {_bytes(memory['out_sum'])}"
+    temps = f"{_bytes(memory['temp_max'])} / {_bytes(memory['temp_sum'])} ({memory['programs']} programs)"
+    return temps, f"{_bytes(memory['args_sum'])} + {_bytes(memory['out_sum'])} (sums)"
+
+
+#: The issue's targets: the step's ratio for these rows, the first call's for S 16.
+TARGETS = {"s1": 1.05, "s1-half": 1.05, "s4": 1.10, "first": 1.5}
+
+
+def _met(key: str, ratio: float) -> str:
+    """``", ≤ 1.05: met"`` where ``key`` has a target, else nothing."""
+    target = TARGETS.get(key)
+    if target is None:
+        return ""
+    return f", ≤ {target:g}: {'met' if ratio <= target else 'not met'}"
+
+
+def _compile_cell(compiles: dict[str, int]) -> str:
+    """``"3: run 1, make_zeros 2"``: the count, then per function (``jit(...)`` dropped)."""
+    counts = sorted(compiles.items(), key=lambda item: -item[1])
+    short = [(re.sub(r"^jit[(](.*)[)]$", r"\1", name), n) for name, n in counts]
+    return f"{sum(compiles.values())}: " + ", ".join(f"{name} {n}" for name, n in short)
+
+
+def table(results: list[dict], sizes: dict, microbatches: int) -> str:
+    by_config = {r["config"]: r for r in results}
+    lines = [
+        "| configuration | first call (s) | compilations | step (ms) | vs | TFLOP/s | "
+        "temporaries (largest / sum) | arguments + outputs | peak memory |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for result in results:
+        config = result["config"]
+        peak = result.get("peak")
+        peak_cell = (
+            "—"
+            if peak is None
+            else _bytes(peak) + (" (RSS)" if result["peak_kind"] != "device" else "")
+        )
+        name = label(config, sizes, microbatches)
+        if result["status"] != "ok":
+            what = {"oom": "out of memory", "skipped": "skipped", "error": "failed"}[
+                result["status"]
+            ]
+            lines.append(
+                f"| {name} | — | — | {what}: {result['message']} | — | — | — | — | {peak_cell} |"
+            )
+            continue
+        base_name = baseline_of(config)
+        ratio = _ratio(result, by_config.get(base_name))
+        versus = "—" if ratio is None else f"{ratio:.3f} × {base_name}" + _met(config, ratio)
+        first = f"{result['first_s']:.1f}"
+        if config == "s16" and "scan" in by_config:
+            first_ratio = _ratio(result, by_config["scan"], "first_s")
+            if first_ratio is not None:
+                first += f" ({first_ratio:.2f} × scan{_met('first', first_ratio)})"
+        tflops = model_flops(sizes, result["rows"]) / result["step_s"] / 1e12
+        temps, io = _memory_cells(result)
+        compiles = _compile_cell(result["compiles"])
+        lines.append(
+            f"| {name} | {first} | {compiles} | {1e3 * result['step_s']:.1f} | "
+            f"{versus} | {tflops:.3g} | {temps} | {io} | {peak_cell} |"
+        )
+    return "\n".join(lines)
+
+
+def _verdict(value: float | None, target: float, what: str, failed: dict | None) -> str:
+    if value is None:
+        why = f"{failed['config']}: {failed['status']}; " if failed else ""
+        return f"{what}: not measured ({why}target ≤ {target:g})"
+    return f"{what} {value:.3f} (target ≤ {target:g}: {'met' if value <= target else 'not met'})"
+
+
+def verdicts(results: list[dict]) -> list[str]:
+    by_config = {r["config"]: r for r in results}
+
+    def failed(*names: str) -> dict | None:
+        return next(
+            (by_config[n] for n in names if n in by_config and by_config[n]["status"] != "ok"), None
+        )
+
+    def memory_ratio(config: str, base: str, key: str) -> float | None:
+        one, ref = by_config.get(config), by_config.get(base)
+        if not one or not ref or "memory" not in one or "memory" not in ref:
+            return None
+        if key == "peak":
+            return one["peak"] / ref["peak"]
+        return one["memory"]["temp_sum"] / max(ref["memory"]["temp_sum"], 1)
+
+    lines = []
+    for config, base in (("s1", "jit"), ("s1-half", "jit-half")):
+        if config not in by_config:
+            continue
+        why = failed(config, base)
+        step = _verdict(_ratio(by_config[config], by_config.get(base)), 1.05, f"step / {base}", why)
+        temps = _verdict(memory_ratio(config, base, "temp"), 1.05, "compiled temporaries", why)
+        peak = _verdict(memory_ratio(config, base, "peak"), 1.05, "peak memory", why)
+        lines.append(f"- {config} (S 1, M 1): {step}; vs {base}'s, {temps}; {peak}")
+    if "s4" in by_config:
+        ratio = _ratio(by_config["s4"], by_config.get("scan"))
+        lines.append(
+            f"- s4 (S 4, M 8): {_verdict(ratio, 1.10, 'step / scan', failed('s4', 'scan'))}"
+        )
+    if "s16" in by_config:
+        ratio = _ratio(by_config["s16"], by_config.get("scan"), "first_s")
+        first = _verdict(ratio, 1.5, "first call / the scan's", failed("s16", "scan"))
+        lines.append(f"- s16: {first}")
+    late = {r["config"]: r["steady_compiles"] for r in results if r.get("steady_compiles")}
+    queried = {r["config"]: r["memory_compiles"] for r in results if r.get("memory_compiles")}
+    lines.append(f"- compilations in the timed calls after the first: {late or 'none'}")
+    lines.append(f"- compilations while reading the compiled programs' memory: {queried or 'none'}")
+    return lines
+
+
+def header(results: list[dict], sizes: dict, microbatches: int, repeat: int) -> list[str]:
+    first = next((r for r in results if "device_kind" in r), {})
+    jit = next((r for r in results if r["config"] == "jit" and r.get("memory")), None)
+    xla = jit["memory"].get("xla_flops") if jit else None
+    flops = model_flops(sizes, sizes["batch"])
+    model = ", ".join(
+        f"{k} {sizes[k]}" for k in ("layers", "d_model", "heads", "d_ff", "vocab", "seq")
+    )
+    return [
+        f"{datetime.date.today().isoformat()}; {first.get('device_kind', '?')} "
+        f"({first.get('platform', '?')}); JAX {first.get('jax', '?')}",
+        f"model: examples.gpt ({sizes['preset']}: {model}; {param_count(sizes) / 1e6:.1f}M "
+        "float32 parameters, bfloat16 matmuls); batch B rows, M microbatches "
+        f"({microbatches}); step: median of {repeat} calls",
+        f"model FLOPs per step of {sizes['batch']} rows: {flops / 1e12:.3g} T (counted: 6 x "
+        "matmul parameters x tokens + attention)"
+        + ("" if not xla else f"; XLA's count for the jit program: {xla / 1e12:.3g} T"),
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma-separated rows")
+    parser.add_argument("--size", choices=["auto", *SIZES], default="auto")
+    for key in ("layers", "d_model", "heads", "d_ff", "vocab", "seq", "batch"):
+        parser.add_argument(f"--{key.replace('_', '-')}", dest=key, type=int)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--budget-s", type=float, default=480.0)
+    parser.add_argument("--timeout-s", type=float, default=300.0)
+    parser.add_argument("--out", help="write the table here, and the results as JSON beside it")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        child(args)
+        return
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if not CONFIG.match(c)]
+    if unknown:
+        parser.error(f"unknown configurations {unknown}; known: {DEFAULT_CONFIGS}, sN, sN-half")
+    results = run_all(args, configs)
+    sizes = next((r["sizes"] for r in results if "sizes" in r), None)
+    if sizes is None:
+        sys.exit("no configuration ran: " + "; ".join(r.get("message", "") for r in results))
+    text = "\n".join(
+        [*header(results, sizes, args.microbatches, args.repeat), "",
+         table(results, sizes, args.microbatches), "", *verdicts(results)]
+    )  # fmt: skip
+    print()
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+        Path(args.out).with_suffix(".json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

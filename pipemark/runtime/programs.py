@@ -1,0 +1,114 @@
+"""The XLA programs a pipeline runs, compiled: :func:`compiled_programs`.
+
+A plan's stage programs are ``jax.jit`` functions that compile on their first call.
+:func:`compiled_programs` lowers each program a call dispatches for the argument types
+the call gives it (its accumulators, its inputs for one microbatch, the microbatch
+scale, all on its device) and returns JAX's ``Compiled`` objects, whose
+``memory_analysis()`` (temporaries, argument and output bytes), ``cost_analysis()`` and
+``as_text()`` say what XLA made of each stage. JAX keeps one compilation per program and
+argument types, so after a call nothing compiles again; before the first call, the
+programs it will run are compiled here, and the call then reuses them.
+
+>>> import jax, pipemark as pm
+>>> from pipemark import examples
+>>> loss_fn, params, batch = examples.mlp(num_layers=2, batch=4)
+>>> pipe = pm.pipeline_value_and_grad(
+...     loss_fn, num_stages=2, num_microbatches=2, devices=jax.devices()[:2])
+>>> programs = compiled_programs(pipe.plan(params, batch))
+>>> list(programs)
+['layer0', 'layer1+layer1_backward', 'layer0_backward']
+>>> programs["layer0"].memory_analysis().temp_size_in_bytes >= 0
+True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from pipemark.errors import PipemarkError
+from pipemark.runtime.compilation import Unit
+from pipemark.runtime.placement import Slot
+from pipemark.runtime.plan import PipelinePlan
+
+__all__ = ["compiled_programs"]
+
+
+def compiled_programs(plan: PipelinePlan) -> dict[str, jax.stages.Compiled]:
+    """Each program a call of ``plan`` dispatches in this process, compiled for the
+    arguments the call passes it, in the order of their first dispatch: by stage name
+    (``"layer0"``, ``"layer0_backward"``), and ``"<forward>+<backward>"`` for a
+    forward and backward fused into one program
+    (:func:`pipemark.runtime.compilation.compile_fused`).
+
+    Programs a call has compiled come back from JAX's caches (nothing compiles twice),
+    provided the parameters and the batch were on their stage's device as committed
+    arrays (``jax.device_put(x, device)``) or were placed there by the runtime; an array
+    created on the default device without ``device_put`` is not committed, and JAX
+    compiles its program apart for it.
+
+    Raises
+    ------
+    PipemarkError
+        For a plan on sub-meshes (``mesh=``), whose stage programs take a replica axis
+        and layouts of their own: not covered yet.
+    """
+    if plan.placement.meshes:
+        raise PipemarkError(
+            "compiled_programs covers stages on single devices; this pipeline's stages "
+            "run on sub-meshes (mesh=), whose programs it does not lower yet. Build the "
+            "pipeline with devices= to read its stage programs."
+        )
+    stages = plan.staged.stages
+    programs: dict[str, jax.stages.Compiled] = {}
+    for worker, step in plan.steps.serial:
+        if not plan.placement.local[worker]:
+            continue
+        slot = plan.placement.slots[worker]
+        if step.fused is None:
+            unit = plan.units[step.index]
+            name = stages[step.index].name
+            accs, inputs = _unit_arguments(plan, unit, slot)
+        else:
+            forward, unit = plan.units[step.fused], plan.fused[step.index]
+            name = f"{stages[step.fused].name}+{stages[step.index].name}"
+            accs, inputs = _fused_arguments(plan, forward, plan.units[step.index], slot)
+        if name not in programs:
+            scale = _struct(jax.ShapeDtypeStruct((), np.float32), slot.replicated)
+            # Under the mesh context a call walks its steps in (run_plan's), which is
+            # part of what JAX keys its compiled programs on.
+            with jax.set_mesh(None):
+                programs[name] = unit.run.lower(accs, inputs, scale).compile()
+    return programs
+
+
+def _struct(aval: Any, sharding: Any) -> jax.ShapeDtypeStruct:
+    """The type of a value of ``aval`` committed to ``sharding``, as a call passes it."""
+    weak = bool(getattr(aval, "weak_type", False))
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding, weak_type=weak)
+
+
+def _unit_arguments(plan: PipelinePlan, unit: Unit, slot: Slot) -> tuple[list, list]:
+    """A stage program's accumulators and inputs, as :class:`jax.ShapeDtypeStruct`."""
+    stage = plan.staged.stages[unit.index]
+    accs = [_struct(stage.out_avals[o], slot.sharding) for _, o in unit.accumulated]
+    inputs = [_struct(v.aval, slot.sharding) for v in stage.jaxpr.invars]
+    return accs, inputs
+
+
+def _fused_arguments(
+    plan: PipelinePlan, forward: Unit, backward: Unit, slot: Slot
+) -> tuple[list, list]:
+    """A fused program's accumulators (the forward's, then the backward's) and inputs
+    (the forward's, then the backward's that are not the forward's outputs)."""
+    forward_accs, forward_inputs = _unit_arguments(plan, forward, slot)
+    backward_accs, _ = _unit_arguments(plan, backward, slot)
+    stage = plan.staged.stages[backward.index]
+    extra = [
+        _struct(var.aval, slot.sharding)
+        for ref, var in zip(stage.inputs, stage.jaxpr.invars)
+        if not (ref.kind == "stage" and ref.stage == forward.index)
+    ]
+    return forward_accs + backward_accs, forward_inputs + extra
