@@ -31,12 +31,22 @@ from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from jax.sharding import PartitionSpec as P
 
 from pipemark.caches import register_cache
+from pipemark.lowering import get_lowering
+from pipemark.passes.rewrite import remove_markers
 from pipemark.runtime.losses import microbatch_share
 from pipemark.runtime.placement import Placement, Slot
 from pipemark.runtime.sharding import compile_stage
 from pipemark.staged import StagedJaxpr
 
-__all__ = ["Unit", "compile_fused", "compile_units", "result_shardings", "stage_readers"]
+__all__ = [
+    "Unit",
+    "compile_fused",
+    "compile_units",
+    "keeps_markers",
+    "result_shardings",
+    "runtime_program",
+    "stage_readers",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +91,10 @@ class Unit:
     #: On a sub-mesh, the compiled stage with its shardings
     #: (:class:`pipemark.runtime.sharding.CompiledStage`).
     program: Any = None
+    #: Whether ``run`` ignores the accumulators it is given and returns this
+    #: microbatch's shares alone: with one microbatch there is nothing to add to, so
+    #: the program is ``jax.jit``'s step with no accumulators in memory.
+    starts: bool = False
 
 
 def result_shardings(unit: Unit, slot: Slot) -> tuple[Any, ...]:
@@ -111,16 +125,20 @@ def compile_units(
     param_specs: Sequence[Any] | None = None,
     result_specs: Sequence[Any] | None = None,
     data_axis: str = "data",
+    num_microbatches: int = 2,
 ) -> dict[int, Unit]:
     """A :class:`Unit` for each stage ``index`` of ``workers`` (stage index -> worker),
     compiled for that worker's slot (programs seen before come from a cache). On
     sub-meshes, the first ``num_params`` inputs of ``staged`` are parameters laid out by
     ``param_specs`` (one ``PartitionSpec`` each), and each result ``r`` of ``staged``
-    is reduced into ``result_specs[r]`` (replicated where ``None``)."""
+    is reduced into ``result_specs[r]`` (replicated where ``None``). With
+    ``num_microbatches`` 1, single-device units keep no accumulators
+    (:attr:`Unit.starts`)."""
     readers = stage_readers(staged)
     if not placement.meshes:
+        starts = num_microbatches == 1
         return {
-            index: _compile_unit(staged, index, w, placement.slots[w], readers)
+            index: _compile_unit(staged, index, w, placement.slots[w], readers, starts)
             for index, w in workers.items()
         }
     specs = _MeshSpecs(num_params, param_specs or (), result_specs, data_axis)
@@ -169,7 +187,7 @@ def _mesh_unit(
     }
     sums = specs.result_specs
     compiled = compile_stage(
-        stage.closed_jaxpr,
+        runtime_program(stage.closed_jaxpr),
         slot.mesh,
         param_specs=param_specs,
         accumulated=[o for _, o in accumulated],
@@ -197,6 +215,30 @@ _UNIT_CACHE_SIZE = 256
 register_cache(_UNIT_CACHE.clear)
 
 
+def keeps_markers() -> bool:
+    """Whether the programs compiled now keep their marker equations: only under the
+    ``"custom_call"`` lowering, whose calls name each marker in profiles and HLO."""
+    return get_lowering() == "custom_call"
+
+
+def runtime_program(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """The program the runtime compiles for a stage: the stage's jaxpr without its
+    marker equations, unless :func:`keeps_markers`.
+
+    Inside one stage program a marker separates nothing: the stage boundary is the
+    program boundary. Lowered as a barrier, it would stop XLA from fusing across it and
+    from rematerialising what it fences; on a TPU v5e (JAX 0.10.2) the one-stage program
+    of a 270M-parameter GPT needed 12.1 GiB of temporaries with barriers and 5.4 GiB,
+    as ``jax.jit`` of the same step, without them (docs/performance.md).
+
+    >>> import jax, pipemark as pm
+    >>> cj = jax.make_jaxpr(lambda x: pm.mark(x * 2, name="a", mark_type="end"))(1.0)
+    >>> [e.primitive.name for e in runtime_program(cj).jaxpr.eqns]
+    ['mul']
+    """
+    return closed if keeps_markers() else remove_markers(closed)
+
+
 def _unit_key(closed: ClosedJaxpr, accumulated: list[int], passed: list[int], slot: Slot) -> Any:
     if closed.consts:
         return None
@@ -206,48 +248,63 @@ def _unit_key(closed: ClosedJaxpr, accumulated: list[int], passed: list[int], sl
         return None
     types = tuple(repr(v.aval) for v in (*jaxpr.invars, *jaxpr.outvars))
     where = tuple((d.platform, d.id) for d in slot.devices)
-    return (text, types, tuple(accumulated), tuple(passed), where, repr(slot.sharding))
+    return (
+        text, types, tuple(accumulated), tuple(passed), where, repr(slot.sharding),
+        keeps_markers(),
+    )  # fmt: skip
 
 
 def _compile_unit(
-    staged: StagedJaxpr, index: int, worker: int, slot: Slot, readers: dict[tuple[int, int], int]
+    staged: StagedJaxpr,
+    index: int,
+    worker: int,
+    slot: Slot,
+    readers: dict[tuple[int, int], int],
+    starts: bool,
 ) -> Unit:
     stage = staged.stages[index]
     accumulated, passed = _outputs(staged, index, readers)
     outputs = [o for _, o in accumulated]
     key = _unit_key(stage.closed_jaxpr, outputs, list(passed), slot)
+    key = key and (*key, starts)
     cached = _UNIT_CACHE.get(key) if key is not None else None
     if cached is None:
-        cached = _jit_unit(stage.closed_jaxpr, outputs, list(passed), slot)
+        cached = _jit_unit(stage.closed_jaxpr, outputs, list(passed), slot, starts)
         if key is not None:
             if len(_UNIT_CACHE) >= _UNIT_CACHE_SIZE:
                 del _UNIT_CACHE[next(iter(_UNIT_CACHE))]
             _UNIT_CACHE[key] = cached
     run, zeros = cached
-    return Unit(index, worker, run, zeros, accumulated, passed)
+    # The accumulators are donated: each call starts from zeros of its own.
+    return Unit(
+        index, worker, run, zeros, accumulated, passed, donates=zeros is not None, starts=starts
+    )
 
 
 def _jit_unit(
-    closed: ClosedJaxpr, accumulated: list[int], passed: list[int], slot: Slot
+    closed: ClosedJaxpr, accumulated: list[int], passed: list[int], slot: Slot, starts: bool
 ) -> tuple[Callable, Callable | None]:
-    fun = jaxpr_as_fun(closed)
+    fun = jaxpr_as_fun(runtime_program(closed))
     avals = [v.aval for v in closed.jaxpr.outvars]
 
     def run(accs: list[Any], inputs: list[Any], scale: Any) -> tuple[list[Any], list[Any]]:
         outs = fun(*inputs)
-        new = [acc + microbatch_share(outs[o], scale) for acc, o in zip(accs, accumulated)]
+        shares = [microbatch_share(outs[o], scale) for o in accumulated]
+        new = shares if starts else [acc + v for acc, v in zip(accs, shares)]
         return new, [outs[o] for o in passed]
 
     sharding = slot.sharding
     zeros = None
-    if accumulated:
+    if accumulated and not starts:
         shapes = [(avals[o].shape, avals[o].dtype) for o in accumulated]
 
         def make_zeros() -> list[Any]:
             return [jnp.zeros(s, d) for s, d in shapes]
 
         zeros = jax.jit(make_zeros, out_shardings=sharding)
-    return jax.jit(run, out_shardings=sharding), zeros
+    # The accumulators are donated: XLA adds this microbatch's share in place, and a
+    # step holds one copy of the gradients, not two (jax.jit's own step holds one).
+    return jax.jit(run, out_shardings=sharding, donate_argnums=(0,) if zeros else ()), zeros
 
 
 # ----------------------------------------------------------------- fused programs
@@ -294,7 +351,8 @@ def compile_fused(staged: StagedJaxpr, forward: Unit, backward: Unit, slot: Slot
         _unit_key(forward_stage.closed_jaxpr, accumulated[0], [], slot),
         _unit_key(backward_stage.closed_jaxpr, accumulated[1], list(backward.passed), slot),
     )
-    key = None if None in keys else ("fused", *keys, wiring)
+    starts = forward.starts
+    key = None if None in keys else ("fused", *keys, wiring, starts)
     run = _FUSED_CACHE.get(key) if key is not None else None
     if run is None:
         run = _jit_fused(
@@ -304,6 +362,7 @@ def compile_fused(staged: StagedJaxpr, forward: Unit, backward: Unit, slot: Slot
             accumulated,
             list(backward.passed),
             slot,
+            starts,
         )
         if key is not None:
             if len(_FUSED_CACHE) >= _UNIT_CACHE_SIZE:
@@ -316,6 +375,8 @@ def compile_fused(staged: StagedJaxpr, forward: Unit, backward: Unit, slot: Slot
         None,
         (*forward.accumulated, *backward.accumulated),
         backward.passed,
+        donates=not starts,
+        starts=starts,
     )
 
 
@@ -331,8 +392,10 @@ def _jit_fused(
     accumulated: tuple[list[int], list[int]],
     passed: list[int],
     slot: Slot,
+    starts: bool,
 ) -> Callable:
-    forward_fun, backward_fun = jaxpr_as_fun(forward), jaxpr_as_fun(backward)
+    forward_fun = jaxpr_as_fun(runtime_program(forward))
+    backward_fun = jaxpr_as_fun(runtime_program(backward))
     num_forward_inputs = len(forward.jaxpr.invars)
 
     def run(accs: list[Any], inputs: list[Any], scale: Any) -> tuple[list[Any], list[Any]]:
@@ -340,7 +403,8 @@ def _jit_fused(
         extra = inputs[num_forward_inputs:]
         outs = backward_fun(*(forward_outs[i] if inside else extra[i] for inside, i in wiring))
         shares = [forward_outs[o] for o in accumulated[0]] + [outs[o] for o in accumulated[1]]
-        new = [acc + microbatch_share(v, scale) for acc, v in zip(accs, shares)]
+        shares = [microbatch_share(v, scale) for v in shares]
+        new = shares if starts else [acc + v for acc, v in zip(accs, shares)]
         return new, [outs[o] for o in passed]
 
-    return jax.jit(run, out_shardings=slot.sharding)
+    return jax.jit(run, out_shardings=slot.sharding, donate_argnums=() if starts else (0,))

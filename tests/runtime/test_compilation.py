@@ -1,0 +1,112 @@
+"""The programs the runtime compiles (pipemark/runtime/compilation.py): without marker
+barriers, with their accumulators donated, and as lean as ``jax.jit`` of the step."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pipemark as pm
+from pipemark import examples
+from pipemark.runtime.compilation import keeps_markers, runtime_program
+
+
+def _example():
+    return examples.language_model(num_layers=3, vocab=64, d_model=32, seq=16, batch=4)
+
+
+def _stage_avals(plan, index):
+    jaxpr = plan.staged.stages[index].closed_jaxpr.jaxpr
+    return jaxpr.invars, jaxpr.outvars
+
+
+def _struct(var):
+    return jax.ShapeDtypeStruct(var.aval.shape, var.aval.dtype)
+
+
+def _lower_fused(plan):
+    """The one-stage pipeline's one program (forward and backward fused), lowered."""
+    ((index, unit),) = plan.fused.items()
+    forward = next(u for k, u in plan.units.items() if k != index)
+    f_in, f_out = _stage_avals(plan, forward.index)
+    b_in, b_out = _stage_avals(plan, index)
+    num_forward = len(forward.accumulated)
+    accs = [_struct(f_out[o]) for _, o in unit.accumulated[:num_forward]]
+    accs += [_struct(b_out[o]) for _, o in unit.accumulated[num_forward:]]
+    refs = plan.staged.stages[index].inputs
+    extra = [v for ref, v in zip(refs, b_in) if not (ref.kind == "stage" and ref.stage == 0)]
+    inputs = [_struct(v) for v in (*f_in, *extra)]
+    return unit.run.lower(accs, inputs, jax.ShapeDtypeStruct((), jnp.float32))
+
+
+def _one_stage_plan(num_microbatches=1):
+    ex = _example()
+    pipe = pm.pipeline_value_and_grad(
+        ex.loss_fn, num_stages=1, num_microbatches=num_microbatches, devices=jax.devices()[:1]
+    )
+    return ex, pipe, pipe.plan(ex.params, ex.batch)
+
+
+def test_runtime_programs_have_no_marker_barriers():
+    _, _, plan = _one_stage_plan()
+    assert any(
+        e.primitive is pm.pipeline_p for s in plan.staged.stages for e in s.closed_jaxpr.jaxpr.eqns
+    )
+    text = _lower_fused(plan).as_text()
+    assert "optimization_barrier" not in text
+    assert not keeps_markers()
+
+
+def test_custom_call_lowering_keeps_the_markers():
+    cj = jax.make_jaxpr(lambda x: pm.mark(x * 2, name="a", mark_type="end"))(1.0)
+    assert [e.primitive.name for e in runtime_program(cj).jaxpr.eqns] == ["mul"]
+    with pm.lowering("custom_call"):
+        assert keeps_markers()
+        assert runtime_program(cj) is cj
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 2])
+def test_accumulators_are_donated_and_each_call_starts_from_zero(num_microbatches):
+    """With several microbatches the accumulators are donated (added to in place);
+    with one the program keeps none (its results are this microbatch's shares)."""
+    ex, pipe, plan = _one_stage_plan(num_microbatches)
+    (unit,) = plan.fused.values()
+    assert unit.donates == (num_microbatches > 1) and unit.starts == (num_microbatches == 1)
+    assert not plan.zeros  # no zeros shared between calls: each call makes its own
+    want = jax.jit(jax.value_and_grad(ex.loss_fn))(ex.params, ex.batch)
+    for _ in range(2):  # the second call must not add to the first's results
+        loss, grads = pipe(ex.params, ex.batch)
+        assert jnp.allclose(loss, want[0], rtol=1e-5)
+        for g, w in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want[1])):
+            assert jnp.allclose(g, w, rtol=1e-4, atol=1e-6)
+    stats = _lower_fused(plan).compile().memory_analysis()
+    if stats is None:
+        pytest.skip("this backend reports no memory analysis")
+    grads_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(ex.params))
+    if num_microbatches > 1:
+        assert stats.alias_size_in_bytes >= grads_bytes
+    else:  # no accumulators: the arguments are the parameters and the batch
+        batch_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(ex.batch))
+        assert stats.argument_size_in_bytes <= grads_bytes + batch_bytes + 64
+
+
+def test_one_stage_program_needs_no_more_memory_than_jax_jit():
+    """Issue #33: within 5 % of jax.jit(value_and_grad) of the same step (arguments,
+    outputs and temporaries; donated accumulators counted once)."""
+    ex, _, plan = _one_stage_plan()
+    ours = _lower_fused(plan).compile().memory_analysis()
+    theirs = jax.jit(jax.value_and_grad(ex.loss_fn)).lower(ex.params, ex.batch)
+    theirs = theirs.compile().memory_analysis()
+    if ours is None or theirs is None:
+        pytest.skip("this backend reports no memory analysis")
+
+    def total(m):
+        return (
+            m.argument_size_in_bytes
+            + m.output_size_in_bytes
+            - m.alias_size_in_bytes
+            + m.temp_size_in_bytes
+        )
+
+    assert total(ours) <= 1.05 * total(theirs), (ours, theirs)
