@@ -239,7 +239,7 @@ def plan_from_staged(
         param_specs=param_specs,
         result_specs=result_specs,
         data_axis=options.data_axis,
-        num_microbatches=plan_schedule.num_microbatches,
+        num_microbatches=schedule.num_microbatches,
     )
     units = types.MappingProxyType(units)  # the plan is immutable
     plan = PipelinePlan(

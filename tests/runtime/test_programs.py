@@ -62,11 +62,11 @@ def test_one_stage_memory_analysis_counts_parameters_batch_and_gradients():
     )
     (program,) = pipe.compiled_programs(params, batch).values()
     memory = program.memory_analysis()
-    # Arguments: the parameters, the batch, the accumulators (loss and gradients: as
-    # large as the parameters, plus 4 bytes) and the scale (4 bytes).
+    # Arguments: the parameters, the batch and the scale (4 bytes): with one microbatch
+    # the program keeps no accumulators (Unit.starts).
     weights, data = _bytes(ex.params), _bytes(ex.batch)
-    assert memory.argument_size_in_bytes == 2 * weights + data + 8
-    # Outputs: the new accumulators (the backend may add a table of their addresses).
+    assert memory.argument_size_in_bytes == weights + data + 4
+    # Outputs: the loss and gradients (the backend may add a table of their addresses).
     assert weights + 4 <= memory.output_size_in_bytes <= weights + 4 + 8 * 16
 
 
