@@ -290,11 +290,15 @@ def lowering_for_tpu(device_kind: str = "TPU v5 lite", num_cores: int = 1) -> It
     """Lower for a TPU of ``device_kind`` on a host without one (``jax.export`` with
     ``platforms=["tpu"]``, ``.trace(...).lower(lowering_platforms=("tpu",))``): JAX's
     Pallas TPU lowering reads the TPU's kind from the abstract mesh for rank-1 operands.
+    Make the arguments before entering: inside, newer JAX refuses eager operations
+    (``jnp.ones``...) because the only mesh there is abstract; shapes
+    (``jax.ShapeDtypeStruct``) need no device at all.
 
     >>> import jax, jax.numpy as jnp, pipemark as pm
     >>> f = jax.jit(lambda x: pm.mark(x, name="a", mark_type="start"))
+    >>> x = jax.ShapeDtypeStruct((4,), jnp.float32)
     >>> with pm.lowering("custom_call"), lowering_for_tpu():
-    ...     text = jax.export.export(f, platforms=["tpu"])(jnp.ones(4)).mlir_module()
+    ...     text = jax.export.export(f, platforms=["tpu"])(x).mlir_module()
     >>> 'kernel_name = "pipeline_marker.start.a"' in text
     True
     """

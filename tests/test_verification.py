@@ -123,14 +123,16 @@ def check_the_correct_program(report):
     rtols = {c.index: c.rtol for c in report.checks}
     assert (rtols[0], rtols[1], rtols[last]) == (3e-2, 1e-5, 1e-5)
     assert report.comparison == "within rtol 1e-05, 0.03"
-    # JAX's own two evaluations differ by bfloat16 rounding, which moves some values
-    # across the ReLU's kink: where the spread is wider than bfloat16's tolerance, it
-    # sets the tolerance.
-    assert report.largest_relative_spread > 3e-2
+    # On JAX 0.10 its own two evaluations differ by bfloat16 rounding, which moves some
+    # values across the ReLU's kink: where the spread is wider than bfloat16's tolerance,
+    # it sets the tolerance. JAX 0.12's eager rounds as its jit does: nothing widens.
     widened = [c for c in report.checks if c.widened]
-    assert widened and all(c.atol == SPREAD_FACTOR * c.spread for c in widened)
+    assert all(c.atol == SPREAD_FACTOR * c.spread for c in widened)
     text = str(report)
-    assert "bfloat16, 2x spread" in text
+    if report.largest_relative_spread > 3e-2:
+        assert widened and "bfloat16, 2x spread" in text
+    else:
+        assert not widened and "2x spread" not in text
     assert "jit-eager spread (largest difference / largest magnitude, per result): up to" in text
     assert f"results 0, 2-{last - 1}: bfloat16: made by equation " in text
     assert f"results 1, {last}: float32: the result's own type; nothing narrower" in text
@@ -138,15 +140,19 @@ def check_the_correct_program(report):
 
 def check_the_wrong_program(wrong, train, args):
     """One block's weights scaled by 1.1 in the staged program: still caught."""
-    with pytest.raises(
-        pm.VerificationError, match=r"x the jit-eager spread of this result"
-    ) as caught:
+    with pytest.raises(pm.VerificationError, match=r"differs from the reference") as caught:
         wrong.verify(train, *args)
     report = caught.value.report
     # The seeded error is many times JAX's own rounding on every gradient it changes.
     assert len({c.index for c in report.checks if not c.passed}) >= 10
     assert max(c.largest_difference / c.spread for c in report.checks if c.spread) > 10
-    assert re.search(r"staged program vs the references: up to .*x its spread\)", str(report))
+    message, text = str(caught.value), str(report)
+    if report.largest_relative_spread > 3e-2:  # JAX 0.10: see check_the_correct_program
+        assert "x the jit-eager spread of this result" in message
+        assert re.search(r"staged program vs the references: up to .*x its spread\)", text)
+    else:  # the bfloat16 tolerance decides, and the message says the references agree
+        assert "from bfloat16: made by equation" in message
+        assert re.search(r"staged program vs the references: up to [0-9.]+ %", text)
 
 
 # ----------------------------------------------------------------- float16

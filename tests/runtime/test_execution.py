@@ -15,6 +15,7 @@ from pipemark import examples
 from pipemark.runtime import execution, placement
 from pipemark.runtime.execution import run_plan
 from tests._devices import computing_on
+from tests._devices import devices as pick_devices
 from tests._trees import assert_trees_close, assert_trees_equal
 from tests.runtime._compiles import compilations
 from tests.runtime._fusion import mlp_pipeline, unfused_steps
@@ -126,7 +127,9 @@ def test_what_a_call_costs_the_host(
         )
         assert timings["num_programs"] == programs
         assert timings["num_actions"] == 4 * num_stages * num_microbatches // 2
-        assert timings["host_cpu_s"] > 0
+        # Measured, not derived: the thread's CPU clock (coarse on some hosts: 0.0 seen
+        # on a TPU VM for these short walks).
+        assert 0 <= timings["host_cpu_s"] < 60
 
 
 def test_an_uncommitted_batch_is_split_where_it_lies(monkeypatch):
@@ -173,10 +176,10 @@ def test_threaded_and_serial_walks_run_the_same_compiled_programs():
     # The walk on a worker thread runs under the caller's mesh context (jax.set_mesh is
     # per thread, and JAX compiles a program apart for each context).
     pm.clear_caches()
-    ex = examples.mlp(num_layers=4, width=3, batch=4)
-    pipe = pm.pipeline_value_and_grad(
-        ex.loss_fn, num_stages=2, num_microbatches=2, devices=jax.devices()[:2]
-    )
+    used = pick_devices(2)
+    with computing_on(used):
+        ex = examples.mlp(num_layers=4, width=3, batch=4)
+    pipe = pm.pipeline_value_and_grad(ex.loss_fn, num_stages=2, num_microbatches=2, devices=used)
     jax.block_until_ready(pipe(*ex.args))  # threaded: stage 1 on a worker thread
     plan = pipe.plan(*ex.args)
     with compilations() as compiled:
