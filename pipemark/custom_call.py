@@ -494,7 +494,7 @@ def identity(*arrays: Any, alias: bool = True) -> tuple[jax.Array, ...]:
     With ``alias=True`` each result reuses its operand's buffer (XLA copies a
     non-donated jit argument first); with ``alias=False`` the target copies every
     buffer itself, which :func:`cpu_copy_stats` counts on CPU. On a TPU this is
-    :func:`pipemark.pallas_identity.identity` (the copies are DMAs).
+    :func:`pipemark.pallas_identity.identity` (copies through VMEM blocks or by DMA).
     """
     check_available()
     if jax.default_backend() == "tpu":

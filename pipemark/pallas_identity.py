@@ -20,8 +20,10 @@ On a TPU, ``pm.lowering("custom_call")`` lowers each marker (but hooks) to one
   call, as it does for the CPU and CUDA targets.
 
 The operands stay in HBM (``memory_space=pl.ANY``): the kernel never stages them through
-VMEM. :func:`identity` with ``alias=False`` copies instead, HBM to HBM by DMA, a large
-array as several concurrent DMAs (:func:`dma_slices`).
+VMEM. :func:`identity` with ``alias=False`` copies instead: arrays of rank 2 or more
+stream through VMEM in row blocks (:func:`copy_blocks`; on a TPU v5e this reaches
+XLA's own copy bandwidth, where HBM-to-HBM DMAs reach about 0.9 of it), the others go
+HBM to HBM by DMA, a large one as several concurrent DMAs (:func:`dma_slices`).
 
 A scalar goes through the kernel as a ``(1, 1)`` array and a ``bool`` array as ``uint8``
 (Mosaic takes no rank-0 blocks and no ``bool`` DMAs); :mod:`pipemark.custom_call`
@@ -57,8 +59,10 @@ from pipemark.errors import PipemarkError
 __all__ = [
     "KERNEL_PREFIX",
     "DEFAULT_DMAS",
+    "DEFAULT_BLOCK_BYTES",
     "kernel_name",
     "dma_slices",
+    "copy_blocks",
     "identity_call",
     "identity",
     "lower_marker",
@@ -70,6 +74,9 @@ KERNEL_PREFIX = "pipeline_marker"
 DEFAULT_DMAS = 4
 # A DMA moves at least this much: a smaller array is one DMA.
 MIN_DMA_BYTES = 16 * 2**20
+#: The VMEM one grid step of :func:`identity`'s blocked copy moves, all arrays together
+#: (double-buffered in and out, 4 times this is in VMEM: under v5e's default 16 MiB).
+DEFAULT_BLOCK_BYTES = 2 * 2**20
 # Rows of a 2-D array a DMA slice starts on: a multiple of every TPU sublane tiling
 # (8 rows of 32-bit, 16 of 16-bit, 32 of 8-bit values), so no slice cuts a tile.
 ROW_ALIGNMENT = 32
@@ -112,13 +119,49 @@ def dma_slices(shape: Sequence[int], itemsize: int, dmas: int = DEFAULT_DMAS) ->
     return tuple(itertools.pairwise(bounds))
 
 
-def _alias_kernel(*refs: Any) -> None:
-    # Result i is operand i's buffer (input_output_aliases): the data is already where
-    # it belongs, so the kernel only marks the point in the program.
-    del refs
+def _sublane_rows(shape: Sequence[int], itemsize: int) -> int:
+    # A 2-D block's rows must be whole sublane tiles (8 rows of 32-bit values, 16 of
+    # 16-bit, 32 of 8-bit); higher ranks keep their last two axes whole, so any count
+    # of leading rows is a valid block.
+    return 8 * max(1, 4 // itemsize) if len(shape) == 2 else 1
+
+
+def copy_blocks(
+    shapes: Sequence[Sequence[int]],
+    itemsizes: Sequence[int],
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+) -> tuple[int, tuple]:
+    """How :func:`identity` (``alias=False``) copies arrays of ``shapes`` and
+    ``itemsizes``-byte elements: ``(steps, rows)``, the grid's step count and, per
+    array, the rows of its leading axis one step copies through VMEM, or ``None``
+    where it goes by DMA instead (rank 0 or 1, 64-bit, empty, or a block of whole
+    tiles bigger than ``block_bytes``). The steps share ``block_bytes`` out among the
+    blocked arrays by size; an array with fewer blocks than steps is copied once.
+
+    >>> copy_blocks([(4096, 4096), (4096,), (64, 128)], [4, 4, 2])  # float32, bfloat16
+    (32, (128, None, 16))
+    """
+    rows: list = []
+    for shape, itemsize in zip(shapes, itemsizes):
+        row_bytes = math.prod(shape[1:]) * itemsize
+        tile = _sublane_rows(shape, itemsize) * row_bytes
+        small = len(shape) < 2 or itemsize > 4 or row_bytes == 0 or shape[0] == 0
+        rows.append(None if small or tile > block_bytes else row_bytes)
+    total = sum(math.prod(s) * i for s, i, r in zip(shapes, itemsizes, rows) if r)
+    steps = max(1, -(-total // block_bytes))
+    for index, (shape, itemsize, row_bytes) in enumerate(zip(shapes, itemsizes, rows)):
+        if row_bytes is not None:
+            align = _sublane_rows(shape, itemsize)
+            count = -(-shape[0] // steps)
+            rows[index] = min(shape[0], -(-count // align) * align)
+    # Whole tiles may leave the last steps with nothing to copy: drop them.
+    blocks = [-(-s[0] // r) for s, r in zip(shapes, rows) if r is not None]
+    return max(blocks, default=1), tuple(rows)
 
 
 def _copy_kernel(plans: tuple, *refs: Any) -> None:
+    # An aliased operand's plan is empty: result i is operand i's buffer
+    # (input_output_aliases), the data is already where it belongs.
     count = len(plans)
     sources, destinations, semaphores = refs[:count], refs[count : 2 * count], refs[2 * count :]
     copies = []
@@ -134,6 +177,77 @@ def _copy_kernel(plans: tuple, *refs: Any) -> None:
         copy.start()
     for copy in copies:
         copy.wait()
+
+
+def _blocked_kernel(steps: int, plans: tuple, *refs: Any) -> None:
+    # Blocked operands arrive as VMEM blocks, one per grid step (Pallas double-buffers
+    # them); the others are whole HBM refs, copied by DMAs started at the first step
+    # and waited for at the last, so they overlap the blocks' stream.
+    count = len(plans)
+    sources, destinations, semaphores = refs[:count], refs[count : 2 * count], refs[2 * count :]
+    copies, step = [], pl.program_id(0)
+    for source, destination, plan in zip(sources, destinations, plans):
+        if plan == "blocked":
+            destination[...] = source[...]
+            continue
+        for rows in plan:
+            src, dst = source, destination
+            if rows is not None:
+                part = pl.ds(rows[0], rows[1] - rows[0])
+                src, dst = source.at[part], destination.at[part]
+            copies.append(pltpu.make_async_copy(src, dst, semaphores[len(copies)]))
+
+    @pl.when(step == 0)
+    def _():
+        for copy in copies:
+            copy.start()
+
+    @pl.when(step == steps - 1)
+    def _():
+        for copy in copies:
+            copy.wait()
+
+
+def _block_spec(shape: Sequence[int], rows: int | None) -> Any:
+    if rows is None:
+        return pl.BlockSpec(memory_space=pl.ANY)
+    last = -(-shape[0] // rows) - 1
+    zeros = (0,) * (len(shape) - 1)
+    # Past its last block an array's index stays put: Pallas fetches and writes back
+    # a block only when its index changes, so a small array is copied once.
+    return pl.BlockSpec((rows, *shape[1:]), lambda i: (jnp.minimum(i, last), *zeros))
+
+
+def _copy_call(shaped: Sequence[jax.Array], dmas: int, block_bytes: int | None) -> dict:
+    """The pallas_call arguments of the copying kernel over ``shaped``."""
+    steps, rows = 1, (None,) * len(shaped)
+    if block_bytes is not None:
+        sizes = [a.dtype.itemsize for a in shaped]
+        steps, rows = copy_blocks([a.shape for a in shaped], sizes, block_bytes)
+    if all(r is None for r in rows):
+        plans = tuple(dma_slices(a.shape, a.dtype.itemsize, dmas) for a in shaped)
+        return dict(
+            kernel=lambda *refs: _copy_kernel(plans, *refs),
+            scratch_shapes=[pltpu.SemaphoreType.DMA(()) for p in plans for _ in p],
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * len(shaped),
+        )
+    plans = tuple(
+        "blocked" if r is not None else dma_slices(a.shape, a.dtype.itemsize, dmas)
+        for a, r in zip(shaped, rows)
+    )
+    vmem = 4 * sum(math.prod(a.shape[1:]) * a.dtype.itemsize * r for a, r in zip(shaped, rows) if r)
+    return dict(
+        kernel=lambda *refs: _blocked_kernel(steps, plans, *refs),
+        scratch_shapes=[pltpu.SemaphoreType.DMA(()) for p in plans if p != "blocked" for _ in p],
+        in_specs=[_block_spec(a.shape, r) for a, r in zip(shaped, rows)],
+        grid=(steps,),
+        # The DMAs span steps (started at the first, waited for at the last): the steps
+        # run in order on one core. Above the default scoped VMEM, ask for what it takes.
+        compiler_params=dict(
+            dimension_semantics=("arbitrary",),
+            vmem_limit_bytes=vmem + 8 * 2**20 if vmem > 12 * 2**20 else None,
+        ),
+    )
 
 
 def _to_kernel(array: jax.Array) -> jax.Array:
@@ -153,12 +267,15 @@ def identity_call(
     metadata: Mapping[str, str],
     alias: bool,
     dmas: int = DEFAULT_DMAS,
+    block_bytes: int | None = DEFAULT_BLOCK_BYTES,
     interpret: bool = False,
 ) -> list[jax.Array]:
     """One side-effecting ``pallas_call`` named ``name`` with ``metadata`` (strings, put
     in the HLO as JSON) that returns ``arrays``: aliased to them (``alias=True``, the
-    kernel does nothing) or copied by DMA. Traceable (use it under ``jax.jit``); not
-    differentiable: :func:`identity` is. ``arrays`` may be empty.
+    kernel does nothing) or copied, through VMEM in blocks where :func:`copy_blocks`
+    says so and by DMA otherwise (every array by DMA with ``block_bytes=None``).
+    Traceable (use it under ``jax.jit``); not differentiable: :func:`identity` is.
+    ``arrays`` may be empty.
 
     >>> import jax.numpy as jnp
     >>> out = identity_call([jnp.ones(2)], name="k", metadata={}, alias=False, interpret=True)
@@ -166,21 +283,26 @@ def identity_call(
     [1.0, 1.0]
     """
     shaped = [_to_kernel(a) for a in arrays]
-    spec = pl.BlockSpec(memory_space=pl.ANY)
+    # A scalar is copied even when aliasing: on a TPU v5e its (1, 1) operand aliased
+    # to the result came back as other bytes (seen with JAX 0.10.2); 4 bytes cost nothing.
+    aliased = [alias and a.ndim > 0 for a in arrays]
     if alias:
-        kernel, scratch, aliases = _alias_kernel, [], {i: i for i in range(len(shaped))}
+        plans = tuple(() if keep else (None,) for keep in aliased)
+        parts = dict(
+            kernel=lambda *refs: _copy_kernel(plans, *refs),
+            scratch_shapes=[pltpu.SemaphoreType.DMA(()) for p in plans for _ in p],
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * len(shaped),
+        )
     else:
-        plans = tuple(dma_slices(a.shape, a.dtype.itemsize, dmas) for a in shaped)
-        scratch = [pltpu.SemaphoreType.DMA(()) for plan in plans for _ in plan]
-        kernel, aliases = (lambda *refs: _copy_kernel(plans, *refs)), {}
+        parts = _copy_call(shaped, dmas, block_bytes)
+    params = dict(parts.pop("compiler_params", {}))
     call = pl.pallas_call(
-        kernel,
+        parts.pop("kernel"),
         out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in shaped],
-        in_specs=[spec] * len(shaped),
-        out_specs=[spec] * len(shaped),
-        scratch_shapes=scratch,
-        input_output_aliases=aliases,
-        compiler_params=pltpu.CompilerParams(has_side_effects=pallas_side_effecting()),
+        out_specs=list(parts["in_specs"]),
+        input_output_aliases={i: i for i, keep in enumerate(aliased) if keep},
+        compiler_params=pltpu.CompilerParams(has_side_effects=pallas_side_effecting(), **params),
+        **parts,
         name=name,
         metadata=dict(metadata),
         interpret=interpret,
@@ -194,6 +316,7 @@ def identity(
     alias: bool = True,
     name: str = "identity",
     dmas: int = DEFAULT_DMAS,
+    block_bytes: int | None = DEFAULT_BLOCK_BYTES,
     interpret: bool = False,
 ) -> tuple[jax.Array, ...]:
     """Put ``arrays`` through the identity kernel: one call named ``name``, one result
@@ -202,9 +325,11 @@ def identity(
 
     ``alias=True``: each result reuses its operand's buffer and the kernel copies
     nothing (XLA copies an operand it still needs). ``alias=False``: the kernel copies
-    every array HBM to HBM by DMA, at most ``dmas`` concurrent DMAs an array
-    (:func:`dma_slices`). ``interpret=True`` runs the kernel with Pallas's interpreter,
-    on any backend (CPU included).
+    every array, those of rank 2 or more through VMEM in blocks, ``block_bytes`` a grid
+    step for all of them (:func:`copy_blocks`), the others HBM to HBM by DMA, at most
+    ``dmas`` concurrent DMAs an array (:func:`dma_slices`); ``block_bytes=None`` copies
+    every array by DMA. ``interpret=True`` runs the kernel with Pallas's interpreter, on
+    any backend (CPU included).
 
     >>> import jax, jax.numpy as jnp
     >>> f = lambda x: jnp.sum(identity(x, alias=False, interpret=True)[0] ** 2)
@@ -213,6 +338,13 @@ def identity(
     """
     if not isinstance(dmas, int) or isinstance(dmas, bool) or dmas < 1:
         raise PipemarkError(f"dmas must be a positive int (DMAs per array), got {dmas!r}.")
+    if block_bytes is not None and (
+        not isinstance(block_bytes, int) or isinstance(block_bytes, bool) or block_bytes < 1
+    ):
+        raise PipemarkError(
+            f"block_bytes must be a positive int (bytes a grid step copies) or None "
+            f"(every array by DMA), got {block_bytes!r}."
+        )
     arrays = tuple(jnp.asarray(a) for a in arrays)
 
     @jax.custom_jvp
@@ -224,6 +356,7 @@ def identity(
                 metadata={"name": name},
                 alias=alias,
                 dmas=dmas,
+                block_bytes=block_bytes,
                 interpret=interpret,
             )
         )

@@ -42,6 +42,7 @@ TESTS = (
     # and pipelines (of one device on the accelerator, of several on the host CPU).
     "tests/test_primitive.py",
     "tests/test_lowering.py",
+    "tests/test_pallas_identity.py",  # the TPU target: its `tpu` tests run only there
     "tests/test_staged.py",
     "tests/test_split.py",
     "tests/runtime/test_pipeline.py",

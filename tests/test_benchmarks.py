@@ -187,11 +187,14 @@ def test_tpu_marker_benchmark_prints_its_tables(tmp_path):
     if not lines[0].endswith("(tpu)"):  # off a TPU the script says its numbers mean nothing
         assert lines[1].startswith("(no TPU: the Pallas kernels run in Pallas's interpreter")
     header = next(line for line in lines if line.startswith("| copy |"))
-    rows = [line for line in lines if line.startswith(("| XLA:", "| Pallas"))]
+    rows = [line for line in lines if line.startswith(("| XLA:", "| marker kernel", "| a plain"))]
     assert rows[0].split("|")[4].strip() == "1.000"  # XLA's copy is the reference
-    assert sum("Pallas DMA" in row for row in rows) == 4 and len(rows) == 7
+    assert sum("copying by DMA" in row for row in rows) == 3 and len(rows) == 7
     assert all(row.count("|") == header.count("|") for row in rows)
-    assert any(line.startswith("- the marker kernel's copy (best DMA count)") for line in lines)
+    assert any(
+        line.startswith("- the marker kernel's copy (`identity(alias=False)`") for line in lines
+    )
+    assert any(line.startswith("- by DMAs alone") for line in lines)
     header = next(line for line in lines if line.startswith("| markers | lowering |"))
     steps = [line for line in lines if line.startswith("| startend |")]
     assert [row.split("|")[2].strip() for row in steps] == ["barrier", "custom_call"]
