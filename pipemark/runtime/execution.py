@@ -43,7 +43,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,10 +56,10 @@ from pipemark.runtime.exchange import Cancelled, Exchange
 from pipemark.runtime.placement import device_slot
 from pipemark.runtime.plan import PipelinePlan
 from pipemark.runtime.schedules import BACKWARD, FORWARD, WEIGHT, Action
-from pipemark.runtime.steps import PARAM, STAGE, Gather, Key, Step
+from pipemark.runtime.steps import PARAM, STAGE, Gather, Key, Step, step_name
 from pipemark.runtime.transport import CollectiveTransport, InProcessTransport, Transport
 
-__all__ = ["STRATEGIES", "action_costs", "run_plan", "split_leaf"]
+__all__ = ["STRATEGIES", "ActionRecord", "action_costs", "run_plan", "split_leaf"]
 
 
 def split_leaf(leaf: Any, num_microbatches: int, micro: int, replicas: int = 1) -> list[Any]:
@@ -109,6 +109,17 @@ def _describe(plan: PipelinePlan, keys: Sequence[Key]) -> str:
 Placed = tuple[dict[int, Any], list[list[Any]], Any]
 
 
+class ActionRecord(NamedTuple):
+    """One action of a traced call (:func:`run_plan`'s ``records``): the worker that
+    ran it, its step, and ``time.perf_counter()`` when it started (its inputs computed)
+    and when its results were computed."""
+
+    worker: int
+    step: Step
+    begin: float
+    end: float
+
+
 class _Call:
     """One call of a plan: its inputs, the values in flight, the accumulators. The
     strategies (:data:`STRATEGIES`) walk its steps."""
@@ -147,6 +158,10 @@ class _Call:
         # When measuring (action_costs): each action's seconds, from its inputs
         # computed to its results computed and published.
         self.spans: list[tuple[Action, float]] | None = None
+        # When tracing (run_plan's records): each action as an ActionRecord.
+        self.records: list[ActionRecord] | None = None
+        # What a profiler calls each stage's actions (jax.profiler.TraceAnnotation).
+        self.stage_names = [stage.name for stage in plan.staged.stages]
         # Under the threaded strategy: threads[k] runs worker k + 1 (the caller is 0).
         self.threads: list[threading.Thread] = []
 
@@ -190,15 +205,23 @@ class _Call:
             else:
                 value = batch_on[where][m]
             inputs.append(value)
-        if self.spans is not None:  # measuring: the action alone, its inputs computed
+        measuring = self.spans is not None or self.records is not None
+        if measuring:  # the action alone, its inputs computed
             jax.block_until_ready(inputs)
-        begin = time.perf_counter() if self.spans is not None else 0.0
-        new_accs, outs = self.dispatch(step, inputs, scale)
+        begin = time.perf_counter() if measuring else 0.0
+        # Named in a jax.profiler trace (a no-op without one): the programs a stage
+        # runs show under the action that dispatched them.
+        with jax.profiler.TraceAnnotation(step_name(step, self.stage_names)):
+            new_accs, outs = self.dispatch(step, inputs, scale)
         if step.sends:
             self.publish(worker, step, outs)
-        if self.spans is not None:
+        if measuring:
             jax.block_until_ready((new_accs, outs))
-            self.spans.append((step.action, time.perf_counter() - begin))
+            end = time.perf_counter()
+            if self.spans is not None:
+                self.spans.append((step.action, end - begin))
+            if self.records is not None:  # list.append: safe from every worker thread
+                self.records.append(ActionRecord(worker, step, begin, end))
         return waited
 
     def dispatch(self, step: Step, inputs: list[Any], scale: Any) -> tuple[Any, Any]:
@@ -485,11 +508,15 @@ def run_plan(
     timings: dict | None,
     *,
     parallel: bool = True,
+    records: list[ActionRecord] | None = None,
 ) -> Any:
     """Run ``plan`` on ``params`` and a whole ``batch`` (split into microbatches here)
     and return the accumulated results in the plan's output tree. ``timings``, when a
     dict, receives the dispatch timings (see :meth:`pipemark.Pipeline.timed_call`);
-    ``parallel=False`` walks every worker's actions on the caller's thread."""
+    ``parallel=False`` walks every worker's actions on the caller's thread.
+    ``records``, when a list, receives an :class:`ActionRecord` per action, each action
+    waited for (its inputs, then its results): a slower call, which
+    :mod:`pipemark.runtime.perfetto` draws."""
     # Each program runs on its own slot (a device or a sub-mesh), whatever mesh the
     # caller set with jax.set_mesh (MaxText's train loop does; a model with bare
     # PartitionSpecs must be traced under one): JAX refuses to run a program on devices
@@ -497,6 +524,7 @@ def run_plan(
     # carry that mesh, rebuilt on each stage's sub-mesh.
     with jax.set_mesh(None):
         call = _Call(plan, params, batch)
+        call.records = records
         start = time.perf_counter()
         try:
             STRATEGIES[_strategy(plan, parallel)](call)

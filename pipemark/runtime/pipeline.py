@@ -39,6 +39,7 @@ depends on the whole batch, batch statistics) cannot be split into microbatches.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -60,6 +61,7 @@ from pipemark.runtime.arguments import (
 from pipemark.runtime.execution import action_costs, run_plan
 from pipemark.runtime.losses import LOSS_REDUCTIONS, count_batch_free_terms_once, split_count
 from pipemark.runtime.options import PipelineOptions
+from pipemark.runtime.perfetto import trace_events, write_trace
 from pipemark.runtime.pipeline_stages import stage_program
 from pipemark.runtime.placement import leaf_specs
 from pipemark.runtime.plan import PipelinePlan, build_plan, plan_from_staged
@@ -243,6 +245,38 @@ class Pipeline:
         True
         """
         return compiled_programs(self.plan(params, *batch))
+
+    def trace(self, params: Any, *batch: Any, path: str | os.PathLike | None = None) -> dict:
+        """One call with inputs like these, traced: a Chrome / Perfetto trace (JSON
+        trace events) with a track per device slot, a slice per action (named
+        ``"<stage> mb<microbatch>"``) and an arrow per value handed between slots,
+        written to ``path`` when given, and returned. A first call compiles (not
+        traced); in the traced one each action is waited for, so its slice is its own
+        time on its device (see :mod:`pipemark.runtime.perfetto`). The actions also
+        carry these names in a ``jax.profiler`` trace of any call.
+
+        >>> import jax, pipemark as pm
+        >>> from pipemark import examples
+        >>> loss_fn, params, batch = examples.mlp(num_layers=2, batch=4)
+        >>> pipe = pm.pipeline_value_and_grad(loss_fn, num_stages=2, num_microbatches=2,
+        ...                                   devices=jax.devices()[:2])
+        >>> events = pipe.trace(params, batch)["traceEvents"]
+        >>> sorted(e["name"] for e in events if e["ph"] == "X" and e["tid"] == 1)
+        ['layer1+layer1_backward mb0', 'layer1+layer1_backward mb1']
+        """
+        key, dynamic, data, _ = self._bind(params, batch)
+        return _traced_call(self._plan(key, dynamic, data), dynamic, data, path)
+
+
+def _traced_call(plan: PipelinePlan, params: Any, batch: Any, path: Any) -> dict:
+    """A warm-up call of ``plan``, then one recorded, as a trace (written to ``path``)."""
+    jax.block_until_ready(run_plan(plan, params, batch, None))
+    records: list = []
+    jax.block_until_ready(run_plan(plan, params, batch, None, records=records))
+    trace = trace_events(plan, records)
+    if path is not None:
+        write_trace(path, trace)
+    return trace
 
 
 def pipeline_value_and_grad(
@@ -492,6 +526,14 @@ class PipelinedStep:
         plan = self._prepare(args)[0]
         *replicated, batch = args
         return action_costs(plan, tuple(replicated), batch, repeat)
+
+    def trace(self, *args: Any, path: str | os.PathLike | None = None) -> dict:
+        """The gradient part of one step with these arguments, traced as
+        :meth:`Pipeline.trace` does (the update, run once, is not an action); written to
+        ``path`` when given, and returned."""
+        plan = self._prepare(args)[0]
+        *replicated, batch = args
+        return _traced_call(plan, tuple(replicated), batch, path)
 
     def __call__(self, *args: Any) -> Any:
         plan, apply, out_tree = self._prepare(args)

@@ -21,7 +21,7 @@ import numpy as np
 
 from pipemark.runtime.compilation import Unit
 from pipemark.runtime.placement import Placement
-from pipemark.runtime.schedules import BACKWARD, FORWARD, Action, Schedule
+from pipemark.runtime.schedules import BACKWARD, FORWARD, WEIGHT, Action, Schedule
 from pipemark.staged import StagedJaxpr
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "Transfer",
     "fuse_steps",
     "resolve_steps",
+    "step_name",
     "without_gathers",
 ]
 
@@ -319,6 +320,22 @@ def _finals(
             per.setdefault(n, []).append(index)
         finals.append({n: tuple(indices) for n, indices in per.items()})
     return tuple(finals)
+
+
+def step_name(step: Step, stage_names: Sequence[str]) -> str:
+    """What profilers and traces call ``step``: its stage's name (a fused step's two,
+    joined by ``+``) and its microbatch; a split backward's weight half says so.
+
+    >>> from pipemark.runtime.schedules import Action
+    >>> step = Step(1, 2, Action(0, 2, "backward"), True, (), ())
+    >>> step_name(step, ["layer0", "layer0_backward"])
+    'layer0_backward mb2'
+    >>> step_name(step._replace(fused=0), ["layer0", "layer0_backward"])
+    'layer0+layer0_backward mb2'
+    """
+    names = "+".join(stage_names[k] for k in _stages_of(step))
+    weight = " (weight)" if step.action.kind == WEIGHT else ""
+    return f"{names}{weight} mb{step.microbatch}"
 
 
 def _stages_of(step: Step) -> tuple[int, ...]:
