@@ -16,20 +16,11 @@ from pipemark import examples
 from pipemark.runtime.steps import STAGE, step_name
 from tests._devices import computing_on
 from tests._devices import devices as pick_devices
+from tests.runtime._fusion import mlp_pipeline
 
 
-def _pipeline(schedule="1f1b", num_stages=2, num_microbatches=4):
-    used = pick_devices(2)
-    with computing_on(used):
-        ex = examples.mlp(num_layers=4, width=8, batch=8)
-    pipe = pm.pipeline_value_and_grad(
-        ex.loss_fn,
-        num_stages=num_stages,
-        num_microbatches=num_microbatches,
-        schedule=schedule,
-        devices=used,
-    )
-    return pipe, ex
+def _pipeline(schedule="1f1b"):
+    return mlp_pipeline(2, 4, schedule)  # on 2 devices, the MLP's arrays made there
 
 
 def _expected(plan):
