@@ -37,6 +37,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "mark_pipeline_jaxpreqn": ("pipemark.primitive", "mark_pipeline_jaxpreqn"),
     "MARK_TYPES": ("pipemark.marks", "MARK_TYPES"),
     "MarkerError": ("pipemark.errors", "MarkerError"),
+    "MemoryEstimate": ("pipemark.runtime", "MemoryEstimate"),
     "one_f_one_b_schedule": ("pipemark.runtime", "one_f_one_b_schedule"),
     "passes": ("pipemark.passes", None),
     "Pipeline": ("pipemark.runtime", "Pipeline"),

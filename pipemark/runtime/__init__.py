@@ -8,6 +8,8 @@
 (:mod:`pipemark.runtime.execution`) a pipeline with :class:`PipelineOptions`.
 """
 
+from pipemark.runtime.memory import MemoryEstimate as MemoryEstimate
+from pipemark.runtime.memory import SlotMemory as SlotMemory
 from pipemark.runtime.options import PipelineOptions as PipelineOptions
 from pipemark.runtime.pipeline import LOSS_REDUCTIONS as LOSS_REDUCTIONS
 from pipemark.runtime.pipeline import Pipeline as Pipeline

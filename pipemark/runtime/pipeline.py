@@ -60,6 +60,7 @@ from pipemark.runtime.arguments import (
 )
 from pipemark.runtime.execution import action_costs, run_plan
 from pipemark.runtime.losses import LOSS_REDUCTIONS, count_batch_free_terms_once, split_count
+from pipemark.runtime.memory import MemoryEstimate, estimate_memory
 from pipemark.runtime.options import PipelineOptions
 from pipemark.runtime.perfetto import trace_events, write_trace
 from pipemark.runtime.pipeline_stages import stage_program
@@ -246,6 +247,24 @@ class Pipeline:
         """
         return compiled_programs(self.plan(params, *batch))
 
+    def memory(self, params: Any, *batch: Any) -> MemoryEstimate:
+        """What a call with inputs like these holds on each device slot, predicted from
+        the plan and its compiled programs: parameters, batch, accumulators, the values
+        handed between stages that the schedule keeps in flight at once, the largest
+        program temporaries, and their sum, next to the device's measured peak where it
+        keeps one (see :mod:`pipemark.runtime.memory`). ``print`` it for a table.
+
+        >>> import jax, pipemark as pm
+        >>> from pipemark import examples
+        >>> loss_fn, params, batch = examples.mlp(num_layers=2, batch=4)
+        >>> pipe = pm.pipeline_value_and_grad(loss_fn, num_stages=2, num_microbatches=2,
+        ...                                   devices=jax.devices()[:2])
+        >>> slots = pipe.memory(params, batch).slots
+        >>> all(s.predicted_peak >= s.parameters + s.accumulators > 0 for s in slots)
+        True
+        """
+        return _memory(self.plan(params, *batch))
+
     def trace(self, params: Any, *batch: Any, path: str | os.PathLike | None = None) -> dict:
         """One call with inputs like these, traced: a Chrome / Perfetto trace (JSON
         trace events) with a track per device slot, a slice per action (named
@@ -266,6 +285,16 @@ class Pipeline:
         """
         key, dynamic, data, _ = self._bind(params, batch)
         return _traced_call(self._plan(key, dynamic, data), dynamic, data, path)
+
+
+def _memory(plan: PipelinePlan) -> MemoryEstimate:
+    """The plan's memory estimate, with its programs' temporaries where they compile
+    here (not yet for stages on sub-meshes)."""
+    temporaries = None
+    if not plan.placement.meshes:
+        programs = compiled_programs(plan)
+        temporaries = {n: p.memory_analysis().temp_size_in_bytes for n, p in programs.items()}
+    return estimate_memory(plan, temporaries)
 
 
 def _traced_call(plan: PipelinePlan, params: Any, batch: Any, path: Any) -> dict:
@@ -526,6 +555,12 @@ class PipelinedStep:
         plan = self._prepare(args)[0]
         *replicated, batch = args
         return action_costs(plan, tuple(replicated), batch, repeat)
+
+    def memory(self, *args: Any) -> MemoryEstimate:
+        """What the gradient part of a step with these arguments holds on each device
+        slot, as :meth:`Pipeline.memory` predicts it (the update, run once on the
+        first slot, and the optimizer state are not counted)."""
+        return _memory(self._prepare(args)[0])
 
     def trace(self, *args: Any, path: str | os.PathLike | None = None) -> dict:
         """The gradient part of one step with these arguments, traced as

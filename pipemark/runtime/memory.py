@@ -1,0 +1,176 @@
+"""What a pipeline call holds on each device slot, predicted from its plan:
+:func:`estimate_memory`, behind :meth:`pipemark.Pipeline.memory`.
+
+Per slot, in bytes:
+
+* ``parameters``: the parameter leaves its stages read, placed there once a call;
+* ``batch``: its stages' batch leaves, all microbatches, placed there once a call;
+* ``accumulators``: the loss and gradients its stages accumulate over microbatches;
+* ``in_flight``: the most bytes of values handed between stages (activations sent
+  forward, cotangents sent back, residuals a forward keeps for its backward) that the
+  slot holds at once, with the outputs of the action running then. Counted from the
+  schedule: the plan's actions in schedule order, a value held on each reading slot
+  from the action that makes it until its last reader there ran. This is what the
+  schedule decides: GPipe holds all ``M`` microbatches' residuals on the first
+  stage, 1F1B at most ``S``;
+* ``temporaries``: the largest of XLA's temporaries (``memory_analysis()``) over the
+  programs the slot runs, when they are compiled for it.
+
+The predicted peak is their sum, taking the in-flight bytes and the temporaries at the
+action where the two together are largest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pipemark.cost import nbytes
+from pipemark.runtime.plan import PipelinePlan
+from pipemark.runtime.steps import STAGE, Key, Step
+
+__all__ = ["MemoryEstimate", "SlotMemory", "estimate_memory"]
+
+_FIELDS = ("parameters", "batch", "accumulators", "in_flight", "temporaries", "predicted_peak")
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotMemory:
+    """One device slot's predicted bytes (see :mod:`pipemark.runtime.memory`);
+    ``temporaries`` is ``None`` where the programs were not compiled, ``measured_peak``
+    the device's own ``memory_stats()["peak_bytes_in_use"]`` where it keeps one (the
+    process's peak so far, not one call's; ``None`` on CPU)."""
+
+    slot: int
+    devices: str
+    parameters: int
+    batch: int
+    accumulators: int
+    in_flight: int
+    temporaries: int | None
+    predicted_peak: int
+    measured_peak: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Per device slot, what a call of a pipeline holds (:class:`SlotMemory`)."""
+
+    slots: tuple[SlotMemory, ...]
+
+    def __str__(self) -> str:
+        head = ("slot", *_FIELDS, "measured")
+        rows = [head]
+        for s in self.slots:
+            values = [getattr(s, name) for name in _FIELDS] + [s.measured_peak]
+            rows.append((f"{s.slot} {s.devices}", *(_mib(v) for v in values)))
+        widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
+        return "\n".join(
+            "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in
+                      enumerate(zip(row, widths)))
+            for row in rows
+        )  # fmt: skip
+
+
+def _mib(value: int | None) -> str:
+    if value is None:
+        return "-"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if value >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value} B"
+
+
+def _program_name(step: Step, names: Sequence[str]) -> str:
+    # As pipemark.runtime.programs names them: "<forward>+<backward>" for a fused pair.
+    return names[step.index] if step.fused is None else f"{names[step.fused]}+{names[step.index]}"
+
+
+def _key_bytes(plan: PipelinePlan, key: Key) -> int:
+    _, stage, output = key
+    return nbytes(plan.staged.stages[stage].out_avals[output])
+
+
+def in_flight(plan: PipelinePlan, temporaries: Mapping[str, int] | None = None) -> list[tuple]:
+    """Per slot, ``(bytes in flight, temporaries)`` at the action where their sum is
+    largest: the plan's actions walked in schedule order, each value held on each
+    slot that reads it from the action that makes it until its last read there."""
+    count = len(plan.placement.slots)
+    names = [stage.name for stage in plan.staged.stages]
+    live, held = [0] * count, {}
+    worst: list[tuple[int, int]] = [(0, 0)] * count
+    for worker, step in plan.steps.serial:
+        made = sum(_key_bytes(plan, key) for _, key, _ in step.sends)
+        temp = (temporaries or {}).get(_program_name(step, names), 0)
+        if live[worker] + made + temp > sum(worst[worker]):
+            worst[worker] = (live[worker] + made, temp)
+        for _, key, readers in step.sends:
+            for reader, reads in readers:
+                held[(key, reader)] = reads
+                live[reader] += _key_bytes(plan, key)
+        for source, key in step.inputs:
+            if source == STAGE and (key, worker) in held:
+                held[(key, worker)] -= 1
+                if held[(key, worker)] == 0:
+                    del held[(key, worker)]
+                    live[worker] -= _key_bytes(plan, key)
+    return worst
+
+
+def estimate_memory(
+    plan: PipelinePlan, temporaries: Mapping[str, int] | None = None
+) -> MemoryEstimate:
+    """What a call of ``plan`` holds on each device slot (see the module's text).
+    ``temporaries``: each program's temporary bytes by name (as
+    :func:`pipemark.runtime.programs.compiled_programs` names them), or ``None``.
+
+    >>> import jax, pipemark as pm
+    >>> from pipemark import examples
+    >>> from pipemark.runtime.memory import estimate_memory
+    >>> loss_fn, params, batch = examples.mlp(num_layers=2, width=64, batch=8)
+    >>> pipe = pm.pipeline_value_and_grad(loss_fn, num_stages=2, num_microbatches=4,
+    ...                                   schedule="gpipe", devices=jax.devices()[:2])
+    >>> first, last = estimate_memory(pipe.plan(params, batch)).slots
+    >>> first.parameters == last.parameters == (64 * 64 + 64) * 4
+    True
+    """
+    staged, steps = plan.staged, plan.steps
+    avals = staged.in_avals
+    num_micro = plan.schedule.num_microbatches
+    worst = in_flight(plan, temporaries)
+    slots = []
+    for worker, slot in enumerate(plan.placement.slots):
+        parameters = sum(nbytes(avals[i]) for i in steps.params[worker])
+        batch = num_micro * sum(
+            nbytes(avals[plan.num_param_leaves + j]) for j in steps.batch[worker]
+        )
+        accumulators = sum(
+            nbytes(staged.stages[unit.index].out_avals[o])
+            for unit in plan.units.values()
+            if unit.worker == worker
+            for _, o in unit.accumulated
+        )
+        flight, temp = worst[worker]
+        slots.append(
+            SlotMemory(
+                slot=worker,
+                devices=", ".join(str(d) for d in slot.devices),
+                parameters=parameters,
+                batch=batch,
+                accumulators=accumulators,
+                in_flight=flight,
+                temporaries=temp if temporaries is not None else None,
+                predicted_peak=parameters + batch + accumulators + flight + temp,
+                measured_peak=_measured(slot.devices[0]),
+            )
+        )
+    return MemoryEstimate(tuple(slots))
+
+
+def _measured(device: Any) -> int | None:
+    try:
+        stats = device.memory_stats()
+    except Exception:  # a backend without statistics may raise instead of returning None
+        return None
+    return None if not stats else stats.get("peak_bytes_in_use")

@@ -1,0 +1,110 @@
+"""Tests of pipemark.runtime.memory (Pipeline.memory): the bytes each slot holds,
+counted from the user's arrays and from the schedule's order, not from the estimate's
+own walk."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import pipemark as pm
+from pipemark import examples
+from pipemark.cost import nbytes
+from pipemark.runtime.memory import estimate_memory
+from tests._devices import computing_on
+from tests._devices import devices as pick_devices
+
+
+def _mlp_pipeline(schedule, num_stages, num_microbatches, width=32):
+    used = pick_devices(num_stages)
+    with computing_on(used):  # microbatches of 4 rows, however many there are
+        ex = examples.mlp(num_layers=num_stages, width=width, batch=4 * num_microbatches)
+    pipe = pm.pipeline_value_and_grad(
+        ex.loss_fn,
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        devices=used,
+    )
+    return pipe, ex
+
+
+def _tree_bytes(tree):
+    return sum(np.asarray(leaf).nbytes for leaf in jax.tree_util.tree_leaves(tree))
+
+
+def test_parameters_batch_and_accumulators_add_up_to_the_users_arrays():
+    pipe, ex = _mlp_pipeline("1f1b", 4, 4)
+    params, batch = ex.args
+    slots = pipe.memory(params, batch).slots
+    assert len(slots) == 4
+    # Each layer's parameters on its own stage's slot; the inputs and the targets on
+    # the first and the last; the loss and every gradient accumulated once.
+    assert [s.parameters for s in slots] == [_tree_bytes(layer) for layer in params]
+    assert sum(s.batch for s in slots) == _tree_bytes(batch)
+    assert slots[1].batch == slots[2].batch == 0
+    assert sum(s.accumulators for s in slots) == _tree_bytes(params) + 4  # + the loss
+    for s in slots:
+        assert s.temporaries is not None and s.temporaries >= 0
+        assert s.predicted_peak == (
+            s.parameters + s.batch + s.accumulators + s.in_flight + s.temporaries
+        )
+
+
+def _residual_bytes(plan):
+    """Bytes the first stage's forward leaves for its own slot, per microbatch: its
+    outputs that its backward reads."""
+    staged = plan.staged
+    forward, backward = plan.forward_stages[0], plan.backward_stages[0]
+    read = {
+        ref.index
+        for ref in staged.stages[backward].inputs
+        if ref.kind == "stage" and ref.stage == forward
+    }
+    return sum(nbytes(staged.stages[forward].out_avals[o]) for o in read)
+
+
+def test_the_schedule_sets_how_many_microbatches_are_in_flight():
+    # GPipe runs every forward before any backward: the first stage holds the residuals
+    # of all M microbatches, M times what one leaves. 1F1B starts backwards after S
+    # forwards: what it holds does not grow with M.
+    held = {}
+    for schedule in ("gpipe", "1f1b"):
+        for m in (4, 8):
+            pipe, ex = _mlp_pipeline(schedule, 2, m)
+            plan = pipe.plan(*ex.args)
+            held[schedule, m] = estimate_memory(plan).slots[0].in_flight
+            residual = _residual_bytes(plan)
+    assert residual > 0
+    assert held["gpipe", 8] - held["gpipe", 4] == 4 * residual
+    assert held["1f1b", 8] == held["1f1b", 4] < held["gpipe", 4]
+
+
+def test_one_stage_holds_nothing_in_flight_and_its_program_temporaries():
+    pipe, ex = _mlp_pipeline("1f1b", 1, 1, width=64)
+    (slot,) = pipe.memory(*ex.args).slots
+    assert slot.in_flight == 0
+    (program,) = pipe.compiled_programs(*ex.args).values()
+    assert slot.temporaries == program.memory_analysis().temp_size_in_bytes
+    assert "predicted_peak" in str(pipe.memory(*ex.args)) and "KiB" in str(pipe.memory(*ex.args))
+
+
+def test_a_training_step_counts_its_gradient_part():
+    used = pick_devices(2)
+    with computing_on(used):
+        ex = examples.mlp(num_layers=2, width=16, batch=8)
+    step, _ = examples.train_step(ex.loss_fn, optimizer="sgd")
+    pipelined = pm.pipeline_train_step(step, num_stages=2, num_microbatches=2, devices=used)
+    slots = pipelined.memory(ex.params, (), ex.batch).slots
+    assert sum(s.parameters for s in slots) == _tree_bytes(ex.params)
+    assert all(s.measured_peak is None or s.measured_peak > 0 for s in slots)
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "interleaved"])
+def test_every_schedule_has_an_estimate_per_slot(schedule):
+    pipe, ex = _mlp_pipeline(schedule, 4 if schedule == "interleaved" else 2, 4)
+    plan = pipe.plan(*ex.args)
+    estimate = pipe.memory(*ex.args)
+    assert len(estimate.slots) == len(plan.placement.slots)
+    assert all(s.in_flight > 0 for s in estimate.slots)
