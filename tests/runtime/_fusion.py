@@ -18,13 +18,16 @@ def mlp_pipeline(
     schedule: str = "1f1b",
     devices: int | None = None,
     batch: int = 8,
+    *,
+    num_layers: int = 4,
+    width: int = 8,
 ) -> tuple[pm.runtime.Pipeline, examples.Example]:
-    """``pm.pipeline_value_and_grad`` of a 4-layer MLP of width 8 on ``devices``
-    devices (by default one per stage; :func:`tests._devices.devices`), and the MLP,
-    its arrays made on the pipeline's first device."""
+    """``pm.pipeline_value_and_grad`` of an MLP (4 layers of width 8 by default) on
+    ``devices`` devices (by default one per stage; :func:`tests._devices.devices`), and
+    the MLP, its arrays made on the pipeline's first device."""
     used = pick_devices(devices or num_stages)
     with computing_on(used):
-        ex = examples.mlp(num_layers=4, width=8, batch=batch)
+        ex = examples.mlp(num_layers=num_layers, width=width, batch=batch)
     pipe = pm.pipeline_value_and_grad(
         ex.loss_fn,
         num_stages=num_stages,

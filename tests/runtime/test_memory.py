@@ -14,20 +14,19 @@ from pipemark.cost import nbytes
 from pipemark.runtime.memory import estimate_memory
 from tests._devices import computing_on
 from tests._devices import devices as pick_devices
+from tests.runtime._fusion import mlp_pipeline
 
 
 def _mlp_pipeline(schedule, num_stages, num_microbatches, width=32):
-    used = pick_devices(num_stages)
-    with computing_on(used):  # microbatches of 4 rows, however many there are
-        ex = examples.mlp(num_layers=num_stages, width=width, batch=4 * num_microbatches)
-    pipe = pm.pipeline_value_and_grad(
-        ex.loss_fn,
-        num_stages=num_stages,
-        num_microbatches=num_microbatches,
-        schedule=schedule,
-        devices=used,
+    # A layer per stage, microbatches of 4 rows however many there are.
+    return mlp_pipeline(
+        num_stages,
+        num_microbatches,
+        schedule,
+        batch=4 * num_microbatches,
+        num_layers=num_stages,
+        width=width,
     )
-    return pipe, ex
 
 
 def _tree_bytes(tree):
