@@ -240,6 +240,11 @@ def test_accelerator_benchmark_measures_each_row_in_its_own_process(tmp_path):
     assert [(r["config"], r["status"]) for r in results] == [("jit", "ok"), ("s2", "ok")]
     # One stage program per stage and kind, the last stage's forward and backward fused.
     assert results[1]["compiles"]["jit(run)"] == results[1]["memory"]["programs"] == 3
+    # The pipeline's predicted peak at least holds its parameters (f32) and gradients.
+    bench = _accelerator()
+    count = bench.param_count(dict(bench.SIZES["tiny"], layers=2))
+    assert results[1]["memory"]["predicted_peak"] > 2 * 4 * count
+    assert any(line.startswith("- s2: predicted peak (`Pipeline.memory`) ") for line in lines)
 
 
 def test_accelerator_table_and_verdicts_from_results():
