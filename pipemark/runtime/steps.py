@@ -333,9 +333,13 @@ def step_name(step: Step, stage_names: Sequence[str]) -> str:
     >>> step_name(step._replace(fused=0), ["layer0", "layer0_backward"])
     'layer0+layer0_backward mb2'
     """
-    names = "+".join(stage_names[k] for k in _stages_of(step))
-    weight = " (weight)" if step.action.kind == WEIGHT else ""
-    return f"{names}{weight} mb{step.microbatch}"
+    # Once per action a call dispatches: kept to a few string operations.
+    name = stage_names[step.index]
+    if step.fused is not None:
+        name = f"{stage_names[step.fused]}+{name}"
+    if step.action.kind == WEIGHT:
+        return f"{name} (weight) mb{step.microbatch}"
+    return f"{name} mb{step.microbatch}"
 
 
 def _stages_of(step: Step) -> tuple[int, ...]:
