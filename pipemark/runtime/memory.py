@@ -26,13 +26,16 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
+import numpy as np
+
 from pipemark.cost import nbytes
 from pipemark.runtime.plan import PipelinePlan
 from pipemark.runtime.steps import STAGE, Key, Step
 
-__all__ = ["MemoryEstimate", "SlotMemory", "estimate_memory"]
+__all__ = ["MemoryEstimate", "SlotMemory", "estimate_memory", "result_avals", "with_update"]
 
-_FIELDS = ("parameters", "batch", "accumulators", "in_flight", "temporaries", "predicted_peak")
+_FIELDS = ("parameters", "batch", "accumulators", "in_flight", "temporaries", "update")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +54,10 @@ class SlotMemory:
     temporaries: int | None
     predicted_peak: int
     measured_peak: int | None = None
+    #: A training step's update on its slot (the first), after the pipeline: its
+    #: arguments (parameters, optimizer state, batch, gradients), results and
+    #: temporaries. The slot's predicted peak is the larger of this and the rest.
+    update: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,10 +67,11 @@ class MemoryEstimate:
     slots: tuple[SlotMemory, ...]
 
     def __str__(self) -> str:
-        head = ("slot", *_FIELDS, "measured")
+        fields = [f for f in _FIELDS if f != "update" or any(s.update for s in self.slots)]
+        head = ("slot", *fields, "predicted_peak", "measured")
         rows = [head]
         for s in self.slots:
-            values = [getattr(s, name) for name in _FIELDS] + [s.measured_peak]
+            values = [getattr(s, name) for name in fields] + [s.predicted_peak, s.measured_peak]
             rows.append((f"{s.slot} {s.devices}", *(_mib(v) for v in values)))
         widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
         return "\n".join(
@@ -166,6 +174,32 @@ def estimate_memory(
             )
         )
     return MemoryEstimate(tuple(slots))
+
+
+def with_update(estimate: MemoryEstimate, slot: int, update: int) -> MemoryEstimate:
+    """``estimate`` with a training step's update holding ``update`` bytes on slot
+    ``slot``: that slot's predicted peak is the larger of the two phases."""
+    slots = list(estimate.slots)
+    one = slots[slot]
+    slots[slot] = dataclasses.replace(
+        one, update=update, predicted_peak=max(one.predicted_peak, update)
+    )
+    return MemoryEstimate(tuple(slots))
+
+
+def result_avals(plan: PipelinePlan) -> list[Any]:
+    """The type of each result a call of ``plan`` accumulates, in output order."""
+    staged = plan.staged
+    avals = []
+    for ref in staged.outputs:
+        if ref.kind == "stage":
+            avals.append(staged.stages[ref.stage].out_avals[ref.index])
+        elif ref.kind == "input":
+            avals.append(staged.in_avals[ref.index])
+        else:
+            value = np.asarray(getattr(ref.value, "val", ref.value))
+            avals.append(jax.ShapeDtypeStruct(value.shape, value.dtype))
+    return avals
 
 
 def _measured(device: Any) -> int | None:

@@ -60,7 +60,7 @@ from pipemark.runtime.arguments import (
 )
 from pipemark.runtime.execution import action_costs, run_plan
 from pipemark.runtime.losses import LOSS_REDUCTIONS, count_batch_free_terms_once, split_count
-from pipemark.runtime.memory import MemoryEstimate, estimate_memory
+from pipemark.runtime.memory import MemoryEstimate, estimate_memory, result_avals, with_update
 from pipemark.runtime.options import PipelineOptions
 from pipemark.runtime.perfetto import trace_events, write_trace
 from pipemark.runtime.pipeline_stages import stage_program
@@ -557,10 +557,29 @@ class PipelinedStep:
         return action_costs(plan, tuple(replicated), batch, repeat)
 
     def memory(self, *args: Any) -> MemoryEstimate:
-        """What the gradient part of a step with these arguments holds on each device
-        slot, as :meth:`Pipeline.memory` predicts it (the update, run once on the
-        first slot, and the optimizer state are not counted)."""
-        return _memory(self._prepare(args)[0])
+        """What a step with these arguments holds on each device slot: the gradient
+        part as :meth:`Pipeline.memory` predicts it, and on the first slot the update
+        after it (``SlotMemory.update``: its compiled program's arguments, among them
+        the optimizer state and the gradients, its results and temporaries)."""
+        plan, apply, _ = self._prepare(args)
+        leaves = jax.tree_util.tree_leaves(args)
+        avals = [*(jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves)]
+        avals += result_avals(plan)
+        shardings = plan.update_shardings(len(avals))
+        structs = [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(avals, shardings)
+        ]
+        with jax.set_mesh(None):  # as the call runs it (see __call__)
+            analysis = apply.lower(*structs).compile().memory_analysis()
+        update = (
+            analysis.argument_size_in_bytes
+            + analysis.output_size_in_bytes
+            + analysis.temp_size_in_bytes
+        )
+        first = next(
+            i for i, s in enumerate(plan.placement.slots) if s.process == plan.placement.process
+        )
+        return with_update(_memory(plan), first, update)
 
     def trace(self, *args: Any, path: str | os.PathLike | None = None) -> dict:
         """The gradient part of one step with these arguments, traced as

@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 
 import pipemark as pm
 from pipemark import examples
@@ -89,15 +90,24 @@ def test_one_stage_holds_nothing_in_flight_and_its_program_temporaries():
     assert "predicted_peak" in str(pipe.memory(*ex.args)) and "KiB" in str(pipe.memory(*ex.args))
 
 
-def test_a_training_step_counts_its_gradient_part():
+def test_a_training_step_counts_its_update_on_the_first_slot():
     used = pick_devices(2)
     with computing_on(used):
         ex = examples.mlp(num_layers=2, width=16, batch=8)
-    step, _ = examples.train_step(ex.loss_fn, optimizer="sgd")
+    step, init_state = examples.train_step(ex.loss_fn, optimizer="adam")
+    state = init_state(ex.params)
     pipelined = pm.pipeline_train_step(step, num_stages=2, num_microbatches=2, devices=used)
-    slots = pipelined.memory(ex.params, (), ex.batch).slots
-    assert sum(s.parameters for s in slots) == _tree_bytes(ex.params)
-    assert all(s.measured_peak is None or s.measured_peak > 0 for s in slots)
+    estimate = pipelined.memory(ex.params, state, ex.batch)
+    first, last = estimate.slots
+    params = _tree_bytes(ex.params)
+    assert first.parameters + last.parameters == params
+    # The update, on the first slot: parameters, Adam's two moments and the gradients
+    # in, new parameters and moments out (no donation), whatever its temporaries.
+    assert _tree_bytes(state) >= 2 * params
+    assert first.update >= 4 * params + _tree_bytes(state) and last.update is None
+    assert first.predicted_peak >= first.update
+    assert "update" in str(estimate)
+    assert all(s.measured_peak is None or s.measured_peak > 0 for s in estimate.slots)
 
 
 @pytest.mark.parametrize("schedule", ["zb-h1", "interleaved"])
@@ -107,3 +117,18 @@ def test_every_schedule_has_an_estimate_per_slot(schedule):
     estimate = pipe.memory(*ex.args)
     assert len(estimate.slots) == len(plan.placement.slots)
     assert all(s.in_flight > 0 for s in estimate.slots)
+
+
+def test_stages_on_sub_meshes_are_estimated_without_their_temporaries():
+    cpus = jax.devices("cpu")
+    if len(cpus) < 8:
+        pytest.skip("needs 8 host CPU devices")
+    mesh = Mesh(np.array(cpus[:8]).reshape(4, 2), ("stage", "data"))
+    ex = examples.mlp(num_layers=4, width=16, batch=16)
+    pipe = pm.pipeline_value_and_grad(ex.loss_fn, num_microbatches=4, mesh=mesh)
+    slots = pipe.memory(*ex.args).slots
+    # A slot's values whole (each device of its data axis holds the parameters);
+    # its programs are not lowered here, so no temporaries.
+    assert [s.devices.count("cpu") for s in slots] == [2] * 4
+    assert sum(s.parameters for s in slots) == _tree_bytes(ex.params)
+    assert all(s.temporaries is None and s.in_flight > 0 for s in slots)
