@@ -48,6 +48,8 @@ TESTS = (
     "tests/runtime/test_pipeline.py",
     # Then, as the budget allows: the runtime's calls, arguments and losses,
     "tests/runtime/test_execution.py",
+    "tests/runtime/test_perfetto.py",
+    "tests/runtime/test_memory.py",
     "tests/runtime/test_options.py",
     "tests/runtime/test_arguments.py",
     "tests/runtime/test_steps.py",
