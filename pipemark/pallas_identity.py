@@ -159,19 +159,35 @@ def copy_blocks(
     return max(blocks, default=1), tuple(rows)
 
 
-def _copy_kernel(plans: tuple, *refs: Any) -> None:
-    # An aliased operand's plan is empty: result i is operand i's buffer
-    # (input_output_aliases), the data is already where it belongs.
+def _dma_copies(plans: tuple, refs: Sequence[Any]) -> list[Any]:
+    """The kernel's DMAs: per operand, one per row range of its plan (``(None,)``: the
+    whole array), none for a blocked operand (``"blocked"``) or an aliased one
+    (``()``: result i is operand i's buffer, the data is already where it belongs).
+    ``refs`` are the operands, the results, then a DMA semaphore per DMA."""
     count = len(plans)
     sources, destinations, semaphores = refs[:count], refs[count : 2 * count], refs[2 * count :]
     copies = []
     for source, destination, slices in zip(sources, destinations, plans):
-        for rows in slices:
+        for rows in () if slices == "blocked" else slices:
             src, dst = source, destination
             if rows is not None:
                 part = pl.ds(rows[0], rows[1] - rows[0])
                 src, dst = source.at[part], destination.at[part]
             copies.append(pltpu.make_async_copy(src, dst, semaphores[len(copies)]))
+    return copies
+
+
+def _dma_parts(plans: tuple) -> dict:
+    """The pallas_call arguments of a kernel that only copies by DMA (or aliases)."""
+    return dict(
+        kernel=lambda *refs: _copy_kernel(plans, *refs),
+        scratch_shapes=[pltpu.SemaphoreType.DMA(()) for p in plans for _ in p],
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * len(plans),
+    )
+
+
+def _copy_kernel(plans: tuple, *refs: Any) -> None:
+    copies = _dma_copies(plans, refs)
     # Start every DMA before waiting for any: they run concurrently.
     for copy in copies:
         copy.start()
@@ -184,18 +200,10 @@ def _blocked_kernel(steps: int, plans: tuple, *refs: Any) -> None:
     # them); the others are whole HBM refs, copied by DMAs started at the first step
     # and waited for at the last, so they overlap the blocks' stream.
     count = len(plans)
-    sources, destinations, semaphores = refs[:count], refs[count : 2 * count], refs[2 * count :]
-    copies, step = [], pl.program_id(0)
-    for source, destination, plan in zip(sources, destinations, plans):
+    for source, destination, plan in zip(refs[:count], refs[count : 2 * count], plans):
         if plan == "blocked":
             destination[...] = source[...]
-            continue
-        for rows in plan:
-            src, dst = source, destination
-            if rows is not None:
-                part = pl.ds(rows[0], rows[1] - rows[0])
-                src, dst = source.at[part], destination.at[part]
-            copies.append(pltpu.make_async_copy(src, dst, semaphores[len(copies)]))
+    copies, step = _dma_copies(plans, refs), pl.program_id(0)
 
     @pl.when(step == 0)
     def _():
@@ -225,12 +233,7 @@ def _copy_call(shaped: Sequence[jax.Array], dmas: int, block_bytes: int | None) 
         sizes = [a.dtype.itemsize for a in shaped]
         steps, rows = copy_blocks([a.shape for a in shaped], sizes, block_bytes)
     if all(r is None for r in rows):
-        plans = tuple(dma_slices(a.shape, a.dtype.itemsize, dmas) for a in shaped)
-        return dict(
-            kernel=lambda *refs: _copy_kernel(plans, *refs),
-            scratch_shapes=[pltpu.SemaphoreType.DMA(()) for p in plans for _ in p],
-            in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * len(shaped),
-        )
+        return _dma_parts(tuple(dma_slices(a.shape, a.dtype.itemsize, dmas) for a in shaped))
     plans = tuple(
         "blocked" if r is not None else dma_slices(a.shape, a.dtype.itemsize, dmas)
         for a, r in zip(shaped, rows)
@@ -287,12 +290,7 @@ def identity_call(
     # to the result came back as other bytes (seen with JAX 0.10.2); 4 bytes cost nothing.
     aliased = [alias and a.ndim > 0 for a in arrays]
     if alias:
-        plans = tuple(() if keep else (None,) for keep in aliased)
-        parts = dict(
-            kernel=lambda *refs: _copy_kernel(plans, *refs),
-            scratch_shapes=[pltpu.SemaphoreType.DMA(()) for p in plans for _ in p],
-            in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * len(shaped),
-        )
+        parts = _dma_parts(tuple(() if keep else (None,) for keep in aliased))
     else:
         parts = _copy_call(shaped, dmas, block_bytes)
     params = dict(parts.pop("compiler_params", {}))
