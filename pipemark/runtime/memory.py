@@ -23,7 +23,7 @@ action where the two together are largest.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -31,7 +31,7 @@ import numpy as np
 
 from pipemark.cost import nbytes
 from pipemark.runtime.plan import PipelinePlan
-from pipemark.runtime.steps import STAGE, Key, Step
+from pipemark.runtime.steps import STAGE, Key, program_name
 
 __all__ = ["MemoryEstimate", "SlotMemory", "estimate_memory", "result_avals", "with_update"]
 
@@ -90,17 +90,12 @@ def _mib(value: int | None) -> str:
     return f"{value} B"
 
 
-def _program_name(step: Step, names: Sequence[str]) -> str:
-    # As pipemark.runtime.programs names them: "<forward>+<backward>" for a fused pair.
-    return names[step.index] if step.fused is None else f"{names[step.fused]}+{names[step.index]}"
-
-
 def _key_bytes(plan: PipelinePlan, key: Key) -> int:
     _, stage, output = key
     return nbytes(plan.staged.stages[stage].out_avals[output])
 
 
-def in_flight(plan: PipelinePlan, temporaries: Mapping[str, int] | None = None) -> list[tuple]:
+def _in_flight(plan: PipelinePlan, temporaries: Mapping[str, int] | None = None) -> list[tuple]:
     """Per slot, ``(bytes in flight, temporaries)`` at the action where their sum is
     largest: the plan's actions walked in schedule order, each value held on each
     slot that reads it from the action that makes it until its last read there."""
@@ -110,7 +105,7 @@ def in_flight(plan: PipelinePlan, temporaries: Mapping[str, int] | None = None) 
     worst: list[tuple[int, int]] = [(0, 0)] * count
     for worker, step in plan.steps.serial:
         made = sum(_key_bytes(plan, key) for _, key, _ in step.sends)
-        temp = (temporaries or {}).get(_program_name(step, names), 0)
+        temp = (temporaries or {}).get(program_name(step, names), 0)
         if live[worker] + made + temp > sum(worst[worker]):
             worst[worker] = (live[worker] + made, temp)
         for _, key, readers in step.sends:
@@ -146,7 +141,7 @@ def estimate_memory(
     staged, steps = plan.staged, plan.steps
     avals = staged.in_avals
     num_micro = plan.schedule.num_microbatches
-    worst = in_flight(plan, temporaries)
+    worst = _in_flight(plan, temporaries)
     slots = []
     for worker, slot in enumerate(plan.placement.slots):
         parameters = sum(nbytes(avals[i]) for i in steps.params[worker])

@@ -576,10 +576,7 @@ class PipelinedStep:
             + analysis.output_size_in_bytes
             + analysis.temp_size_in_bytes
         )
-        first = next(
-            i for i, s in enumerate(plan.placement.slots) if s.process == plan.placement.process
-        )
-        return with_update(_memory(plan), first, update)
+        return with_update(_memory(plan), plan.update_worker, update)
 
     def trace(self, *args: Any, path: str | os.PathLike | None = None) -> dict:
         """The gradient part of one step with these arguments, traced as

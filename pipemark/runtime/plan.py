@@ -144,11 +144,17 @@ class PipelinePlan:
             return slot.replicated
         return NamedSharding(slot.mesh, self.param_specs[leaf])
 
+    @property
+    def update_worker(self) -> int:
+        """The slot a training step's update runs on: this process's first."""
+        slots = self.placement.slots
+        return next(i for i, s in enumerate(slots) if s.process == self.placement.process)
+
     def update_shardings(self, count: int) -> list[Any]:
         """Where a training step's update reads its ``count`` inputs (the parameter
-        leaves first): this process's first slot, each parameter with its layout there
-        and everything else whole."""
-        slot = next(s for s in self.placement.slots if s.process == self.placement.process)
+        leaves first): this process's first slot (:attr:`update_worker`), each parameter
+        with its layout there and everything else whole."""
+        slot = self.placement.slots[self.update_worker]
         if self.param_specs is None:
             return [slot.replicated] * count
         specs = [NamedSharding(slot.mesh, spec) for spec in self.param_specs]

@@ -32,6 +32,7 @@ from pipemark.errors import PipemarkError
 from pipemark.runtime.compilation import Unit
 from pipemark.runtime.placement import Slot
 from pipemark.runtime.plan import PipelinePlan
+from pipemark.runtime.steps import program_name
 
 __all__ = ["compiled_programs"]
 
@@ -61,19 +62,18 @@ def compiled_programs(plan: PipelinePlan) -> dict[str, jax.stages.Compiled]:
             "run on sub-meshes (mesh=), whose programs it does not lower yet. Build the "
             "pipeline with devices= to read its stage programs."
         )
-    stages = plan.staged.stages
+    names = [stage.name for stage in plan.staged.stages]
     programs: dict[str, jax.stages.Compiled] = {}
     for worker, step in plan.steps.serial:
         if not plan.placement.local[worker]:
             continue
         slot = plan.placement.slots[worker]
+        name = program_name(step, names)
         if step.fused is None:
             unit = plan.units[step.index]
-            name = stages[step.index].name
             accs, inputs = _unit_arguments(plan, unit, slot)
         else:
             forward, unit = plan.units[step.fused], plan.fused[step.index]
-            name = f"{stages[step.fused].name}+{stages[step.index].name}"
             accs, inputs = _fused_arguments(plan, forward, plan.units[step.index], slot)
         if name not in programs:
             scale = _struct(jax.ShapeDtypeStruct((), np.float32), slot.replicated)

@@ -33,6 +33,7 @@ __all__ = [
     "Steps",
     "Transfer",
     "fuse_steps",
+    "program_name",
     "resolve_steps",
     "step_name",
     "without_gathers",
@@ -322,6 +323,13 @@ def _finals(
     return tuple(finals)
 
 
+def program_name(step: Step, stage_names: Sequence[str]) -> str:
+    """The name of the program ``step`` runs: its stage's, ``"<forward>+<backward>"``
+    for a forward and backward fused into one (:func:`fuse_steps`)."""
+    name = stage_names[step.index]
+    return name if step.fused is None else f"{stage_names[step.fused]}+{name}"
+
+
 def step_name(step: Step, stage_names: Sequence[str]) -> str:
     """What profilers and traces call ``step``: its stage's name (a fused step's two,
     joined by ``+``) and its microbatch; a split backward's weight half says so.
@@ -334,9 +342,7 @@ def step_name(step: Step, stage_names: Sequence[str]) -> str:
     'layer0+layer0_backward mb2'
     """
     # Once per action a call dispatches: kept to a few string operations.
-    name = stage_names[step.index]
-    if step.fused is not None:
-        name = f"{stage_names[step.fused]}+{name}"
+    name = program_name(step, stage_names)
     if step.action.kind == WEIGHT:
         return f"{name} (weight) mb{step.microbatch}"
     return f"{name} mb{step.microbatch}"
