@@ -40,6 +40,14 @@ def _arrays():
     )
 
 
+def _assert_returned(arrays, outs):
+    """``outs`` are ``arrays``: one each, same shapes, dtypes and values."""
+    assert len(outs) == len(arrays)
+    for a, b in zip(arrays, outs):
+        assert (a.shape, a.dtype) == (b.shape, b.dtype)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 # ------------------------------------------------------ the kernel, interpreted on CPU
 
 
@@ -47,10 +55,7 @@ def _arrays():
 def test_kernel_returns_its_operands_under_jit(alias):
     arrays = _arrays()
     outs = jax.jit(lambda *a: pi.identity(*a, alias=alias, interpret=True))(*arrays)
-    assert len(outs) == len(arrays)
-    for a, b in zip(arrays, outs):
-        assert (a.shape, a.dtype) == (b.shape, b.dtype)
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _assert_returned(arrays, outs)
 
 
 @pytest.mark.parametrize("alias", [True, False], ids=["aliased", "copying"])
@@ -108,9 +113,7 @@ def test_blocked_and_dma_copies_in_one_call_return_every_array():
     outs = jax.jit(lambda *a: pi.identity(*a, alias=False, block_bytes=16384, interpret=True))(
         *arrays
     )
-    for a, b in zip(arrays, outs, strict=True):
-        assert (a.shape, a.dtype) == (b.shape, b.dtype)
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _assert_returned(arrays, outs)
     lowered = jax.jit(lambda x: pi.identity(x, alias=False)).trace(arrays[-1])
     text = lowered.lower(lowering_platforms=("tpu",)).as_text()
     assert text.count("@tpu_custom_call") == 1
@@ -404,9 +407,7 @@ def test_tpu_copies_every_array_of_one_call(block_bytes):
     arrays = (*_tpu_arrays(), jnp.arange(100 * 256, dtype=jnp.float32).reshape(100, 256))
     copy = functools.partial(pi.identity, alias=False, block_bytes=block_bytes)
     outs = jax.jit(lambda *a: copy(*a))(*arrays)
-    for a, b in zip(arrays, outs, strict=True):
-        assert (a.shape, a.dtype) == (b.shape, b.dtype)
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _assert_returned(arrays, outs)
 
 
 @pytest.mark.tpu
