@@ -201,10 +201,12 @@ def _mesh_unit(
     )
 
 
-# Stage programs compiled in this process, keyed by their text, types and slot: the same
-# stage program reappears whenever a pipeline is rebuilt for the same microbatch shape
-# (another schedule, another number of microbatches), and XLA compilation dominates the
-# cost of building a pipeline. Programs with constants are not cached (their text does not
+# Stage programs compiled in this process, keyed by the text of the program the runtime
+# compiles (:func:`runtime_program`: without its markers, whose names differ from stage
+# to stage), its types and slot: stages of identical blocks are one program, compiled
+# once, and the same stage program reappears whenever a pipeline is rebuilt for the same
+# microbatch shape (another schedule, another number of microbatches). XLA compilation
+# dominates the cost of building a pipeline. Programs with constants are not cached (their text does not
 # show the constants' values), nor programs whose text hides an object's identity: the
 # printer writes ``<function f at 0xXXXXXXXXXXXX>`` for a callback (``jax.pure_callback``,
 # custom derivative rules), so two programs calling different functions of one name print
@@ -242,7 +244,7 @@ def runtime_program(closed: ClosedJaxpr) -> ClosedJaxpr:
 def _unit_key(closed: ClosedJaxpr, accumulated: list[int], passed: list[int], slot: Slot) -> Any:
     if closed.consts:
         return None
-    jaxpr = closed.jaxpr
+    jaxpr = runtime_program(closed).jaxpr
     text = str(jaxpr)
     if _HIDDEN_ADDRESS.search(text):
         return None

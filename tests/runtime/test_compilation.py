@@ -10,6 +10,7 @@ import pytest
 import pipemark as pm
 from pipemark import examples
 from pipemark.runtime.compilation import keeps_markers, runtime_program
+from tests.runtime._compiles import compilations
 
 
 def _example():
@@ -110,3 +111,52 @@ def test_one_stage_program_needs_no_more_memory_than_jax_jit():
         )
 
     assert total(ours) <= 1.05 * total(theirs), (ours, theirs)
+
+
+def _gpt_pipeline(num_stages):
+    ex = examples.gpt(8, 32, 2, seq=16, batch=8, vocab=64, d_ff=64, compute_dtype=jnp.float32)
+    pipe = pm.pipeline_value_and_grad(
+        ex.loss_fn,
+        num_stages=num_stages,
+        num_microbatches=2,
+        schedule="interleaved",
+        devices=jax.devices()[:1],
+    )
+    return ex, pipe
+
+
+def _runs(plan):
+    return {
+        id(plan.units[s.index].run if s.fused is None else plan.fused[s.index].run)
+        for _, s in plan.steps.serial
+    }
+
+
+def test_stages_of_identical_blocks_share_one_compiled_program():
+    """Issue #33: stages 1 and 2 of a 4-stage GPT hold two identical blocks each; their
+    markers have other names, which the compiled program leaves out, so they are one
+    program, compiled once (forward, middle forward, last fused, middle backward,
+    first backward: 5)."""
+    pm.clear_caches()
+    ex, pipe = _gpt_pipeline(4)
+    with compilations() as compiled:
+        loss, grads = jax.block_until_ready(pipe(*ex.args))
+    plan = pipe.plan(*ex.args)
+    assert plan.units[1].run is plan.units[2].run
+    assert len(_runs(plan)) == 5
+    assert compiled.count("jit(run)") == 5
+    want_loss, want_grads = jax.jit(jax.value_and_grad(ex.loss_fn))(*ex.args)
+    assert jnp.allclose(loss, want_loss, rtol=1e-5)
+    for g, w in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads)):
+        assert jnp.allclose(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_custom_call_programs_of_identical_blocks_stay_apart():
+    # Under the custom-call lowering each program keeps its markers, which name their
+    # stage: the programs differ, and each compiles on its own.
+    pm.clear_caches()
+    ex, pipe = _gpt_pipeline(4)
+    with pm.lowering("custom_call"):
+        plan = pipe.plan(*ex.args)
+        assert plan.units[1].run is not plan.units[2].run
+        assert len(_runs(plan)) == 7
