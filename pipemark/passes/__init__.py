@@ -15,6 +15,7 @@ from pipemark.passes.inline import inline_calls as inline_calls
 from pipemark.passes.insert import insert_markers as insert_markers
 from pipemark.passes.insert import insert_markers_by_scope as insert_markers_by_scope
 from pipemark.passes.insert import layers_from_boundaries as layers_from_boundaries
+from pipemark.passes.residuals import recompute_residuals as recompute_residuals
 from pipemark.passes.rewrite import dce as dce
 from pipemark.passes.rewrite import mark_missing_vars as mark_missing_vars
 from pipemark.passes.rewrite import remove_markers as remove_markers

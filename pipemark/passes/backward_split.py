@@ -127,7 +127,7 @@ def _split(staged: StagedJaxpr) -> StagedJaxpr:
     # Valid by construction: unique names (checked above), and every reference to a
     # program input or to an earlier stage's output.
     result = StagedJaxpr._trusted(new_stages, staged.invars, outputs, staged.debug_info)
-    return result.with_signature(staged.signature)
+    return result.with_signature(staged.signature).with_balance(staged.balance)
 
 
 def _remap(ref: ValueRef, where: list[int | list[ValueRef] | None]) -> ValueRef:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -311,6 +311,53 @@ def _jit_unit(
 
 # ----------------------------------------------------------------- fused programs
 
+#: Where a fused program's backward reads each input (:func:`fused_wiring`).
+OUTPUT, INPUT, EXTRA = "output", "input", "extra"
+
+
+def fused_wiring(
+    forward_inputs: Sequence[Hashable],
+    backward_inputs: Sequence[Hashable],
+    forward_output: Callable[[Any], int | None],
+    shared: Callable[[Any], bool],
+) -> tuple[tuple[str, int], ...]:
+    """Per input of a backward fused after its forward, where the fused program takes
+    it: ``(OUTPUT, i)``, the forward's output ``i`` (``forward_output(entry)`` says which,
+    or ``None``); ``(INPUT, j)``, the forward's input ``j``, for an entry both read that
+    may be ``shared`` (a parameter or batch leaf: a value another stage hands over is
+    counted once per reading stage, so each reads its own); else ``(EXTRA, k)``, the
+    ``k``-th of the inputs the fused program takes after the forward's. The entries are
+    stage input references, or a step's inputs: one rule for the program, its arguments
+    and the steps that pass them.
+
+    >>> fused_wiring(["p", "x"], ["out0", "p", "x"], lambda e: 0 if e == "out0" else None,
+    ...              lambda e: e == "p")
+    (('output', 0), ('input', 0), ('extra', 0))
+    """
+    position = {entry: j for j, entry in reversed(list(enumerate(forward_inputs)))}
+    wiring = []
+    extra = 0
+    for entry in backward_inputs:
+        i = forward_output(entry)
+        if i is not None:
+            wiring.append((OUTPUT, i))
+        elif entry in position and shared(entry):
+            wiring.append((INPUT, position[entry]))
+        else:
+            wiring.append((EXTRA, extra))
+            extra += 1
+    return tuple(wiring)
+
+
+def stage_wiring(staged: StagedJaxpr, forward: int, backward: int) -> tuple[tuple[str, int], ...]:
+    """:func:`fused_wiring` of stage ``backward`` fused after stage ``forward``."""
+    return fused_wiring(
+        staged.stages[forward].inputs,
+        staged.stages[backward].inputs,
+        lambda ref: ref.index if ref.kind == "stage" and ref.stage == forward else None,
+        lambda ref: ref.kind == "input",
+    )
+
 
 def compile_fused(staged: StagedJaxpr, forward: Unit, backward: Unit, slot: Slot) -> Unit:
     """One program running stage ``forward.index`` and then stage ``backward.index``
@@ -335,16 +382,7 @@ def compile_fused(staged: StagedJaxpr, forward: Unit, backward: Unit, slot: Slot
     ([0.7081, 0.9093], [])
     """
     forward_stage, backward_stage = staged.stages[forward.index], staged.stages[backward.index]
-    # Per backward input: the forward output it is, or its place among the extra inputs.
-    wiring = []
-    extra = 0
-    for ref in backward_stage.inputs:
-        if ref.kind == "stage" and ref.stage == forward.index:
-            wiring.append((True, ref.index))
-        else:
-            wiring.append((False, extra))
-            extra += 1
-    wiring = tuple(wiring)
+    wiring = stage_wiring(staged, forward.index, backward.index)
     accumulated = (
         [o for _, o in forward.accumulated],
         [o for _, o in backward.accumulated],
@@ -390,7 +428,7 @@ register_cache(_FUSED_CACHE.clear)
 def _jit_fused(
     forward: ClosedJaxpr,
     backward: ClosedJaxpr,
-    wiring: tuple[tuple[bool, int], ...],
+    wiring: tuple[tuple[str, int], ...],
     accumulated: tuple[list[int], list[int]],
     passed: list[int],
     slot: Slot,
@@ -401,9 +439,10 @@ def _jit_fused(
     num_forward_inputs = len(forward.jaxpr.invars)
 
     def run(accs: list[Any], inputs: list[Any], scale: Any) -> tuple[list[Any], list[Any]]:
-        forward_outs = forward_fun(*inputs[:num_forward_inputs])
-        extra = inputs[num_forward_inputs:]
-        outs = backward_fun(*(forward_outs[i] if inside else extra[i] for inside, i in wiring))
+        forward_inputs, extra = inputs[:num_forward_inputs], inputs[num_forward_inputs:]
+        forward_outs = forward_fun(*forward_inputs)
+        where = {OUTPUT: forward_outs, INPUT: forward_inputs, EXTRA: extra}
+        outs = backward_fun(*(where[kind][i] for kind, i in wiring))
         shares = [forward_outs[o] for o in accumulated[0]] + [outs[o] for o in accumulated[1]]
         shares = [microbatch_share(v, scale) for v in shares]
         new = shares if starts else [acc + v for acc, v in zip(accs, shares)]

@@ -89,6 +89,11 @@ class PipelineOptions:
         (``is_fully_addressable`` is ``False``), as ``jax.jit`` returns arrays held by
         other processes: nothing moves after a stage's last action, and no process
         needs memory for the whole model's gradients.
+    recompute_residuals:
+        ``True`` (default): each backward stage recomputes what is cheap to recompute of
+        its forward's residuals from the fewest bytes the forward hands over
+        (:func:`pipemark.passes.recompute_residuals`); ``False``: the forward hands over
+        every residual ``jax.vjp`` keeps.
     """
 
     num_microbatches: int
@@ -103,6 +108,7 @@ class PipelineOptions:
     stage_axis: str = "stage"
     data_axis: str = "data"
     gather_results: bool = True
+    recompute_residuals: bool = True
 
     def __post_init__(self) -> None:
         if self.timeout_s is not None and (
@@ -114,6 +120,12 @@ class PipelineOptions:
                 f"timeout_s must be a positive number of seconds or None, got {self.timeout_s!r}."
             )
         check_positive(self.num_microbatches, "num_microbatches")
+        if not isinstance(self.recompute_residuals, bool):
+            raise PipemarkError(
+                "recompute_residuals must be True (each backward stage recomputes the cheap "
+                "residuals of its forward) or False (the forward hands over every one), got "
+                f"{self.recompute_residuals!r}."
+            )
         if not isinstance(self.gather_results, bool):
             raise PipemarkError(
                 f"gather_results must be True (every process gets every result) or False "

@@ -323,6 +323,7 @@ def pipeline_value_and_grad(
     stage_axis: str = "stage",
     data_axis: str = "data",
     gather_results: bool = True,
+    recompute_residuals: bool = True,
 ) -> Pipeline:
     """``jax.value_and_grad(loss_fn)`` computed as a pipeline over several devices.
 
@@ -393,6 +394,13 @@ def pipeline_value_and_grad(
         stage computed it (the others get arrays of the global program they do not
         hold, as ``jax.jit`` returns); ``True`` (default) sends every result to every
         process.
+    recompute_residuals:
+        ``True`` (default): each backward stage recomputes the residuals that are cheap
+        to recompute (casts, elementwise functions, masks, broadcasts) from the fewest
+        bytes its forward hands over, a minimum cut
+        (:func:`pipemark.passes.recompute_residuals`): less memory held per microbatch
+        in flight and less written and read between the two programs. ``False``: the
+        forward hands over every residual ``jax.vjp`` keeps.
 
     Returns
     -------
@@ -436,6 +444,7 @@ def pipeline_value_and_grad(
         stage_axis=stage_axis,
         data_axis=data_axis,
         gather_results=gather_results,
+        recompute_residuals=recompute_residuals,
     )
     return Pipeline(loss_fn, options)
 
@@ -615,6 +624,7 @@ def pipeline_train_step(
     param_specs: Any = None,
     stage_axis: str = "stage",
     data_axis: str = "data",
+    recompute_residuals: bool = True,
 ) -> PipelinedStep:
     """A training step ``step_fn(*state, batch)`` whose gradients are computed as a
     pipeline and then applied once.
@@ -658,5 +668,6 @@ def pipeline_train_step(
         param_specs=param_specs,
         stage_axis=stage_axis,
         data_axis=data_axis,
+        recompute_residuals=recompute_residuals,
     )
     return PipelinedStep(step_fn, options)

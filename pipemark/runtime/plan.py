@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from pipemark.passes.residuals import recompute_residuals
 from pipemark.runtime.agreement import check_agreement
 from pipemark.runtime.compilation import Unit, compile_fused, compile_units
 from pipemark.runtime.losses import LOSS_REDUCTIONS
@@ -234,6 +235,8 @@ def plan_from_staged(
     parameter leaves followed by the batch leaves (split into microbatches). On
     sub-meshes (``options.mesh``), ``param_specs`` lays each parameter leaf out on its
     stage's sub-mesh and ``result_specs`` each result (``None``: replicated)."""
+    if options.recompute_residuals:
+        staged = recompute_residuals(staged)
     stages = pipeline_stages(staged, options.splits_backward)
     problem, schedule = plan_schedule(stages, options)
     placement = place_stages(problem.slots, schedule.stage_devices)

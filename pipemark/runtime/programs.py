@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from pipemark.errors import PipemarkError
-from pipemark.runtime.compilation import Unit
+from pipemark.runtime.compilation import EXTRA, Unit, stage_wiring
 from pipemark.runtime.placement import Slot
 from pipemark.runtime.plan import PipelinePlan
 from pipemark.runtime.steps import program_name
@@ -102,13 +102,14 @@ def _fused_arguments(
     plan: PipelinePlan, forward: Unit, backward: Unit, slot: Slot
 ) -> tuple[list, list]:
     """A fused program's accumulators (the forward's, then the backward's) and inputs
-    (the forward's, then the backward's that are not the forward's outputs)."""
+    (the forward's, then the backward's extra ones: :func:`fused_wiring`)."""
     forward_accs, forward_inputs = _unit_arguments(plan, forward, slot)
     backward_accs, _ = _unit_arguments(plan, backward, slot)
     stage = plan.staged.stages[backward.index]
+    wiring = stage_wiring(plan.staged, forward.index, backward.index)
     extra = [
         _struct(var.aval, slot.sharding)
-        for ref, var in zip(stage.inputs, stage.jaxpr.invars)
-        if not (ref.kind == "stage" and ref.stage == forward.index)
+        for var, (kind, _) in zip(stage.jaxpr.invars, wiring)
+        if kind == EXTRA
     ]
     return forward_accs + backward_accs, forward_inputs + extra

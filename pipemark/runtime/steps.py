@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from pipemark.runtime.compilation import Unit
+from pipemark.runtime.compilation import EXTRA, Unit, fused_wiring
 from pipemark.runtime.placement import Placement
 from pipemark.runtime.schedules import BACKWARD, FORWARD, WEIGHT, Action, Schedule
 from pipemark.staged import StagedJaxpr
@@ -238,13 +238,16 @@ def without_gathers(steps: Steps) -> Steps:
 
 def _fused_step(forward: Step, backward: Step) -> Step:
     """The step running ``forward`` and then ``backward`` as one program: the forward's
-    inputs, then the backward's that are not the forward's outputs."""
-    m = forward.microbatch
-    extra = tuple(
-        (source, key)
-        for source, key in backward.inputs
-        if not (source == STAGE and key[:2] == (m, forward.index))
+    inputs, then the backward's that are neither the forward's outputs nor its inputs
+    (:func:`~pipemark.runtime.compilation.fused_wiring`)."""
+    here = (forward.microbatch, forward.index)
+    wiring = fused_wiring(
+        forward.inputs,
+        backward.inputs,
+        lambda entry: entry[1][2] if entry[0] == STAGE and entry[1][:2] == here else None,
+        lambda entry: entry[0] != STAGE,
     )
+    extra = tuple(entry for entry, (kind, _) in zip(backward.inputs, wiring) if kind == EXTRA)
     return backward._replace(
         accumulate=forward.accumulate or backward.accumulate,
         inputs=forward.inputs + extra,

@@ -21,6 +21,7 @@ def mlp_pipeline(
     *,
     num_layers: int = 4,
     width: int = 8,
+    recompute_residuals: bool = True,
 ) -> tuple[pm.runtime.Pipeline, examples.Example]:
     """``pm.pipeline_value_and_grad`` of an MLP (4 layers of width 8 by default) on
     ``devices`` devices (by default one per stage; :func:`tests._devices.devices`), and
@@ -34,6 +35,7 @@ def mlp_pipeline(
         num_microbatches=num_microbatches,
         schedule=schedule,
         devices=used,
+        recompute_residuals=recompute_residuals,
     )
     return pipe, ex
 

@@ -10,6 +10,7 @@ import pytest
 import pipemark as pm
 from pipemark import examples
 from pipemark.runtime.compilation import keeps_markers, runtime_program
+from pipemark.runtime.programs import compiled_programs
 from tests.runtime._compiles import compilations
 
 
@@ -17,28 +18,10 @@ def _example():
     return examples.language_model(num_layers=3, vocab=64, d_model=32, seq=16, batch=4)
 
 
-def _stage_avals(plan, index):
-    jaxpr = plan.staged.stages[index].closed_jaxpr.jaxpr
-    return jaxpr.invars, jaxpr.outvars
-
-
-def _struct(var):
-    return jax.ShapeDtypeStruct(var.aval.shape, var.aval.dtype)
-
-
-def _lower_fused(plan):
-    """The one-stage pipeline's one program (forward and backward fused), lowered."""
-    ((index, unit),) = plan.fused.items()
-    forward = next(u for k, u in plan.units.items() if k != index)
-    f_in, f_out = _stage_avals(plan, forward.index)
-    b_in, b_out = _stage_avals(plan, index)
-    num_forward = len(forward.accumulated)
-    accs = [_struct(f_out[o]) for _, o in unit.accumulated[:num_forward]]
-    accs += [_struct(b_out[o]) for _, o in unit.accumulated[num_forward:]]
-    refs = plan.staged.stages[index].inputs
-    extra = [v for ref, v in zip(refs, b_in) if not (ref.kind == "stage" and ref.stage == 0)]
-    inputs = [_struct(v) for v in (*f_in, *extra)]
-    return unit.run.lower(accs, inputs, jax.ShapeDtypeStruct((), jnp.float32))
+def _fused_program(plan):
+    """The one-stage pipeline's one program (forward and backward fused), compiled."""
+    (program,) = compiled_programs(plan).values()
+    return program
 
 
 def _one_stage_plan(num_microbatches=1):
@@ -54,7 +37,7 @@ def test_runtime_programs_have_no_marker_barriers():
     assert any(
         e.primitive is pm.pipeline_p for s in plan.staged.stages for e in s.closed_jaxpr.jaxpr.eqns
     )
-    text = _lower_fused(plan).as_text()
+    text = _fused_program(plan).as_text()
     assert "optimization_barrier" not in text
     assert not keeps_markers()
 
@@ -81,7 +64,7 @@ def test_accumulators_are_donated_and_each_call_starts_from_zero(num_microbatche
         assert jnp.allclose(loss, want[0], rtol=1e-5)
         for g, w in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want[1])):
             assert jnp.allclose(g, w, rtol=1e-4, atol=1e-6)
-    stats = _lower_fused(plan).compile().memory_analysis()
+    stats = _fused_program(plan).memory_analysis()
     if stats is None:
         pytest.skip("this backend reports no memory analysis")
     grads_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(ex.params))
@@ -96,7 +79,7 @@ def test_one_stage_program_needs_no_more_memory_than_jax_jit():
     """Issue #33: within 5 % of jax.jit(value_and_grad) of the same step (arguments,
     outputs and temporaries; donated accumulators counted once)."""
     ex, _, plan = _one_stage_plan()
-    ours = _lower_fused(plan).compile().memory_analysis()
+    ours = _fused_program(plan).memory_analysis()
     theirs = jax.jit(jax.value_and_grad(ex.loss_fn)).lower(ex.params, ex.batch)
     theirs = theirs.compile().memory_analysis()
     if ours is None or theirs is None:

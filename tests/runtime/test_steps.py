@@ -8,8 +8,16 @@ import pytest
 from tests.runtime._fusion import mlp_pipeline, unfused_steps
 
 
-def _plan(num_stages: int, num_microbatches: int, schedule: str = "1f1b", devices: int = 0):
-    pipe, ex = mlp_pipeline(num_stages, num_microbatches, schedule, devices)
+def _plan(
+    num_stages: int,
+    num_microbatches: int,
+    schedule: str = "1f1b",
+    devices: int = 0,
+    recompute_residuals: bool = True,
+):
+    pipe, ex = mlp_pipeline(
+        num_stages, num_microbatches, schedule, devices, recompute_residuals=recompute_residuals
+    )
     return pipe.plan(*ex.args)
 
 
@@ -59,11 +67,32 @@ def test_no_fusion_where_another_stage_reads_the_forward(
     num_stages, num_microbatches, schedule, devices
 ):
     # Under a zero-bubble schedule the weight-gradient stage reads the forward's
-    # activations too: the forward's outputs must leave its program.
-    plan = _plan(num_stages, num_microbatches, schedule, devices)
+    # activations too, when the forward hands over every residual: the forward's
+    # outputs must leave its program.
+    plan = _plan(num_stages, num_microbatches, schedule, devices, recompute_residuals=False)
     assert not plan.fused
     assert all(s.fused is None for column in plan.steps.columns for s in column)
     assert plan.steps.num_programs == plan.steps.num_actions
+
+
+@pytest.mark.parametrize(
+    ("num_stages", "num_microbatches", "schedule", "devices"),
+    [(2, 4, "zb-h1", 2), (4, 4, "zb-v", 2)],
+)
+def test_zero_bubble_last_stage_fuses_when_its_weight_stage_reads_the_stage_input(
+    num_stages, num_microbatches, schedule, devices
+):
+    # With the residuals recomputed (the default), the weight-gradient stage reads the
+    # activation the forward received, where it lies, not one the forward returns: on
+    # the last stage only the backward reads the forward's outputs, and the two fuse.
+    plan = _plan(num_stages, num_microbatches, schedule, devices)
+    last = plan.forward_stages[-1]
+    weight = plan.weight_stages[-1]
+    assert all(
+        ref.stage != last for ref in plan.staged.stages[weight].inputs if ref.kind == "stage"
+    )
+    assert set(plan.fused) == {plan.backward_stages[-1]}
+    assert plan.steps.num_programs == plan.steps.num_actions - num_microbatches
 
 
 def test_a_zero_bubble_stage_without_a_weight_program_is_fused():
