@@ -243,7 +243,10 @@ def _memory(step, pipe, params, batch) -> dict:
         "out_sum": sum(a.output_size_in_bytes for a in analyses.values()),
     }
     if pipe is not None:  # pipemark's prediction, next to the measured peak (#33)
-        out["predicted_peak"] = max(s.predicted_peak for s in pipe.memory(params, batch).slots)
+        worst = max(pipe.memory(params, batch).slots, key=lambda s: s.predicted_peak)
+        out["predicted_peak"] = worst.predicted_peak
+        # Without the programs' temporaries: what a TPU's peak_bytes_in_use counts.
+        out["predicted_buffers"] = worst.predicted_peak - (worst.temporaries or 0)
     if pipe is None:
         cost = programs["step"].cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # JAX < 0.4.30: a list
@@ -322,6 +325,9 @@ def child(args: argparse.Namespace) -> None:
         "jax": jax.__version__,
         "sizes": sizes,
         "rows": rows_of(args.child, sizes),
+        "microbatches": args.microbatches,
+        "repeat": args.repeat,
+        "date": f"{datetime.date.today()}",
     }
     stages = stages_of(args.child)
     try:
@@ -545,6 +551,13 @@ def verdicts(results: list[dict]) -> list[str]:
         lines.append(f"- s16: {first}")
     for r in results:
         predicted = (r.get("memory") or {}).get("predicted_peak")
+        buffers = (r.get("memory") or {}).get("predicted_buffers")
+        if buffers is not None and r.get("peak") and r.get("platform") == "tpu":
+            lines.append(
+                f"- {r['config']}: predicted buffers (the peak less the temporaries, which "
+                f"the TPU's peak_bytes_in_use does not count) {_bytes(buffers)}, measured "
+                f"{_bytes(r['peak'])}: {buffers / r['peak']:.2f} x (target within 10 %)"
+            )
         if predicted is not None and r.get("peak"):
             lines.append(
                 f"- {r['config']}: predicted peak (`Pipeline.memory`) {_bytes(predicted)}, "
@@ -567,7 +580,7 @@ def header(results: list[dict], sizes: dict, microbatches: int, repeat: int) -> 
         f"{k} {sizes[k]}" for k in ("layers", "d_model", "heads", "d_ff", "vocab", "seq")
     )
     return [
-        f"{datetime.date.today().isoformat()}; {first.get('device_kind', '?')} "
+        f"{first.get('date', datetime.date.today().isoformat())}; {first.get('device_kind', '?')} "
         f"({first.get('platform', '?')}); JAX {first.get('jax', '?')}",
         f"model: examples.gpt ({sizes['preset']}: {model}; {param_count(sizes) / 1e6:.1f}M "
         "float32 parameters, bfloat16 matmuls); batch B rows, M microbatches "
@@ -576,6 +589,28 @@ def header(results: list[dict], sizes: dict, microbatches: int, repeat: int) -> 
         "matmul parameters x tokens + attention)"
         + ("" if not xla else f"; XLA's count for the jit program: {xla / 1e12:.3g} T"),
     ]
+
+
+def report(
+    results: list[dict],
+    microbatches: int | None = None,
+    repeat: int | None = None,
+    date: str | None = None,
+) -> str:
+    """The header, table and verdict lines of a run's results (as ``--out`` writes
+    them, with the results as JSON beside them). ``microbatches``, ``repeat`` and
+    ``date`` default to what the results record (runs before they recorded them need
+    them given)."""
+    ran = [r for r in results if "sizes" in r]
+    sizes = ran[0]["sizes"]
+    microbatches = microbatches or ran[0]["microbatches"]
+    repeat = repeat or ran[0]["repeat"]
+    if date is not None:
+        results = [{**r, "date": date} for r in results]
+    return "\n".join(
+        [*header(results, sizes, microbatches, repeat), "",
+         table(results, sizes, microbatches), "", *verdicts(results)]
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -600,13 +635,9 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"unknown configurations {unknown}; known: {DEFAULT_CONFIGS}, sN, sN-half")
     results = run_all(args, configs)
-    sizes = next((r["sizes"] for r in results if "sizes" in r), None)
-    if sizes is None:
+    if not any("sizes" in r for r in results):
         sys.exit("no configuration ran: " + "; ".join(r.get("message", "") for r in results))
-    text = "\n".join(
-        [*header(results, sizes, args.microbatches, args.repeat), "",
-         table(results, sizes, args.microbatches), "", *verdicts(results)]
-    )  # fmt: skip
+    text = report(results, args.microbatches, args.repeat)
     print()
     print(text)
     if args.out:

@@ -202,7 +202,7 @@ def _cut(
     recompute = _recomputation(jaxpr, residuals, saved, producer, resolve)
     # A program input's edge costs nothing, so the cut may pass one nobody reads.
     read = {resolve(u) for e in recompute for u in e.invars if type(u) is not Literal}
-    order = {v: k for k, v in enumerate(jaxpr.invars)}
+    order = {v: k for k, v in enumerate((*jaxpr.constvars, *jaxpr.invars))}
     for eqn in jaxpr.eqns:
         order.update((v, len(order)) for v in eqn.outvars if v not in order)
     return sorted(saved & (read | residuals), key=order.get), recompute

@@ -38,6 +38,7 @@ How a call runs (the plan was traced, sliced and compiled by
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import threading
@@ -164,6 +165,9 @@ class _Call:
         self.stage_names = [stage.name for stage in plan.staged.stages]
         # Under the threaded strategy: threads[k] runs worker k + 1 (the caller is 0).
         self.threads: list[threading.Thread] = []
+        # Per worker, the results of its actions dispatched and perhaps not computed
+        # yet: at most plan.dispatch_ahead (see _bound_dispatch).
+        self.pending: list[collections.deque] = [collections.deque() for _ in self.local]
 
     def place(self, worker: int) -> Placed:
         """This worker's parameters, batch slices and scale, on its slot, in one
@@ -215,6 +219,9 @@ class _Call:
             new_accs, outs = self.dispatch(step, inputs, scale)
         if step.sends:
             self.publish(worker, step, outs)
+        ahead = self.plan.dispatch_ahead
+        if ahead is not None and not measuring:
+            _bound_dispatch(self.pending[worker], (new_accs, outs), ahead)
         if measuring:
             jax.block_until_ready((new_accs, outs))
             end = time.perf_counter()
@@ -364,6 +371,19 @@ class _Call:
             total = sum(parts[1:], parts[0])
             results[r] = jax.device_put(total * np.float32(plan.scale), plan.placement.home())
         return results
+
+
+def _bound_dispatch(pending: collections.deque, results: Any, ahead: int) -> None:
+    """Record an action's results; while more than ``ahead`` actions' results are
+    recorded, wait for the oldest. A program's results hold device memory from its
+    dispatch, and its inputs until it has run: unbounded, the host dispatches the whole
+    schedule while the device runs the first actions, and holds the residuals of every
+    microbatch at once. Accumulators donated to a later action are gone (deleted): that
+    action's own results are waited for in their turn."""
+    pending.append(results)
+    while len(pending) > ahead:
+        oldest = [x for x in jax.tree_util.tree_leaves(pending.popleft()) if not x.is_deleted()]
+        jax.block_until_ready(oldest)
 
 
 def _held_elsewhere(plan: PipelinePlan, unit: Unit) -> list[Any]:

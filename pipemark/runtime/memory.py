@@ -17,7 +17,10 @@ Per slot, in bytes:
   programs the slot runs, when they are compiled for it.
 
 The predicted peak is their sum, taking the in-flight bytes and the temporaries at the
-action where the two together are largest.
+action where the two together are largest. On a TPU the device's
+``peak_bytes_in_use`` counts buffers (arrays) and not the programs' temporaries
+(``jax.jit`` of a step whose program needs 11.3 GiB of temporaries peaks at 2.0 GiB
+there): compare it with the predicted peak less ``temporaries``.
 """
 
 from __future__ import annotations
@@ -98,13 +101,20 @@ def _key_bytes(plan: PipelinePlan, key: Key) -> int:
 def _in_flight(plan: PipelinePlan, temporaries: Mapping[str, int] | None = None) -> list[tuple]:
     """Per slot, ``(bytes in flight, temporaries)`` at the action where their sum is
     largest: the plan's actions walked in schedule order, each value held on each
-    slot that reads it from the action that makes it until its last read there."""
+    slot that reads it from the action that makes it until its last read there. The
+    results of the slot's next ``plan.dispatch_ahead`` actions count too: dispatched,
+    they hold their memory before the device runs them."""
     count = len(plan.placement.slots)
     names = [stage.name for stage in plan.staged.stages]
+    made_by = [[_made(plan, step) for step in column] for column in plan.steps.columns]
+    ahead = plan.dispatch_ahead or 0  # None: unbounded, counted as the schedule's walk
+    position = [0] * count
     live, held = [0] * count, {}
     worst: list[tuple[int, int]] = [(0, 0)] * count
     for worker, step in plan.steps.serial:
-        made = sum(_key_bytes(plan, key) for _, key, _ in step.sends)
+        n = position[worker]
+        position[worker] += 1
+        made = sum(made_by[worker][n : n + 1 + ahead])
         temp = (temporaries or {}).get(program_name(step, names), 0)
         if live[worker] + made + temp > sum(worst[worker]):
             worst[worker] = (live[worker] + made, temp)
@@ -119,6 +129,11 @@ def _in_flight(plan: PipelinePlan, temporaries: Mapping[str, int] | None = None)
                     del held[(key, worker)]
                     live[worker] -= _key_bytes(plan, key)
     return worst
+
+
+def _made(plan: PipelinePlan, step: Any) -> int:
+    """The bytes of the values an action hands to other actions."""
+    return sum(_key_bytes(plan, key) for _, key, _ in step.sends)
 
 
 def estimate_memory(

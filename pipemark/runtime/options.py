@@ -94,6 +94,13 @@ class PipelineOptions:
         its forward's residuals from the fewest bytes the forward hands over
         (:func:`pipemark.passes.recompute_residuals`); ``False``: the forward hands over
         every residual ``jax.vjp`` keeps.
+    dispatch_ahead:
+        How many of a device slot's actions may be dispatched and not yet computed
+        (``None``: no bound). JAX dispatches asynchronously and a program's results
+        take device memory when it is dispatched; without a bound the host runs the
+        whole schedule ahead of the device, and every microbatch's residuals are held
+        at once whatever the schedule keeps in flight. Default 2: the device always
+        has the next program queued.
     """
 
     num_microbatches: int
@@ -109,6 +116,7 @@ class PipelineOptions:
     data_axis: str = "data"
     gather_results: bool = True
     recompute_residuals: bool = True
+    dispatch_ahead: int | None = 2
 
     def __post_init__(self) -> None:
         if self.timeout_s is not None and (
@@ -120,6 +128,8 @@ class PipelineOptions:
                 f"timeout_s must be a positive number of seconds or None, got {self.timeout_s!r}."
             )
         check_positive(self.num_microbatches, "num_microbatches")
+        if self.dispatch_ahead is not None:
+            check_positive(self.dispatch_ahead, "dispatch_ahead (or None)")
         if not isinstance(self.recompute_residuals, bool):
             raise PipemarkError(
                 "recompute_residuals must be True (each backward stage recomputes the cheap "

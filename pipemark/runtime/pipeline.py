@@ -324,6 +324,7 @@ def pipeline_value_and_grad(
     data_axis: str = "data",
     gather_results: bool = True,
     recompute_residuals: bool = True,
+    dispatch_ahead: int | None = 2,
 ) -> Pipeline:
     """``jax.value_and_grad(loss_fn)`` computed as a pipeline over several devices.
 
@@ -401,6 +402,11 @@ def pipeline_value_and_grad(
         (:func:`pipemark.passes.recompute_residuals`): less memory held per microbatch
         in flight and less written and read between the two programs. ``False``: the
         forward hands over every residual ``jax.vjp`` keeps.
+    dispatch_ahead:
+        How many of a device's actions may be dispatched and not yet computed (default
+        2; ``None``: no bound). Unbounded, the host runs the whole schedule ahead of
+        the device, and the results of every dispatched program take device memory at
+        once: every microbatch's residuals, whatever the schedule keeps in flight.
 
     Returns
     -------
@@ -445,6 +451,7 @@ def pipeline_value_and_grad(
         data_axis=data_axis,
         gather_results=gather_results,
         recompute_residuals=recompute_residuals,
+        dispatch_ahead=dispatch_ahead,
     )
     return Pipeline(loss_fn, options)
 
@@ -625,6 +632,7 @@ def pipeline_train_step(
     stage_axis: str = "stage",
     data_axis: str = "data",
     recompute_residuals: bool = True,
+    dispatch_ahead: int | None = 2,
 ) -> PipelinedStep:
     """A training step ``step_fn(*state, batch)`` whose gradients are computed as a
     pipeline and then applied once.
@@ -669,5 +677,6 @@ def pipeline_train_step(
         stage_axis=stage_axis,
         data_axis=data_axis,
         recompute_residuals=recompute_residuals,
+        dispatch_ahead=dispatch_ahead,
     )
     return PipelinedStep(step_fn, options)

@@ -96,6 +96,9 @@ class PipelinePlan:
     fused: Mapping[int, Unit] = dataclasses.field(default_factory=dict, repr=False, compare=False)
     loss_reduction: str = "mean"
     timeout_s: float | None = 120.0
+    #: How many of a worker's actions may be dispatched and not yet computed
+    #: (:class:`~pipemark.runtime.PipelineOptions` ``dispatch_ahead``; ``None``: any).
+    dispatch_ahead: int | None = 2
     # Per accumulating stage of this process, the zeros its accumulators start from
     # (immutable arrays: one set serves every call), and per worker of this process the
     # microbatch scale on its slot.
@@ -265,6 +268,7 @@ def plan_from_staged(
         steps=None,
         loss_reduction=options.loss_reduction,
         timeout_s=options.timeout_s,
+        dispatch_ahead=options.dispatch_ahead,
         param_specs=None if param_specs is None else tuple(param_specs),
         gather_results=options.gather_results,
         problem=problem,

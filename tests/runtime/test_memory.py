@@ -132,3 +132,38 @@ def test_stages_on_sub_meshes_are_estimated_without_their_temporaries():
     assert [s.devices.count("cpu") for s in slots] == [2] * 4
     assert sum(s.parameters for s in slots) == _tree_bytes(ex.params)
     assert all(s.temporaries is None and s.in_flight > 0 for s in slots)
+
+
+def test_each_action_dispatched_ahead_holds_its_results_too():
+    # One slot, interleaved: the results of the next `dispatch_ahead` actions are
+    # allocated when they are dispatched, before the device runs them.
+    with computing_on(pick_devices(1)):
+        ex = examples.mlp(num_layers=4, width=32, batch=16)
+    in_flight = {}
+    for ahead in (1, 3):
+        pipe = pm.pipeline_value_and_grad(
+            ex.loss_fn,
+            num_stages=4,
+            num_microbatches=4,
+            schedule="interleaved",
+            devices=pick_devices(1),
+            dispatch_ahead=ahead,
+        )
+        plan = pipe.plan(*ex.args)
+        (slot,) = estimate_memory(plan).slots
+        in_flight[ahead] = slot.in_flight
+        # Whatever the bound, the same results (donated accumulators included).
+        want = jax.value_and_grad(ex.loss_fn)(*ex.args)
+        got = pipe(*ex.args)
+        for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+    largest = max(sum(nbytes(v.aval) for v in s.jaxpr.outvars) for s in plan.staged.stages)
+    assert in_flight[1] < in_flight[3] <= in_flight[1] + 2 * largest
+
+
+def test_dispatch_ahead_must_be_a_positive_count_or_none():
+    ex = examples.mlp(num_layers=2, batch=4)
+    with pytest.raises(pm.PipemarkError, match="dispatch_ahead"):
+        pm.pipeline_value_and_grad(ex.loss_fn, num_microbatches=2, dispatch_ahead=0)
+    with pytest.raises(pm.PipemarkError, match="recompute_residuals"):
+        pm.pipeline_value_and_grad(ex.loss_fn, num_microbatches=2, recompute_residuals="yes")
