@@ -68,6 +68,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "StageGraphError": ("pipemark.errors", "StageGraphError"),
     "StateMutationError": ("pipemark.mutation", "StateMutationError"),
     "ProcessError": ("pipemark.errors", "ProcessError"),
+    "MemoryBudgetError": ("pipemark.errors", "MemoryBudgetError"),
     "runtime": ("pipemark.runtime", None),
     "summary": ("pipemark.views", "summary"),
     "topological_order": ("pipemark.graph", "topological_order"),

@@ -14,6 +14,7 @@ __all__ = [
     "MarkerError",
     "StageGraphError",
     "ProcessError",
+    "MemoryBudgetError",
     "check_closed_jaxpr",
     "describe_eqn",
 ]
@@ -46,6 +47,12 @@ class ProcessError(PipemarkError):
     """A pipeline running on several processes (``jax.distributed``) lost one: a
     transfer to or from another process failed. The message names the stage, the
     microbatch and the other process."""
+
+
+class MemoryBudgetError(PipemarkError):
+    """No plan the runtime can make keeps every device within the ``memory_budget`` a
+    pipeline was given. The message names the device slot, its predicted peak and what
+    makes it up, and by how much it is over."""
 
 
 def check_closed_jaxpr(value: Any, who: str) -> Any:

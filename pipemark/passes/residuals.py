@@ -23,6 +23,8 @@ equations nothing reads any more. The staged program computes the same values
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import jax
 import networkx as nx
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
@@ -61,12 +63,17 @@ _SOURCE, _SINK = "source", "sink"
 
 
 def recompute_residuals(
-    staged: StagedJaxpr, recomputable: frozenset[str] = RECOMPUTABLE
+    staged: StagedJaxpr,
+    recomputable: frozenset[str] = RECOMPUTABLE,
+    rematerialize: Collection[str] = (),
 ) -> StagedJaxpr:
     """``staged`` with each backward stage reading the fewest residual bytes from its
     forward stage, recomputing the rest by equations of ``recomputable`` primitives
-    (see the module docstring). Stages without a backward, and pairs where nothing is
-    gained, are kept as they are.
+    (see the module docstring). The forward stages named in ``rematerialize`` have
+    every equation without effects recomputable, matrix products included: their
+    backward recomputes the forward from what costs least to hand over (its inputs,
+    usually), as ``jax.checkpoint`` of the whole stage would. Stages without a
+    backward, and pairs where nothing is gained, are kept as they are.
 
     Before: the forward hands over ``c``, the ``bfloat16`` copy of its parameter, and
     ``e`` (``tanh`` of a product)::
@@ -109,14 +116,15 @@ def recompute_residuals(
         forward, backward, _ = pair_stages(staged)
         for f, b in zip(forward, backward):
             if b is not None:
-                result = _recompute_pair(result, f, b, recomputable)
+                everything = staged.stages[f].name in rematerialize
+                result = _recompute_pair(result, f, b, None if everything else recomputable)
     if jax.config.jax_enable_checks:
         check_result(result)
     return result
 
 
 def _recompute_pair(
-    staged: StagedJaxpr, f: int, b: int, recomputable: frozenset[str]
+    staged: StagedJaxpr, f: int, b: int, recomputable: frozenset[str] | None
 ) -> StagedJaxpr:
     """``staged`` with backward stage ``b`` recomputing what it can of forward stage
     ``f``'s residuals, or ``staged`` itself where the cut saves nothing."""
@@ -162,7 +170,7 @@ class _Aliases:
 
 
 def _cut(
-    stage: Stage, residuals: set[Var], recomputable: frozenset[str], resolve: _Aliases
+    stage: Stage, residuals: set[Var], recomputable: frozenset[str] | None, resolve: _Aliases
 ) -> tuple[list[Var], list[JaxprEqn]] | None:
     """The values to hand over (in program order) and the equations that recompute the
     residuals from them, by a minimum cut over the cheap equations that lead to the
@@ -208,8 +216,12 @@ def _cut(
     return sorted(saved & (read | residuals), key=order.get), recompute
 
 
-def _cheap(eqn: JaxprEqn, recomputable: frozenset[str]) -> bool:
-    return not eqn.effects and eqn.primitive.name in recomputable
+def _cheap(eqn: JaxprEqn, recomputable: frozenset[str] | None) -> bool:
+    """Whether the backward may recompute ``eqn`` (``recomputable`` ``None``: any
+    equation without effects)."""
+    if eqn.effects or eqn.primitive is pipeline_p:  # markers are seen through instead
+        return False
+    return recomputable is None or eqn.primitive.name in recomputable
 
 
 def _recomputation(

@@ -34,9 +34,18 @@ import numpy as np
 
 from pipemark.cost import nbytes
 from pipemark.runtime.plan import PipelinePlan
+from pipemark.runtime.programs import compiled_programs
 from pipemark.runtime.steps import STAGE, Key, program_name
 
-__all__ = ["MemoryEstimate", "SlotMemory", "estimate_memory", "result_avals", "with_update"]
+__all__ = [
+    "MemoryEstimate",
+    "SlotMemory",
+    "estimate_memory",
+    "format_bytes",
+    "plan_memory",
+    "result_avals",
+    "with_update",
+]
 
 _FIELDS = ("parameters", "batch", "accumulators", "in_flight", "temporaries", "update")
 
@@ -75,7 +84,7 @@ class MemoryEstimate:
         rows = [head]
         for s in self.slots:
             values = [getattr(s, name) for name in fields] + [s.predicted_peak, s.measured_peak]
-            rows.append((f"{s.slot} {s.devices}", *(_mib(v) for v in values)))
+            rows.append((f"{s.slot} {s.devices}", *(format_bytes(v) for v in values)))
         widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
         return "\n".join(
             "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in
@@ -84,7 +93,9 @@ class MemoryEstimate:
         )  # fmt: skip
 
 
-def _mib(value: int | None) -> str:
+def format_bytes(value: int | None) -> str:
+    """``value`` bytes in the largest unit that keeps it at least 1 (``"1.5 GiB"``);
+    ``"-"`` for ``None``."""
     if value is None:
         return "-"
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -134,6 +145,17 @@ def _in_flight(plan: PipelinePlan, temporaries: Mapping[str, int] | None = None)
 def _made(plan: PipelinePlan, step: Any) -> int:
     """The bytes of the values an action hands to other actions."""
     return sum(_key_bytes(plan, key) for _, key, _ in step.sends)
+
+
+def plan_memory(plan: PipelinePlan) -> MemoryEstimate:
+    """:func:`estimate_memory` of ``plan`` with its programs' temporaries, compiled
+    here where they are not yet (JAX's caches give back those a call compiled; stages
+    on sub-meshes are not compiled here, and their temporaries are not counted)."""
+    temporaries = None
+    if not plan.placement.meshes:
+        programs = compiled_programs(plan)
+        temporaries = {n: p.memory_analysis().temp_size_in_bytes for n, p in programs.items()}
+    return estimate_memory(plan, temporaries)
 
 
 def estimate_memory(

@@ -101,6 +101,9 @@ class PipelineOptions:
         whole schedule ahead of the device, and every microbatch's residuals are held
         at once whatever the schedule keeps in flight. Default 2: the device always
         has the next program queued.
+    memory_budget:
+        Bytes each device slot may hold, as :meth:`pipemark.Pipeline.memory` predicts
+        it (``None``: no limit); see :mod:`pipemark.runtime.budget`.
     """
 
     num_microbatches: int
@@ -117,6 +120,7 @@ class PipelineOptions:
     gather_results: bool = True
     recompute_residuals: bool = True
     dispatch_ahead: int | None = 2
+    memory_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.timeout_s is not None and (
@@ -130,6 +134,8 @@ class PipelineOptions:
         check_positive(self.num_microbatches, "num_microbatches")
         if self.dispatch_ahead is not None:
             check_positive(self.dispatch_ahead, "dispatch_ahead (or None)")
+        if self.memory_budget is not None:
+            check_positive(self.memory_budget, "memory_budget (bytes per device, or None)")
         if not isinstance(self.recompute_residuals, bool):
             raise PipemarkError(
                 "recompute_residuals must be True (each backward stage recomputes the cheap "

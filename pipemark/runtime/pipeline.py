@@ -58,9 +58,10 @@ from pipemark.runtime.arguments import (
     check_batch_args,
     partition_params,
 )
+from pipemark.runtime.budget import plan_within_budget
 from pipemark.runtime.execution import action_costs, run_plan
 from pipemark.runtime.losses import LOSS_REDUCTIONS, count_batch_free_terms_once, split_count
-from pipemark.runtime.memory import MemoryEstimate, estimate_memory, result_avals, with_update
+from pipemark.runtime.memory import MemoryEstimate, plan_memory, result_avals, with_update
 from pipemark.runtime.options import PipelineOptions
 from pipemark.runtime.perfetto import trace_events, write_trace
 from pipemark.runtime.pipeline_stages import stage_program
@@ -167,7 +168,10 @@ class Pipeline:
             if options.loss_reduction == "sum_over_count":
                 # The plan adds the sums; the call divides by the whole batch's count.
                 options = dataclasses.replace(options, loss_reduction="sum")
-            plan = self._plans[full_key] = build_plan(self._losses[key][0], dynamic, batch, options)
+            loss = self._losses[key][0]
+            plan = self._plans[full_key] = within_budget(
+                lambda remat: build_plan(loss, dynamic, batch, options, remat), options
+            )
         return plan
 
     def _call(self, params: Any, batch_args: tuple, timings: dict | None) -> tuple[Any, Any]:
@@ -263,7 +267,7 @@ class Pipeline:
         >>> all(s.predicted_peak >= s.parameters + s.accumulators > 0 for s in slots)
         True
         """
-        return _memory(self.plan(params, *batch))
+        return plan_memory(self.plan(params, *batch))
 
     def trace(self, params: Any, *batch: Any, path: str | os.PathLike | None = None) -> dict:
         """One call with inputs like these, traced: a Chrome / Perfetto trace (JSON
@@ -287,14 +291,14 @@ class Pipeline:
         return _traced_call(self._plan(key, dynamic, data), dynamic, data, path)
 
 
-def _memory(plan: PipelinePlan) -> MemoryEstimate:
-    """The plan's memory estimate, with its programs' temporaries where they compile
-    here (not yet for stages on sub-meshes)."""
-    temporaries = None
-    if not plan.placement.meshes:
-        programs = compiled_programs(plan)
-        temporaries = {n: p.memory_analysis().temp_size_in_bytes for n, p in programs.items()}
-    return estimate_memory(plan, temporaries)
+def within_budget(
+    make_plan: Callable[[frozenset[str]], PipelinePlan], options: PipelineOptions
+) -> PipelinePlan:
+    """``make_plan(frozenset())``, or without a ``memory_budget``, the plan within it
+    (:func:`pipemark.runtime.budget.plan_within_budget`)."""
+    if options.memory_budget is None:
+        return make_plan(frozenset())
+    return plan_within_budget(make_plan, options.memory_budget)
 
 
 def _traced_call(plan: PipelinePlan, params: Any, batch: Any, path: Any) -> dict:
@@ -325,6 +329,7 @@ def pipeline_value_and_grad(
     gather_results: bool = True,
     recompute_residuals: bool = True,
     dispatch_ahead: int | None = 2,
+    memory_budget: int | None = None,
 ) -> Pipeline:
     """``jax.value_and_grad(loss_fn)`` computed as a pipeline over several devices.
 
@@ -452,6 +457,7 @@ def pipeline_value_and_grad(
         gather_results=gather_results,
         recompute_residuals=recompute_residuals,
         dispatch_ahead=dispatch_ahead,
+        memory_budget=memory_budget,
     )
     return Pipeline(loss_fn, options)
 
@@ -547,15 +553,20 @@ class PipelinedStep:
         specs = None
         if options.mesh is not None:
             specs = leaf_specs(options.param_specs, tuple(replicated), options.stage_axis)
-        plan = plan_from_staged(
-            stage_program(
-                compute, options.num_stages, "The gradient part of the step", options.block_cuts
+        staged = stage_program(
+            compute, options.num_stages, "The gradient part of the step", options.block_cuts
+        )
+        plan = within_budget(
+            lambda remat: plan_from_staged(
+                staged,
+                jax.tree_util.tree_structure([0] * len(compute.jaxpr.outvars)),
+                num_param_leaves=num_replicated,
+                microbatch_size=micro,
+                options=options,
+                param_specs=specs,
+                rematerialize=remat,
             ),
-            jax.tree_util.tree_structure([0] * len(compute.jaxpr.outvars)),
-            num_param_leaves=num_replicated,
-            microbatch_size=micro,
-            options=options,
-            param_specs=specs,
+            options,
         )
         prepared = (
             plan,
@@ -592,7 +603,7 @@ class PipelinedStep:
             + analysis.output_size_in_bytes
             + analysis.temp_size_in_bytes
         )
-        return with_update(_memory(plan), plan.update_worker, update)
+        return with_update(plan_memory(plan), plan.update_worker, update)
 
     def trace(self, *args: Any, path: str | os.PathLike | None = None) -> dict:
         """The gradient part of one step with these arguments, traced as
@@ -633,6 +644,7 @@ def pipeline_train_step(
     data_axis: str = "data",
     recompute_residuals: bool = True,
     dispatch_ahead: int | None = 2,
+    memory_budget: int | None = None,
 ) -> PipelinedStep:
     """A training step ``step_fn(*state, batch)`` whose gradients are computed as a
     pipeline and then applied once.
@@ -678,5 +690,6 @@ def pipeline_train_step(
         data_axis=data_axis,
         recompute_residuals=recompute_residuals,
         dispatch_ahead=dispatch_ahead,
+        memory_budget=memory_budget,
     )
     return PipelinedStep(step_fn, options)

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from pipemark.passes.residuals import recompute_residuals
+from pipemark.passes.residuals import RECOMPUTABLE, recompute_residuals
 from pipemark.runtime.agreement import check_agreement
 from pipemark.runtime.compilation import Unit, compile_fused, compile_units
 from pipemark.runtime.losses import LOSS_REDUCTIONS
@@ -198,11 +198,16 @@ class PipelinePlan:
 
 
 def build_plan(
-    loss_fn: Callable, params: Any, batch: Any, options: PipelineOptions
+    loss_fn: Callable,
+    params: Any,
+    batch: Any,
+    options: PipelineOptions,
+    rematerialize: frozenset[str] = frozenset(),
 ) -> PipelinePlan:
     """Trace ``loss_fn`` once for one microbatch of ``batch``, check it, differentiate
     the traced program, stage, schedule and compile it: the plan
-    :func:`pipemark.runtime.execution.run_plan` runs."""
+    :func:`pipemark.runtime.execution.run_plan` runs. The forward stages named in
+    ``rematerialize`` are recomputed whole by their backward stages."""
     batch_structs, micro, replicas = replica_batch(batch, options)
     loss = trace_loss(loss_fn, params, batch_structs)
     num_param_leaves = len(jax.tree_util.tree_leaves(params))
@@ -221,6 +226,7 @@ def build_plan(
         options=options,
         param_specs=specs,
         result_specs=None if specs is None else (None, *specs),
+        rematerialize=rematerialize,
     )
 
 
@@ -233,13 +239,19 @@ def plan_from_staged(
     options: PipelineOptions,
     param_specs: Sequence[Any] | None = None,
     result_specs: Sequence[Any] | None = None,
+    rematerialize: frozenset[str] = frozenset(),
 ) -> PipelinePlan:
     """Schedule and compile a staged program whose inputs are ``num_param_leaves``
     parameter leaves followed by the batch leaves (split into microbatches). On
     sub-meshes (``options.mesh``), ``param_specs`` lays each parameter leaf out on its
-    stage's sub-mesh and ``result_specs`` each result (``None``: replicated)."""
-    if options.recompute_residuals:
-        staged = recompute_residuals(staged)
+    stage's sub-mesh and ``result_specs`` each result (``None``: replicated). The
+    forward stages named in ``rematerialize`` are recomputed whole by their backward
+    stages (:func:`pipemark.passes.recompute_residuals`)."""
+    if options.recompute_residuals or rematerialize:
+        # The forward stages named in rematerialize are recomputed whole by their
+        # backward (memory_budget asks for them: pipemark.runtime.budget).
+        recomputable = RECOMPUTABLE if options.recompute_residuals else frozenset()
+        staged = recompute_residuals(staged, recomputable, rematerialize)
     stages = pipeline_stages(staged, options.splits_backward)
     problem, schedule = plan_schedule(stages, options)
     placement = place_stages(problem.slots, schedule.stage_devices)

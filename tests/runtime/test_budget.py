@@ -1,0 +1,95 @@
+"""Tests of pipemark.runtime.budget (memory_budget=): the plan the runtime picks keeps
+every device within the budget, by the memory estimate, and computes what
+``jax.value_and_grad`` of the user's loss computes; an impossible budget is refused."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import pipemark as pm
+from pipemark import examples
+from tests._devices import computing_on
+from tests._devices import devices as pick_devices
+
+
+def _pipeline(memory_budget=None):
+    # GPipe holds every microbatch's residuals on the first stage: the budget bites.
+    used = pick_devices(2)
+    with computing_on(used):
+        ex = examples.mlp(num_layers=4, width=32, batch=256)
+    pipe = pm.pipeline_value_and_grad(
+        ex.loss_fn,
+        num_stages=2,
+        num_microbatches=8,
+        schedule="gpipe",
+        devices=used,
+        memory_budget=memory_budget,
+    )
+    return pipe, ex
+
+
+def _peaks(pipe, ex):
+    return [s.predicted_peak for s in pipe.memory(*ex.args).slots]
+
+
+def _assert_equals_jax(pipe, ex):
+    with computing_on(pipe.plan(*ex.args).devices):
+        want = jax.value_and_grad(ex.loss_fn)(*ex.args)
+    got = pipe(*ex.args)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_a_budget_the_plan_fits_changes_nothing():
+    pipe, ex = _pipeline()
+    peaks = _peaks(pipe, ex)
+    within, _ = _pipeline(memory_budget=max(peaks))
+    assert _peaks(within, ex) == peaks
+    plain, fitted = pipe.plan(*ex.args).staged, within.plan(*ex.args).staged
+    assert [s.num_eqns for s in fitted.stages] == [s.num_eqns for s in plain.stages]
+
+
+def test_a_slot_over_the_budget_has_its_forward_stages_rematerialised():
+    pipe, ex = _pipeline()
+    peaks = _peaks(pipe, ex)
+    assert peaks[0] == max(peaks)  # the first stage holds 8 microbatches' residuals
+    budget = peaks[0] - 1
+    within, _ = _pipeline(memory_budget=budget)
+    slots = within.memory(*ex.args).slots
+    assert all(s.predicted_peak <= budget for s in slots)
+    assert slots[0].in_flight < pipe.memory(*ex.args).slots[0].in_flight / 10
+    # The first stage's backward recomputes its forward: it reads the stage's inputs,
+    # nothing its forward computed.
+    plan = within.plan(*ex.args)
+    first, backward = plan.forward_stages[0], plan.backward_stages[0]
+    assert not any(
+        r.kind == "stage" and r.stage == first for r in plan.staged.stages[backward].inputs
+    )
+    _assert_equals_jax(within, ex)
+
+
+def test_a_budget_no_plan_fits_says_which_device_and_by_how_much():
+    pipe, ex = _pipeline(memory_budget=10_000)
+    with pytest.raises(pm.MemoryBudgetError, match=r"Slot \d .* over memory_budget=10000"):
+        pipe(*ex.args)
+    with pytest.raises(pm.PipemarkError, match="memory_budget"):
+        pm.pipeline_value_and_grad(ex.loss_fn, num_microbatches=2, memory_budget=-1)
+
+
+def test_a_training_step_within_a_budget_updates_as_jax_does():
+    used = pick_devices(2)
+    with computing_on(used):
+        ex = examples.mlp(num_layers=4, width=64, batch=32)
+        step, init = examples.train_step(ex.loss_fn, optimizer="sgd")
+        state = init(ex.params)
+    kw = dict(num_stages=2, num_microbatches=8, schedule="gpipe", devices=used)
+    plain = pm.pipeline_train_step(step, **kw)
+    budget = max(s.predicted_peak for s in plain.memory(ex.params, state, ex.batch).slots)
+    fitted = pm.pipeline_train_step(step, memory_budget=budget, **kw)
+    with computing_on(used):
+        want = step(ex.params, state, ex.batch)
+    got = fitted(ex.params, state, ex.batch)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
