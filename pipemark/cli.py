@@ -214,7 +214,7 @@ def _parse_argnums(text: str, num_args: int) -> int | tuple[int, ...]:
 
 def _inspect(args: argparse.Namespace) -> int:
     specs = [parse_arg_spec(spec) for spec in args.arg]
-    steps = 3 + bool(args.html)
+    steps = 3 + bool(args.html) + bool(args.microbatches)
     progress = Progress(steps, sys.stderr)
     with progress.step(f"importing {args.target}"):
         import jax
@@ -257,6 +257,11 @@ def _inspect(args: argparse.Namespace) -> int:
         staged = pm.split_jaxpr(
             cj, num_stages=args.num_stages, block_cuts=args.block_cuts
         ).with_signature(signature)
+    memory = None
+    if args.microbatches:
+        microbatches = plural(args.microbatches, "microbatch", "microbatches")
+        with progress.step(f"planning a pipeline of {microbatches}"):
+            memory = _memory_text(fn, positional, kwargs, staged, args)
     if args.html:
         with progress.step(f"writing {args.html}"):
             from pipemark.views.html_view import write_report
@@ -267,6 +272,7 @@ def _inspect(args: argparse.Namespace) -> int:
                     args.html,
                     title=f"pipemark: {label}",
                     description=f"{label} traced with arguments {shown}.",
+                    sections=[("Memory per device", memory)] if memory else (),
                 )
             except OSError as err:
                 raise CommandError(f"cannot write {args.html}: {err.strerror or err}") from None
@@ -276,7 +282,71 @@ def _inspect(args: argparse.Namespace) -> int:
     if staged.balance is not None:
         print(wrap(f"balance: {staged.balance}", DEFAULT_WIDTH), file=sys.stdout)
     print_stage_inputs(staged, sys.stdout, width=DEFAULT_WIDTH)
+    if memory:
+        print(memory, file=sys.stdout)
     return 0
+
+
+def _memory_text(fn: Any, positional: list, kwargs: dict, staged: Any, args: Any) -> str:
+    """What each device would hold running ``fn`` as ``pm.pipeline_value_and_grad``
+    (its first argument the parameters, the others the batch) over ``--microbatches``,
+    with the arguments as zeros of their shapes: ``Pipeline.memory``'s table."""
+    import jax
+    import jax.numpy as jnp
+
+    import pipemark as pm
+    from pipemark.roles import FORWARD
+
+    if kwargs or len(positional) < 2:
+        raise CommandError(
+            "--microbatches plans pipeline_value_and_grad(FUNCTION): give the parameters "
+            "and the batch as positional arguments (at least two), parameters first"
+        )
+    concrete = jax.tree_util.tree_map(
+        lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x,
+        positional,
+    )
+    devices = jax.devices()
+    num_stages = sum(s.role.kind == FORWARD for s in staged.stages)
+    schedule = args.schedule or ("1f1b" if len(devices) >= num_stages else "interleaved")
+    try:
+        pipe = pm.pipeline_value_and_grad(
+            fn,
+            num_stages=args.num_stages,
+            num_microbatches=args.microbatches,
+            schedule=schedule,
+            block_cuts=args.block_cuts,
+        )
+        estimate = pipe.memory(*concrete)
+    except pm.PipemarkError as err:
+        raise CommandError(f"planning the pipeline failed: {_one_line(err)}") from None
+    head = (
+        "memory per device: pipeline_value_and_grad over "
+        f"{plural(args.microbatches, 'microbatch', 'microbatches')}, "
+        f"schedule {schedule!r}, {plural(len(estimate.slots), 'device slot')} (predicted; "
+        "pipemark.runtime.memory)"
+    )
+    return "\n".join([wrap(head, 80), *_memory_columns(estimate)])
+
+
+def _memory_columns(estimate: Any, per_line: int = 4) -> list[str]:
+    """``estimate`` as a table of a column per device slot (``per_line`` slots side by
+    side, so every line fits 80 columns) and a row per part of the peak."""
+    from pipemark.runtime.memory import format_bytes
+
+    parts = ("parameters", "batch", "accumulators", "in_flight", "temporaries", "update")
+    parts = tuple(p for p in parts if any(getattr(s, p) for s in estimate.slots))
+    lines = []
+    for start in range(0, len(estimate.slots), per_line):
+        slots = estimate.slots[start : start + per_line]
+        rows = [("", *(f"slot {s.slot}" for s in slots))]
+        rows.append(("", *(s.devices[:13] for s in slots)))
+        rows += [
+            (p.replace("_", " "), *(format_bytes(getattr(s, p)) for s in slots)) for p in parts
+        ]
+        rows.append(("predicted peak", *(format_bytes(s.predicted_peak) for s in slots)))
+        lines += [f"{r[0]:<15}" + "".join(f"{c:>14}" for c in r[1:]) for r in rows]
+    return lines
 
 
 class _Parser(argparse.ArgumentParser):
@@ -364,6 +434,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N[,N...]",
         help="with --grad: the positional arguments to differentiate (default: 0, the "
         "first argument, usually the parameters)",
+    )
+    inspect.add_argument(
+        "--microbatches",
+        type=_positive,
+        metavar="M",
+        help="also plan FUNCTION as pm.pipeline_value_and_grad over M microbatches (its "
+        "first argument the parameters, the others the batch) and print what each device "
+        "would hold (Pipeline.memory)",
+    )
+    inspect.add_argument(
+        "--schedule",
+        metavar="NAME",
+        help="with --microbatches: the schedule (default 1f1b, or interleaved when there "
+        "are fewer devices than stages)",
     )
     inspect.add_argument("--html", metavar="FILE", help="also write an HTML report")
     inspect.set_defaults(run=_inspect)

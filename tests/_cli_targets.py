@@ -112,3 +112,17 @@ def evil_names(x, w):
     x = pm.mark(jnp.tanh(x @ w), name="a\u202eb", mark_type="end")
     x = pm.mark(x, name="c\x1b[31m", mark_type="start")
     return pm.mark(jnp.sum(x**2), name="c\x1b[31m", mark_type="end")
+
+
+def pipeline_loss(w, x):
+    """Parameters first, then the batch, as pipeline_value_and_grad takes them."""
+    x = jnp.tanh(x @ w)
+    pm.mark_pipeline_boundary()
+    return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+
+def no_batch(w):
+    """Parameters only: nothing to split into microbatches."""
+    w = jnp.tanh(w)
+    pm.mark_pipeline_boundary()
+    return jnp.sum(w**2)

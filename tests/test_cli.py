@@ -515,3 +515,30 @@ def test_control_characters_from_the_user_are_shown_escaped(capsys):
     out = capsys.readouterr().out
     assert "\x1b[31m" not in out and "\u202e" not in out
     assert "a\\u202eb" in out and "c\\x1b[31m" in out
+
+
+def test_inspect_microbatches_prints_what_each_device_would_hold(capsys, tmp_path):
+    # The memory table is Pipeline.memory's for the same pipeline, made here directly.
+    import jax
+    import jax.numpy as jnp
+
+    import pipemark as pm
+    from pipemark.runtime.memory import format_bytes
+    from tests._cli_targets import pipeline_loss
+
+    report = tmp_path / "report.html"
+    argv = ["inspect", "tests._cli_targets:pipeline_loss", "--arg", "f32[8,8]"]
+    argv += ["--arg", "f32[16,8]", "--microbatches", "4", "--html", str(report)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    schedule = "1f1b" if len(jax.devices()) >= 2 else "interleaved"
+    pipe = pm.pipeline_value_and_grad(pipeline_loss, num_microbatches=4, schedule=schedule)
+    slots = pipe.memory(jnp.zeros((8, 8)), jnp.zeros((16, 8))).slots
+    peaks = _entry(out, "predicted peak").split()[2:]
+    assert peaks == [b for s in slots for b in format_bytes(s.predicted_peak).split()]
+    assert f"schedule '{schedule}'" in out
+    assert all(len(line) <= 80 for line in out.splitlines())
+    assert "Memory per device" in report.read_text()
+    assert main(["inspect", "tests._cli_targets:no_batch", "--arg", "f32[8,8]",
+                 "--microbatches", "4"]) == 1  # fmt: skip
+    assert "give the parameters and the batch" in capsys.readouterr().err
