@@ -75,6 +75,8 @@ def compiled_programs(plan: PipelinePlan) -> dict[str, jax.stages.Compiled]:
         else:
             forward, unit = plan.units[step.fused], plan.fused[step.index]
             accs, inputs = _fused_arguments(plan, forward, plan.units[step.index], slot)
+        if unit.starts:  # one microbatch: the call passes no accumulators at all
+            accs = []
         if name not in programs:
             scale = _struct(jax.ShapeDtypeStruct((), np.float32), slot.replicated)
             # Under the mesh context a call walks its steps in (run_plan's), which is

@@ -39,12 +39,14 @@ def test_after_a_call_nothing_compiles_again_and_the_names_follow_the_schedule()
     assert all(isinstance(p, jax.stages.Compiled) for p in programs.values())
 
 
-def test_compiled_before_the_first_call_the_call_compiles_none_of_them():
+@pytest.mark.parametrize("num_microbatches", [1, 2])
+def test_compiled_before_the_first_call_the_call_compiles_none_of_them(num_microbatches):
+    # With one microbatch the program keeps no accumulators: the call passes none.
     pm.clear_caches()
     ex = examples.mlp(num_layers=2, width=6, batch=4)
     params, batch = _placed(ex, jax.devices()[0])
     pipe = pm.pipeline_value_and_grad(
-        ex.loss_fn, num_stages=1, num_microbatches=2, devices=jax.devices()[:1]
+        ex.loss_fn, num_stages=1, num_microbatches=num_microbatches, devices=jax.devices()[:1]
     )
     with compilations() as before:
         pipe.compiled_programs(params, batch)
