@@ -66,9 +66,10 @@ class SlotMemory:
     temporaries: int | None
     predicted_peak: int
     measured_peak: int | None = None
-    #: A training step's update on its slot (the first), after the pipeline: its
-    #: arguments (parameters, optimizer state, batch, gradients), results and
-    #: temporaries. The slot's predicted peak is the larger of this and the rest.
+    #: A training step's update on this slot (its part, or the whole update on the
+    #: first slot), after the pipeline: its arguments (parameters, optimizer state,
+    #: gradients), results and temporaries. The slot's predicted peak is the larger of
+    #: this and the rest.
     update: int | None = None
 
 

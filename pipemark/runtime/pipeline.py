@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +70,7 @@ from pipemark.runtime.plan import PipelinePlan, build_plan, plan_from_staged
 from pipemark.runtime.programs import compiled_programs
 from pipemark.runtime.schedules import Schedule
 from pipemark.runtime.tracing import replica_batch
+from pipemark.runtime.update import input_owners, split_update
 
 __all__ = [
     "LOSS_REDUCTIONS",
@@ -521,7 +522,7 @@ class PipelinedStep:
         """The pipeline plan of the gradient part, for arguments shaped like these."""
         return self._prepare(args)[0]
 
-    def _prepare(self, args: tuple[Any, ...]) -> tuple[PipelinePlan, Callable, Any]:
+    def _prepare(self, args: tuple[Any, ...]) -> _Prepared:
         if not args:
             raise PipemarkError(
                 "A pipelined training step needs at least the batch argument (the last one)."
@@ -568,10 +569,11 @@ class PipelinedStep:
             ),
             options,
         )
-        prepared = (
+        prepared = _Prepared(
             plan,
             jax.jit(jaxpr_as_fun(apply)),
             jax.tree_util.tree_structure(out_shape),
+            _stage_updates(plan, apply, len(jax.tree_util.tree_leaves(args))),
         )
         self._prepared[key] = prepared
         return prepared
@@ -585,25 +587,36 @@ class PipelinedStep:
 
     def memory(self, *args: Any) -> MemoryEstimate:
         """What a step with these arguments holds on each device slot: the gradient
-        part as :meth:`Pipeline.memory` predicts it, and on the first slot the update
-        after it (``SlotMemory.update``: its compiled program's arguments, among them
-        the optimizer state and the gradients, its results and temporaries)."""
-        plan, apply, _ = self._prepare(args)
+        part as :meth:`Pipeline.memory` predicts it, and the update after it
+        (``SlotMemory.update``: each slot's part of it, or the whole update on the first
+        slot where it does not split; its compiled program's arguments, among them the
+        optimizer state and the gradients, its results and temporaries)."""
+        plan, apply, _, updates = self._prepare(args)
         leaves = jax.tree_util.tree_leaves(args)
         avals = [*(jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves)]
         avals += result_avals(plan)
-        shardings = plan.update_shardings(len(avals))
-        structs = [
-            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(avals, shardings)
-        ]
-        with jax.set_mesh(None):  # as the call runs it (see __call__)
-            analysis = apply.lower(*structs).compile().memory_analysis()
-        update = (
-            analysis.argument_size_in_bytes
-            + analysis.output_size_in_bytes
-            + analysis.temp_size_in_bytes
-        )
-        return with_update(plan_memory(plan), plan.update_worker, update)
+        if updates is None:
+            parts = [(plan.update_worker, apply, range(len(avals)))]
+            shardings = plan.update_shardings(len(avals))
+        else:
+            parts = [(w, run, inputs) for w, run, inputs, _ in updates]
+            shardings = [None] * len(avals)
+        estimate = plan_memory(plan)
+        for worker, run, inputs in parts:
+            where = plan.placement.slots[worker].replicated
+            structs = [
+                jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype, sharding=shardings[i] or where)
+                for i in inputs
+            ]
+            with jax.set_mesh(None):  # as the call runs it (see __call__)
+                analysis = run.lower(*structs).compile().memory_analysis()
+            update = (
+                analysis.argument_size_in_bytes
+                + analysis.output_size_in_bytes
+                + analysis.temp_size_in_bytes
+            )
+            estimate = with_update(estimate, worker, update)
+        return estimate
 
     def trace(self, *args: Any, path: str | os.PathLike | None = None) -> dict:
         """The gradient part of one step with these arguments, traced as
@@ -614,10 +627,20 @@ class PipelinedStep:
         return _traced_call(plan, tuple(replicated), batch, path)
 
     def __call__(self, *args: Any) -> Any:
-        plan, apply, out_tree = self._prepare(args)
+        plan, apply, out_tree, updates = self._prepare(args)
         *replicated, batch = args
         accumulated = run_plan(plan, tuple(replicated), batch, None)
-        # The update runs once, on the first stage's slot of this process (under
+        if updates is not None:  # each slot updates its own stages' parameters
+            values = [*jax.tree_util.tree_leaves(args), *accumulated]
+            outputs: list[Any] = [None] * out_tree.num_leaves
+            with jax.set_mesh(None):
+                for worker, run, inputs, positions in updates:
+                    where = plan.placement.slots[worker].replicated
+                    placed = jax.device_put([values[i] for i in inputs], where)
+                    for k, out in zip(positions, run(*placed)):
+                        outputs[k] = out
+            return jax.tree_util.tree_unflatten(out_tree, outputs)
+        # Not split: the update runs once, on the first stage's slot of this process (under
         # jax.distributed every process has every result and runs it, so that every
         # process holds the state), over the whole inputs and the accumulated values;
         # on a sub-mesh the state keeps its layout there.
@@ -626,6 +649,33 @@ class PipelinedStep:
             inputs = jax.device_put(values, plan.update_shardings(len(values)))
             outputs = apply(*inputs)
         return jax.tree_util.tree_unflatten(out_tree, outputs)
+
+
+class _Prepared(NamedTuple):
+    """What a training step's call needs, made once per argument shapes."""
+
+    plan: PipelinePlan
+    apply: Callable  # the whole update, on the first slot
+    out_tree: Any
+    # The update per slot, where it splits (pipemark.runtime.update): per part its
+    # worker, its program, the update's inputs it reads and the results it computes.
+    updates: tuple[tuple[int, Callable, tuple[int, ...], tuple[int, ...]], ...] | None
+
+
+def _stage_updates(plan: PipelinePlan, apply: ClosedJaxpr, num_args: int) -> Any:
+    """The update of ``plan``'s step split per slot (:func:`split_update`), jitted; or
+    ``None``: where it does not split (a result reads two slots' values), on sub-meshes
+    and under ``jax.distributed`` (not covered yet), the update runs whole on the first
+    slot."""
+    if plan.placement.meshes or not all(plan.placement.local):
+        return None
+    split = split_update(apply, input_owners(plan, num_args), plan.update_worker)
+    if split is None:
+        return None
+    return tuple(
+        (worker, jax.jit(jaxpr_as_fun(program)), inputs, outputs)
+        for worker, program, inputs, outputs in split.parts
+    )
 
 
 def pipeline_train_step(
@@ -656,8 +706,11 @@ def pipeline_train_step(
     :func:`pipemark.passes.split_at_gradient`: the part before runs as a pipeline over
     ``num_microbatches`` microbatches of ``batch`` (its last argument), every value it
     hands to the update (the gradients, the loss) averaged over microbatches (or added,
-    with ``loss_reduction="sum"``); the part after runs once, on the first stage's
-    device, with those values (on sub-meshes, ``mesh=``: on the first stage's sub-mesh,
+    with ``loss_reduction="sum"``); the part after runs once, per stage where the
+    stage's parameters live (each device its own stages' new parameters and optimizer
+    state: :mod:`pipemark.runtime.update`), or, where a result reads two stages' values
+    (global-norm clipping), on sub-meshes and under ``jax.distributed``, whole on the
+    first stage's device (on sub-meshes, ``mesh=``: on the first stage's sub-mesh,
     every argument but the batch laid out by ``param_specs``, a pytree prefix of those
     arguments, or by its own sharding). The other options are those of
     :func:`pipeline_value_and_grad`.

@@ -320,8 +320,8 @@ def test_a_pipeline_away_from_the_default_device_keeps_everything_on_its_devices
         return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), loss
 
     stepped = pm.pipeline_train_step(step, num_microbatches=2, devices=used)(params, batch)
-    for leaf in jax.tree_util.tree_leaves(stepped):
-        assert leaf.committed and leaf.devices() == {used[0]}, leaf.devices()
+    for leaf in jax.tree_util.tree_leaves(stepped):  # each updated where its stage runs
+        assert leaf.committed and leaf.devices() <= set(used), leaf.devices()
 
 
 def test_a_schedule_object_places_its_stages_itself():
