@@ -367,6 +367,65 @@ def _positive(text: str) -> int:
     return value
 
 
+def _inspect_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``pipemark inspect``."""
+    parser.add_argument("target", metavar="MODULE:FUNCTION", help="e.g. mymodel:loss")
+    parser.add_argument(
+        "--args",
+        metavar="MODULE:FUNCTION",
+        help="a function returning example arguments (pytrees of arrays): a tuple of the "
+        "positional arguments, or a dict {'args': (...), 'kwargs': {...}}",
+    )
+    parser.add_argument(
+        "--arg",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="one per positional argument (after those of --args), DTYPE[DIM,...], e.g. "
+        "f32[8,128] or i32[8]",
+    )
+    parser.add_argument(
+        "--num-stages",
+        type=_positive,
+        metavar="K",
+        help="cut into K balanced stages (a marked function: merge its consecutive marked "
+        "stages into K)",
+    )
+    parser.add_argument(
+        "--block-cuts",
+        default="prefer",
+        metavar="POLICY",
+        help="with --num-stages: cut between the model's repeated blocks when that costs "
+        "little balance (prefer, the default), always (require) or anywhere (off)",
+    )
+    parser.add_argument(
+        "--grad",
+        action="store_true",
+        help="trace jax.value_and_grad(FUNCTION, argnums=...) instead",
+    )
+    parser.add_argument(
+        "--argnums",
+        metavar="N[,N...]",
+        help="with --grad: the positional arguments to differentiate (default: 0, the "
+        "first argument, usually the parameters)",
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=_positive,
+        metavar="M",
+        help="also plan FUNCTION as pm.pipeline_value_and_grad over M microbatches (its "
+        "first argument the parameters, the others the batch) and print what each device "
+        "would hold (Pipeline.memory)",
+    )
+    parser.add_argument(
+        "--schedule",
+        metavar="NAME",
+        help="with --microbatches: the schedule (default 1f1b, or interleaved when there "
+        "are fewer devices than stages)",
+    )
+    parser.add_argument("--html", metavar="FILE", help="also write an HTML report")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pipemark import __version__
 
@@ -395,61 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Trace MODULE:FUNCTION with abstract arguments of the given shapes, "
         "cut it at its markers (or into K balanced stages) and print the stage table.",
     )
-    inspect.add_argument("target", metavar="MODULE:FUNCTION", help="e.g. mymodel:loss")
-    inspect.add_argument(
-        "--args",
-        metavar="MODULE:FUNCTION",
-        help="a function returning example arguments (pytrees of arrays): a tuple of the "
-        "positional arguments, or a dict {'args': (...), 'kwargs': {...}}",
-    )
-    inspect.add_argument(
-        "--arg",
-        action="append",
-        default=[],
-        metavar="SPEC",
-        help="one per positional argument (after those of --args), DTYPE[DIM,...], e.g. "
-        "f32[8,128] or i32[8]",
-    )
-    inspect.add_argument(
-        "--num-stages",
-        type=_positive,
-        metavar="K",
-        help="cut into K balanced stages (a marked function: merge its consecutive marked "
-        "stages into K)",
-    )
-    inspect.add_argument(
-        "--block-cuts",
-        default="prefer",
-        metavar="POLICY",
-        help="with --num-stages: cut between the model's repeated blocks when that costs "
-        "little balance (prefer, the default), always (require) or anywhere (off)",
-    )
-    inspect.add_argument(
-        "--grad",
-        action="store_true",
-        help="trace jax.value_and_grad(FUNCTION, argnums=...) instead",
-    )
-    inspect.add_argument(
-        "--argnums",
-        metavar="N[,N...]",
-        help="with --grad: the positional arguments to differentiate (default: 0, the "
-        "first argument, usually the parameters)",
-    )
-    inspect.add_argument(
-        "--microbatches",
-        type=_positive,
-        metavar="M",
-        help="also plan FUNCTION as pm.pipeline_value_and_grad over M microbatches (its "
-        "first argument the parameters, the others the batch) and print what each device "
-        "would hold (Pipeline.memory)",
-    )
-    inspect.add_argument(
-        "--schedule",
-        metavar="NAME",
-        help="with --microbatches: the schedule (default 1f1b, or interleaved when there "
-        "are fewer devices than stages)",
-    )
-    inspect.add_argument("--html", metavar="FILE", help="also write an HTML report")
+    _inspect_arguments(inspect)
     inspect.set_defaults(run=_inspect)
     return parser
 
