@@ -50,13 +50,15 @@ __all__ = ["RECOMPUTABLE", "recompute_residuals"]
 #: that read each operand element about once (no contraction, no reduction).
 _ARITHMETIC = {"abs", "add", "clamp", "div", "integer_pow", "max", "min", "mul", "neg", "pow"}
 _FUNCTIONS = {"cos", "erf", "exp", "exp2", "expm1", "log", "log1p", "logistic", "rsqrt"}
-_MORE_FUNCTIONS = {"sign", "sin", "sqrt", "square", "sub", "tan", "tanh"}
+_MORE_FUNCTIONS = {"sign", "sin", "sqrt", "square", "sub", "tan", "tanh", "log2", "cosh", "sinh"}
+# JAX 0.12 differentiates tanh through one_minus_square (1 - x**2).
+_ROUNDING = {"ceil", "floor", "round", "one_minus_square"}
 _LOGIC = {"and", "eq", "ge", "gt", "is_finite", "le", "lt", "ne", "not", "or", "select_n", "xor"}
 _CASTS = {"convert_element_type", "copy", "copy_p", "reduce_precision"}
 _SHAPES = {"broadcast_in_dim", "concatenate", "expand_dims", "iota", "pad", "reshape", "rev"}
 _MORE_SHAPES = {"slice", "squeeze", "transpose"}
 RECOMPUTABLE: frozenset[str] = frozenset().union(
-    _ARITHMETIC, _FUNCTIONS, _MORE_FUNCTIONS, _LOGIC, _CASTS, _SHAPES, _MORE_SHAPES
+    _ARITHMETIC, _FUNCTIONS, _MORE_FUNCTIONS, _ROUNDING, _LOGIC, _CASTS, _SHAPES, _MORE_SHAPES
 )
 
 _SOURCE, _SINK = "source", "sink"
