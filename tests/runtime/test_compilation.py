@@ -97,7 +97,7 @@ def test_one_stage_program_needs_no_more_memory_than_jax_jit():
 
 
 def _gpt_pipeline(num_stages):
-    ex = examples.gpt(8, 32, 2, seq=16, batch=8, vocab=64, d_ff=64, compute_dtype=jnp.float32)
+    ex = examples.gpt(4, 16, 2, seq=8, batch=4, vocab=32, d_ff=32, compute_dtype=jnp.float32)
     pipe = pm.pipeline_value_and_grad(
         ex.loss_fn,
         num_stages=num_stages,
@@ -116,7 +116,7 @@ def _runs(plan):
 
 
 def test_stages_of_identical_blocks_share_one_compiled_program():
-    """Issue #33: stages 1 and 2 of a 4-stage GPT hold two identical blocks each; their
+    """Issue #33: stages 1 and 2 of a 4-stage GPT hold one identical block each; their
     markers have other names, which the compiled program leaves out, so they are one
     program, compiled once (forward, middle forward, last fused, middle backward,
     first backward: 5)."""
