@@ -571,9 +571,8 @@ class PipelinedStep:
         )
         prepared = _Prepared(
             plan,
-            jax.jit(jaxpr_as_fun(apply)),
             jax.tree_util.tree_structure(out_shape),
-            _stage_updates(plan, apply, len(jax.tree_util.tree_leaves(args))),
+            _update_parts(plan, apply, len(jax.tree_util.tree_leaves(args))),
         )
         self._prepared[key] = prepared
         return prepared
@@ -591,31 +590,24 @@ class PipelinedStep:
         (``SlotMemory.update``: each slot's part of it, or the whole update on the first
         slot where it does not split; its compiled program's arguments, among them the
         optimizer state and the gradients, its results and temporaries)."""
-        plan, apply, _, updates = self._prepare(args)
+        plan, _, parts = self._prepare(args)
         leaves = jax.tree_util.tree_leaves(args)
         avals = [*(jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves)]
         avals += result_avals(plan)
-        if updates is None:
-            parts = [(plan.update_worker, apply, range(len(avals)))]
-            shardings = plan.update_shardings(len(avals))
-        else:
-            parts = [(w, run, inputs) for w, run, inputs, _ in updates]
-            shardings = [None] * len(avals)
         estimate = plan_memory(plan)
-        for worker, run, inputs in parts:
-            where = plan.placement.slots[worker].replicated
+        for part in parts:
             structs = [
-                jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype, sharding=shardings[i] or where)
-                for i in inputs
+                jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype, sharding=where)
+                for i, where in zip(part.inputs, part.shardings)
             ]
             with jax.set_mesh(None):  # as the call runs it (see __call__)
-                analysis = run.lower(*structs).compile().memory_analysis()
+                analysis = part.run.lower(*structs).compile().memory_analysis()
             update = (
                 analysis.argument_size_in_bytes
                 + analysis.output_size_in_bytes
                 + analysis.temp_size_in_bytes
             )
-            estimate = with_update(estimate, worker, update)
+            estimate = with_update(estimate, part.worker, update)
         return estimate
 
     def trace(self, *args: Any, path: str | os.PathLike | None = None) -> dict:
@@ -627,53 +619,70 @@ class PipelinedStep:
         return _traced_call(plan, tuple(replicated), batch, path)
 
     def __call__(self, *args: Any) -> Any:
-        plan, apply, out_tree, updates = self._prepare(args)
+        plan, out_tree, parts = self._prepare(args)
         *replicated, batch = args
         accumulated = run_plan(plan, tuple(replicated), batch, None)
-        if updates is not None:  # each slot updates its own stages' parameters
-            values = [*jax.tree_util.tree_leaves(args), *accumulated]
-            outputs: list[Any] = [None] * out_tree.num_leaves
-            with jax.set_mesh(None):
-                for worker, run, inputs, positions in updates:
-                    where = plan.placement.slots[worker].replicated
-                    placed = jax.device_put([values[i] for i in inputs], where)
-                    for k, out in zip(positions, run(*placed)):
-                        outputs[k] = out
-            return jax.tree_util.tree_unflatten(out_tree, outputs)
-        # Not split: the update runs once, on the first stage's slot of this process (under
-        # jax.distributed every process has every result and runs it, so that every
-        # process holds the state), over the whole inputs and the accumulated values;
-        # on a sub-mesh the state keeps its layout there.
+        # The update runs once: each slot its own stages' part, or, where it does not
+        # split, whole on the first stage's slot of this process (under jax.distributed
+        # every process has every result and runs it, so that every process holds the
+        # state); on a sub-mesh the state keeps its layout there.
         values = [*jax.tree_util.tree_leaves(args), *accumulated]
-        with jax.set_mesh(None):  # on that slot whatever the caller's mesh (see run_plan)
-            inputs = jax.device_put(values, plan.update_shardings(len(values)))
-            outputs = apply(*inputs)
+        outputs: list[Any] = [None] * out_tree.num_leaves
+        with jax.set_mesh(None):  # on its slot whatever the caller's mesh (see run_plan)
+            for part in parts:
+                placed = jax.device_put([values[i] for i in part.inputs], list(part.shardings))
+                for k, out in zip(part.outputs, part.run(*placed)):
+                    outputs[k] = out
         return jax.tree_util.tree_unflatten(out_tree, outputs)
+
+
+class _UpdatePart(NamedTuple):
+    """One program of a training step's update: its slot (worker), the update's inputs
+    it reads, each laid out by ``shardings``, and the results it computes."""
+
+    worker: int
+    run: Callable
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    shardings: tuple[Any, ...]
 
 
 class _Prepared(NamedTuple):
     """What a training step's call needs, made once per argument shapes."""
 
     plan: PipelinePlan
-    apply: Callable  # the whole update, on the first slot
     out_tree: Any
-    # The update per slot, where it splits (pipemark.runtime.update): per part its
-    # worker, its program, the update's inputs it reads and the results it computes.
-    updates: tuple[tuple[int, Callable, tuple[int, ...], tuple[int, ...]], ...] | None
+    parts: tuple[_UpdatePart, ...]  # the update, per slot where it splits
 
 
-def _stage_updates(plan: PipelinePlan, apply: ClosedJaxpr, num_args: int) -> Any:
-    """The update of ``plan``'s step split per slot (:func:`split_update`), jitted; or
-    ``None``: where it does not split (a result reads two slots' values), on sub-meshes
-    and under ``jax.distributed`` (not covered yet), the update runs whole on the first
-    slot."""
-    if plan.placement.meshes or not all(plan.placement.local):
-        return None
-    split = split_update(apply, input_owners(plan, num_args), plan.update_worker)
+def _update_parts(plan: PipelinePlan, apply: ClosedJaxpr, num_args: int) -> tuple:
+    """The update of ``plan``'s step split per slot (:func:`split_update`), each part
+    jitted and reading its inputs on its slot; where it does not split (a result reads
+    two slots' values), on sub-meshes and under ``jax.distributed`` (not covered yet),
+    one part: the whole update on the first slot, each parameter with its layout there
+    (:meth:`PipelinePlan.update_shardings`)."""
+    split = None
+    if not plan.placement.meshes and all(plan.placement.local):
+        split = split_update(apply, input_owners(plan, num_args), plan.update_worker)
     if split is None:
-        return None
+        count = len(apply.jaxpr.invars)
+        return (
+            _UpdatePart(
+                plan.update_worker,
+                jax.jit(jaxpr_as_fun(apply)),
+                tuple(range(count)),
+                tuple(range(len(apply.jaxpr.outvars))),
+                tuple(plan.update_shardings(count)),
+            ),
+        )
     return tuple(
-        (worker, jax.jit(jaxpr_as_fun(program)), inputs, outputs)
+        _UpdatePart(
+            worker,
+            jax.jit(jaxpr_as_fun(program)),
+            inputs,
+            outputs,
+            (plan.placement.slots[worker].replicated,) * len(inputs),
+        )
         for worker, program, inputs, outputs in split.parts
     )
 
