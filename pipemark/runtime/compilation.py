@@ -241,10 +241,11 @@ def runtime_program(closed: ClosedJaxpr) -> ClosedJaxpr:
     return closed if keeps_markers() else remove_markers(closed)
 
 
-def _unit_key(closed: ClosedJaxpr, accumulated: list[int], passed: list[int], slot: Slot) -> Any:
-    if closed.consts:
+def _unit_key(program: ClosedJaxpr, accumulated: list[int], passed: list[int], slot: Slot) -> Any:
+    """The cache key of a stage's ``program`` (:func:`runtime_program`), or ``None``."""
+    if program.consts:
         return None
-    jaxpr = runtime_program(closed).jaxpr
+    jaxpr = program.jaxpr
     text = str(jaxpr)
     if _HIDDEN_ADDRESS.search(text):
         return None
@@ -267,11 +268,12 @@ def _compile_unit(
     stage = staged.stages[index]
     accumulated, passed = _outputs(staged, index, readers)
     outputs = [o for _, o in accumulated]
-    key = _unit_key(stage.closed_jaxpr, outputs, list(passed), slot)
+    program = runtime_program(stage.closed_jaxpr)
+    key = _unit_key(program, outputs, list(passed), slot)
     key = key and (*key, starts)
     cached = _UNIT_CACHE.get(key) if key is not None else None
     if cached is None:
-        cached = _jit_unit(stage.closed_jaxpr, outputs, list(passed), slot, starts)
+        cached = _jit_unit(program, outputs, list(passed), slot, starts)
         if key is not None:
             if len(_UNIT_CACHE) >= _UNIT_CACHE_SIZE:
                 del _UNIT_CACHE[next(iter(_UNIT_CACHE))]
@@ -284,10 +286,10 @@ def _compile_unit(
 
 
 def _jit_unit(
-    closed: ClosedJaxpr, accumulated: list[int], passed: list[int], slot: Slot, starts: bool
+    program: ClosedJaxpr, accumulated: list[int], passed: list[int], slot: Slot, starts: bool
 ) -> tuple[Callable, Callable | None]:
-    fun = jaxpr_as_fun(runtime_program(closed))
-    avals = [v.aval for v in closed.jaxpr.outvars]
+    fun = jaxpr_as_fun(program)
+    avals = [v.aval for v in program.jaxpr.outvars]
 
     def run(accs: list[Any], inputs: list[Any], scale: Any) -> tuple[list[Any], list[Any]]:
         outs = fun(*inputs)
@@ -387,17 +389,20 @@ def compile_fused(staged: StagedJaxpr, forward: Unit, backward: Unit, slot: Slot
         [o for _, o in forward.accumulated],
         [o for _, o in backward.accumulated],
     )
+    programs = (
+        runtime_program(forward_stage.closed_jaxpr),
+        runtime_program(backward_stage.closed_jaxpr),
+    )
     keys = (
-        _unit_key(forward_stage.closed_jaxpr, accumulated[0], [], slot),
-        _unit_key(backward_stage.closed_jaxpr, accumulated[1], list(backward.passed), slot),
+        _unit_key(programs[0], accumulated[0], [], slot),
+        _unit_key(programs[1], accumulated[1], list(backward.passed), slot),
     )
     starts = forward.starts
     key = None if None in keys else ("fused", *keys, wiring, starts)
     run = _FUSED_CACHE.get(key) if key is not None else None
     if run is None:
         run = _jit_fused(
-            forward_stage.closed_jaxpr,
-            backward_stage.closed_jaxpr,
+            *programs,
             wiring,
             accumulated,
             list(backward.passed),
@@ -434,8 +439,8 @@ def _jit_fused(
     slot: Slot,
     starts: bool,
 ) -> Callable:
-    forward_fun = jaxpr_as_fun(runtime_program(forward))
-    backward_fun = jaxpr_as_fun(runtime_program(backward))
+    forward_fun = jaxpr_as_fun(forward)
+    backward_fun = jaxpr_as_fun(backward)
     num_forward_inputs = len(forward.jaxpr.invars)
 
     def run(accs: list[Any], inputs: list[Any], scale: Any) -> tuple[list[Any], list[Any]]:
