@@ -210,10 +210,19 @@ def estimate_memory(
 
 
 def with_update(estimate: MemoryEstimate, slot: int, update: int) -> MemoryEstimate:
-    """``estimate`` with a training step's update holding ``update`` bytes on slot
-    ``slot``: that slot's predicted peak is the larger of the two phases."""
+    """``estimate`` with a part of a training step's update holding ``update`` bytes on
+    slot ``slot``: that slot's predicted peak is the larger of the two phases. The parts
+    a slot runs run one after the other: called again for the same slot, the larger
+    part counts.
+
+    >>> one = SlotMemory(0, "cpu:0", 0, 0, 0, 0, None, predicted_peak=100)
+    >>> estimate = with_update(MemoryEstimate((one,)), 0, 300)
+    >>> [(s.update, s.predicted_peak) for s in with_update(estimate, 0, 200).slots]
+    [(300, 300)]
+    """
     slots = list(estimate.slots)
     one = slots[slot]
+    update = max(update, one.update or 0)
     slots[slot] = dataclasses.replace(
         one, update=update, predicted_peak=max(one.predicted_peak, update)
     )

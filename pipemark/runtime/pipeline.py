@@ -61,7 +61,7 @@ from pipemark.runtime.arguments import (
 from pipemark.runtime.budget import plan_within_budget
 from pipemark.runtime.execution import action_costs, run_plan
 from pipemark.runtime.losses import LOSS_REDUCTIONS, count_batch_free_terms_once, split_count
-from pipemark.runtime.memory import MemoryEstimate, plan_memory, result_avals, with_update
+from pipemark.runtime.memory import MemoryEstimate, plan_memory, with_update
 from pipemark.runtime.options import PipelineOptions
 from pipemark.runtime.perfetto import trace_events, write_trace
 from pipemark.runtime.pipeline_stages import stage_program
@@ -70,7 +70,7 @@ from pipemark.runtime.plan import PipelinePlan, build_plan, plan_from_staged
 from pipemark.runtime.programs import compiled_programs
 from pipemark.runtime.schedules import Schedule
 from pipemark.runtime.tracing import replica_batch
-from pipemark.runtime.update import input_owners, split_update
+from pipemark.runtime.update import UpdatePart, input_owners, split_update
 
 __all__ = [
     "LOSS_REDUCTIONS",
@@ -587,18 +587,16 @@ class PipelinedStep:
     def memory(self, *args: Any) -> MemoryEstimate:
         """What a step with these arguments holds on each device slot: the gradient
         part as :meth:`Pipeline.memory` predicts it, and the update after it
-        (``SlotMemory.update``: each slot's part of it, or the whole update on the first
-        slot where it does not split; its compiled program's arguments, among them the
-        optimizer state and the gradients, its results and temporaries)."""
+        (``SlotMemory.update``: each slot's part of it, the largest where a slot runs
+        several rounds, or the whole update on the first slot where it does not split;
+        its compiled program's arguments, among them the optimizer state and the
+        gradients, its results and temporaries)."""
         plan, _, parts = self._prepare(args)
-        leaves = jax.tree_util.tree_leaves(args)
-        avals = [*(jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves)]
-        avals += result_avals(plan)
         estimate = plan_memory(plan)
         for part in parts:
             structs = [
-                jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype, sharding=where)
-                for i, where in zip(part.inputs, part.shardings)
+                jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=where)
+                for aval, where in zip(part.program.in_avals, part.shardings)
             ]
             with jax.set_mesh(None):  # as the call runs it (see __call__)
                 analysis = part.run.lower(*structs).compile().memory_analysis()
@@ -607,6 +605,9 @@ class PipelinedStep:
                 + analysis.output_size_in_bytes
                 + analysis.temp_size_in_bytes
             )
+            # A slot that runs several parts (values it exchanges with the other slots,
+            # then its results) holds them one after the other: with_update keeps the
+            # largest.
             estimate = with_update(estimate, part.worker, update)
         return estimate
 
@@ -625,22 +626,27 @@ class PipelinedStep:
         # The update runs once: each slot its own stages' part, or, where it does not
         # split, whole on the first stage's slot of this process (under jax.distributed
         # every process has every result and runs it, so that every process holds the
-        # state); on a sub-mesh the state keeps its layout there.
-        values = [*jax.tree_util.tree_leaves(args), *accumulated]
-        outputs: list[Any] = [None] * out_tree.num_leaves
+        # state); on a sub-mesh the state keeps its layout there. The parts fill one
+        # table (StageUpdates): the update's inputs, its results, then the small values
+        # slots exchange, each copied by device_put to the slots that read it.
+        values = dict(enumerate([*jax.tree_util.tree_leaves(args), *accumulated]))
+        num_inputs = len(values)
         with jax.set_mesh(None):  # on its slot whatever the caller's mesh (see run_plan)
             for part in parts:
                 placed = jax.device_put([values[i] for i in part.inputs], list(part.shardings))
-                for k, out in zip(part.outputs, part.run(*placed)):
-                    outputs[k] = out
+                values.update(zip(part.outputs, part.run(*placed)))
+        outputs = [values[num_inputs + k] for k in range(out_tree.num_leaves)]
         return jax.tree_util.tree_unflatten(out_tree, outputs)
 
 
 class _UpdatePart(NamedTuple):
-    """One program of a training step's update: its slot (worker), the update's inputs
-    it reads, each laid out by ``shardings``, and the results it computes."""
+    """One program of a training step's update (``program``, jitted as ``run``): its
+    slot (worker), the positions it reads in the table of the update's values (see
+    :class:`~pipemark.runtime.update.StageUpdates`), each laid out by ``shardings``, and
+    those it computes."""
 
     worker: int
+    program: ClosedJaxpr
     run: Callable
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
@@ -652,38 +658,32 @@ class _Prepared(NamedTuple):
 
     plan: PipelinePlan
     out_tree: Any
-    parts: tuple[_UpdatePart, ...]  # the update, per slot where it splits
+    parts: tuple[_UpdatePart, ...]  # the update, per slot and round where it splits
 
 
-def _update_parts(plan: PipelinePlan, apply: ClosedJaxpr, num_args: int) -> tuple:
-    """The update of ``plan``'s step split per slot (:func:`split_update`), each part
-    jitted and reading its inputs on its slot; where it does not split (a result reads
-    two slots' values), on sub-meshes and under ``jax.distributed`` (not covered yet),
-    one part: the whole update on the first slot, each parameter with its layout there
-    (:meth:`PipelinePlan.update_shardings`)."""
+def _update_parts(plan: PipelinePlan, apply: ClosedJaxpr, num_args: int) -> tuple[_UpdatePart, ...]:
+    """The update of ``plan``'s step split per slot (:func:`split_update`, with the
+    rounds that exchange small coupled values such as the partial sums of a global
+    norm), each part jitted and reading its inputs on its slot; where it does not split
+    (a big value couples two slots, or the update has effects), on sub-meshes and under
+    ``jax.distributed`` (not covered yet), one part: the whole update on the first
+    slot, each parameter with its layout there (:meth:`PipelinePlan.update_shardings`)."""
     split = None
     if not plan.placement.meshes and all(plan.placement.local):
         split = split_update(apply, input_owners(plan, num_args), plan.update_worker)
     if split is None:
         count = len(apply.jaxpr.invars)
-        return (
-            _UpdatePart(
-                plan.update_worker,
-                jax.jit(jaxpr_as_fun(apply)),
-                tuple(range(count)),
-                tuple(range(len(apply.jaxpr.outvars))),
-                tuple(plan.update_shardings(count)),
-            ),
-        )
+        results = tuple(range(count, count + len(apply.jaxpr.outvars)))
+        whole = UpdatePart(plan.update_worker, apply, tuple(range(count)), results)
+        placed = [(whole, tuple(plan.update_shardings(count)))]
+    else:
+        slots = plan.placement.slots
+        placed = [(p, (slots[p.worker].replicated,) * len(p.inputs)) for p in split.parts]
     return tuple(
         _UpdatePart(
-            worker,
-            jax.jit(jaxpr_as_fun(program)),
-            inputs,
-            outputs,
-            (plan.placement.slots[worker].replicated,) * len(inputs),
+            p.worker, p.program, jax.jit(jaxpr_as_fun(p.program)), p.inputs, p.outputs, where
         )
-        for worker, program, inputs, outputs in split.parts
+        for p, where in placed
     )
 
 
@@ -717,8 +717,9 @@ def pipeline_train_step(
     hands to the update (the gradients, the loss) averaged over microbatches (or added,
     with ``loss_reduction="sum"``); the part after runs once, per stage where the
     stage's parameters live (each device its own stages' new parameters and optimizer
-    state: :mod:`pipemark.runtime.update`), or, where a result reads two stages' values
-    (global-norm clipping), on sub-meshes and under ``jax.distributed``, whole on the
+    state; values that couple the stages, such as each device's share of a global
+    norm, are small and exchanged: :mod:`pipemark.runtime.update`), or, where a big
+    value couples two stages, on sub-meshes and under ``jax.distributed``, whole on the
     first stage's device (on sub-meshes, ``mesh=``: on the first stage's sub-mesh,
     every argument but the batch laid out by ``param_specs``, a pytree prefix of those
     arguments, or by its own sharding). The other options are those of
