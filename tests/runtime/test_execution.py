@@ -152,14 +152,15 @@ def test_each_stage_program_compiles_once():
     # Identical stages on one device (layer0 and layer2 here) share one program; their
     # inputs are committed arrays (an uncommitted batch would compile it apart).
     pm.clear_caches()  # fresh stage programs: none compiled by an earlier test
+    used = pick_devices(2)  # on an accelerator with one device, the host CPU's two
     ex = examples.mlp(num_layers=4, width=3, batch=8)
-    args = jax.device_put(ex.args, jax.devices()[0])
+    args = jax.device_put(ex.args, used[0])
     pipe = pm.pipeline_value_and_grad(
         ex.loss_fn,
         num_stages=4,
         num_microbatches=4,
         schedule="interleaved",
-        devices=jax.devices()[:2],
+        devices=used,
     )
     with compilations() as compiled:
         jax.block_until_ready(pipe(*args))
