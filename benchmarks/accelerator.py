@@ -23,6 +23,9 @@ another:
 * ``jit-half``: ``jax.jit`` on half of the batch, ``s1-half``'s reference;
 * ``sN`` (``s4``, ``s16``): the pipeline with ``N`` stages and ``M`` microbatches on the
   one device (the interleaved schedule puts every stage there).
+* ``sN-wK``: the same with at most ``K`` microbatches in flight
+  (``microbatches_in_flight``); ``sN-memG``: with ``memory_budget`` ``G`` GiB, the row
+  naming how many microbatches in flight the budget chose.
 
 Columns: the first call (tracing, compiling, one step) in seconds and how many XLA
 compilations it made (``jax.monitoring``'s backend-compile events; later calls must
@@ -70,7 +73,7 @@ SIZES = {
     "tiny": dict(layers=4, d_model=32, heads=2, d_ff=128, vocab=64, seq=16, batch=8),
 }
 DEFAULT_CONFIGS = "jit,jit-markers,scan,s1,s1-half,jit-half,s4,s16"
-CONFIG = re.compile(r"(jit|jit-markers|scan|jit-half|s(\d+)(-half)?)$")
+CONFIG = re.compile(r"(jit|jit-markers|scan|jit-half|s(\d+)(-half|-w(\d+)|-mem([\d.]+))?)$")
 
 
 def _log(message: str) -> None:
@@ -84,6 +87,17 @@ def stages_of(config: str) -> int | None:
     """The pipeline's stage count of a configuration (``None``: not a pipeline)."""
     match = CONFIG.match(config)
     return int(match.group(2)) if match and match.group(2) else None
+
+
+def pipeline_options(config: str) -> dict:
+    """A pipeline row's own options: ``sN-wK`` runs at most ``K`` microbatches in
+    flight, ``sN-memG`` asks for a ``memory_budget`` of ``G`` GiB."""
+    match = CONFIG.match(config)
+    if match and match.group(4):
+        return {"microbatches_in_flight": int(match.group(4))}
+    if match and match.group(5):
+        return {"memory_budget": int(float(match.group(5)) * 2**30)}
+    return {}
 
 
 def baseline_of(config: str) -> str | None:
@@ -113,7 +127,13 @@ def label(config: str, sizes: dict, microbatches: int) -> str:
         }[config]
     if stages == 1:
         return f"pipeline S 1, M 1, B {rows}"
-    return f"pipeline S {stages}, M {microbatches}, interleaved on 1 device, B {rows}"
+    own = pipeline_options(config)
+    more = ""
+    if "microbatches_in_flight" in own:
+        more = f", {own['microbatches_in_flight']} in flight"
+    elif "memory_budget" in own:
+        more = f", memory_budget {_bytes(own['memory_budget'])}"
+    return f"pipeline S {stages}, M {microbatches}, interleaved on 1 device{more}, B {rows}"
 
 
 def model_flops(sizes: dict, rows: int) -> float:
@@ -207,6 +227,7 @@ def _step(config: str, loss_fn, device, microbatches: int):
             num_microbatches=1 if stages == 1 else microbatches,
             schedule="1f1b" if stages == 1 else "interleaved",
             devices=[device],
+            **pipeline_options(config),
         )
         return pipe, pipe
     if config != "scan":
@@ -243,6 +264,10 @@ def _memory(step, pipe, params, batch) -> dict:
         "out_sum": sum(a.output_size_in_bytes for a in analyses.values()),
     }
     if pipe is not None:  # pipemark's prediction, next to the measured peak (#33)
+        plan = pipe.plan(params, batch)
+        out["schedule"] = plan.schedule.name  # e.g. the waves a memory budget chose
+        out["in_flight"] = max(plan.schedule.in_flight())
+        out["rematerialized"] = len(plan.rematerialized)
         worst = max(pipe.memory(params, batch).slots, key=lambda s: s.predicted_peak)
         out["predicted_peak"] = worst.predicted_peak
         # Without the programs' temporaries: what a TPU's peak_bytes_in_use counts.
@@ -482,6 +507,8 @@ def table(results: list[dict], sizes: dict, microbatches: int) -> str:
             else _bytes(peak) + (" (RSS)" if result["peak_kind"] != "device" else "")
         )
         name = label(config, sizes, microbatches)
+        if "memory_budget" in pipeline_options(config) and "memory" in result:
+            name += _budget_choice(result["memory"])
         if result["status"] != "ok":
             what = {"oom": "out of memory", "skipped": "skipped", "error": "failed"}[
                 result["status"]
@@ -506,6 +533,15 @@ def table(results: list[dict], sizes: dict, microbatches: int) -> str:
             f"{versus} | {tflops:.3g} | {temps} | {io} | {peak_cell} |"
         )
     return "\n".join(lines)
+
+
+def _budget_choice(memory: dict) -> str:
+    """What a memory budget chose: microbatches in flight and, where the run recorded
+    them, how many forward stages it rematerialised."""
+    chose = f"{memory['in_flight']} in flight"
+    if memory.get("rematerialized"):
+        chose += f", {memory['rematerialized']} stages rematerialised"
+    return f" (chose {chose})"
 
 
 def _verdict(value: float | None, target: float, what: str, failed: dict | None) -> str:
@@ -633,7 +669,10 @@ def main(argv: list[str] | None = None) -> None:
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in configs if not CONFIG.match(c)]
     if unknown:
-        parser.error(f"unknown configurations {unknown}; known: {DEFAULT_CONFIGS}, sN, sN-half")
+        parser.error(
+            f"unknown configurations {unknown}; known: {DEFAULT_CONFIGS}, sN, sN-half, "
+            "sN-wK, sN-memG"
+        )
     results = run_all(args, configs)
     if not any("sizes" in r for r in results):
         sys.exit("no configuration ran: " + "; ".join(r.get("message", "") for r in results))

@@ -3,40 +3,67 @@
 ``pm.pipeline_value_and_grad(..., memory_budget=bytes)`` (and ``pipeline_train_step``)
 asks that every device slot's predicted peak (:meth:`pipemark.Pipeline.memory`:
 parameters, batch, accumulators, the values the schedule keeps in flight, the largest
-program temporaries) stay within ``bytes``. The plan is made as usual first; where a
-slot is over, the forward stages it runs are rematerialised (their backward stages
-recompute them from their inputs, as ``jax.checkpoint`` of the whole stage would:
-:func:`pipemark.passes.recompute_residuals` with ``rematerialize``), and the plan is
-made again, keeping a rematerialisation only where it brings the plan closer to the
-budget (recomputing a forward can need more temporaries than the residuals it
-saves), until every slot fits. When a slot is still over and every forward stage of
-the slots over has been tried, :class:`~pipemark.MemoryBudgetError` says which slot, by
-how much, and what its peak is made of.
+program temporaries) stay within ``bytes``. The plan is made as the options ask first;
+while a slot is over, the budget tries the changes that lower memory:
 
-Not chosen yet by the budget: the stage cuts and the number of microbatches a schedule
-keeps in flight (a schedule builder may read ``ScheduleProblem.memory_limit`` for that;
-see docs/runtime.md, "Adding a schedule").
+* **fewer microbatches in flight**: the schedule run in waves of fewer microbatches
+  (``microbatches_in_flight``, :func:`pipemark.runtime.schedules.in_waves`), so that a
+  device holds fewer microbatches' residuals at once;
+* **rematerialisation**: the forward stages of the slots over recomputed by their
+  backward stages from their inputs, as ``jax.checkpoint`` of the whole stage would
+  (:func:`pipemark.passes.recompute_residuals` with ``rematerialize``);
+
+Each round, of the changes that bring the plan closer to the budget (the bytes over it,
+summed over the slots), it keeps the one whose schedule is expected to take the least
+time (simulated with unit action costs, a backward costing two, a rematerialised
+one three), and a change that fits at once before any that does not. Waves on one
+device cost nothing, so they come first there; on several devices each wave fills and
+drains the pipeline. When no change comes closer, :class:`~pipemark.MemoryBudgetError`
+says which slot is over, by how much, and what its peak is made of.
+
+Not chosen by the budget yet: the stage cuts (which marked layers each stage gets).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Iterator
 
-from pipemark.errors import MemoryBudgetError
+from pipemark.errors import MemoryBudgetError, PipemarkError
 from pipemark.runtime.memory import SlotMemory, format_bytes, plan_memory
+from pipemark.runtime.options import PipelineOptions
 from pipemark.runtime.plan import PipelinePlan
+from pipemark.runtime.registry import build_schedule
+from pipemark.runtime.schedules import Schedule
+from pipemark.runtime.simulation import simulate_schedule
 
 __all__ = ["plan_within_budget"]
 
+#: ``make_plan(options, rematerialize)``: the plan for these options, with the forward
+#: stages named in ``rematerialize`` recomputed whole by their backward stages.
+PlanMaker = Callable[[PipelineOptions, frozenset], PipelinePlan]
 
-def plan_within_budget(
-    make_plan: Callable[[frozenset[str]], PipelinePlan], budget: int
-) -> PipelinePlan:
-    """The first plan ``make_plan(rematerialize)`` makes whose every slot's predicted
-    peak is within ``budget`` bytes: none rematerialised, then, round by round, also the
-    forward stages of the slots still over, kept where the plan comes closer to the
-    budget. Raises :class:`MemoryBudgetError` when slots are still over and each of
-    their forward stages has been tried.
+
+@dataclasses.dataclass(frozen=True)
+class _Trial:
+    """A plan the budget made, with what it is judged by."""
+
+    options: PipelineOptions
+    rematerialize: frozenset[str]
+    plan: PipelinePlan
+    slots: tuple[SlotMemory, ...]
+    excess: int  # bytes over the budget, summed over the slots
+    time: float  # the schedule's makespan at unit costs
+
+    def over(self, budget: int) -> list[SlotMemory]:
+        return [s for s in self.slots if s.predicted_peak > budget]
+
+
+def plan_within_budget(make_plan: PlanMaker, options: PipelineOptions) -> PipelinePlan:
+    """The plan ``make_plan`` makes for ``options``, changed round by round (fewer
+    microbatches in flight, forward stages rematerialised) until
+    every slot's predicted peak is within ``options.memory_budget`` bytes. Raises
+    :class:`MemoryBudgetError` when no change brings it closer.
 
     >>> import jax, pipemark as pm
     >>> from pipemark import examples
@@ -48,28 +75,67 @@ def plan_within_budget(
     ...
     pipemark.errors.MemoryBudgetError: ...
     """
-    rematerialize: frozenset[str] = frozenset()
-    tried: frozenset[str] = frozenset()
-    plan = make_plan(rematerialize)
+    budget = options.memory_budget
+    assert budget is not None
+    trial = _try(make_plan, options, frozenset(), budget)
+    while trial.excess:  # each round brings it closer: at most as many as bytes over
+        closer = [c for c in _changes(make_plan, trial, budget) if c.excess < trial.excess]
+        if not closer:
+            raise MemoryBudgetError(_over_message(trial, budget))
+        trial = min(closer, key=lambda c: (c.excess > 0, c.time, c.excess))
+    return trial.plan
+
+
+def _try(
+    make_plan: PlanMaker, options: PipelineOptions, remat: frozenset[str], budget: int
+) -> _Trial:
+    plan = make_plan(options, remat)
     slots = plan_memory(plan).slots
-    while True:
-        over = [s for s in slots if s.predicted_peak > budget]
-        if not over:
-            return plan
-        more = _forward_stages_on(plan, {s.slot for s in over}) - tried
-        if not more:
-            raise MemoryBudgetError(_over_message(over, budget, rematerialize))
-        tried |= more
-        trial = make_plan(rematerialize | more)
-        trial_slots = plan_memory(trial).slots
-        # Kept only where it helps: recomputing a stage's forward in its backward can
-        # need more temporaries than the residuals it saves.
-        if _excess(trial_slots, budget) < _excess(slots, budget):
-            plan, slots, rematerialize = trial, trial_slots, rematerialize | more
+    excess = sum(max(0, s.predicted_peak - budget) for s in slots)
+    return _Trial(options, remat, plan, slots, excess, _unit_time(plan.schedule, plan, remat))
 
 
-def _excess(slots: tuple[SlotMemory, ...], budget: int) -> int:
-    return sum(max(0, s.predicted_peak - budget) for s in slots)
+def _changes(make_plan: PlanMaker, trial: _Trial, budget: int) -> Iterator[_Trial]:
+    """The plans one change away from ``trial``: the next fewer microbatches in
+    flight, and the forward stages of the slots over rematerialised."""
+    fewer = _fewer_in_flight(trial)
+    if fewer is not None:
+        yield _try(make_plan, fewer, trial.rematerialize, budget)
+    over = {s.slot for s in trial.over(budget)}
+    more = _forward_stages_on(trial.plan, over) - trial.rematerialize
+    if more:
+        yield _try(make_plan, trial.options, trial.rematerialize | more, budget)
+
+
+def _fewer_in_flight(trial: _Trial) -> PipelineOptions | None:
+    """``trial``'s options with the largest ``microbatches_in_flight`` below what its
+    schedule holds at once that the schedule can be built for; ``None`` when there is
+    none (a schedule given made, or one microbatch in flight already)."""
+    options, plan = trial.options, trial.plan
+    if isinstance(options.schedule, Schedule):
+        return None
+    held = max(plan.schedule.in_flight())
+    for wave in range(held - 1, 0, -1):
+        problem = dataclasses.replace(plan.problem, microbatches_in_flight=wave)
+        try:
+            schedule = build_schedule(options.schedule, problem)
+        except PipemarkError:
+            continue  # e.g. an interleaved schedule's waves must fill every device
+        if max(schedule.in_flight()) < held:
+            return dataclasses.replace(options, microbatches_in_flight=wave)
+    return None
+
+
+def _unit_time(schedule: Schedule, plan: PipelinePlan, remat: frozenset[str]) -> float:
+    """The schedule's makespan when a forward costs 1 and a backward 2 (3 where it
+    recomputes its forward): what the budget weighs its changes by."""
+    names = [plan.staged.stages[i].name for i in plan.forward_stages]
+    backward = tuple(3.0 if name in remat else 2.0 for name in names)
+    weight = 1.0 if schedule.splits_backward else 0.0
+    costs = {"forward": 1.0, "backward": backward, "weight": weight}
+    if schedule.splits_backward:
+        costs["backward"] = tuple(b - weight for b in backward)
+    return simulate_schedule(schedule, costs).makespan
 
 
 def _forward_stages_on(plan: PipelinePlan, slots: set[int]) -> frozenset[str]:
@@ -82,20 +148,20 @@ def _forward_stages_on(plan: PipelinePlan, slots: set[int]) -> frozenset[str]:
     )
 
 
-def _over_message(over: list[SlotMemory], budget: int, rematerialize: frozenset[str]) -> str:
-    worst = max(over, key=lambda s: s.predicted_peak)
+def _over_message(trial: _Trial, budget: int) -> str:
+    worst = max(trial.over(budget), key=lambda s: s.predicted_peak)
     parts = ", ".join(
         f"{name} {format_bytes(getattr(worst, name) or 0)}"
         for name in ("parameters", "batch", "accumulators", "in_flight", "temporaries")
     )
-    done = (
-        f"with the forward stages {', '.join(sorted(rematerialize))} rematerialised"
-        if rematerialize
-        else "and runs no forward stage to rematerialise"
-    )
+    done = []
+    if trial.rematerialize:
+        done.append(f"the forward stages {', '.join(sorted(trial.rematerialize))} rematerialised")
+    held = max(trial.plan.schedule.in_flight())
+    done.append(f"{held} microbatch{'es' if held > 1 else ''} in flight at most")
     return (
         f"Slot {worst.slot} ({worst.devices}) needs {format_bytes(worst.predicted_peak)}, "
         f"{format_bytes(worst.predicted_peak - budget)} over memory_budget={budget} "
-        f"({format_bytes(budget)}) {done}: {parts}. Give the pipeline more devices or stages, "
-        "more microbatches (fewer rows each), or a larger budget."
+        f"({format_bytes(budget)}) with {' and '.join(done)}: {parts}. Give the pipeline "
+        "more devices or stages, more microbatches (fewer rows each), or a larger budget."
     )

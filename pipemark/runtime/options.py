@@ -104,6 +104,10 @@ class PipelineOptions:
     memory_budget:
         Bytes each device slot may hold, as :meth:`pipemark.Pipeline.memory` predicts
         it (``None``: no limit); see :mod:`pipemark.runtime.budget`.
+    microbatches_in_flight:
+        At most this many microbatches in the pipeline at once (``None``: as many as
+        the schedule keeps): the schedule runs in waves of this many
+        (:attr:`~pipemark.runtime.ScheduleProblem.microbatches_in_flight`).
     """
 
     num_microbatches: int
@@ -121,6 +125,7 @@ class PipelineOptions:
     recompute_residuals: bool = True
     dispatch_ahead: int | None = 2
     memory_budget: int | None = None
+    microbatches_in_flight: int | None = None
 
     def __post_init__(self) -> None:
         if self.timeout_s is not None and (
@@ -136,6 +141,8 @@ class PipelineOptions:
             check_positive(self.dispatch_ahead, "dispatch_ahead (or None)")
         if self.memory_budget is not None:
             check_positive(self.memory_budget, "memory_budget (bytes per device, or None)")
+        if self.microbatches_in_flight is not None:
+            check_positive(self.microbatches_in_flight, "microbatches_in_flight (or None)")
         if not isinstance(self.recompute_residuals, bool):
             raise PipemarkError(
                 "recompute_residuals must be True (each backward stage recomputes the cheap "

@@ -58,7 +58,7 @@ from pipemark.runtime.arguments import (
     check_batch_args,
     partition_params,
 )
-from pipemark.runtime.budget import plan_within_budget
+from pipemark.runtime.budget import PlanMaker, plan_within_budget
 from pipemark.runtime.execution import action_costs, run_plan
 from pipemark.runtime.losses import LOSS_REDUCTIONS, count_batch_free_terms_once, split_count
 from pipemark.runtime.memory import MemoryEstimate, plan_memory, with_update
@@ -171,7 +171,7 @@ class Pipeline:
                 options = dataclasses.replace(options, loss_reduction="sum")
             loss = self._losses[key][0]
             plan = self._plans[full_key] = within_budget(
-                lambda remat: build_plan(loss, dynamic, batch, options, remat), options
+                lambda chosen, remat: build_plan(loss, dynamic, batch, chosen, remat), options
             )
         return plan
 
@@ -292,14 +292,12 @@ class Pipeline:
         return _traced_call(self._plan(key, dynamic, data), dynamic, data, path)
 
 
-def within_budget(
-    make_plan: Callable[[frozenset[str]], PipelinePlan], options: PipelineOptions
-) -> PipelinePlan:
-    """``make_plan(frozenset())``, or without a ``memory_budget``, the plan within it
-    (:func:`pipemark.runtime.budget.plan_within_budget`)."""
+def within_budget(make_plan: PlanMaker, options: PipelineOptions) -> PipelinePlan:
+    """``make_plan(options, frozenset())``, or with a ``memory_budget``, the plan
+    within it (:func:`pipemark.runtime.budget.plan_within_budget`)."""
     if options.memory_budget is None:
-        return make_plan(frozenset())
-    return plan_within_budget(make_plan, options.memory_budget)
+        return make_plan(options, frozenset())
+    return plan_within_budget(make_plan, options)
 
 
 def _traced_call(plan: PipelinePlan, params: Any, batch: Any, path: Any) -> dict:
@@ -331,6 +329,7 @@ def pipeline_value_and_grad(
     recompute_residuals: bool = True,
     dispatch_ahead: int | None = 2,
     memory_budget: int | None = None,
+    microbatches_in_flight: int | None = None,
 ) -> Pipeline:
     """``jax.value_and_grad(loss_fn)`` computed as a pipeline over several devices.
 
@@ -413,6 +412,17 @@ def pipeline_value_and_grad(
         2; ``None``: no bound). Unbounded, the host runs the whole schedule ahead of
         the device, and the results of every dispatched program take device memory at
         once: every microbatch's residuals, whatever the schedule keeps in flight.
+    memory_budget:
+        Bytes each device may hold, as :meth:`Pipeline.memory` predicts it (``None``:
+        no limit). The plan then keeps fewer microbatches in flight and
+        rematerialises forward stages until every device fits, or raises
+        :class:`~pipemark.MemoryBudgetError` saying by how much it cannot
+        (:mod:`pipemark.runtime.budget`).
+    microbatches_in_flight:
+        At most this many microbatches in the pipeline at once (``None``: as many as
+        the schedule keeps): the schedule runs in waves of this many microbatches, one
+        after another, each device holding the residuals of at most that many (less
+        memory; on several devices each wave fills and drains the pipeline).
 
     Returns
     -------
@@ -459,6 +469,7 @@ def pipeline_value_and_grad(
         recompute_residuals=recompute_residuals,
         dispatch_ahead=dispatch_ahead,
         memory_budget=memory_budget,
+        microbatches_in_flight=microbatches_in_flight,
     )
     return Pipeline(loss_fn, options)
 
@@ -558,12 +569,12 @@ class PipelinedStep:
             compute, options.num_stages, "The gradient part of the step", options.block_cuts
         )
         plan = within_budget(
-            lambda remat: plan_from_staged(
+            lambda chosen, remat: plan_from_staged(
                 staged,
                 jax.tree_util.tree_structure([0] * len(compute.jaxpr.outvars)),
                 num_param_leaves=num_replicated,
                 microbatch_size=micro,
-                options=options,
+                options=chosen,
                 param_specs=specs,
                 rematerialize=remat,
             ),
@@ -704,6 +715,7 @@ def pipeline_train_step(
     recompute_residuals: bool = True,
     dispatch_ahead: int | None = 2,
     memory_budget: int | None = None,
+    microbatches_in_flight: int | None = None,
 ) -> PipelinedStep:
     """A training step ``step_fn(*state, batch)`` whose gradients are computed as a
     pipeline and then applied once.
@@ -754,5 +766,6 @@ def pipeline_train_step(
         recompute_residuals=recompute_residuals,
         dispatch_ahead=dispatch_ahead,
         memory_budget=memory_budget,
+        microbatches_in_flight=microbatches_in_flight,
     )
     return PipelinedStep(step_fn, options)

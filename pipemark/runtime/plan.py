@@ -117,6 +117,9 @@ class PipelinePlan:
     #: ``plan.problem.with_costs(costs)`` rebuilds it for measured costs
     #: (:func:`~pipemark.runtime.build_schedule`).
     problem: ScheduleProblem | None = dataclasses.field(default=None, compare=False)
+    #: The forward stages recomputed whole by their backward stages, by name (a memory
+    #: budget's choice: :mod:`pipemark.runtime.budget`).
+    rematerialized: frozenset[str] = frozenset()
     #: The schedule's actions resolved with every action its own program (no fusion),
     #: as :func:`~pipemark.runtime.execution.action_costs` times them.
     unfused_steps: Steps | None = dataclasses.field(default=None, repr=False, compare=False)
@@ -284,6 +287,7 @@ def plan_from_staged(
         param_specs=None if param_specs is None else tuple(param_specs),
         gather_results=options.gather_results,
         problem=problem,
+        rematerialized=frozenset(rematerialize),
     )
     return _ready(plan)
 

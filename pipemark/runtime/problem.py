@@ -158,6 +158,12 @@ class ScheduleProblem:
         The bytes each device has for those residuals; ``None``: not known (the
         planner leaves it so; a builder that needs one is given it by whoever
         registers it, e.g. ``dataclasses.replace(problem, memory_limit=...)``).
+    microbatches_in_flight:
+        At most this many microbatches in the pipeline at once (``None``: as many as
+        the schedule keeps): :func:`~pipemark.runtime.build_schedule` then builds the
+        schedule for waves of this many microbatches and runs them one after another
+        (:func:`~pipemark.runtime.schedules.in_waves`); a builder never sees it. The
+        planner sets it from ``microbatches_in_flight=``, or the memory budget does.
 
     >>> ScheduleProblem(2, 4, stage_graph=[(0, 1)], activation_bytes=(64, 32)).costs
     {'forward': (1.0, 1.0), 'backward': (1.0, 1.0), 'weight': (1.0, 1.0)}
@@ -174,6 +180,7 @@ class ScheduleProblem:
     weight_time: Any = 1.0
     activation_bytes: tuple[int, ...] | None = None
     memory_limit: int | None = None
+    microbatches_in_flight: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_stages", "num_microbatches"):
@@ -206,6 +213,7 @@ class ScheduleProblem:
 
     def _check_memory(self) -> None:
         _check_optional_count(self.memory_limit, "memory_limit", positive=True)
+        _check_optional_count(self.microbatches_in_flight, "microbatches_in_flight", positive=True)
         if self.activation_bytes is None:
             return
         sizes = tuple(self.activation_bytes)

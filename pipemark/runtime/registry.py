@@ -21,6 +21,7 @@ it, so adding a schedule is one builder and one call to :func:`register_schedule
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import warnings
@@ -34,6 +35,7 @@ from pipemark.runtime.schedules import (
     Schedule,
     check_schedule_fits,
     gpipe_schedule,
+    in_waves,
     interleaved_schedule,
     one_f_one_b_schedule,
 )
@@ -288,8 +290,42 @@ def build_schedule(kind: str | Schedule, problem: ScheduleProblem) -> Schedule:
     if isinstance(kind, Schedule):
         check_schedule_fits(kind, problem.num_stages, problem.num_microbatches, problem.stage_graph)
         _check_devices_used(kind, problem)
+        wave = problem.microbatches_in_flight
+        if wave is not None and wave < problem.num_microbatches:
+            raise PipemarkError(
+                f"microbatches_in_flight={problem.microbatches_in_flight} is for a schedule "
+                f"the pipeline builds; the schedule {kind.name!r} was given made. Build it "
+                "in waves yourself (pm.runtime.schedules.in_waves), or name a schedule."
+            )
         return kind
-    return schedule_entry(kind).schedule(problem)
+    entry = schedule_entry(kind)
+    wave, count = problem.microbatches_in_flight, problem.num_microbatches
+    if wave is None or wave >= count:
+        return entry.schedule(problem)
+    return in_waves(
+        [
+            _wave(entry, problem, start, min(wave, count - start), wave)
+            for start in range(0, count, wave)
+        ],
+        name=f"{entry.name}, waves of {wave}",
+    )
+
+
+def _wave(
+    entry: ScheduleEntry, problem: ScheduleProblem, start: int, size: int, wave: int
+) -> Schedule:
+    """Schedule ``entry`` for microbatches ``start .. start + size - 1`` of ``problem``
+    (numbered from 0), one wave of ``microbatches_in_flight=wave``."""
+    part = dataclasses.replace(problem, num_microbatches=size, microbatches_in_flight=None)
+    try:
+        return entry.schedule(part)
+    except PipemarkError as error:
+        raise PipemarkError(
+            f"microbatches_in_flight={wave}: the schedule {entry.name!r} cannot run "
+            f"microbatches {start}..{start + size - 1} as one wave of {size}: {error} "
+            f"Pick microbatches_in_flight so that every wave can be scheduled (a divisor "
+            f"of num_microbatches={problem.num_microbatches} that the schedule takes)."
+        ) from error
 
 
 def make_schedule(

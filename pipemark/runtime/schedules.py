@@ -55,6 +55,7 @@ __all__ = [
     "interleaved_schedule",
     "check_schedule_fits",
     "ideal_bubble_fraction",
+    "in_waves",
 ]
 
 # The action kinds (FORWARD, BACKWARD and WEIGHT, the parameter-gradient half of a
@@ -326,6 +327,30 @@ class Schedule:
             orders[d].append(a)
         return orders
 
+    def in_flight(self) -> tuple[int, ...]:
+        """Per device, the most microbatches it holds at once: whose forward (of any
+        stage on the device) has run and whose last backward (or weight) action there
+        has not; each holds its residuals on the device until then.
+
+        >>> gpipe_schedule(2, 4).in_flight(), one_f_one_b_schedule(2, 4).in_flight()
+        ((4, 4), (2, 1))
+        """
+        remaining: list[dict[int, int]] = [{} for _ in range(self.num_devices)]
+        for _, d, a in self.actions():
+            if a.kind != FORWARD:
+                remaining[d][a.microbatch] = remaining[d].get(a.microbatch, 0) + 1
+        most = [0] * self.num_devices
+        held: list[set[int]] = [set() for _ in range(self.num_devices)]
+        for _, d, a in self.actions():
+            if a.kind == FORWARD:
+                held[d].add(a.microbatch)
+                most[d] = max(most[d], len(held[d]))
+                continue
+            remaining[d][a.microbatch] -= 1
+            if not remaining[d][a.microbatch]:
+                held[d].discard(a.microbatch)
+        return tuple(most)
+
     def to_text(self) -> str:
         """A text grid: one row per device, one column per tick, ``.`` for idle."""
         single = len(set(self.stage_devices)) == self.num_stages
@@ -534,6 +559,49 @@ def schedule_from_orders(
                 remaining -= 1
         ticks.append(tuple(tick))
     return Schedule(name, num_microbatches, tuple(stage_devices), preds, tuple(ticks))
+
+
+def in_waves(waves: Sequence[Schedule], name: str | None = None) -> Schedule:
+    """One schedule that runs ``waves`` one after another on each device: the
+    microbatches of each wave numbered after the previous wave's. Every device runs all
+    of one wave's actions before any of the next's, so a device holds no more
+    microbatches at once than in the wave that holds the most
+    (:meth:`Schedule.in_flight`); where a device would wait between waves, the next
+    wave's first actions fill in (each action is placed at the first tick its inputs
+    are ready, as :func:`schedule_from_orders` places them). This is how
+    ``microbatches_in_flight`` bounds a schedule's memory: 8 microbatches of GPipe on
+    two devices in waves of 2 hold 2 at once instead of 8, and take 24 ticks instead
+    of 18 (each wave fills and drains the pipeline).
+
+    >>> waves = in_waves([gpipe_schedule(2, 2)] * 4)
+    >>> waves.num_microbatches, waves.in_flight(), waves.num_ticks
+    (8, (2, 2), 24)
+    >>> gpipe_schedule(2, 8).in_flight(), gpipe_schedule(2, 8).num_ticks
+    ((8, 8), 18)
+    """
+    if not waves:
+        raise PipemarkError("in_waves needs at least one schedule.")
+    first = waves[0]
+    orders: list[list[Action]] = [[] for _ in range(first.num_devices)]
+    start = 0
+    for wave in waves:
+        if wave.stage_devices != first.stage_devices or wave.predecessors != first.predecessors:
+            raise PipemarkError(
+                f"in_waves: the schedule {wave.name!r} places its stages on devices "
+                f"{wave.stage_devices} (stage graph {_edges_text(wave.predecessors)}), "
+                f"but {first.name!r} on {first.stage_devices} "
+                f"({_edges_text(first.predecessors)}); build every wave for one pipeline."
+            )
+        for d, order in enumerate(wave.device_orders()):
+            orders[d] += [a._replace(microbatch=a.microbatch + start) for a in order]
+        start += wave.num_microbatches
+    return schedule_from_orders(
+        orders,
+        stage_devices=first.stage_devices,
+        num_microbatches=start,
+        stage_graph=first.stage_graph,
+        name=name or first.name,
+    )
 
 
 def _check_sizes(num_stages: int, num_microbatches: int) -> None:

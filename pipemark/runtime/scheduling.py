@@ -30,7 +30,8 @@ def schedule_problem(stages: PipelineStages, options: PipelineOptions) -> Schedu
     the microbatches, whether the backward is split, every available slot, unit times
     (so that a pipeline's schedule does not depend on measurements; measured ones reach
     a builder through :meth:`~pipemark.runtime.ScheduleProblem.with_costs`), the residual
-    bytes of each stage and no memory limit (the planner knows none)."""
+    bytes of each stage, no memory limit (the planner knows none) and the microbatches
+    in flight the options ask for."""
     return ScheduleProblem(
         num_stages=len(stages.forward),
         num_microbatches=options.num_microbatches,
@@ -38,6 +39,7 @@ def schedule_problem(stages: PipelineStages, options: PipelineOptions) -> Schedu
         splits_backward=options.splits_backward,
         slots=tuple(available_slots(options)),
         activation_bytes=stages.activation_bytes,
+        microbatches_in_flight=options.microbatches_in_flight,
     )
 
 

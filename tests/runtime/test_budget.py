@@ -51,15 +51,37 @@ def test_a_budget_the_plan_fits_changes_nothing():
     assert [s.num_eqns for s in fitted.stages] == [s.num_eqns for s in plain.stages]
 
 
-def test_a_slot_over_the_budget_has_its_forward_stages_rematerialised():
+def test_a_slot_over_the_budget_runs_fewer_microbatches_in_flight():
     pipe, ex = _pipeline()
     peaks = _peaks(pipe, ex)
     assert peaks[0] == max(peaks)  # the first stage holds 8 microbatches' residuals
+    assert pipe.plan(*ex.args).schedule.in_flight() == (8, 8)
     budget = peaks[0] - 1
+    within, _ = _pipeline(memory_budget=budget)
+    assert all(p <= budget for p in _peaks(within, ex))
+    # Waves cost a fill and a drain each; rematerialising a stage costs its forward
+    # for every microbatch: the budget takes the cheaper, fewer microbatches at once.
+    plan = within.plan(*ex.args)
+    assert max(plan.schedule.in_flight()) < 8
+    assert "waves of" in plan.schedule.name
+    assert [s.num_eqns for s in plan.staged.stages] == [
+        s.num_eqns for s in pipe.plan(*ex.args).staged.stages
+    ]
+    _assert_equals_jax(within, ex)
+
+
+def test_a_slot_over_the_budget_with_one_microbatch_in_flight_rematerialises():
+    pipe, ex = _pipeline()
+    one_at_a_time = pm.pipeline_value_and_grad(
+        ex.loss_fn, num_stages=2, num_microbatches=8, schedule="gpipe",
+        devices=pipe.options.devices, microbatches_in_flight=1,
+    )  # fmt: skip
+    assert one_at_a_time.plan(*ex.args).schedule.in_flight() == (1, 1)
+    lowest = _peaks(one_at_a_time, ex)
+    budget = lowest[0] - 1
     within, _ = _pipeline(memory_budget=budget)
     slots = within.memory(*ex.args).slots
     assert all(s.predicted_peak <= budget for s in slots)
-    assert slots[0].in_flight < pipe.memory(*ex.args).slots[0].in_flight / 10
     # The first stage's backward recomputes its forward: it reads the stage's inputs,
     # nothing its forward computed.
     plan = within.plan(*ex.args)
@@ -67,6 +89,27 @@ def test_a_slot_over_the_budget_has_its_forward_stages_rematerialised():
     assert not any(
         r.kind == "stage" and r.stage == first for r in plan.staged.stages[backward].inputs
     )
+    _assert_equals_jax(within, ex)
+
+
+def test_on_one_device_fewer_microbatches_in_flight_come_first():
+    # Every action runs on the one device: waves add no idle time, so the budget
+    # takes them before it recomputes anything.
+    used = pick_devices(1)
+    with computing_on(used):
+        ex = examples.mlp(num_layers=4, width=32, batch=256)
+    kw = dict(num_stages=2, num_microbatches=8, schedule="interleaved", devices=used)
+    plain = pm.pipeline_value_and_grad(ex.loss_fn, **kw)
+    held = max(plain.plan(*ex.args).schedule.in_flight())
+    peak = max(_peaks(plain, ex))
+    within = pm.pipeline_value_and_grad(ex.loss_fn, memory_budget=peak - 1, **kw)
+    plan = within.plan(*ex.args)
+    assert max(plan.schedule.in_flight()) < held
+    assert plan.schedule.num_ticks == plain.plan(*ex.args).schedule.num_ticks
+    assert max(_peaks(within, ex)) <= peak - 1
+    assert [s.num_eqns for s in plan.staged.stages] == [
+        s.num_eqns for s in plain.plan(*ex.args).staged.stages
+    ]
     _assert_equals_jax(within, ex)
 
 

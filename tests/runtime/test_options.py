@@ -95,3 +95,22 @@ def test_the_runtime_cuts_by_block_cuts(block_cuts, aligned):
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     for got, want in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("schedule, wave", [("gpipe", 3), ("1f1b", 2), ("interleaved", 2)])
+def test_microbatches_in_flight_computes_what_jax_computes(schedule, wave):
+    used = devices(2)
+    with computing_on(used):
+        ex = examples.mlp(num_layers=4, width=16, batch=24)
+        want = jax.value_and_grad(ex.loss_fn)(*ex.args)
+    pipe = pm.pipeline_value_and_grad(
+        ex.loss_fn, num_stages=4 if schedule == "interleaved" else 2, num_microbatches=6,
+        schedule=schedule, devices=used, microbatches_in_flight=wave,
+    )  # fmt: skip
+    held = pipe.plan(*ex.args).schedule.in_flight()
+    assert max(held) <= wave
+    got = pipe(*ex.args)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    with pytest.raises(pm.PipemarkError, match="microbatches_in_flight"):
+        pm.pipeline_value_and_grad(ex.loss_fn, num_microbatches=2, microbatches_in_flight=0)

@@ -330,3 +330,69 @@ def test_malformed_actions_are_named_where_they_stand(action, message):
     ticks = ((action,), (Action(0, 0, BACKWARD),))
     with pytest.raises(StageGraphError, match=r"Tick 0, device 0.*"):
         pm.Schedule("custom", 1, (0,), ((),), ticks)
+
+
+# ------------------------------------------------------------------ waves, in flight
+
+
+def _held_at_once(schedule: pm.Schedule) -> list[int]:
+    """Per device, the most microbatches whose forward ran there and whose backward
+    there has not: counted from the ticks, not with Schedule.in_flight."""
+    most = []
+    for d in range(schedule.num_devices):
+        runs = [a for tick in schedule.ticks for a in [tick[d]] if a is not None]
+        peak = 0
+        for i in range(len(runs)):
+            started = {a.microbatch for a in runs[: i + 1] if a.kind == F}
+            done = {
+                m for m in started
+                if all(a in runs[: i + 1] for a in runs if a.microbatch == m and a.kind != F)
+            }  # fmt: skip
+            peak = max(peak, len(started - done))
+        most.append(peak)
+    return most
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.sampled_from(["gpipe", "1f1b"]),
+    st.integers(1, 4),
+    st.integers(1, 9),
+    st.integers(1, 9),
+)
+def test_waves_bound_the_microbatches_each_device_holds(kind, stages, count, wave):
+    problem = pm.runtime.ScheduleProblem(stages, count, microbatches_in_flight=wave)
+    schedule = pm.runtime.build_schedule(kind, problem)
+    _independent_check(schedule)
+    whole = pm.make_schedule(kind, stages, count)
+    assert list(schedule.in_flight()) == _held_at_once(schedule)
+    assert list(whole.in_flight()) == _held_at_once(whole)
+    assert max(schedule.in_flight()) <= min(wave, max(whole.in_flight()))
+    assert schedule.num_ticks >= whole.num_ticks
+    if wave >= count:
+        assert schedule == whole
+
+
+def test_waves_of_an_interleaved_schedule_fill_every_device():
+    problem = pm.runtime.ScheduleProblem(4, 8, num_devices=2, microbatches_in_flight=4)
+    schedule = pm.runtime.build_schedule("interleaved", problem)
+    assert schedule.name == "interleaved, waves of 4"
+    assert max(schedule.in_flight()) == 4
+    threes = pm.runtime.ScheduleProblem(4, 8, num_devices=2, microbatches_in_flight=3)
+    with pytest.raises(
+        PipemarkError,
+        match=r"microbatches_in_flight=3: the schedule "
+        r"'interleaved' cannot run microbatches 0\.\.2 as one wave of 3",
+    ):
+        pm.runtime.build_schedule("interleaved", threes)
+
+
+def test_waves_need_a_schedule_the_pipeline_builds():
+    made = pm.gpipe_schedule(2, 4)
+    problem = pm.runtime.ScheduleProblem(2, 4, microbatches_in_flight=2)
+    with pytest.raises(PipemarkError, match="the schedule 'gpipe' was given made"):
+        pm.runtime.build_schedule(made, problem)
+    with pytest.raises(PipemarkError, match="microbatches_in_flight must be an int >= 1"):
+        pm.runtime.ScheduleProblem(2, 4, microbatches_in_flight=0)
+    with pytest.raises(PipemarkError, match="for one pipeline"):
+        pm.runtime.schedules.in_waves([pm.gpipe_schedule(2, 2), pm.gpipe_schedule(3, 2)])
