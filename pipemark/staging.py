@@ -24,7 +24,7 @@ from pipemark.signature import Signature
 from pipemark.staged import StagedJaxpr
 from pipemark.views.html_view import HTMLView, to_html
 
-__all__ = ["has_stage_markers", "show", "split", "split_jaxpr"]
+__all__ = ["cuts_at_marked_layers", "has_stage_markers", "show", "split", "split_jaxpr"]
 
 
 def split(
@@ -130,7 +130,7 @@ def split_jaxpr(
         # A scan whose body is marked as one layer: its iterations (or num_stages
         # chunks of them) become the stages.
         cj, num_stages = layers_from_scans(cj, num_stages), None
-    if num_stages is not None and not _has_top_level_stage_markers(cj):
+    if num_stages is not None and not cuts_at_marked_layers(cj):
         plan = plan_layers(cj, num_stages, block_cuts=block_cuts)
         return slice_stages(plan.program, unmarked=unmarked).with_balance(plan.balance)
     if any(is_marker(eqn, "boundary") for eqn in cj.jaxpr.eqns):
@@ -138,6 +138,25 @@ def split_jaxpr(
     staged = slice_stages(mark_apply_stage(cj), unmarked=unmarked)
     # A marked program and num_stages: consecutive marked stages are merged.
     return staged if num_stages is None else merge_consecutive(staged, num_stages)
+
+
+def cuts_at_marked_layers(cj: ClosedJaxpr) -> bool:
+    """Whether :func:`split_jaxpr` cuts ``cj`` (calls inlined) into one stage per layer
+    its top-level markers delimit, merging consecutive ones into ``num_stages``
+    (:func:`pipemark.passes.merge_consecutive`): not a program it balances
+    automatically, nor a scan over marked layers.
+
+    >>> import jax, jax.numpy as jnp, pipemark as pm
+    >>> def f(x):
+    ...     pm.mark_pipeline_boundary()
+    ...     return jnp.sin(x)
+    >>> cuts_at_marked_layers(jax.make_jaxpr(f)(1.0)), cuts_at_marked_layers(
+    ...     jax.make_jaxpr(jnp.sin)(1.0))
+    (True, False)
+    """
+    if scans_with_layer_markers(cj):
+        return False
+    return _has_top_level_stage_markers(cj)
 
 
 def _has_top_level_stage_markers(cj: ClosedJaxpr) -> bool:

@@ -22,6 +22,7 @@ from pipemark.passes.rewrite import remove_markers as remove_markers
 from pipemark.passes.scan import layers_from_scans as layers_from_scans
 from pipemark.passes.scan import split_scan as split_scan
 from pipemark.passes.slice import slice_stages as slice_stages
+from pipemark.passes.stages import consecutive_layers as consecutive_layers
 from pipemark.passes.stages import merge_consecutive as merge_consecutive
 from pipemark.passes.stages import merge_stages as merge_stages
 from pipemark.passes.stages import pair_stages as pair_stages

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import heapq
+import itertools
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -16,7 +17,13 @@ from pipemark.primitive import pipeline_p
 from pipemark.roles import BACKWARD, FORWARD, MIXED, WEIGHT, StageRole
 from pipemark.staged import Stage, StagedJaxpr, ValueRef, stage_debug_info, substitute_operands
 
-__all__ = ["merge_consecutive", "merge_stages", "pair_stages", "rename_stages"]
+__all__ = [
+    "consecutive_layers",
+    "merge_consecutive",
+    "merge_stages",
+    "pair_stages",
+    "rename_stages",
+]
 
 
 def _stage_index(staged: StagedJaxpr, key: object, where: str) -> int:
@@ -432,37 +439,22 @@ def pair_stages(
     return forward, backward, weight
 
 
-def merge_consecutive(staged: StagedJaxpr, num_stages: int) -> StagedJaxpr:
-    """Merge consecutive forward stages (each with its mirrored backward stage) into
-    ``num_stages`` stages ``stage0``, ``stage1``, ... (and ``stage0_backward``, ...) of
-    about equal equation counts. A program with ``num_stages`` forward stages is
-    returned as it is; an ``apply_grad`` stage stays as it is.
-
-    This is what :func:`pipemark.split`, the ``pipemark inspect`` command and the
-    pipeline runtime do with a marked program and ``num_stages``.
+def consecutive_layers(staged: StagedJaxpr, num_stages: int) -> tuple[int, ...]:
+    """How many consecutive forward stages (marked layers, each with its mirrored
+    backward stage) :func:`merge_consecutive` puts in each of ``num_stages`` stages by
+    default: about equal equation counts, at least one each.
 
     >>> import jax.numpy as jnp, pipemark as pm
     >>> def f(x):
-    ...     for _ in range(3):
+    ...     for _ in range(5):
     ...         pm.mark_pipeline_boundary()
     ...         x = jnp.sin(x)
     ...     return x
-    >>> [s.name for s in merge_consecutive(pm.split(f, 1.0), 2).stages]
-    ['stage0', 'stage1']
-
-    Raises
-    ------
-    PipemarkError
-        When the program has fewer forward stages than ``num_stages``.
+    >>> consecutive_layers(pm.split(f, 1.0), 2)
+    (3, 2)
     """
     forward, backward, _ = pair_stages(staged)
-    if num_stages == len(forward):
-        return staged
-    if not 1 <= num_stages <= len(forward):
-        raise PipemarkError(
-            f"num_stages={num_stages}, but the program marks only {len(forward)} stages. Mark "
-            f"more layers, or pass 1 <= num_stages <= {len(forward)}."
-        )
+    _check_layer_count(num_stages, len(forward))
     weights = [
         staged.stages[f].num_eqns + (staged.stages[b].num_eqns if b is not None else 0)
         for f, b in zip(forward, backward)
@@ -474,11 +466,76 @@ def merge_consecutive(staged: StagedJaxpr, num_stages: int) -> StagedJaxpr:
         cut = int(np.searchsorted(prefix, prefix[-1] * g / num_stages))
         cuts.append(min(max(cut, cuts[-1] + 1), len(forward) - (num_stages - g)))
     cuts.append(len(forward))
+    return tuple(int(b - a) for a, b in itertools.pairwise(cuts))
+
+
+def _check_layer_count(num_stages: int, count: int) -> None:
+    if not 1 <= num_stages <= count:
+        raise PipemarkError(
+            f"num_stages={num_stages}, but the program marks only {count} stages. Mark "
+            f"more layers, or pass 1 <= num_stages <= {count}."
+        )
+
+
+def merge_consecutive(
+    staged: StagedJaxpr, num_stages: int, layers: Sequence[int] | None = None
+) -> StagedJaxpr:
+    """Merge consecutive forward stages (each with its mirrored backward stage) into
+    ``num_stages`` stages ``stage0``, ``stage1``, ... (and ``stage0_backward``, ...):
+    ``layers[g]`` of them in stage ``g``, or by default of about equal equation counts
+    (:func:`consecutive_layers`). A program with ``num_stages`` forward stages is
+    returned as it is; an ``apply_grad`` stage stays as it is.
+
+    This is what :func:`pipemark.split`, the ``pipemark inspect`` command and the
+    pipeline runtime do with a marked program and ``num_stages`` (the runtime's
+    ``stage_layers=`` gives ``layers``).
+
+    >>> import jax.numpy as jnp, pipemark as pm
+    >>> def f(x):
+    ...     for _ in range(3):
+    ...         pm.mark_pipeline_boundary()
+    ...         x = jnp.sin(x)
+    ...     return x
+    >>> [s.name for s in merge_consecutive(pm.split(f, 1.0), 2).stages]
+    ['stage0', 'stage1']
+    >>> merged = merge_consecutive(pm.split(f, 1.0), 2, layers=(1, 2))
+    >>> [s.num_eqns for s in merged.stages]  # a sin between two markers per layer
+    [3, 6]
+
+    Raises
+    ------
+    PipemarkError
+        When the program has fewer forward stages than ``num_stages``, or ``layers``
+        does not give each of the ``num_stages`` stages at least one of them, all of
+        them in all.
+    """
+    forward, backward, _ = pair_stages(staged)
+    if layers is None:
+        layers = consecutive_layers(staged, num_stages)
+    _check_layers(layers, num_stages, len(forward))
+    if num_stages == len(forward):
+        return staged
+    cuts = np.cumsum([0, *layers])
     groups: dict[str, list[int]] = {}
     for g in range(num_stages):
-        members = range(cuts[g], cuts[g + 1])
+        members = range(int(cuts[g]), int(cuts[g + 1]))
         groups[f"stage{g}"] = [forward[i] for i in members]
         back = [backward[i] for i in members if backward[i] is not None]
         if back:
             groups[backward_name(f"stage{g}")] = back
     return merge_stages(staged, groups)
+
+
+def _check_layers(layers: Sequence[int], num_stages: int, count: int) -> None:
+    _check_layer_count(num_stages, count)
+    given = tuple(layers)
+    if (
+        len(given) != num_stages
+        or any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1 for n in given)
+        or sum(given) != count
+    ):
+        raise PipemarkError(
+            f"stage_layers={given!r} does not share the program's {count} marked layers "
+            f"among {num_stages} stages: give {num_stages} positive ints that add up to "
+            f"{count}, each stage's count of consecutive layers."
+        )

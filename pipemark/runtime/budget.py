@@ -12,16 +12,17 @@ while a slot is over, the budget tries the changes that lower memory:
 * **rematerialisation**: the forward stages of the slots over recomputed by their
   backward stages from their inputs, as ``jax.checkpoint`` of the whole stage would
   (:func:`pipemark.passes.recompute_residuals` with ``rematerialize``);
+* **other stage cuts**: in a program marked with more layers than stages, one marked
+  layer moved off a stage of a slot over to its neighbour on another slot
+  (``stage_layers``: the layer's parameters, residuals and temporaries move with it).
 
 Each round, of the changes that bring the plan closer to the budget (the bytes over it,
 summed over the slots), it keeps the one whose schedule is expected to take the least
 time (simulated with unit action costs, a backward costing two, a rematerialised
-one three), and a change that fits at once before any that does not. Waves on one
+one three, each times the stage's share of the layers), and a change that fits at once before any that does not. Waves on one
 device cost nothing, so they come first there; on several devices each wave fills and
 drains the pipeline. When no change comes closer, :class:`~pipemark.MemoryBudgetError`
 says which slot is over, by how much, and what its peak is made of.
-
-Not chosen by the budget yet: the stage cuts (which marked layers each stage gets).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ class _Trial:
 
 def plan_within_budget(make_plan: PlanMaker, options: PipelineOptions) -> PipelinePlan:
     """The plan ``make_plan`` makes for ``options``, changed round by round (fewer
-    microbatches in flight, forward stages rematerialised) until
+    microbatches in flight, forward stages rematerialised, marked layers moved
+    between stages) until
     every slot's predicted peak is within ``options.memory_budget`` bytes. Raises
     :class:`MemoryBudgetError` when no change brings it closer.
 
@@ -97,7 +99,8 @@ def _try(
 
 def _changes(make_plan: PlanMaker, trial: _Trial, budget: int) -> Iterator[_Trial]:
     """The plans one change away from ``trial``: the next fewer microbatches in
-    flight, and the forward stages of the slots over rematerialised."""
+    flight, the forward stages of the slots over rematerialised, and each move of a
+    marked layer off a stage of a slot over."""
     fewer = _fewer_in_flight(trial)
     if fewer is not None:
         yield _try(make_plan, fewer, trial.rematerialize, budget)
@@ -105,6 +108,27 @@ def _changes(make_plan: PlanMaker, trial: _Trial, budget: int) -> Iterator[_Tria
     more = _forward_stages_on(trial.plan, over) - trial.rematerialize
     if more:
         yield _try(make_plan, trial.options, trial.rematerialize | more, budget)
+    for moved in _layer_moves(trial.plan, over):
+        options = dataclasses.replace(trial.options, stage_layers=moved)
+        yield _try(make_plan, options, trial.rematerialize, budget)
+
+
+def _layer_moves(plan: PipelinePlan, over: set[int]) -> Iterator[tuple[int, ...]]:
+    """``plan``'s layers per stage with one marked layer moved off a stage on a slot in
+    ``over`` to a neighbouring stage on a slot that is not (the stage before gets its
+    first layer, the stage after its last); none where the stages are not merged from
+    marked layers."""
+    layers, slots = plan.stage_layers, plan.placement.stage_slots
+    if layers is None:
+        return
+    for k, count in enumerate(layers):
+        if slots[k] not in over or count < 2:
+            continue
+        for j in (k - 1, k + 1):
+            if 0 <= j < len(layers) and slots[j] not in over:
+                moved = list(layers)
+                moved[k], moved[j] = count - 1, layers[j] + 1
+                yield tuple(moved)
 
 
 def _fewer_in_flight(trial: _Trial) -> PipelineOptions | None:
@@ -128,13 +152,18 @@ def _fewer_in_flight(trial: _Trial) -> PipelineOptions | None:
 
 def _unit_time(schedule: Schedule, plan: PipelinePlan, remat: frozenset[str]) -> float:
     """The schedule's makespan when a forward costs 1 and a backward 2 (3 where it
-    recomputes its forward): what the budget weighs its changes by."""
+    recomputes its forward), each times the stage's share of the marked layers (1 on
+    average): what the budget weighs its changes by."""
     names = [plan.staged.stages[i].name for i in plan.forward_stages]
-    backward = tuple(3.0 if name in remat else 2.0 for name in names)
-    weight = 1.0 if schedule.splits_backward else 0.0
-    costs = {"forward": 1.0, "backward": backward, "weight": weight}
-    if schedule.splits_backward:
-        costs["backward"] = tuple(b - weight for b in backward)
+    layers = plan.stage_layers or (1,) * len(names)
+    share = [n * len(layers) / sum(layers) for n in layers]
+    backward = [(3.0 if name in remat else 2.0) * f for name, f in zip(names, share)]
+    weight = [f if schedule.splits_backward else 0.0 for f in share]
+    costs = {
+        "forward": tuple(share),
+        "backward": tuple(b - w for b, w in zip(backward, weight)),
+        "weight": tuple(weight),
+    }
     return simulate_schedule(schedule, costs).makespan
 
 
@@ -159,6 +188,8 @@ def _over_message(trial: _Trial, budget: int) -> str:
         done.append(f"the forward stages {', '.join(sorted(trial.rematerialize))} rematerialised")
     held = max(trial.plan.schedule.in_flight())
     done.append(f"{held} microbatch{'es' if held > 1 else ''} in flight at most")
+    if trial.plan.stage_layers is not None:
+        done.append(f"stage_layers={trial.plan.stage_layers}")
     return (
         f"Slot {worst.slot} ({worst.devices}) needs {format_bytes(worst.predicted_peak)}, "
         f"{format_bytes(worst.predicted_peak - budget)} over memory_budget={budget} "

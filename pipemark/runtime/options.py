@@ -34,6 +34,15 @@ def check_positive(value: Any, what: str) -> int:
     return value
 
 
+def _check_layers(stage_layers: Any) -> tuple[int, ...]:
+    if isinstance(stage_layers, (str, bytes)) or not hasattr(stage_layers, "__iter__"):
+        raise PipemarkError(
+            f"stage_layers must be a sequence of positive ints (the marked layers of each "
+            f"stage) or None, got {stage_layers!r}."
+        )
+    return tuple(check_positive(n, "each of stage_layers") for n in stage_layers)
+
+
 @dataclass(frozen=True)
 class PipelineOptions:
     """How to run a pipeline.
@@ -108,6 +117,10 @@ class PipelineOptions:
         At most this many microbatches in the pipeline at once (``None``: as many as
         the schedule keeps): the schedule runs in waves of this many
         (:attr:`~pipemark.runtime.ScheduleProblem.microbatches_in_flight`).
+    stage_layers:
+        For a program marked with more layers than stages: how many consecutive marked
+        layers each stage gets (``None``: about equal equation counts); see
+        :func:`pipemark.passes.merge_consecutive`.
     """
 
     num_microbatches: int
@@ -126,6 +139,7 @@ class PipelineOptions:
     dispatch_ahead: int | None = 2
     memory_budget: int | None = None
     microbatches_in_flight: int | None = None
+    stage_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.timeout_s is not None and (
@@ -156,6 +170,8 @@ class PipelineOptions:
             )
         if self.num_stages is not None:
             check_positive(self.num_stages, "num_stages")
+        if self.stage_layers is not None:
+            object.__setattr__(self, "stage_layers", _check_layers(self.stage_layers))
         check_block_cuts(self.block_cuts)
         if self.loss_reduction not in LOSS_REDUCTIONS:
             raise PipemarkError(

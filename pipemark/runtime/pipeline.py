@@ -330,6 +330,7 @@ def pipeline_value_and_grad(
     dispatch_ahead: int | None = 2,
     memory_budget: int | None = None,
     microbatches_in_flight: int | None = None,
+    stage_layers: Sequence[int] | None = None,
 ) -> Pipeline:
     """``jax.value_and_grad(loss_fn)`` computed as a pipeline over several devices.
 
@@ -414,8 +415,9 @@ def pipeline_value_and_grad(
         once: every microbatch's residuals, whatever the schedule keeps in flight.
     memory_budget:
         Bytes each device may hold, as :meth:`Pipeline.memory` predicts it (``None``:
-        no limit). The plan then keeps fewer microbatches in flight and
-        rematerialises forward stages until every device fits, or raises
+        no limit). The plan then keeps fewer microbatches in flight, rematerialises
+        forward stages and moves marked layers between stages until every device
+        fits, or raises
         :class:`~pipemark.MemoryBudgetError` saying by how much it cannot
         (:mod:`pipemark.runtime.budget`).
     microbatches_in_flight:
@@ -423,6 +425,11 @@ def pipeline_value_and_grad(
         the schedule keeps): the schedule runs in waves of this many microbatches, one
         after another, each device holding the residuals of at most that many (less
         memory; on several devices each wave fills and drains the pipeline).
+    stage_layers:
+        For a program marked with more layers than ``num_stages``: how many
+        consecutive marked layers each stage gets, e.g. ``(3, 5)`` for 8 layers in 2
+        stages (``None``: about equal equation counts). The plan's
+        ``stage_layers`` says what it used.
 
     Returns
     -------
@@ -470,6 +477,7 @@ def pipeline_value_and_grad(
         dispatch_ahead=dispatch_ahead,
         memory_budget=memory_budget,
         microbatches_in_flight=microbatches_in_flight,
+        stage_layers=stage_layers,
     )
     return Pipeline(loss_fn, options)
 
@@ -565,21 +573,7 @@ class PipelinedStep:
         specs = None
         if options.mesh is not None:
             specs = leaf_specs(options.param_specs, tuple(replicated), options.stage_axis)
-        staged = stage_program(
-            compute, options.num_stages, "The gradient part of the step", options.block_cuts
-        )
-        plan = within_budget(
-            lambda chosen, remat: plan_from_staged(
-                staged,
-                jax.tree_util.tree_structure([0] * len(compute.jaxpr.outvars)),
-                num_param_leaves=num_replicated,
-                microbatch_size=micro,
-                options=chosen,
-                param_specs=specs,
-                rematerialize=remat,
-            ),
-            options,
-        )
+        plan = _step_plan(compute, options, num_replicated, micro, specs)
         prepared = _Prepared(
             plan,
             jax.tree_util.tree_structure(out_shape),
@@ -650,6 +644,39 @@ class PipelinedStep:
         return jax.tree_util.tree_unflatten(out_tree, outputs)
 
 
+def _step_plan(
+    compute: ClosedJaxpr,
+    options: PipelineOptions,
+    num_param_leaves: int,
+    microbatch_size: int,
+    param_specs: Any,
+) -> PipelinePlan:
+    """The plan of a training step's gradient part ``compute``, cut as ``options`` say
+    (again for each plan a memory budget tries), scheduled and compiled."""
+    out_tree = jax.tree_util.tree_structure([0] * len(compute.jaxpr.outvars))
+
+    def make_plan(chosen: PipelineOptions, remat: frozenset[str]) -> PipelinePlan:
+        staged, layers = stage_program(
+            compute,
+            chosen.num_stages,
+            "The gradient part of the step",
+            chosen.block_cuts,
+            chosen.stage_layers,
+        )
+        return plan_from_staged(
+            staged,
+            out_tree,
+            num_param_leaves=num_param_leaves,
+            microbatch_size=microbatch_size,
+            options=chosen,
+            param_specs=param_specs,
+            rematerialize=remat,
+            stage_layers=layers,
+        )
+
+    return within_budget(make_plan, options)
+
+
 class _UpdatePart(NamedTuple):
     """One program of a training step's update (``program``, jitted as ``run``): its
     slot (worker), the positions it reads in the table of the update's values (see
@@ -716,6 +743,7 @@ def pipeline_train_step(
     dispatch_ahead: int | None = 2,
     memory_budget: int | None = None,
     microbatches_in_flight: int | None = None,
+    stage_layers: Sequence[int] | None = None,
 ) -> PipelinedStep:
     """A training step ``step_fn(*state, batch)`` whose gradients are computed as a
     pipeline and then applied once.
@@ -767,5 +795,6 @@ def pipeline_train_step(
         dispatch_ahead=dispatch_ahead,
         memory_budget=memory_budget,
         microbatches_in_flight=microbatches_in_flight,
+        stage_layers=stage_layers,
     )
     return PipelinedStep(step_fn, options)

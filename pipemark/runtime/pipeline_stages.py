@@ -15,6 +15,7 @@ residual bytes each holds per microbatch in flight: what
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from jax.extend.core import ClosedJaxpr
@@ -23,22 +24,42 @@ from pipemark.cost import nbytes
 from pipemark.errors import PipemarkError, StageGraphError
 from pipemark.passes.backward_split import split_backward as split_backward_stages
 from pipemark.passes.inline import inline_calls
-from pipemark.passes.stages import pair_stages
+from pipemark.passes.stages import consecutive_layers, merge_consecutive, pair_stages
 from pipemark.staged import StagedJaxpr
-from pipemark.staging import has_stage_markers, split_jaxpr
+from pipemark.staging import cuts_at_marked_layers, has_stage_markers, split_jaxpr
 
 __all__ = ["PipelineStages", "pipeline_stages", "stage_program"]
 
 
 def stage_program(
-    cj: ClosedJaxpr, num_stages: int | None, what: str, block_cuts: str = "prefer"
-) -> StagedJaxpr:
+    cj: ClosedJaxpr,
+    num_stages: int | None,
+    what: str,
+    block_cuts: str = "prefer",
+    stage_layers: Sequence[int] | None = None,
+) -> tuple[StagedJaxpr, tuple[int, ...] | None]:
     """Cut a traced program for the runtime as :func:`pipemark.split` cuts it (through
     :func:`pipemark.split_jaxpr`): at its markers, or, without any, into ``num_stages``
     balanced stages under the split policy ``block_cuts`` (``what`` names the program
-    in the error when there is neither)."""
+    in the error when there is neither). A program marked with more layers than
+    ``num_stages`` has consecutive layers merged into each stage, ``stage_layers[g]``
+    of them into stage ``g`` (by default about equal equation counts). Returns the
+    staged program and how many marked layers each stage merged (``None`` where its
+    stages are not merged from marked layers).
+
+    >>> import jax, jax.numpy as jnp, pipemark as pm
+    >>> def f(x):
+    ...     for _ in range(3):
+    ...         pm.mark_pipeline_boundary()
+    ...         x = jnp.sin(x)
+    ...     return x
+    >>> stage_program(jax.make_jaxpr(f)(1.0), 2, "f", stage_layers=(1, 2))[1]
+    (1, 2)
+    """
     # Inlined once here; has_stage_markers and split_jaxpr then find nothing to inline.
     cj = inline_calls(cj)
+    if stage_layers is not None:
+        num_stages = _count_of(stage_layers, num_stages)
     if num_stages is None and not has_stage_markers(cj):
         raise PipemarkError(
             f"{what} has no pipeline markers, so the pipeline cannot tell where to cut it. "
@@ -46,9 +67,30 @@ def stage_program(
             "layers with pm.mark(..., mark_type='start'/'end') or "
             "pm.mark_pipeline_boundary()."
         )
-    # Marked stages are merged into num_stages, or an unmarked program is cut into
-    # num_stages, exactly as pm.split and the CLI do.
-    return split_jaxpr(cj, num_stages=num_stages, block_cuts=block_cuts)
+    if num_stages is None or not cuts_at_marked_layers(cj):
+        if stage_layers is not None:
+            raise PipemarkError(
+                f"stage_layers={tuple(stage_layers)!r} shares marked layers among the "
+                f"stages, but {what} is not cut at top-level layer markers (it is balanced "
+                "automatically, or its layers are a marked scan). Mark the layers with "
+                "pm.mark_pipeline_boundary(), or leave stage_layers=None."
+            )
+        # An unmarked program is cut into num_stages as pm.split and the CLI cut it.
+        return split_jaxpr(cj, num_stages=num_stages, block_cuts=block_cuts), None
+    marked = split_jaxpr(cj, block_cuts=block_cuts)  # one stage per marked layer
+    layers = consecutive_layers(marked, num_stages) if stage_layers is None else stage_layers
+    return merge_consecutive(marked, num_stages, layers), tuple(layers)
+
+
+def _count_of(stage_layers: Sequence[int], num_stages: int | None) -> int:
+    count = len(tuple(stage_layers))
+    if num_stages is not None and num_stages != count:
+        raise PipemarkError(
+            f"stage_layers={tuple(stage_layers)!r} gives {count} stages but "
+            f"num_stages={num_stages}; give one count of layers per stage, or leave "
+            "num_stages=None."
+        )
+    return count
 
 
 class PipelineStages(NamedTuple):

@@ -120,6 +120,9 @@ class PipelinePlan:
     #: The forward stages recomputed whole by their backward stages, by name (a memory
     #: budget's choice: :mod:`pipemark.runtime.budget`).
     rematerialized: frozenset[str] = frozenset()
+    #: How many marked layers each pipeline stage merges (``None``: its stages are not
+    #: merged from marked layers): the options' ``stage_layers``, or the default.
+    stage_layers: tuple[int, ...] | None = None
     #: The schedule's actions resolved with every action its own program (no fusion),
     #: as :func:`~pipemark.runtime.execution.action_costs` times them.
     unfused_steps: Steps | None = dataclasses.field(default=None, repr=False, compare=False)
@@ -217,7 +220,9 @@ def build_plan(
     evaluations = options.num_microbatches * replicas  # each microbatch (and replica)
     loss = loss_over_microbatches(loss, num_param_leaves, options, evaluations)
     program, out_tree = trace_value_and_grad(loss, params, batch_structs)
-    staged = stage_program(program, options.num_stages, "loss_fn", options.block_cuts)
+    staged, layers = stage_program(
+        program, options.num_stages, "loss_fn", options.block_cuts, options.stage_layers
+    )
     specs = None
     if options.mesh is not None:
         specs = leaf_specs(options.param_specs, params, options.stage_axis)
@@ -230,6 +235,7 @@ def build_plan(
         param_specs=specs,
         result_specs=None if specs is None else (None, *specs),
         rematerialize=rematerialize,
+        stage_layers=layers,
     )
 
 
@@ -243,13 +249,15 @@ def plan_from_staged(
     param_specs: Sequence[Any] | None = None,
     result_specs: Sequence[Any] | None = None,
     rematerialize: frozenset[str] = frozenset(),
+    stage_layers: tuple[int, ...] | None = None,
 ) -> PipelinePlan:
     """Schedule and compile a staged program whose inputs are ``num_param_leaves``
     parameter leaves followed by the batch leaves (split into microbatches). On
     sub-meshes (``options.mesh``), ``param_specs`` lays each parameter leaf out on its
     stage's sub-mesh and ``result_specs`` each result (``None``: replicated). The
     forward stages named in ``rematerialize`` are recomputed whole by their backward
-    stages (:func:`pipemark.passes.recompute_residuals`)."""
+    stages (:func:`pipemark.passes.recompute_residuals`); ``stage_layers`` (recorded in
+    the plan) says how many marked layers each stage merged."""
     if options.recompute_residuals or rematerialize:
         # The forward stages named in rematerialize are recomputed whole by their
         # backward (memory_budget asks for them: pipemark.runtime.budget).
@@ -288,6 +296,7 @@ def plan_from_staged(
         gather_results=options.gather_results,
         problem=problem,
         rematerialized=frozenset(rematerialize),
+        stage_layers=stage_layers,
     )
     return _ready(plan)
 

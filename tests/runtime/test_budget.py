@@ -5,6 +5,7 @@ every device within the budget, by the memory estimate, and computes what
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -16,9 +17,10 @@ from tests._devices import devices as pick_devices
 
 def _pipeline(memory_budget=None):
     # GPipe holds every microbatch's residuals on the first stage: the budget bites.
+    # Unmarked, cut automatically: the budget has no marked layers to move.
     used = pick_devices(2)
     with computing_on(used):
-        ex = examples.mlp(num_layers=4, width=32, batch=256)
+        ex = examples.mlp(num_layers=4, width=32, batch=256, markers=None)
     pipe = pm.pipeline_value_and_grad(
         ex.loss_fn,
         num_stages=2,
@@ -54,9 +56,9 @@ def test_a_budget_the_plan_fits_changes_nothing():
 def test_a_slot_over_the_budget_runs_fewer_microbatches_in_flight():
     pipe, ex = _pipeline()
     peaks = _peaks(pipe, ex)
-    assert peaks[0] == max(peaks)  # the first stage holds 8 microbatches' residuals
+    # GPipe: every stage holds all 8 microbatches' residuals.
     assert pipe.plan(*ex.args).schedule.in_flight() == (8, 8)
-    budget = peaks[0] - 1
+    budget = max(peaks) - 1
     within, _ = _pipeline(memory_budget=budget)
     assert all(p <= budget for p in _peaks(within, ex))
     # Waves cost a fill and a drain each; rematerialising a stage costs its forward
@@ -77,18 +79,18 @@ def test_a_slot_over_the_budget_with_one_microbatch_in_flight_rematerialises():
         devices=pipe.options.devices, microbatches_in_flight=1,
     )  # fmt: skip
     assert one_at_a_time.plan(*ex.args).schedule.in_flight() == (1, 1)
-    lowest = _peaks(one_at_a_time, ex)
-    budget = lowest[0] - 1
+    budget = max(_peaks(one_at_a_time, ex)) - 1
     within, _ = _pipeline(memory_budget=budget)
     slots = within.memory(*ex.args).slots
     assert all(s.predicted_peak <= budget for s in slots)
-    # The first stage's backward recomputes its forward: it reads the stage's inputs,
+    # The over slot's backward recomputes its forward: it reads the stage's inputs,
     # nothing its forward computed.
     plan = within.plan(*ex.args)
-    first, backward = plan.forward_stages[0], plan.backward_stages[0]
-    assert not any(
-        r.kind == "stage" and r.stage == first for r in plan.staged.stages[backward].inputs
-    )
+    assert plan.rematerialized
+    for forward, backward in zip(plan.forward_stages, plan.backward_stages):
+        if plan.staged.stages[forward].name in plan.rematerialized:
+            inputs = plan.staged.stages[backward].inputs
+            assert not any(r.kind == "stage" and r.stage == forward for r in inputs)
     _assert_equals_jax(within, ex)
 
 
@@ -136,3 +138,72 @@ def test_a_training_step_within_a_budget_updates_as_jax_does():
     got = fitted(ex.params, state, ex.batch)
     for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+
+
+def _two_big_layers(params, x):
+    # Four marked layers: the first two hold 64 x 64 weights, the last two vectors.
+    w0, w1, v2, v3 = params
+    for layer in (
+        lambda h: jnp.tanh(h @ w0),
+        lambda h: jnp.tanh(h @ w1),
+        lambda h: jnp.tanh(h * v2),
+        lambda h: jnp.tanh(h * v3),
+    ):
+        pm.mark_pipeline_boundary()
+        x = layer(x)
+    return jnp.mean(x**2)
+
+
+def test_a_slot_over_the_budget_by_its_parameters_gives_a_layer_to_its_neighbour():
+    used = pick_devices(2)
+    with computing_on(used):
+        keys = jax.random.split(jax.random.PRNGKey(0), 5)
+        params = [
+            jax.random.normal(keys[0], (64, 64)) / 8,
+            jax.random.normal(keys[1], (64, 64)) / 8,
+            jax.random.normal(keys[2], (64,)),
+            jax.random.normal(keys[3], (64,)),
+        ]
+        x = jax.random.normal(keys[4], (8, 64))
+        want = jax.value_and_grad(_two_big_layers)(params, x)
+    kw = dict(num_stages=2, num_microbatches=4, devices=used)
+    plain = pm.pipeline_value_and_grad(_two_big_layers, **kw)
+    layers = plain.plan(params, x).stage_layers
+    assert layers[0] >= 2  # both weights on the first slot
+    peaks = [s.predicted_peak for s in plain.memory(params, x).slots]
+    # Fewer microbatches in flight or recomputing the residuals cannot take the two
+    # weights (and their gradients) off the first slot: moving a layer can.
+    budget = peaks[0] - 2 * 64 * 64 * 4
+    fitted = pm.pipeline_value_and_grad(_two_big_layers, memory_budget=budget, **kw)
+    plan = fitted.plan(params, x)
+    assert plan.stage_layers == (1, 3)
+    assert all(s.predicted_peak <= budget for s in fitted.memory(params, x).slots)
+    for g, w in zip(jax.tree_util.tree_leaves(fitted(params, x)), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_stage_layers_shares_the_marked_layers_as_asked():
+    used = pick_devices(2)
+    with computing_on(used):
+        ex = examples.mlp(num_layers=4, width=16, batch=16)
+        want = jax.value_and_grad(ex.loss_fn)(*ex.args)
+    kw = dict(num_stages=2, num_microbatches=4, devices=used)
+    for layers in [(1, 3), (3, 1), (2, 2)]:
+        pipe = pm.pipeline_value_and_grad(ex.loss_fn, stage_layers=layers, **kw)
+        plan = pipe.plan(*ex.args)
+        assert plan.stage_layers == layers
+        # Each stage's slot holds the parameters of its layers: one weight and bias
+        # per layer of the MLP.
+        assert [len(leaves) for leaves in plan.steps.params] == [2 * n for n in layers]
+        got = pipe(*ex.args)
+        for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    with pytest.raises(pm.PipemarkError, match=r"stage_layers=\(1, 2\) does not share"):
+        pm.pipeline_value_and_grad(ex.loss_fn, stage_layers=(1, 2), **kw)(*ex.args)
+    with pytest.raises(pm.PipemarkError, match="gives 3 stages but num_stages=2"):
+        pm.pipeline_value_and_grad(ex.loss_fn, stage_layers=(1, 1, 2), **kw)(*ex.args)
+    with pytest.raises(pm.PipemarkError, match="each of stage_layers must be a positive"):
+        pm.pipeline_value_and_grad(ex.loss_fn, stage_layers=(0, 4), **kw)
+    with pytest.raises(pm.PipemarkError, match="is not cut at top-level layer markers"):
+        unmarked = examples.mlp(num_layers=4, width=16, batch=16, markers=None)
+        pm.pipeline_value_and_grad(unmarked.loss_fn, stage_layers=(2, 2), **kw)(*unmarked.args)
