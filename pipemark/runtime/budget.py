@@ -31,14 +31,14 @@ import dataclasses
 from collections.abc import Callable, Iterator
 
 from pipemark.errors import MemoryBudgetError, PipemarkError
-from pipemark.runtime.memory import SlotMemory, format_bytes, plan_memory
+from pipemark.runtime.memory import MemoryEstimate, SlotMemory, format_bytes, plan_memory
 from pipemark.runtime.options import PipelineOptions
 from pipemark.runtime.plan import PipelinePlan
 from pipemark.runtime.registry import build_schedule
 from pipemark.runtime.schedules import Schedule
 from pipemark.runtime.simulation import simulate_schedule
 
-__all__ = ["plan_within_budget"]
+__all__ = ["check_update_within", "plan_within_budget"]
 
 #: ``make_plan(options, rematerialize)``: the plan for these options, with the forward
 #: stages named in ``rematerialize`` recomputed whole by their backward stages.
@@ -86,6 +86,32 @@ def plan_within_budget(make_plan: PlanMaker, options: PipelineOptions) -> Pipeli
             raise MemoryBudgetError(_over_message(trial, budget))
         trial = min(closer, key=lambda c: (c.excess > 0, c.time, c.excess))
     return trial.plan
+
+
+def check_update_within(estimate: MemoryEstimate, budget: int) -> None:
+    """A :class:`MemoryBudgetError` where a training step's update
+    (``SlotMemory.update``: the parameters, gradients and optimizer state it reads, its
+    results and temporaries) needs more than ``budget`` bytes on a slot: none of the
+    budget's changes to the pipeline lowers it.
+
+    >>> from pipemark.runtime.memory import SlotMemory
+    >>> slot = SlotMemory(0, "cpu:0", 8, 0, 8, 0, 0, 64, update=64)
+    >>> check_update_within(MemoryEstimate((slot,)), budget=32)
+    Traceback (most recent call last):
+    ...
+    pipemark.errors.MemoryBudgetError: The training step's update needs 64 B on slot 0 ...
+    """
+    for slot in estimate.slots:
+        if slot.update is not None and slot.update > budget:
+            raise MemoryBudgetError(
+                f"The training step's update needs {format_bytes(slot.update)} on slot "
+                f"{slot.slot} ({slot.devices}), {format_bytes(slot.update - budget)} over "
+                f"memory_budget={budget} ({format_bytes(budget)}): the parameters, "
+                "gradients and optimizer state it reads, its results and temporaries, "
+                "which fewer microbatches in flight or rematerialisation do not lower. "
+                "Give the pipeline more stages or devices (each updates its own "
+                "parameters), or a larger budget."
+            )
 
 
 def _try(

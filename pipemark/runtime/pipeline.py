@@ -58,7 +58,7 @@ from pipemark.runtime.arguments import (
     check_batch_args,
     partition_params,
 )
-from pipemark.runtime.budget import PlanMaker, plan_within_budget
+from pipemark.runtime.budget import PlanMaker, check_update_within, plan_within_budget
 from pipemark.runtime.execution import action_costs, run_plan
 from pipemark.runtime.losses import LOSS_REDUCTIONS, count_batch_free_terms_once, split_count
 from pipemark.runtime.memory import MemoryEstimate, plan_memory, with_update
@@ -574,11 +574,10 @@ class PipelinedStep:
         if options.mesh is not None:
             specs = leaf_specs(options.param_specs, tuple(replicated), options.stage_axis)
         plan = _step_plan(compute, options, num_replicated, micro, specs)
-        prepared = _Prepared(
-            plan,
-            jax.tree_util.tree_structure(out_shape),
-            _update_parts(plan, apply, len(jax.tree_util.tree_leaves(args))),
-        )
+        parts = _update_parts(plan, apply, len(jax.tree_util.tree_leaves(args)))
+        if options.memory_budget is not None:
+            check_update_within(_step_memory(plan, parts), options.memory_budget)
+        prepared = _Prepared(plan, jax.tree_util.tree_structure(out_shape), parts)
         self._prepared[key] = prepared
         return prepared
 
@@ -597,24 +596,7 @@ class PipelinedStep:
         its compiled program's arguments, among them the optimizer state and the
         gradients, its results and temporaries)."""
         plan, _, parts = self._prepare(args)
-        estimate = plan_memory(plan)
-        for part in parts:
-            structs = [
-                jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=where)
-                for aval, where in zip(part.program.in_avals, part.shardings)
-            ]
-            with jax.set_mesh(None):  # as the call runs it (see __call__)
-                analysis = part.run.lower(*structs).compile().memory_analysis()
-            update = (
-                analysis.argument_size_in_bytes
-                + analysis.output_size_in_bytes
-                + analysis.temp_size_in_bytes
-            )
-            # A slot that runs several parts (values it exchanges with the other slots,
-            # then its results) holds them one after the other: with_update keeps the
-            # largest.
-            estimate = with_update(estimate, part.worker, update)
-        return estimate
+        return _step_memory(plan, parts)
 
     def trace(self, *args: Any, path: str | os.PathLike | None = None) -> dict:
         """The gradient part of one step with these arguments, traced as
@@ -675,6 +657,29 @@ def _step_plan(
         )
 
     return within_budget(make_plan, options)
+
+
+def _step_memory(plan: PipelinePlan, parts: tuple[_UpdatePart, ...]) -> MemoryEstimate:
+    """``plan``'s memory with the update after it: each part's compiled program's
+    arguments (the optimizer state, the gradients), results and temporaries."""
+    estimate = plan_memory(plan)
+    for part in parts:
+        structs = [
+            jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=where)
+            for aval, where in zip(part.program.in_avals, part.shardings)
+        ]
+        with jax.set_mesh(None):  # as the call runs it (see __call__)
+            analysis = part.run.lower(*structs).compile().memory_analysis()
+        update = (
+            analysis.argument_size_in_bytes
+            + analysis.output_size_in_bytes
+            + analysis.temp_size_in_bytes
+        )
+        # A slot that runs several parts (values it exchanges with the other slots,
+        # then its results) holds them one after the other: with_update keeps the
+        # largest.
+        estimate = with_update(estimate, part.worker, update)
+    return estimate
 
 
 class _UpdatePart(NamedTuple):

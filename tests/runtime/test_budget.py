@@ -140,6 +140,24 @@ def test_a_training_step_within_a_budget_updates_as_jax_does():
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
 
 
+def test_a_training_step_whose_update_is_over_the_budget_is_refused():
+    used = pick_devices(2)
+    with computing_on(used):
+        ex = examples.mlp(num_layers=4, width=64, batch=8)
+        step, init = examples.train_step(ex.loss_fn, optimizer="adam")
+        state = init(ex.params)
+    kw = dict(num_stages=2, num_microbatches=2, devices=used)
+    slots = pm.pipeline_train_step(step, **kw).memory(ex.params, state, ex.batch).slots
+    # Adam's update reads the parameters, gradients and both moments and writes three
+    # of them: far more than the pipeline before it holds.
+    budget = max(s.update for s in slots) - 1
+    pipeline_part = [s.parameters + s.batch + s.accumulators + s.in_flight for s in slots]
+    assert max(pipeline_part) < budget
+    fitted = pm.pipeline_train_step(step, memory_budget=budget, **kw)
+    with pytest.raises(pm.MemoryBudgetError, match=r"The training step's update needs .* on slot"):
+        fitted(ex.params, state, ex.batch)
+
+
 def _two_big_layers(params, x):
     # Four marked layers: the first two hold 64 x 64 weights, the last two vectors.
     w0, w1, v2, v3 = params
