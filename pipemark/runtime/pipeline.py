@@ -613,7 +613,7 @@ class PipelinedStep:
         # The update runs once: each slot its own stages' part, or, where it does not
         # split, whole on the first stage's slot of this process (under jax.distributed
         # every process has every result and runs it, so that every process holds the
-        # state); on a sub-mesh the state keeps its layout there. The parts fill one
+        # state); on a sub-mesh each parameter keeps its layout there. The parts fill one
         # table (StageUpdates): the update's inputs, its results, then the small values
         # slots exchange, each copied by device_put to the slots that read it.
         values = dict(enumerate([*jax.tree_util.tree_leaves(args), *accumulated]))
@@ -707,12 +707,13 @@ class _Prepared(NamedTuple):
 def _update_parts(plan: PipelinePlan, apply: ClosedJaxpr, num_args: int) -> tuple[_UpdatePart, ...]:
     """The update of ``plan``'s step split per slot (:func:`split_update`, with the
     rounds that exchange small coupled values such as the partial sums of a global
-    norm), each part jitted and reading its inputs on its slot; where it does not split
-    (a big value couples two slots, or the update has effects), on sub-meshes and under
+    norm), each part jitted and reading its inputs on its slot (a sub-mesh's
+    parameters with their layout there: :meth:`PipelinePlan.update_sharding`); where it
+    does not split (a big value couples two slots, or the update has effects) and under
     ``jax.distributed`` (not covered yet), one part: the whole update on the first
-    slot, each parameter with its layout there (:meth:`PipelinePlan.update_shardings`)."""
+    slot."""
     split = None
-    if not plan.placement.meshes and all(plan.placement.local):
+    if all(plan.placement.local):
         split = split_update(apply, input_owners(plan, num_args), plan.update_worker)
     if split is None:
         count = len(apply.jaxpr.invars)
@@ -720,8 +721,9 @@ def _update_parts(plan: PipelinePlan, apply: ClosedJaxpr, num_args: int) -> tupl
         whole = UpdatePart(plan.update_worker, apply, tuple(range(count)), results)
         placed = [(whole, tuple(plan.update_shardings(count)))]
     else:
-        slots = plan.placement.slots
-        placed = [(p, (slots[p.worker].replicated,) * len(p.inputs)) for p in split.parts]
+        placed = [
+            (p, tuple(plan.update_sharding(i, p.worker) for i in p.inputs)) for p in split.parts
+        ]
     return tuple(
         _UpdatePart(
             p.worker, p.program, jax.jit(jaxpr_as_fun(p.program)), p.inputs, p.outputs, where
@@ -763,11 +765,11 @@ def pipeline_train_step(
     with ``loss_reduction="sum"``); the part after runs once, per stage where the
     stage's parameters live (each device its own stages' new parameters and optimizer
     state; values that couple the stages, such as each device's share of a global
-    norm, are small and exchanged: :mod:`pipemark.runtime.update`), or, where a big
-    value couples two stages, on sub-meshes and under ``jax.distributed``, whole on the
-    first stage's device (on sub-meshes, ``mesh=``: on the first stage's sub-mesh,
-    every argument but the batch laid out by ``param_specs``, a pytree prefix of those
-    arguments, or by its own sharding). The other options are those of
+    norm, are small and exchanged: :mod:`pipemark.runtime.update`; on sub-meshes,
+    ``mesh=``, each stage's sub-mesh, its parameters laid out by ``param_specs``, a
+    pytree prefix of the arguments but the batch, or by their own sharding), or, where
+    a big value couples two stages and under ``jax.distributed``, whole on the first
+    stage's device or sub-mesh. The other options are those of
     :func:`pipeline_value_and_grad`.
 
     >>> import jax, numpy as np, pipemark as pm

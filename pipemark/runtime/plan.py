@@ -160,15 +160,18 @@ class PipelinePlan:
         slots = self.placement.slots
         return next(i for i, s in enumerate(slots) if s.process == self.placement.process)
 
+    def update_sharding(self, position: int, worker: int) -> Any:
+        """Where a training step's update reads its input ``position`` (the parameter
+        leaves first) on slot ``worker``: a parameter with its layout there, anything
+        else whole."""
+        if self.param_specs is not None and position < len(self.param_specs):
+            return self.param_sharding(position, worker)
+        return self.placement.slots[worker].replicated
+
     def update_shardings(self, count: int) -> list[Any]:
-        """Where a training step's update reads its ``count`` inputs (the parameter
-        leaves first): this process's first slot (:attr:`update_worker`), each parameter
-        with its layout there and everything else whole."""
-        slot = self.placement.slots[self.update_worker]
-        if self.param_specs is None:
-            return [slot.replicated] * count
-        specs = [NamedSharding(slot.mesh, spec) for spec in self.param_specs]
-        return [*specs, *[slot.replicated] * (count - len(specs))]
+        """Where the whole update reads its ``count`` inputs: this process's first slot
+        (:attr:`update_worker`), as :meth:`update_sharding` lays each out."""
+        return [self.update_sharding(i, self.update_worker) for i in range(count)]
 
     def slot(self, index: int) -> Slot:
         """The slot (device or sub-mesh) that runs stage ``index`` of ``staged``."""

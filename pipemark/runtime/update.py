@@ -47,7 +47,8 @@ its new value and optimizer state are shared, on the first slot.
 Where one slot would send more than :data:`EXCHANGE_LIMIT` bytes (a result adds two
 stages' whole parameter matrices), or the update has effects (a debug print, which
 every part would repeat), the update stays one program on the first slot, as it does
-on sub-meshes and under ``jax.distributed``, and :func:`split_update` returns ``None``.
+under ``jax.distributed``, and :func:`split_update` returns ``None``. On sub-meshes each
+part reads a parameter with its layout on its stage's sub-mesh.
 """
 
 from __future__ import annotations

@@ -280,9 +280,22 @@ def test_a_training_step_on_sub_meshes_matches_jax():
     )
     got = pipelined(params, state, batch)
     assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
-    # The updated parameters keep their layout (on the first stage's sub-mesh).
-    new_params = got[0]
+    # Each stage's sub-mesh updates its own parameters: they keep their layout there,
+    # and the optimizer's moments of them lie there too, not on the first sub-mesh.
+    plan = pipelined.plan(params, state, batch)
+    readers = {leaf: w for w, leaves in enumerate(plan.steps.params) for leaf in leaves}
+    new_params, new_state = got[0], got[1]
     assert new_params[0][0].sharding.spec == P(None, "model")
+    leaves = jax.tree_util.tree_leaves(new_params)
+    moments = [jax.tree_util.tree_leaves(m) for m in new_state[:2]]  # Adam's m and v
+    for leaf, value in enumerate(leaves):
+        devices = set(plan.placement.slots[readers[leaf]].devices)
+        assert value.sharding.device_set == devices
+        for moment in moments:
+            assert moment[leaf].sharding.device_set == devices
+    assert {frozenset(v.sharding.device_set) for v in leaves} == {
+        frozenset(s.devices) for s in plan.placement.slots
+    }
     # Called under the pipeline's mesh (as MaxText's train loop sets its own), the same.
     with jax.sharding.set_mesh(mesh):
         assert_trees_close(pipelined(params, state, batch), want, rtol=1e-5, atol=1e-6)
