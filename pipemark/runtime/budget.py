@@ -18,17 +18,20 @@ while a slot is over, the budget tries the changes that lower memory:
 
 Each round, of the changes that bring the plan closer to the budget (the bytes over it,
 summed over the slots), it keeps the one whose schedule is expected to take the least
-time (simulated with unit action costs, a backward costing two, a rematerialised
-one three, each times the stage's share of the layers), and a change that fits at once before any that does not. Waves on one
-device cost nothing, so they come first there; on several devices each wave fills and
-drains the pipeline. When no change comes closer, :class:`~pipemark.MemoryBudgetError`
-says which slot is over, by how much, and what its peak is made of.
+time (simulated with unit action costs, a backward costing two, a rematerialised one
+three, each times the stage's share of the layers), a change that fits before any that
+does not; it plans (and compiles) the changes in the order of their expected time, up to
+the first that fits. Waves on one device cost nothing, so they come first there; on
+several devices each wave fills and drains the pipeline. When no change comes closer,
+:class:`~pipemark.MemoryBudgetError` says which slot is over, by how much, and what
+its peak is made of.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 from pipemark.errors import MemoryBudgetError, PipemarkError
 from pipemark.runtime.memory import MemoryEstimate, SlotMemory, format_bytes, plan_memory
@@ -81,11 +84,28 @@ def plan_within_budget(make_plan: PlanMaker, options: PipelineOptions) -> Pipeli
     assert budget is not None
     trial = _try(make_plan, options, frozenset(), budget)
     while trial.excess:  # each round brings it closer: at most as many as bytes over
-        closer = [c for c in _changes(make_plan, trial, budget) if c.excess < trial.excess]
-        if not closer:
-            raise MemoryBudgetError(_over_message(trial, budget))
-        trial = min(closer, key=lambda c: (c.excess > 0, c.time, c.excess))
+        trial = _next_trial(make_plan, trial, budget)
     return trial.plan
+
+
+def _next_trial(make_plan: PlanMaker, trial: _Trial, budget: int) -> _Trial:
+    """Of the plans one change away from ``trial`` that come closer to the budget, one
+    that fits, else the one expected to take least time. The changes are planned (and
+    compiled) in the order of their expected time, up to the first that fits: any later
+    one would take longer."""
+    changes = sorted(_changes(trial, budget), key=lambda change: change.time)
+    best = None
+    for change in changes:
+        tried = _try(make_plan, change.options, change.rematerialize, budget)
+        if tried.excess < trial.excess and (
+            best is None or (tried.excess > 0, tried.time) < (best.excess > 0, best.time)
+        ):
+            best = tried
+        if not tried.excess:
+            break
+    if best is None:
+        raise MemoryBudgetError(_over_message(trial, budget))
+    return best
 
 
 def check_update_within(estimate: MemoryEstimate, budget: int) -> None:
@@ -120,23 +140,36 @@ def _try(
     plan = make_plan(options, remat)
     slots = plan_memory(plan).slots
     excess = sum(max(0, s.predicted_peak - budget) for s in slots)
-    return _Trial(options, remat, plan, slots, excess, _unit_time(plan.schedule, plan, remat))
+    time = _unit_time(plan.schedule, _forward_names(plan), plan.stage_layers, remat)
+    return _Trial(options, remat, plan, slots, excess, time)
 
 
-def _changes(make_plan: PlanMaker, trial: _Trial, budget: int) -> Iterator[_Trial]:
-    """The plans one change away from ``trial``: the next fewer microbatches in
+class _Change(NamedTuple):
+    """A change to a trial's plan, not planned yet: its options, the forward stages it
+    rematerialises, and the time its schedule is expected to take."""
+
+    options: PipelineOptions
+    rematerialize: frozenset[str]
+    time: float
+
+
+def _changes(trial: _Trial, budget: int) -> Iterator[_Change]:
+    """The changes one step away from ``trial``: the next fewer microbatches in
     flight, the forward stages of the slots over rematerialised, and each move of a
     marked layer off a stage of a slot over."""
+    plan, remat, names = trial.plan, trial.rematerialize, _forward_names(trial.plan)
     fewer = _fewer_in_flight(trial)
     if fewer is not None:
-        yield _try(make_plan, fewer, trial.rematerialize, budget)
+        options, schedule = fewer
+        yield _Change(options, remat, _unit_time(schedule, names, plan.stage_layers, remat))
     over = {s.slot for s in trial.over(budget)}
-    more = _forward_stages_on(trial.plan, over) - trial.rematerialize
+    more = _forward_stages_on(plan, over) - remat
     if more:
-        yield _try(make_plan, trial.options, trial.rematerialize | more, budget)
-    for moved in _layer_moves(trial.plan, over):
+        time = _unit_time(plan.schedule, names, plan.stage_layers, remat | more)
+        yield _Change(trial.options, remat | more, time)
+    for moved in _layer_moves(plan, over):
         options = dataclasses.replace(trial.options, stage_layers=moved)
-        yield _try(make_plan, options, trial.rematerialize, budget)
+        yield _Change(options, remat, _unit_time(plan.schedule, names, moved, remat))
 
 
 def _layer_moves(plan: PipelinePlan, over: set[int]) -> Iterator[tuple[int, ...]]:
@@ -157,10 +190,11 @@ def _layer_moves(plan: PipelinePlan, over: set[int]) -> Iterator[tuple[int, ...]
                 yield tuple(moved)
 
 
-def _fewer_in_flight(trial: _Trial) -> PipelineOptions | None:
+def _fewer_in_flight(trial: _Trial) -> tuple[PipelineOptions, Schedule] | None:
     """``trial``'s options with the largest ``microbatches_in_flight`` below what its
-    schedule holds at once that the schedule can be built for; ``None`` when there is
-    none (a schedule given made, or one microbatch in flight already)."""
+    schedule holds at once that the schedule can be built for, and that schedule;
+    ``None`` when there is none (a schedule given made, or one microbatch in flight
+    already)."""
     options, plan = trial.options, trial.plan
     if isinstance(options.schedule, Schedule):
         return None
@@ -172,16 +206,21 @@ def _fewer_in_flight(trial: _Trial) -> PipelineOptions | None:
         except PipemarkError:
             continue  # e.g. an interleaved schedule's waves must fill every device
         if max(schedule.in_flight()) < held:
-            return dataclasses.replace(options, microbatches_in_flight=wave)
+            return dataclasses.replace(options, microbatches_in_flight=wave), schedule
     return None
 
 
-def _unit_time(schedule: Schedule, plan: PipelinePlan, remat: frozenset[str]) -> float:
+def _unit_time(
+    schedule: Schedule,
+    names: list[str],
+    layers: tuple[int, ...] | None,
+    remat: frozenset[str],
+) -> float:
     """The schedule's makespan when a forward costs 1 and a backward 2 (3 where it
-    recomputes its forward), each times the stage's share of the marked layers (1 on
-    average): what the budget weighs its changes by."""
-    names = [plan.staged.stages[i].name for i in plan.forward_stages]
-    layers = plan.stage_layers or (1,) * len(names)
+    recomputes its forward: its stage's name is in ``remat``), each times the stage's
+    share of the marked ``layers`` (1 on average): what the budget weighs its changes
+    by."""
+    layers = layers or (1,) * len(names)
     share = [n * len(layers) / sum(layers) for n in layers]
     backward = [(3.0 if name in remat else 2.0) * f for name, f in zip(names, share)]
     weight = [f if schedule.splits_backward else 0.0 for f in share]
@@ -191,6 +230,10 @@ def _unit_time(schedule: Schedule, plan: PipelinePlan, remat: frozenset[str]) ->
         "weight": tuple(weight),
     }
     return simulate_schedule(schedule, costs).makespan
+
+
+def _forward_names(plan: PipelinePlan) -> list[str]:
+    return [plan.staged.stages[i].name for i in plan.forward_stages]
 
 
 def _forward_stages_on(plan: PipelinePlan, slots: set[int]) -> frozenset[str]:

@@ -11,6 +11,7 @@ import pytest
 
 import pipemark as pm
 from pipemark import examples
+from pipemark.runtime import pipeline as pipeline_module
 from tests._devices import computing_on
 from tests._devices import devices as pick_devices
 
@@ -94,9 +95,10 @@ def test_a_slot_over_the_budget_with_one_microbatch_in_flight_rematerialises():
     _assert_equals_jax(within, ex)
 
 
-def test_on_one_device_fewer_microbatches_in_flight_come_first():
+def test_on_one_device_fewer_microbatches_in_flight_come_first(monkeypatch):
     # Every action runs on the one device: waves add no idle time, so the budget
-    # takes them before it recomputes anything.
+    # takes them before it recomputes anything, and does not even plan the
+    # rematerialised pipeline, which is expected to take longer.
     used = pick_devices(1)
     with computing_on(used):
         ex = examples.mlp(num_layers=4, width=32, batch=256)
@@ -104,8 +106,17 @@ def test_on_one_device_fewer_microbatches_in_flight_come_first():
     plain = pm.pipeline_value_and_grad(ex.loss_fn, **kw)
     held = max(plain.plan(*ex.args).schedule.in_flight())
     peak = max(_peaks(plain, ex))
+    planned = []
+    build_plan = pipeline_module.build_plan
+
+    def counting(loss, params, batch, options, remat):
+        planned.append((options.microbatches_in_flight, remat))
+        return build_plan(loss, params, batch, options, remat)
+
+    monkeypatch.setattr(pipeline_module, "build_plan", counting)
     within = pm.pipeline_value_and_grad(ex.loss_fn, memory_budget=peak - 1, **kw)
     plan = within.plan(*ex.args)
+    assert planned == [(None, frozenset()), (1, frozenset())]
     assert max(plan.schedule.in_flight()) < held
     assert plan.schedule.num_ticks == plain.plan(*ex.args).schedule.num_ticks
     assert max(_peaks(within, ex)) <= peak - 1
