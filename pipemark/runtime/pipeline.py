@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -65,12 +65,13 @@ from pipemark.runtime.memory import MemoryEstimate, plan_memory, with_update
 from pipemark.runtime.options import PipelineOptions
 from pipemark.runtime.perfetto import trace_events, write_trace
 from pipemark.runtime.pipeline_stages import stage_program
-from pipemark.runtime.placement import leaf_specs
+from pipemark.runtime.placement import Slot, device_slot, leaf_specs
 from pipemark.runtime.plan import PipelinePlan, build_plan, plan_from_staged
 from pipemark.runtime.programs import compiled_programs
 from pipemark.runtime.schedules import Schedule
 from pipemark.runtime.tracing import replica_batch
-from pipemark.runtime.update import UpdatePart, input_owners, split_update
+from pipemark.runtime.transport import CollectiveTransport, Transport
+from pipemark.runtime.update import StageUpdates, UpdatePart, input_owners, split_update
 
 __all__ = [
     "LOSS_REDUCTIONS",
@@ -574,10 +575,19 @@ class PipelinedStep:
         if options.mesh is not None:
             specs = leaf_specs(options.param_specs, tuple(replicated), options.stage_axis)
         plan = _step_plan(compute, options, num_replicated, micro, specs)
-        parts = _update_parts(plan, apply, len(jax.tree_util.tree_leaves(args)))
+        num_args = len(jax.tree_util.tree_leaves(args))
+        split = _split(plan, apply, num_args)
+        if split is None and not plan.gather_results and plan.placement.distributed:
+            # The whole update reads every stage's gradients: they are gathered, as
+            # with gather_results=True (every process then runs it).
+            options = dataclasses.replace(options, gather_results=True)
+            plan = _step_plan(compute, options, num_replicated, micro, specs)
+        parts = _update_parts(plan, apply, split)
         if options.memory_budget is not None:
             check_update_within(_step_memory(plan, parts), options.memory_budget)
-        prepared = _Prepared(plan, jax.tree_util.tree_structure(out_shape), parts)
+        out_tree = jax.tree_util.tree_structure(out_shape)
+        shared = split.unowned if split is not None and plan.placement.distributed else ()
+        prepared = _Prepared(plan, out_tree, parts, _update_holders(plan, num_args), shared)
         self._prepared[key] = prepared
         return prepared
 
@@ -594,9 +604,10 @@ class PipelinedStep:
         (``SlotMemory.update``: each slot's part of it, the largest where a slot runs
         several rounds, or the whole update on the first slot where it does not split;
         its compiled program's arguments, among them the optimizer state and the
-        gradients, its results and temporaries)."""
-        plan, _, parts = self._prepare(args)
-        return _step_memory(plan, parts)
+        gradients, its results and temporaries; under ``jax.distributed``, of this
+        process's slots)."""
+        prepared = self._prepare(args)
+        return _step_memory(prepared.plan, prepared.parts)
 
     def trace(self, *args: Any, path: str | os.PathLike | None = None) -> dict:
         """The gradient part of one step with these arguments, traced as
@@ -607,21 +618,40 @@ class PipelinedStep:
         return _traced_call(plan, tuple(replicated), batch, path)
 
     def __call__(self, *args: Any) -> Any:
-        plan, out_tree, parts = self._prepare(args)
+        return self._call(args, None)
+
+    def timed_call(self, *args: Any) -> tuple[Any, dict[str, float]]:
+        """Like calling the step, and also return the gradient part's timings, as
+        :meth:`Pipeline.timed_call` gives them; under ``jax.distributed`` also
+        ``update_bytes_sent`` / ``update_bytes_received``: the bytes the update moved
+        between this process's slots and other processes' (with
+        ``gather_results=False``: the small values its parts exchange, and the results
+        no slot owns, which every process gets)."""
+        timings: dict[str, float] = {}
+        out = self._call(args, timings)
+        return out, timings
+
+    def _call(self, args: tuple[Any, ...], timings: dict | None) -> Any:
+        prepared = self._prepare(args)
+        plan, out_tree = prepared.plan, prepared.out_tree
         *replicated, batch = args
-        accumulated = run_plan(plan, tuple(replicated), batch, None)
+        accumulated = run_plan(plan, tuple(replicated), batch, timings)
         # The update runs once: each slot its own stages' part, or, where it does not
-        # split, whole on the first stage's slot of this process (under jax.distributed
-        # every process has every result and runs it, so that every process holds the
-        # state); on a sub-mesh each parameter keeps its layout there. The parts fill one
-        # table (StageUpdates): the update's inputs, its results, then the small values
-        # slots exchange, each copied by device_put to the slots that read it.
+        # split, whole on the first slot; on a sub-mesh each parameter keeps its layout
+        # there. The parts fill one table (StageUpdates): the update's inputs, its
+        # results, then the small values slots exchange, each copied to the slots that
+        # read it. Under jax.distributed each process runs its own slots' parts (see
+        # _update_parts and _run_update).
         values = dict(enumerate([*jax.tree_util.tree_leaves(args), *accumulated]))
         num_inputs = len(values)
+        transport = None
+        if plan.placement.distributed:
+            transport = CollectiveTransport(plan.watchdog, plan.placement.process)
         with jax.set_mesh(None):  # on its slot whatever the caller's mesh (see run_plan)
-            for part in parts:
-                placed = jax.device_put([values[i] for i in part.inputs], list(part.shardings))
-                values.update(zip(part.outputs, part.run(*placed)))
+            _run_update(plan, prepared, values, transport)
+        if timings is not None and transport is not None:
+            timings["update_bytes_sent"] = transport.bytes_sent
+            timings["update_bytes_received"] = transport.bytes_received
         outputs = [values[num_inputs + k] for k in range(out_tree.num_leaves)]
         return jax.tree_util.tree_unflatten(out_tree, outputs)
 
@@ -661,9 +691,12 @@ def _step_plan(
 
 def _step_memory(plan: PipelinePlan, parts: tuple[_UpdatePart, ...]) -> MemoryEstimate:
     """``plan``'s memory with the update after it: each part's compiled program's
-    arguments (the optimizer state, the gradients), results and temporaries."""
+    arguments (the optimizer state, the gradients), results and temporaries (of this
+    process's slots: another process's parts are compiled, and measured, there)."""
     estimate = plan_memory(plan)
     for part in parts:
+        if not plan.placement.local[part.worker]:
+            continue
         structs = [
             jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=where)
             for aval, where in zip(part.program.in_avals, part.shardings)
@@ -702,34 +735,158 @@ class _Prepared(NamedTuple):
     plan: PipelinePlan
     out_tree: Any
     parts: tuple[_UpdatePart, ...]  # the update, per slot and round where it splits
+    holders: tuple[int | None, ...]  # per input of the update (see _update_holders)
+    shared: tuple[int, ...]  # results sent to every process (see _run_update)
 
 
-def _update_parts(plan: PipelinePlan, apply: ClosedJaxpr, num_args: int) -> tuple[_UpdatePart, ...]:
+def _split(plan: PipelinePlan, apply: ClosedJaxpr, num_args: int) -> StageUpdates | None:
     """The update of ``plan``'s step split per slot (:func:`split_update`, with the
     rounds that exchange small coupled values such as the partial sums of a global
-    norm), each part jitted and reading its inputs on its slot (a sub-mesh's
-    parameters with their layout there: :meth:`PipelinePlan.update_sharding`); where it
-    does not split (a big value couples two slots, or the update has effects) and under
-    ``jax.distributed`` (not covered yet), one part: the whole update on the first
-    slot."""
-    split = None
-    if all(plan.placement.local):
-        split = split_update(apply, input_owners(plan, num_args), plan.update_worker)
+    norm), or ``None`` where it does not split (a big value couples two slots, or the
+    update has effects) or runs whole anyway.
+
+    Under ``jax.distributed`` with ``gather_results=False`` every process cuts the same
+    parts (a result no slot owns goes to slot 0, whichever process this is) and runs
+    its own slots' (:func:`_run_update`). With results gathered (the default) every
+    process holds every gradient: it runs the whole update on its own first slot, so
+    that every process gets the whole new state, as before."""
+    if plan.placement.distributed and plan.gather_results:
+        return None
+    return split_update(apply, input_owners(plan, num_args), _first_update_slot(plan))
+
+
+def _first_update_slot(plan: PipelinePlan) -> int:
+    """Where a result no slot owns is computed, and where the update runs whole: this
+    process's first slot, or, when processes keep their own results, slot 0 (every
+    process must cut the same parts)."""
+    return 0 if plan.placement.distributed and not plan.gather_results else plan.update_worker
+
+
+def _update_parts(
+    plan: PipelinePlan, apply: ClosedJaxpr, split: StageUpdates | None
+) -> tuple[_UpdatePart, ...]:
+    """The parts of ``split`` (where it is ``None``, one part: the whole update
+    ``apply`` on the first slot), each jitted and reading its inputs on its slot (a
+    sub-mesh's parameters with their layout there: :meth:`PipelinePlan.update_sharding`)."""
     if split is None:
         count = len(apply.jaxpr.invars)
         results = tuple(range(count, count + len(apply.jaxpr.outvars)))
-        whole = UpdatePart(plan.update_worker, apply, tuple(range(count)), results)
-        placed = [(whole, tuple(plan.update_shardings(count)))]
+        parts: Sequence[UpdatePart] = (
+            UpdatePart(_first_update_slot(plan), apply, tuple(range(count)), results),
+        )
     else:
-        placed = [
-            (p, tuple(plan.update_sharding(i, p.worker) for i in p.inputs)) for p in split.parts
-        ]
+        parts = split.parts
     return tuple(
         _UpdatePart(
-            p.worker, p.program, jax.jit(jaxpr_as_fun(p.program)), p.inputs, p.outputs, where
+            p.worker,
+            p.program,
+            jax.jit(jaxpr_as_fun(p.program)),
+            p.inputs,
+            p.outputs,
+            tuple(plan.update_sharding(i, p.worker) for i in p.inputs),
         )
-        for p, where in placed
+        for p in parts
     )
+
+
+def _update_holders(plan: PipelinePlan, num_args: int) -> tuple[int | None, ...]:
+    """Per input of the update (the step's argument leaves, ``num_args`` of them, then
+    the pipeline's accumulated results): the slot whose process alone holds it, or
+    ``None`` where every process does (the arguments, which every process passes; every
+    result when results are gathered, and in one process)."""
+    holders: list[int | None] = [None] * num_args
+    for ref in plan.staged.outputs:
+        unit = plan.units.get(ref.stage) if ref.kind == "stage" else None
+        held = plan.placement.distributed and not plan.gather_results and unit is not None
+        holders.append(unit.worker if held else None)
+    return tuple(holders)
+
+
+def _run_update(
+    plan: PipelinePlan,
+    prepared: _Prepared,
+    values: dict[int, Any],
+    transport: Transport | None,
+) -> None:
+    """Run the update's parts in order, filling the table ``values`` (its inputs first,
+    see :class:`~pipemark.runtime.update.StageUpdates`) with what they compute; the
+    ``prepared`` holders say which slot's process alone holds each input (``None``:
+    every one).
+
+    A part of this process's slot reads its inputs there (``device_put``). Under
+    ``jax.distributed`` a part of another process's slot runs there: its results are
+    arrays of the global program this process does not hold (as
+    :func:`pipemark.runtime.execution.run_plan` returns another process's stages'
+    results). A value a part reads from a slot of another process (an exchanged partial
+    sum) moves with ``transport``: every process walks the same parts in the same
+    order, so both ends of each move meet. The results no slot owns (``shared``) then
+    go to every process.
+    """
+    slots, local = plan.placement.slots, plan.placement.local
+    held = dict(enumerate(prepared.holders))
+    avals: dict[int, Any] = {}
+    moved: dict[tuple[int, int], Any] = {}  # (position, slot): a value moved there
+    for part in prepared.parts:
+        reader = slots[part.worker]
+        inputs = []
+        for i, aval in zip(part.inputs, part.program.in_avals):
+            source = held.get(i)
+            if source is None or slots[source].process == reader.process:
+                inputs.append(values.get(i))
+                continue
+            if (i, part.worker) not in moved:
+                ends = device_slot(slots[source].device), device_slot(reader.device)
+                got = _move(plan, [i], values, source, ends, [aval], transport)
+                moved[(i, part.worker)] = got[0] if got else None
+            inputs.append(moved[(i, part.worker)])
+        if local[part.worker]:
+            outputs = part.run(*jax.device_put(inputs, list(part.shardings)))
+        else:
+            outputs = _elsewhere(part.program.out_avals, reader)
+        values.update(zip(part.outputs, outputs))
+        held.update((k, part.worker) for k in part.outputs)
+        avals.update(zip(part.outputs, part.program.out_avals))
+    if prepared.shared:
+        source = held[prepared.shared[0]]  # the first slot computes them all
+        types = [avals[k] for k in prepared.shared]
+        for process, device in plan.placement.receivers().items():
+            if process != slots[source].process:
+                ends = device_slot(slots[source].device), device_slot(device)
+                got = _move(plan, prepared.shared, values, source, ends, types, transport)
+                values.update(zip(prepared.shared, got or ()))
+
+
+def _move(
+    plan: PipelinePlan,
+    positions: Sequence[int],
+    values: Mapping[int, Any],
+    source: int,
+    ends: tuple[Slot, Slot],
+    avals: Sequence[Any],
+    transport: Transport | None,
+) -> list[Any] | None:
+    """The values at ``positions`` of the update's table, computed on slot ``source``,
+    moved between the devices ``ends`` (the source slot's first device, so that a
+    sub-mesh's value goes whole) by ``transport``: on the receiving end's process, the
+    values there; ``None`` elsewhere."""
+    # Only under jax.distributed does a part read a value of another process's slot.
+    assert transport is not None
+    sent = None
+    if plan.placement.local[source]:
+        sent = jax.device_put([values[i] for i in positions], ends[0].device)
+    types = tuple((a.shape, a.dtype) for a in avals)
+    what = f"values {list(positions)} of the update"
+    return transport.move(sent, types, *ends, what)
+
+
+def _elsewhere(avals: Sequence[Any], slot: Slot) -> list[Any]:
+    """Values of ``avals`` computed on ``slot``, a slot of another process, as this
+    process sees them: arrays of the global program with no data here (what
+    ``jax.jit`` returns for such arrays), each whole on the slot."""
+    return [
+        jax.make_array_from_single_device_arrays(tuple(a.shape), slot.replicated, [], dtype=a.dtype)
+        for a in avals
+    ]
 
 
 def pipeline_train_step(
@@ -746,6 +903,7 @@ def pipeline_train_step(
     param_specs: Any = None,
     stage_axis: str = "stage",
     data_axis: str = "data",
+    gather_results: bool = True,
     recompute_residuals: bool = True,
     dispatch_ahead: int | None = 2,
     memory_budget: int | None = None,
@@ -768,8 +926,18 @@ def pipeline_train_step(
     norm, are small and exchanged: :mod:`pipemark.runtime.update`; on sub-meshes,
     ``mesh=``, each stage's sub-mesh, its parameters laid out by ``param_specs``, a
     pytree prefix of the arguments but the batch, or by their own sharding), or, where
-    a big value couples two stages and under ``jax.distributed``, whole on the first
-    stage's device or sub-mesh. The other options are those of
+    a big value couples two stages, whole on the first stage's device or sub-mesh.
+
+    Under ``jax.distributed`` with ``gather_results=False`` each process runs the
+    update's parts of its own slots, from its own stages' gradients (never sent to
+    another process) and its own parameters and optimizer state; the small coupled
+    values cross processes with the pipeline's transfers, and the results another
+    process computed are arrays of the global program this process does not hold (as
+    :func:`pipeline_value_and_grad` returns them; a result no stage owns, such as Adam's
+    step count or a global norm returned as a metric, goes to every process). With
+    ``gather_results=True`` (the default), and where the update does not split, every
+    process receives every gradient and runs the whole update on its first slot, so
+    every process gets the whole new state. The other options are those of
     :func:`pipeline_value_and_grad`.
 
     >>> import jax, numpy as np, pipemark as pm
@@ -798,6 +966,7 @@ def pipeline_train_step(
         param_specs=param_specs,
         stage_axis=stage_axis,
         data_axis=data_axis,
+        gather_results=gather_results,
         recompute_residuals=recompute_residuals,
         dispatch_ahead=dispatch_ahead,
         memory_budget=memory_budget,

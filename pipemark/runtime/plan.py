@@ -168,11 +168,6 @@ class PipelinePlan:
             return self.param_sharding(position, worker)
         return self.placement.slots[worker].replicated
 
-    def update_shardings(self, count: int) -> list[Any]:
-        """Where the whole update reads its ``count`` inputs: this process's first slot
-        (:attr:`update_worker`), as :meth:`update_sharding` lays each out."""
-        return [self.update_sharding(i, self.update_worker) for i in range(count)]
-
     def slot(self, index: int) -> Slot:
         """The slot (device or sub-mesh) that runs stage ``index`` of ``staged``."""
         return self.placement.slots[self.units[index].worker]

@@ -46,9 +46,13 @@ takes one exchange): a scalar parameter clipped by the global norm is exchanged,
 its new value and optimizer state are shared, on the first slot.
 Where one slot would send more than :data:`EXCHANGE_LIMIT` bytes (a result adds two
 stages' whole parameter matrices), or the update has effects (a debug print, which
-every part would repeat), the update stays one program on the first slot, as it does
-under ``jax.distributed``, and :func:`split_update` returns ``None``. On sub-meshes each
-part reads a parameter with its layout on its stage's sub-mesh.
+every part would repeat), the update stays one program on the first slot, and
+:func:`split_update` returns ``None``. On sub-meshes each part reads a parameter with
+its layout on its stage's sub-mesh. Under ``jax.distributed`` with
+``gather_results=False`` each process runs its own slots' parts, and the exchanged
+values that cross processes move with the pipeline's transport
+(:class:`pipemark.runtime.PipelinedStep`); with results gathered, every process runs the
+whole update.
 """
 
 from __future__ import annotations
@@ -103,10 +107,16 @@ class StageUpdates(NamedTuple):
         results.
     exchanged:
         The type (aval) of each exchanged value that a part computes, in table order.
+    unowned:
+        The table positions of the results no slot owns (shared, or of inputs no slot
+        owns, such as Adam's step count), which the first slot computes: under
+        ``jax.distributed`` every process needs them (the step count is read by every
+        slot's part of the next update), so they are sent to every other process.
     """
 
     parts: tuple[UpdatePart, ...]
     exchanged: tuple[Any, ...] = ()
+    unowned: tuple[int, ...] = ()
 
 
 def input_owners(plan: PipelinePlan, num_args: int) -> list[int | None]:
@@ -191,7 +201,8 @@ def split_update(
         outputs = tuple(num_inputs + k for k in results)
         values = [jaxpr.outvars[k] for k in results]
         parts.append(UpdatePart(worker, *_part(apply, values, position, outputs), outputs))
-    return StageUpdates(tuple(parts), tuple(v.aval for v in computed))
+    unowned = tuple(num_inputs + k for k, slot in enumerate(owner) if slot is None)
+    return StageUpdates(tuple(parts), tuple(v.aval for v in computed), unowned)
 
 
 class _Flow(NamedTuple):

@@ -2,7 +2,8 @@
 pipemark.launch``) or in one (``reference``): an MLP and the demo's transformer
 language model: the MLP with GPipe, 1F1B, interleaved (two stages per process) and
 ZB-H1 (backward split into B and W), the
-language model with GPipe and 1F1B; their losses and gradients saved per process.
+language model with GPipe and 1F1B; their losses and gradients saved per process; and
+a training step clipped by the global norm, each process updating its own stages.
 
     python tests/runtime/_distributed.py OUT_DIR run        # under pipemark.launch
     python tests/runtime/_distributed.py OUT_DIR reference  # one process, N devices
@@ -161,6 +162,50 @@ def save_held(saved: dict, key: str, result, timings: dict) -> None:
     saved[f"{key}-gathered"] = np.asarray(timings.get("bytes_gathered", 0))
 
 
+#: The global-norm threshold of the training step: below the gradients' norm, so it clips.
+CLIP = 0.01
+
+
+def clipped_step(loss_fn):
+    """A training step with momentum, its gradients clipped by their global norm (written
+    with jnp: every stage's sum of squares is needed by every stage's update), returning
+    the new parameters and momentum, the loss and the norm."""
+    tree_map = jax.tree_util.tree_map
+
+    def step(params, momentum, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        grads = pm.mark_gradient(grads)
+        norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree_util.tree_leaves(grads)))
+        scale = jnp.minimum(1.0, CLIP / norm)
+        momentum = tree_map(lambda m, g: 0.9 * m + scale * g, momentum, grads)
+        params = tree_map(lambda p, m: p - 0.1 * m, params, momentum)
+        return params, momentum, loss, norm
+
+    return step
+
+
+def train(saved: dict) -> None:
+    """Two training steps with ``gather_results=False``, one stage per process, the
+    second from the state the first returned: what this process holds of the second's
+    results (``train-i``; ``train-i-elsewhere``, the shape of one it does not hold),
+    ``jax.jit`` of the step in this process alone (``train-want-i``), and the bytes the
+    second step gathered and received for the update."""
+    mlp = examples.mlp(num_layers=STAGES, width=16, batch=8)
+    step = clipped_step(mlp.loss_fn)
+    state = (mlp.params, jax.tree_util.tree_map(lambda p: 0.1 * p, mlp.params))
+    pipelined = pm.pipeline_train_step(
+        step, num_stages=STAGES, num_microbatches=2, timeout_s=TIMEOUT, gather_results=False
+    )
+    first = pipelined(*state, mlp.batch)
+    got, timings = pipelined.timed_call(*first[:2], mlp.batch)
+    reference = jax.jit(step)
+    want = reference(*reference(*state, mlp.batch)[:2], mlp.batch)
+    for i, w in enumerate(jax.tree_util.tree_leaves(want)):
+        saved[f"train-want-{i}"] = np.asarray(w)
+    save_held(saved, "train", got, timings)
+    saved["train-update-bytes"] = np.asarray(timings["update_bytes_received"])
+
+
 def main() -> None:
     me = jax.process_index()
     if MODE == "absent" and me == 1:
@@ -192,6 +237,8 @@ def main() -> None:
             held = pm.pipeline_value_and_grad(loss_fn, **options, gather_results=False)
             result, timings = held.timed_call(params, batch)
             save_held(saved, f"held-{schedule}", result, timings)
+    if MODE == "run":  # the reference is jax.jit of the step, in each process
+        train(saved)
     np.savez(os.path.join(OUT, f"{MODE}-{me}.npz"), **saved)
     print(f"process {me}: done", flush=True)
 

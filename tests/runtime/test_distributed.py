@@ -91,6 +91,41 @@ def test_stages_in_processes_equal_the_single_process_pipeline(tmp_path, num_pro
                 assert int(got[key]) == int(got[expected]) > 0, key
     runs = [np.load(tmp_path / f"run-{p}.npz") for p in range(num_processes)]
     _check_held(want, runs, ("1f1b", "zb-v"))
+    _check_training_step(runs)
+
+
+def _check_training_step(runs: list) -> None:
+    """Two training steps clipped by the global norm, with ``gather_results=False`` and
+    stage ``k`` in process ``k``: after the second, process ``k`` holds its stage's new
+    parameters and momentum (leaves ``2k`` and ``2k + 1`` of each), equal to ``jax.jit``
+    of the step in one process (within 1e-6 of each leaf's largest value), and nothing
+    of the other stages; the last stage's process holds the loss, and every process the
+    norm (a result no stage owns). Only small values crossed processes for the update
+    (the partial sums, the norm): no gradient was gathered or received."""
+    want = runs[0]
+    count = sum(k.startswith("train-want-") for k in want.files)
+    num = len(runs)
+    assert count == 4 * num + 2
+    assert float(want[f"train-want-{count - 1}"]) > 0.01  # the norm: the step clips
+    holder = [i % (2 * num) // 2 for i in range(4 * num)] + [num - 1, None]
+    for process, got in enumerate(runs):
+        assert int(got["train-gathered"]) == 0
+        received = int(got["train-update-bytes"])
+        # A few float32 partial sums (each process sends its stage's share of the norm):
+        # less than the smallest gradient (a bias of 16 floats, 64 bytes).
+        assert 0 < received < 64, (process, received)
+        for i in range(count):
+            if holder[i] not in (None, process):
+                assert f"train-{i}" not in got.files, (process, i)
+                assert f"train-{i}-elsewhere" in got.files, (process, i)
+                continue
+            expected = want[f"train-want-{i}"]
+            # Within 1e-6 of the leaf's scale: the microbatches' gradients are added in
+            # another order than the whole batch's.
+            atol = 1e-6 * float(np.max(np.abs(expected)))
+            np.testing.assert_allclose(
+                got[f"train-{i}"], expected, rtol=1e-6, atol=atol, err_msg=f"train-{i}"
+            )
 
 
 def test_sub_mesh_stages_in_two_processes_equal_one_process(tmp_path):
