@@ -25,7 +25,8 @@ another:
   one device (the interleaved schedule puts every stage there).
 * ``sN-wK``: the same with at most ``K`` microbatches in flight
   (``microbatches_in_flight``); ``sN-memG``: with ``memory_budget`` ``G`` GiB, the row
-  naming how many microbatches in flight the budget chose.
+  naming how many microbatches in flight the budget chose; ``sN-dK``: with
+  ``dispatch_ahead=K`` (``sN-d0``: ``None``, no bound).
 
 Columns: the first call (tracing, compiling, one step) in seconds and how many XLA
 compilations it made (``jax.monitoring``'s backend-compile events; later calls must
@@ -73,7 +74,7 @@ SIZES = {
     "tiny": dict(layers=4, d_model=32, heads=2, d_ff=128, vocab=64, seq=16, batch=8),
 }
 DEFAULT_CONFIGS = "jit,jit-markers,scan,s1,s1-half,jit-half,s4,s16"
-CONFIG = re.compile(r"(jit|jit-markers|scan|jit-half|s(\d+)(-half|-w(\d+)|-mem([\d.]+))?)$")
+CONFIG = re.compile(r"(jit|jit-markers|scan|jit-half|s(\d+)(-half|-w(\d+)|-mem([\d.]+)|-d(\d+))?)$")
 
 
 def _log(message: str) -> None:
@@ -91,12 +92,15 @@ def stages_of(config: str) -> int | None:
 
 def pipeline_options(config: str) -> dict:
     """A pipeline row's own options: ``sN-wK`` runs at most ``K`` microbatches in
-    flight, ``sN-memG`` asks for a ``memory_budget`` of ``G`` GiB."""
+    flight, ``sN-memG`` asks for a ``memory_budget`` of ``G`` GiB, ``sN-dK`` dispatches
+    at most ``K`` actions ahead (``sN-d0``: no bound)."""
     match = CONFIG.match(config)
     if match and match.group(4):
         return {"microbatches_in_flight": int(match.group(4))}
     if match and match.group(5):
         return {"memory_budget": int(float(match.group(5)) * 2**30)}
+    if match and match.group(6):
+        return {"dispatch_ahead": int(match.group(6)) or None}
     return {}
 
 
@@ -133,6 +137,8 @@ def label(config: str, sizes: dict, microbatches: int) -> str:
         more = f", {own['microbatches_in_flight']} in flight"
     elif "memory_budget" in own:
         more = f", memory_budget {_bytes(own['memory_budget'])}"
+    elif "dispatch_ahead" in own:
+        more = f", dispatch_ahead={own['dispatch_ahead']}"
     return f"pipeline S {stages}, M {microbatches}, interleaved on 1 device{more}, B {rows}"
 
 
