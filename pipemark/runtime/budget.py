@@ -30,12 +30,13 @@ its peak is made of.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 from pipemark.errors import MemoryBudgetError, PipemarkError
-from pipemark.runtime.memory import MemoryEstimate, SlotMemory, format_bytes, plan_memory
+from pipemark.runtime.memory import SlotMemory, format_bytes, plan_memory
 from pipemark.runtime.options import PipelineOptions
+from pipemark.runtime.placement import Slot
 from pipemark.runtime.plan import PipelinePlan
 from pipemark.runtime.registry import build_schedule
 from pipemark.runtime.schedules import Schedule
@@ -81,7 +82,11 @@ def plan_within_budget(make_plan: PlanMaker, options: PipelineOptions) -> Pipeli
     pipemark.errors.MemoryBudgetError: ...
     """
     budget = options.memory_budget
-    assert budget is not None
+    if budget is None:
+        raise PipemarkError(
+            "plan_within_budget needs options.memory_budget (bytes per device); these "
+            "options have none. Plan them with make_plan(options, frozenset()) instead."
+        )
     trial = _try(make_plan, options, frozenset(), budget)
     while trial.excess:  # each round brings it closer: at most as many as bytes over
         trial = _next_trial(make_plan, trial, budget)
@@ -108,24 +113,25 @@ def _next_trial(make_plan: PlanMaker, trial: _Trial, budget: int) -> _Trial:
     return best
 
 
-def check_update_within(estimate: MemoryEstimate, budget: int) -> None:
-    """A :class:`MemoryBudgetError` where a training step's update
-    (``SlotMemory.update``: the parameters, gradients and optimizer state it reads, its
-    results and temporaries) needs more than ``budget`` bytes on a slot: none of the
-    budget's changes to the pipeline lowers it.
+def check_update_within(updates: Mapping[int, int], slots: Sequence[Slot], budget: int) -> None:
+    """A :class:`MemoryBudgetError` where a training step's update needs more than
+    ``budget`` bytes on a slot (``updates``: per slot index, what its part holds, as
+    ``SlotMemory.update`` counts it: the parameters, gradients and optimizer state it
+    reads, its results and temporaries): none of the budget's changes to the pipeline
+    lowers it.
 
-    >>> from pipemark.runtime.memory import SlotMemory
-    >>> slot = SlotMemory(0, "cpu:0", 8, 0, 8, 0, 0, 64, update=64)
-    >>> check_update_within(MemoryEstimate((slot,)), budget=32)
+    >>> import jax
+    >>> from pipemark.runtime.placement import device_slot
+    >>> check_update_within({0: 64}, [device_slot(jax.devices()[0])], budget=32)
     Traceback (most recent call last):
     ...
     pipemark.errors.MemoryBudgetError: The training step's update needs 64 B on slot 0 ...
     """
-    for slot in estimate.slots:
-        if slot.update is not None and slot.update > budget:
+    for worker, update in updates.items():
+        if update > budget:
             raise MemoryBudgetError(
-                f"The training step's update needs {format_bytes(slot.update)} on slot "
-                f"{slot.slot} ({slot.devices}), {format_bytes(slot.update - budget)} over "
+                f"The training step's update needs {format_bytes(update)} on slot "
+                f"{worker} ({slots[worker]}), {format_bytes(update - budget)} over "
                 f"memory_budget={budget} ({format_bytes(budget)}): the parameters, "
                 "gradients and optimizer state it reads, its results and temporaries, "
                 "which fewer microbatches in flight or rematerialisation do not lower. "

@@ -54,7 +54,7 @@ from pipemark.caches import register_cache
 from pipemark.errors import PipemarkError
 from pipemark.runtime.compilation import Unit, result_shardings
 from pipemark.runtime.exchange import Cancelled, Exchange
-from pipemark.runtime.placement import device_slot
+from pipemark.runtime.placement import device_slot, held_elsewhere
 from pipemark.runtime.plan import PipelinePlan
 from pipemark.runtime.schedules import BACKWARD, FORWARD, WEIGHT, Action
 from pipemark.runtime.steps import PARAM, STAGE, Gather, Key, Step, step_name
@@ -393,9 +393,7 @@ def _held_elsewhere(plan: PipelinePlan, unit: Unit) -> list[Any]:
     out_avals = plan.staged.stages[unit.index].out_avals
     shardings = result_shardings(unit, plan.placement.slots[unit.worker])
     return [
-        jax.make_array_from_single_device_arrays(
-            tuple(out_avals[o].shape), sharding, [], dtype=out_avals[o].dtype
-        )
+        held_elsewhere(out_avals[o], sharding)
         for (_, o), sharding in zip(unit.accumulated, shardings)
     ]
 

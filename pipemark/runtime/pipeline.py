@@ -65,7 +65,7 @@ from pipemark.runtime.memory import MemoryEstimate, plan_memory, with_update
 from pipemark.runtime.options import PipelineOptions
 from pipemark.runtime.perfetto import trace_events, write_trace
 from pipemark.runtime.pipeline_stages import stage_program
-from pipemark.runtime.placement import Slot, device_slot, leaf_specs
+from pipemark.runtime.placement import Slot, device_slot, held_elsewhere, leaf_specs
 from pipemark.runtime.plan import PipelinePlan, build_plan, plan_from_staged
 from pipemark.runtime.programs import compiled_programs
 from pipemark.runtime.schedules import Schedule
@@ -584,7 +584,8 @@ class PipelinedStep:
             plan = _step_plan(compute, options, num_replicated, micro, specs)
         parts = _update_parts(plan, apply, split)
         if options.memory_budget is not None:
-            check_update_within(_step_memory(plan, parts), options.memory_budget)
+            updates = _update_bytes(plan, parts)
+            check_update_within(updates, plan.placement.slots, options.memory_budget)
         out_tree = jax.tree_util.tree_structure(out_shape)
         shared = split.unowned if split is not None and plan.placement.distributed else ()
         prepared = _Prepared(plan, out_tree, parts, _update_holders(plan, num_args), shared)
@@ -690,10 +691,20 @@ def _step_plan(
 
 
 def _step_memory(plan: PipelinePlan, parts: tuple[_UpdatePart, ...]) -> MemoryEstimate:
-    """``plan``'s memory with the update after it: each part's compiled program's
-    arguments (the optimizer state, the gradients), results and temporaries (of this
-    process's slots: another process's parts are compiled, and measured, there)."""
+    """``plan``'s memory with the update after it (:func:`_update_bytes`)."""
     estimate = plan_memory(plan)
+    for worker, update in _update_bytes(plan, parts).items():
+        estimate = with_update(estimate, worker, update)
+    return estimate
+
+
+def _update_bytes(plan: PipelinePlan, parts: tuple[_UpdatePart, ...]) -> dict[int, int]:
+    """Per slot of this process that runs a part of the update, what its largest part
+    holds: the compiled program's arguments (the optimizer state, the gradients),
+    results and temporaries (another process's parts are compiled, and measured,
+    there). A slot that runs several parts (values it exchanges with the other slots,
+    then its results) holds them one after the other."""
+    sizes: dict[int, int] = {}
     for part in parts:
         if not plan.placement.local[part.worker]:
             continue
@@ -708,11 +719,8 @@ def _step_memory(plan: PipelinePlan, parts: tuple[_UpdatePart, ...]) -> MemoryEs
             + analysis.output_size_in_bytes
             + analysis.temp_size_in_bytes
         )
-        # A slot that runs several parts (values it exchanges with the other slots,
-        # then its results) holds them one after the other: with_update keeps the
-        # largest.
-        estimate = with_update(estimate, part.worker, update)
-    return estimate
+        sizes[part.worker] = max(sizes.get(part.worker, 0), update)
+    return sizes
 
 
 class _UpdatePart(NamedTuple):
@@ -841,8 +849,8 @@ def _run_update(
             inputs.append(moved[(i, part.worker)])
         if local[part.worker]:
             outputs = part.run(*jax.device_put(inputs, list(part.shardings)))
-        else:
-            outputs = _elsewhere(part.program.out_avals, reader)
+        else:  # another process computes them: arrays without data here
+            outputs = [held_elsewhere(a, reader.replicated) for a in part.program.out_avals]
         values.update(zip(part.outputs, outputs))
         held.update((k, part.worker) for k in part.outputs)
         avals.update(zip(part.outputs, part.program.out_avals))
@@ -877,16 +885,6 @@ def _move(
     types = tuple((a.shape, a.dtype) for a in avals)
     what = f"values {list(positions)} of the update"
     return transport.move(sent, types, *ends, what)
-
-
-def _elsewhere(avals: Sequence[Any], slot: Slot) -> list[Any]:
-    """Values of ``avals`` computed on ``slot``, a slot of another process, as this
-    process sees them: arrays of the global program with no data here (what
-    ``jax.jit`` returns for such arrays), each whole on the slot."""
-    return [
-        jax.make_array_from_single_device_arrays(tuple(a.shape), slot.replicated, [], dtype=a.dtype)
-        for a in avals
-    ]
 
 
 def pipeline_train_step(

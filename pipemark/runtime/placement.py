@@ -29,6 +29,7 @@ __all__ = [
     "Slot",
     "available_slots",
     "device_slot",
+    "held_elsewhere",
     "leaf_specs",
     "mesh_slot",
     "place_stages",
@@ -96,6 +97,15 @@ def _not_on(values: list[Any], sharding: Any) -> list[int]:
         ):
             moving.append(i)
     return moving
+
+
+def held_elsewhere(aval: Any, sharding: Any) -> jax.Array:
+    """A value of type ``aval`` laid out by ``sharding`` on another process's devices,
+    as this process sees it: an array of the global program with no data here (what
+    ``jax.jit`` returns for such a result)."""
+    return jax.make_array_from_single_device_arrays(
+        tuple(aval.shape), sharding, [], dtype=aval.dtype
+    )
 
 
 def device_slot(device: Any) -> Slot:
