@@ -14,6 +14,7 @@ from pipemark import examples
 from pipemark.runtime import pipeline as pipeline_module
 from tests._devices import computing_on
 from tests._devices import devices as pick_devices
+from tests.runtime._steps import mlp_train_step
 
 
 def _pipeline(memory_budget=None):
@@ -135,11 +136,7 @@ def test_a_budget_no_plan_fits_says_which_device_and_by_how_much():
 
 
 def test_a_training_step_within_a_budget_updates_as_jax_does():
-    used = pick_devices(2)
-    with computing_on(used):
-        ex = examples.mlp(num_layers=4, width=64, batch=32)
-        step, init = examples.train_step(ex.loss_fn, optimizer="sgd")
-        state = init(ex.params)
+    used, ex, step, state = mlp_train_step("sgd", num_layers=4, width=64, batch=32)
     kw = dict(num_stages=2, num_microbatches=8, schedule="gpipe", devices=used)
     plain = pm.pipeline_train_step(step, **kw)
     budget = max(s.predicted_peak for s in plain.memory(ex.params, state, ex.batch).slots)
@@ -152,11 +149,7 @@ def test_a_training_step_within_a_budget_updates_as_jax_does():
 
 
 def test_a_training_step_whose_update_is_over_the_budget_is_refused():
-    used = pick_devices(2)
-    with computing_on(used):
-        ex = examples.mlp(num_layers=4, width=64, batch=8)
-        step, init = examples.train_step(ex.loss_fn, optimizer="adam")
-        state = init(ex.params)
+    used, ex, step, state = mlp_train_step("adam", num_layers=4, width=64, batch=8)
     kw = dict(num_stages=2, num_microbatches=2, devices=used)
     slots = pm.pipeline_train_step(step, **kw).memory(ex.params, state, ex.batch).slots
     # Adam's update reads the parameters, gradients and both moments and writes three

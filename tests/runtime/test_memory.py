@@ -16,6 +16,7 @@ from pipemark.runtime.memory import estimate_memory
 from tests._devices import computing_on
 from tests._devices import devices as pick_devices
 from tests.runtime._fusion import mlp_pipeline
+from tests.runtime._steps import mlp_train_step
 
 
 def _mlp_pipeline(schedule, num_stages, num_microbatches, width=32):
@@ -91,11 +92,7 @@ def test_one_stage_holds_nothing_in_flight_and_its_program_temporaries():
 
 
 def test_a_training_step_counts_each_slots_part_of_its_update():
-    used = pick_devices(2)
-    with computing_on(used):
-        ex = examples.mlp(num_layers=2, width=16, batch=8)
-    step, init_state = examples.train_step(ex.loss_fn, optimizer="adam")
-    state = init_state(ex.params)
+    used, ex, step, state = mlp_train_step("adam", num_layers=2, width=16, batch=8)
     pipelined = pm.pipeline_train_step(step, num_stages=2, num_microbatches=2, devices=used)
     estimate = pipelined.memory(ex.params, state, ex.batch)
     first, last = estimate.slots

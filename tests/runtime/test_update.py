@@ -15,6 +15,7 @@ from pipemark import examples
 from pipemark.runtime import update
 from tests._devices import computing_on
 from tests._devices import devices as pick_devices
+from tests.runtime._steps import mlp_train_step
 
 
 def _close(got, want):
@@ -29,11 +30,8 @@ def _slot_of(x):
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_each_slot_updates_its_own_stages_parameters(optimizer):
-    used = pick_devices(2)
+    used, ex, step, state = mlp_train_step(optimizer, num_layers=4, width=16, batch=16)
     with computing_on(used):
-        ex = examples.mlp(num_layers=4, width=16, batch=16)
-        step, init = examples.train_step(ex.loss_fn, optimizer=optimizer)
-        state = init(ex.params)
         want = jax.jit(step)(ex.params, state, ex.batch)
     pipelined = pm.pipeline_train_step(step, num_stages=2, num_microbatches=4, devices=used)
     new_params, new_state, loss = pipelined(ex.params, state, ex.batch)
@@ -53,11 +51,7 @@ def test_each_slot_updates_its_own_stages_parameters(optimizer):
 
 
 def test_the_update_per_slot_is_counted_on_each_slot():
-    used = pick_devices(2)
-    with computing_on(used):
-        ex = examples.mlp(num_layers=4, width=64, batch=16)
-        step, init = examples.train_step(ex.loss_fn, optimizer="adam")
-        state = init(ex.params)
+    used, ex, step, state = mlp_train_step("adam", num_layers=4, width=64, batch=16)
     pipelined = pm.pipeline_train_step(step, num_stages=2, num_microbatches=4, devices=used)
     slots = pipelined.memory(ex.params, state, ex.batch).slots
     assert all(s.update for s in slots)  # both slots run a part of the update
