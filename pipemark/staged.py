@@ -477,9 +477,11 @@ class StagedJaxpr:
         took (they are flattened). A program made by :func:`pipemark.split` is called
         like the function it traced (keyword, static and non-array arguments too), and
         arguments of another pytree structure are refused. Each stage runs eagerly,
-        equation by equation, as ``jax.extend.core.jaxpr_as_fun`` does, so results
-        match the unsplit program bit for bit; wrap the call in ``jax.jit`` to compile
-        it instead.
+        equation by equation, as ``jax.extend.core.jaxpr_as_fun`` does, so the results
+        are those of the sliced program's equations evaluated that way, bit for bit;
+        against ``jax.jit`` of the function (one compiled program, whose calls staging
+        may have inlined) they agree to float rounding (:meth:`verify`). Wrap the call in
+        ``jax.jit`` to compile it instead.
         """
         flat = self._inputs(args, kwargs)
         if len(flat) != len(self._invars):
