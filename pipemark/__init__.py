@@ -11,9 +11,12 @@
 import sys
 import types
 
+from pipemark.rendering import views_in as _views_in
+
 # The public names, each loaded from its module on first use (PEP 562): `import
-# pipemark` itself imports nothing, so the command line answers `--help` and `--version`
-# without importing JAX. Name -> (module, attribute), or (module, None) for a module.
+# pipemark` itself imports nothing but the views' registry (pipemark.rendering, a few
+# lines of plain Python), so the command line answers `--help` and `--version` without
+# importing JAX. Name -> (module, attribute), or (module, None) for a module.
 _EXPORTS: dict[str, tuple[str, str | None]] = {
     "Action": ("pipemark.runtime", "Action"),
     "clear_caches": ("pipemark.caches", "clear_caches"),
@@ -81,6 +84,11 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "views": ("pipemark.views", None),
     "write_report": ("pipemark.views", "write_report"),
 }
+
+# The views (pipemark.views: tables, HTML) register how a staged program is drawn when
+# they are imported; its summary(), str() and notebook view import them on first use
+# (pipemark.rendering). Neither module imports JAX.
+_views_in("pipemark.views")
 
 __version__ = "0.1.0"
 __all__ = sorted(_EXPORTS)

@@ -33,6 +33,7 @@ from pipemark._text import plural
 from pipemark.cost import flatten_shape_byte_sizes
 from pipemark.errors import PipemarkError, StageGraphError
 from pipemark.precision import reference_compute_types
+from pipemark.rendering import render
 from pipemark.roles import StageRole, role_from_name
 from pipemark.signature import Signature
 from pipemark.verification import (
@@ -735,15 +736,11 @@ class StagedJaxpr:
         -  ------  ----  --  ---  -----  ------  --------  ---------  -------
            total      6   2    2      8     0 B      16 B       32 B  100.0 %
         """
-        from pipemark.views.text import summary
-
-        return summary(self, style=style, width=width)
+        return render("text", self, style=style, width=width)
 
     def __str__(self) -> str:
         return self.summary()
 
     def _repr_html_(self) -> str:
         """The notebook view: :func:`pipemark.views.to_html`."""
-        from pipemark.views.html_view import to_html
-
-        return to_html(self)
+        return render("html", self)
