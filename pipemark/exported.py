@@ -155,7 +155,12 @@ def constant_entry(value_name: str, value: Any, aval: Any) -> dict[str, Any]:
 
 
 def stage_markers(closed_jaxpr: Any) -> list[dict[str, str]]:
-    """The markers of a stage program, in order: ``{"name", "mark_type"}`` each."""
+    """The markers of a stage program, in order: ``{"name", "mark_type"}`` each.
+
+    >>> import jax, pipemark as pm
+    >>> stage_markers(jax.make_jaxpr(lambda x: pm.mark(x * 2, name="a", mark_type="end"))(1.0))
+    [{'name': 'a', 'mark_type': 'end'}]
+    """
     return [
         {"name": eqn.params["name"], "mark_type": eqn.params["mark_type"]}
         for eqn in closed_jaxpr.jaxpr.eqns

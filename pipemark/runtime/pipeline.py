@@ -655,7 +655,18 @@ class PipelinedStep:
         """Write the programs a step with these arguments runs (its gradient part's, as
         :meth:`Pipeline.export` writes them, then its update's), and the schedule, to
         ``directory``: a callable of the step's argument leaves (flat) returning its
-        result leaves, which :func:`pipemark.load_staged` reads back in any process."""
+        result leaves, which :func:`pipemark.load_staged` reads back in any process.
+
+        >>> import tempfile, pipemark as pm
+        >>> from pipemark import examples
+        >>> ex = examples.mlp(num_layers=2, batch=4)
+        >>> step, init_state = examples.train_step(ex.loss_fn)
+        >>> pipelined = pm.pipeline_train_step(step, num_stages=1, num_microbatches=2)
+        >>> state = init_state(ex.params)
+        >>> exported = pipelined.export(tempfile.mkdtemp(), ex.params, state, ex.batch)
+        >>> exported.kind, [name for name in exported.programs if name.startswith("update")]
+        ('train_step', ['update/0'])
+        """
         prepared = self._prepare(args)
         out_tree = prepared.out_tree
         results = jax.tree_util.tree_unflatten(out_tree, range(out_tree.num_leaves))

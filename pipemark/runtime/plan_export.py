@@ -74,7 +74,13 @@ def schedule_entry(schedule: Schedule) -> dict[str, Any]:
     """The schedule as the manifest holds it: its name, sizes, stage devices and stage
     graph, and its table: ``csv`` where :class:`~pipemark.runtime.Schedule` writes one
     (``to_csv``), else ``text``, the grid :meth:`~pipemark.runtime.Schedule.to_text`
-    draws."""
+    draws.
+
+    >>> import pipemark as pm
+    >>> entry = schedule_entry(pm.one_f_one_b_schedule(2, 4))
+    >>> entry["name"], entry["stage_devices"], entry["predecessors"]
+    ('1f1b', [0, 1], [[], [0]])
+    """
     entry: dict[str, Any] = {
         "name": schedule.name,
         "num_microbatches": schedule.num_microbatches,
