@@ -20,7 +20,7 @@ import pytest
 import pipemark as pm
 from pipemark import examples
 from tests._devices import devices
-from tests._trees import assert_trees_close, assert_trees_equal
+from tests._trees import assert_trees_close, assert_trees_equal, assert_trees_within_ulps
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "export.md"
@@ -91,7 +91,9 @@ def test_a_fresh_process_with_jax_alone_runs_both_exports_bit_for_bit(tmp_path):
 def test_the_export_runs_the_stage_programs_and_reads_back_equal(tmp_path):
     staged = pm.split(jax.value_and_grad(loss), W, X)
     exported = staged.export(tmp_path)
-    # The same programs: each stage compiled alone by jax.jit, without its markers.
+    # The same computations: each stage compiled alone by jax.jit, without its markers
+    # (an exported module wraps them in its calling convention: another program to
+    # XLA, so within ulps; tests/_exact.py). Read back, the same programs: the same bits.
     results: list[list] = []
     for stage in staged.stages:
         inputs = [
@@ -101,8 +103,8 @@ def test_the_export_runs_the_stage_programs_and_reads_back_equal(tmp_path):
         program = pm.passes.remove_markers(stage.closed_jaxpr)
         results.append(jax.jit(jax.extend.core.jaxpr_as_fun(program))(*inputs))
     per_stage = [results[ref.stage][ref.index] for ref in staged.outputs]
-    assert_trees_equal(exported(W, X), per_stage)
-    assert_trees_equal(pm.load_staged(tmp_path)(W, X), per_stage)
+    assert_trees_within_ulps(exported(W, X), per_stage)
+    assert_trees_equal(pm.load_staged(tmp_path)(W, X), exported(W, X))
 
 
 def test_the_manifest_wires_the_stages_and_keeps_their_markers_apart(tmp_path):

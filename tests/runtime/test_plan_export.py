@@ -1,6 +1,6 @@
 """A pipeline's and a training step's export (pipemark/runtime/plan_export.py): the
-programs a call runs, in its order, equal bit for bit to the call; against JAX's own
-step within rounding; the schedule, slots and stages in the manifest; what is refused."""
+programs a call runs, in its order, equal to the call within ulps (each exported module is
+another program to XLA: tests/_exact.py); against JAX's own step within rounding; the schedule, slots and stages in the manifest; what is refused."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 import pipemark as pm
 from pipemark import examples
 from tests._devices import devices
-from tests._trees import assert_trees_close, assert_trees_equal
+from tests._trees import assert_trees_close, assert_trees_within_ulps
 
 
-def test_a_pipeline_export_computes_its_call_bit_for_bit(tmp_path):
+def test_a_pipeline_export_computes_its_call(tmp_path):
     ex = examples.mlp(num_layers=2, batch=4)
     pipe = pm.pipeline_value_and_grad(
         ex.loss_fn, num_stages=2, num_microbatches=2, devices=devices(2)
@@ -22,8 +22,9 @@ def test_a_pipeline_export_computes_its_call_bit_for_bit(tmp_path):
     exported = pipe.export(tmp_path, ex.params, ex.batch)
     loaded = pm.load_staged(tmp_path)
     flat = jax.tree_util.tree_leaves((ex.params, ex.batch))
-    # The same programs in the same order as the call: the same bits.
-    assert_trees_equal(loaded(*flat), jax.tree_util.tree_leaves(pipe(ex.params, ex.batch)))
+    # The same computations in the same order as the call; each exported module wraps
+    # its program in its calling convention, another program to XLA (tests/_exact.py).
+    assert_trees_within_ulps(loaded(*flat), jax.tree_util.tree_leaves(pipe(ex.params, ex.batch)))
     manifest = exported.manifest
     plan = pipe.plan(ex.params, ex.batch)
     assert manifest["kind"] == "pipeline"
@@ -44,14 +45,15 @@ def test_a_pipeline_export_computes_its_call_bit_for_bit(tmp_path):
     }
 
 
-def test_a_training_step_export_computes_the_step_bit_for_bit(tmp_path):
+def test_a_training_step_export_computes_the_step(tmp_path):
     ex = examples.mlp(num_layers=2, batch=4)
     step, init_state = examples.train_step(ex.loss_fn, optimizer="adam")
     state = init_state(ex.params)
     pipelined = pm.pipeline_train_step(step, num_stages=2, num_microbatches=2, devices=devices(2))
     exported = pipelined.export(tmp_path, ex.params, state, ex.batch)
     got = pm.load_staged(tmp_path)(ex.params, state, ex.batch)
-    assert_trees_equal(got, jax.tree_util.tree_leaves(pipelined(ex.params, state, ex.batch)))
+    want = jax.tree_util.tree_leaves(pipelined(ex.params, state, ex.batch))
+    assert_trees_within_ulps(got, want)  # exported modules: see the test above
     assert_trees_close(got, jax.tree_util.tree_leaves(jax.jit(step)(ex.params, state, ex.batch)))
     assert exported.kind == "train_step"
     assert [n for n in exported.programs if n.startswith("update/")] == ["update/0", "update/1"]
