@@ -34,6 +34,9 @@ setup(
         # The GPU image runs CUDA 13; on CUDA 12 install cupy-cuda12x instead.
         "gpu": ["cupy-cuda13x>=13"],
         "viz": ["matplotlib>=3.7", "rich>=13"],
+        # Checkpoints of pipelined training runs with orbax, in one process or many
+        # (pipemark.runtime.orbax_arrays; docs/training.md).
+        "checkpoint": ["orbax-checkpoint>=0.12"],
         "test": [
             "pytest>=8",
             "pytest-xdist>=3.5",
@@ -54,6 +57,7 @@ setup(
             "flax>=0.12.12; python_version >= '3.12'",
             "equinox>=0.11",
             "optax>=0.2.4",
+            "orbax-checkpoint>=0.12",
         ],
         "docs": [
             "mkdocs>=1.6",

@@ -57,7 +57,7 @@ from pipemark.runtime.exchange import Cancelled, Exchange
 from pipemark.runtime.placement import device_slot, held_elsewhere
 from pipemark.runtime.plan import PipelinePlan
 from pipemark.runtime.schedules import BACKWARD, FORWARD, WEIGHT, Action
-from pipemark.runtime.steps import PARAM, STAGE, Gather, Key, Step, step_name
+from pipemark.runtime.steps import PARAM, STAGE, Gather, Key, Step, step_name, value_type
 from pipemark.runtime.transport import CollectiveTransport, InProcessTransport, Transport
 
 __all__ = ["STRATEGIES", "ActionRecord", "action_costs", "run_plan", "split_leaf"]
@@ -370,7 +370,43 @@ class _Call:
                 parts = [np.asarray(value)] * num_micro
             total = sum(parts[1:], parts[0])
             results[r] = jax.device_put(total * np.float32(plan.scale), plan.placement.home())
+        if self.transport is not None and not plan.gather_results:
+            self.share_scalars(results)
         return results
+
+    def share_scalars(self, results: list[Any]) -> None:
+        """Under ``jax.distributed`` with results not gathered, each stage's scalar
+        results (a loss, a metric) still go to every other process, into ``results``
+        (:meth:`~pipemark.runtime.plan.PipelinePlan.result_holders`): one move per stage
+        and receiving process, in stage order, so that both ends of each meet."""
+        plan, transport = self.plan, self.transport
+        holders = plan.result_holders()
+        receivers = plan.placement.receivers()
+        sent, received = transport.bytes_sent, transport.bytes_received
+        for index, unit in sorted(plan.units.items()):
+            out_avals = plan.staged.stages[index].out_avals
+            scalars = [
+                (r, k)
+                for k, (r, o) in enumerate(unit.accumulated)
+                if holders[r] is None and plan.staged.outputs[r].kind == "stage"
+            ]
+            if not scalars:
+                continue
+            slot = plan.placement.slots[unit.worker]
+            source = device_slot(slot.device)
+            values = None
+            if self.local[unit.worker]:
+                values = jax.device_put([self.accs[index][k] for _, k in scalars], slot.device)
+            types = tuple(value_type(out_avals[unit.accumulated[k][1]]) for _, k in scalars)
+            what = f"the scalar results of stage {plan.staged.stages[index].name!r}"
+            for process, device in receivers.items():
+                if process == slot.process:
+                    continue
+                moved = transport.move(values, types, source, device_slot(device), what)
+                for (r, _), value in zip(scalars, moved or ()):
+                    results[r] = value
+        self.gathered[0] += transport.bytes_sent - sent
+        self.gathered[1] += transport.bytes_received - received
 
 
 def _bound_dispatch(pending: collections.deque, results: Any, ahead: int) -> None:

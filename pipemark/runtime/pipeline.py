@@ -61,9 +61,12 @@ from pipemark.runtime.arguments import (
 )
 from pipemark.runtime.budget import PlanMaker, check_update_within, plan_within_budget
 from pipemark.runtime.execution import action_costs, run_plan
+from pipemark.runtime.holdings import record_results
+from pipemark.runtime.keeping import abstract_leaves, kept_shardings, stage_readers
 from pipemark.runtime.losses import LOSS_REDUCTIONS, count_batch_free_terms_once, split_count
 from pipemark.runtime.memory import MemoryEstimate, plan_memory, with_update
 from pipemark.runtime.options import PipelineOptions
+from pipemark.runtime.orbax_arrays import install as install_orbax_handler
 from pipemark.runtime.perfetto import trace_events, write_trace
 from pipemark.runtime.pipeline_stages import stage_program
 from pipemark.runtime.placement import Slot, device_slot, held_elsewhere, leaf_specs
@@ -180,15 +183,42 @@ class Pipeline:
 
     def _call(self, params: Any, batch_args: tuple, timings: dict | None) -> tuple[Any, Any]:
         key, dynamic, batch, _ = self._bind(params, batch_args)
-        loss, grads = run_plan(self._plan(key, dynamic, batch), dynamic, batch, timings)
+        plan = self._plan(key, dynamic, batch)
+        result = run_plan(plan, dynamic, batch, timings)
         count_fn = self._losses[key][1]
-        if count_fn is None:
-            return loss, grads
-        count = count_fn(dynamic, batch)
-        return loss / count, jax.tree_util.tree_map(lambda g: g / count, grads)
+        if count_fn is not None:
+            count = count_fn(dynamic, batch)
+            result = jax.tree_util.tree_map(lambda x: x / count, result)
+        _record(plan, jax.tree_util.tree_leaves(result), plan.result_holders())
+        return result
 
     def __call__(self, params: Any, *batch: Any) -> tuple[Any, Any]:
         return self._call(params, batch, None)
+
+    def abstract_params(self, params: Any, *batch: Any) -> Any:
+        """``params`` as ``jax.ShapeDtypeStruct`` s laid out where this pipeline keeps
+        each leaf (:mod:`pipemark.runtime.keeping`): on the slot whose stages read it,
+        under ``jax.distributed`` on another process's slot where only that process's
+        stages read it. The target to restore a checkpoint to
+        (``orbax.checkpoint.args.StandardRestore(pipe.abstract_params(params, batch))``),
+        on this layout or another. Leaves that are not arrays stay as they are.
+
+        >>> import jax, pipemark as pm
+        >>> from pipemark import examples
+        >>> ex = examples.mlp(num_layers=2, batch=4)
+        >>> pipe = pm.pipeline_value_and_grad(ex.loss_fn, num_stages=1, num_microbatches=2)
+        >>> abstract = pipe.abstract_params(ex.params, ex.batch)
+        >>> leaf = jax.tree_util.tree_leaves(abstract)[0]
+        >>> leaf.shape == ex.params[0][0].shape, leaf.sharding.device_set == {jax.devices()[0]}
+        (True, True)
+        """
+        key, dynamic, batch_tree, part = self._bind(params, batch)
+        plan = self._plan(key, dynamic, batch_tree)
+        leaves, treedef = jax.tree_util.tree_flatten(dynamic)
+        shardings = kept_shardings(plan, stage_readers(plan, len(leaves)))
+        if plan.placement.distributed:  # orbax then restores others' leaves as theirs
+            install_orbax_handler()
+        return part.combine(treedef.unflatten(abstract_leaves(leaves, shardings)))
 
     def timed_call(self, params: Any, *batch: Any) -> tuple[tuple[Any, Any], dict[str, float]]:
         """Like calling the pipeline, and also return timings: ``dispatch_s`` (wall time
@@ -324,6 +354,15 @@ class Pipeline:
             input_names=leaf_names("params", dynamic) + leaf_names("batch", data),
             output_names=leaf_names("result", results),
         )
+
+
+def _record(plan: PipelinePlan, results: Sequence[Any], holders: Sequence[int | None]) -> None:
+    """Under ``jax.distributed``, say which process holds each of a call's results
+    (:mod:`pipemark.runtime.holdings`), so that orbax saves them
+    (:mod:`pipemark.runtime.orbax_arrays`)."""
+    if plan.placement.distributed:
+        record_results(plan.placement, results, holders)
+        install_orbax_handler()
 
 
 def within_budget(make_plan: PlanMaker, options: PipelineOptions) -> PipelinePlan:
@@ -620,7 +659,12 @@ class PipelinedStep:
             updates = _update_bytes(plan, parts)
             check_update_within(updates, plan.placement.slots, options.memory_budget)
         out_tree = jax.tree_util.tree_structure(out_shape)
-        shared = split.unowned if split is not None and plan.placement.distributed else ()
+        shared: tuple[int, ...] = ()
+        if split is not None and plan.placement.distributed:
+            # Results no slot owns, and scalars (the loss, a metric), go to every process.
+            first = num_args + len(plan.staged.outputs)
+            scalars = [first + k for k, v in enumerate(apply.jaxpr.outvars) if not v.aval.shape]
+            shared = tuple(sorted({*split.unowned, *scalars}))
         prepared = _Prepared(plan, out_tree, parts, _update_holders(plan, num_args), shared)
         self._prepared[key] = prepared
         return prepared
@@ -682,6 +726,39 @@ class PipelinedStep:
     def __call__(self, *args: Any) -> Any:
         return self._call(args, None)
 
+    def abstract_state(self, *args: Any) -> tuple[Any, ...]:
+        """The step's state (its arguments but the batch, ``args[:-1]``) as
+        ``jax.ShapeDtypeStruct`` s laid out where this pipeline keeps each leaf
+        (:mod:`pipemark.runtime.keeping`): a parameter on the slot whose stages read it,
+        a leaf of the optimizer state on the slot whose part of the update reads it;
+        under ``jax.distributed`` on another process's slot where only that process
+        reads it (results not gathered), else on this process's own. The target to
+        restore a checkpoint to (``orbax.checkpoint.args.StandardRestore``), on this
+        layout or another (docs/training.md).
+
+        >>> import jax, pipemark as pm
+        >>> from pipemark import examples
+        >>> ex = examples.mlp(num_layers=2, batch=4)
+        >>> step, init_state = examples.train_step(ex.loss_fn, optimizer="adam")
+        >>> state = init_state(ex.params)
+        >>> pipelined = pm.pipeline_train_step(step, num_stages=1, num_microbatches=2)
+        >>> params, opt_state = pipelined.abstract_state(ex.params, state, ex.batch)
+        >>> jax.tree_util.tree_structure(opt_state) == jax.tree_util.tree_structure(state)
+        True
+        """
+        prepared = self._prepare(args)
+        plan = prepared.plan
+        leaves, treedef = jax.tree_util.tree_flatten(tuple(args[:-1]))
+        readers = stage_readers(plan, len(leaves))
+        for part in prepared.parts:
+            for position, sharding in zip(part.inputs, part.shardings):
+                if position < len(leaves):
+                    readers[position].append((part.worker, sharding))
+        shardings = kept_shardings(plan, readers)
+        if plan.placement.distributed:  # orbax then restores others' leaves as theirs
+            install_orbax_handler()
+        return treedef.unflatten(abstract_leaves(leaves, shardings))
+
     def timed_call(self, *args: Any) -> tuple[Any, dict[str, float]]:
         """Like calling the step, and also return the gradient part's timings, as
         :meth:`Pipeline.timed_call` gives them; under ``jax.distributed`` also
@@ -710,11 +787,16 @@ class PipelinedStep:
         if plan.placement.distributed:
             transport = CollectiveTransport(plan.watchdog, plan.placement.process)
         with jax.set_mesh(None):  # on its slot whatever the caller's mesh (see run_plan)
-            _run_update(plan, prepared, values, transport)
+            held = _run_update(plan, prepared, values, transport)
         if timings is not None and transport is not None:
             timings["update_bytes_sent"] = transport.bytes_sent
             timings["update_bytes_received"] = transport.bytes_received
-        outputs = [values[num_inputs + k] for k in range(out_tree.num_leaves)]
+        positions = range(num_inputs, num_inputs + out_tree.num_leaves)
+        outputs = [values[k] for k in positions]
+        if plan.gather_results:  # every process ran the whole update: copies everywhere
+            _record(plan, outputs, [None] * len(outputs))
+        else:
+            _record(plan, outputs, [held.get(k) for k in positions])
         return jax.tree_util.tree_unflatten(out_tree, outputs)
 
 
@@ -863,12 +945,7 @@ def _update_holders(plan: PipelinePlan, num_args: int) -> tuple[int | None, ...]
     the pipeline's accumulated results): the slot whose process alone holds it, or
     ``None`` where every process does (the arguments, which every process passes; every
     result when results are gathered, and in one process)."""
-    holders: list[int | None] = [None] * num_args
-    for ref in plan.staged.outputs:
-        unit = plan.units.get(ref.stage) if ref.kind == "stage" else None
-        held = plan.placement.distributed and not plan.gather_results and unit is not None
-        holders.append(unit.worker if held else None)
-    return tuple(holders)
+    return (None,) * num_args + plan.result_holders()
 
 
 def _run_update(
@@ -876,11 +953,11 @@ def _run_update(
     prepared: _Prepared,
     values: dict[int, Any],
     transport: Transport | None,
-) -> None:
+) -> dict[int, int | None]:
     """Run the update's parts in order, filling the table ``values`` (its inputs first,
     see :class:`~pipemark.runtime.update.StageUpdates`) with what they compute; the
     ``prepared`` holders say which slot's process alone holds each input (``None``:
-    every one).
+    every one). Returns the same for every position of the table after the update.
 
     A part of this process's slot reads its inputs there (``device_put``). Under
     ``jax.distributed`` a part of another process's slot runs there: its results are
@@ -915,14 +992,18 @@ def _run_update(
         values.update(zip(part.outputs, outputs))
         held.update((k, part.worker) for k in part.outputs)
         avals.update(zip(part.outputs, part.program.out_avals))
-    if prepared.shared:
-        source = held[prepared.shared[0]]  # the first slot computes them all
-        types = [avals[k] for k in prepared.shared]
+    by_source: dict[int, list[int]] = {}
+    for k in prepared.shared:  # grouped by the slot that computed them, in slot order
+        by_source.setdefault(held[k], []).append(k)
+    for source, positions in sorted(by_source.items()):
+        types = [avals[k] for k in positions]
         for process, device in plan.placement.receivers().items():
             if process != slots[source].process:
                 ends = device_slot(slots[source].device), device_slot(device)
-                got = _move(plan, prepared.shared, values, source, ends, types, transport)
-                values.update(zip(prepared.shared, got or ()))
+                got = _move(plan, positions, values, source, ends, types, transport)
+                values.update(zip(positions, got or ()))
+        held.update(dict.fromkeys(positions))  # every process now holds them
+    return held
 
 
 def _move(

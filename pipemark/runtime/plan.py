@@ -180,6 +180,22 @@ class PipelinePlan:
             WEIGHT: self.weight_stages,
         }
 
+    def result_holders(self) -> tuple[int | None, ...]:
+        """Per result of the staged program, the slot whose process alone holds it after
+        a call, or ``None`` where every process does: under ``jax.distributed`` with
+        ``gather_results=False``, each stage's results stay with its slot's process,
+        but for scalars (a loss, a metric: cheap, and the process that logs reads them),
+        which go to every process, as results no stage computes do. In one process, or
+        with results gathered, every result is ``None``."""
+        holders: list[int | None] = []
+        for ref in self.staged.outputs:
+            unit = self.units.get(ref.stage) if ref.kind == "stage" else None
+            held = self.placement.distributed and not self.gather_results and unit is not None
+            if held and not self.staged.stages[ref.stage].out_avals[ref.index].shape:
+                held = False  # a scalar
+            holders.append(unit.worker if held else None)
+        return tuple(holders)
+
     def bytes_into_process(self, process: int) -> int:
         """The bytes that cross into process ``process``'s stages from other processes'
         per call, by the stage graph: each value once per microbatch (and replica) and

@@ -1,0 +1,203 @@
+"""orbax's ``jax.Array`` handler, told which process holds a pipeline's results.
+
+``orbax.checkpoint`` saves a pytree of global ``jax.Array`` objects: every process
+passes the same tree, and each writes the shards it holds. Under ``jax.distributed`` a
+pipeline's state does not look like that (:mod:`pipemark.runtime.holdings`): an array
+another process keeps has no shard here (orbax's handler fails on it), and an array
+this process keeps alone, or a copy every process keeps, is fully addressable (orbax
+refuses it: "Cannot serialize host local jax.Array"). What orbax cannot know is which
+of those a pipeline's result is; pipemark records it, and :func:`install` registers,
+once per process, a handler that wraps the one registered for ``jax.Array`` and, for a
+pipeline's results only:
+
+- skips an array held elsewhere: the process holding it writes it;
+- writes an array held alone from this process: the array, seen as one replica of a
+  global array whose other replica is on another process's devices (never read, never
+  written: that process's view of it has no shard), is written by a handler whose every
+  process writes its own arrays' metadata and data (orbax's ``primary_host=None``),
+  one replica, no sharding file;
+- writes copies once: each process's copy seen as one replica of a global array
+  replicated over one device per process, which orbax writes as it writes any
+  replicated array.
+
+It restores an array whose target sharding has no device in this process as an array
+held elsewhere (orbax's reader needs a shard to read into), and everything else through
+the wrapped handler, so a checkpoint restores onto any layout: each process reads what
+its devices hold. Every other array goes to the wrapped handler unchanged.
+
+The pipeline calls :func:`install` when it first returns results under
+``jax.distributed``, if orbax is installed (``pip install pipemark[checkpoint]``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from pipemark.errors import PipemarkError
+from pipemark.runtime.holdings import ALONE, COPIES, Holding, holding
+from pipemark.runtime.placement import held_elsewhere
+
+__all__ = ["available", "install", "view_for_saving"]
+
+# A mesh axis of the views below: the replicas of an array held alone or in copies.
+_HOLDERS = "pipemark_holders"
+
+
+def available() -> bool:
+    """Whether ``orbax.checkpoint`` is installed."""
+    try:
+        return importlib.util.find_spec("orbax.checkpoint") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _foreign_devices(count: int) -> list[Any]:
+    me = jax.process_index()
+    others = [d for d in jax.devices() if d.process_index != me]
+    if len(others) < count:
+        raise PipemarkError(
+            f"An array held alone by process {me} lies on {count} devices, but the other "
+            f"processes have {len(others)}: orbax cannot be shown it as a global array. "
+            "Save with results gathered (gather_results=True)."
+        )
+    return others[:count]
+
+
+def _alone_view(array: jax.Array) -> jax.Array:
+    """``array`` (this process's alone) as one replica of a global array whose second
+    replica lies on other processes' devices: not fully addressable, so orbax takes it;
+    the shards here keep their replica ids, the foreign ones come after them."""
+    sharding = array.sharding
+    if isinstance(sharding, SingleDeviceSharding):
+        (device,) = sharding.device_set
+        mesh = Mesh(np.array([device, *_foreign_devices(1)]), (_HOLDERS,))
+        view = NamedSharding(mesh, PartitionSpec())
+    elif isinstance(sharding, NamedSharding):
+        devices = sharding.mesh.devices
+        foreign = np.array(_foreign_devices(devices.size)).reshape(devices.shape)
+        mesh = Mesh(np.stack([devices, foreign]), (_HOLDERS, *sharding.mesh.axis_names))
+        view = NamedSharding(mesh, sharding.spec)
+    else:
+        raise PipemarkError(
+            f"A pipeline's result laid out by a {type(sharding).__name__} cannot be saved "
+            "by orbax from one process; save with results gathered."
+        )
+    shards = [shard.data for shard in array.addressable_shards]
+    return jax.make_array_from_single_device_arrays(array.shape, view, shards)
+
+
+def _copies_view(array: jax.Array, devices: Sequence[Any]) -> jax.Array:
+    """This process's copy as its replica of the array replicated over ``devices``, one
+    per process (every process builds the same global array from its own copy)."""
+    mine = devices[jax.process_index()]
+    if array.sharding != SingleDeviceSharding(mine):
+        array = jax.device_put(array, mine)
+    view = NamedSharding(Mesh(np.array(devices), (_HOLDERS,)), PartitionSpec())
+    return jax.make_array_from_single_device_arrays(array.shape, view, [array])
+
+
+def view_for_saving(array: Any) -> tuple[str, Any]:
+    """How :func:`install`'s handler saves ``array``: ``("skip", None)`` for an array
+    with no shard in this process, ``("alone", view)`` or ``("copies", view)`` for a pipeline's result
+    held alone or in copies, ``("as is", array)`` for anything else."""
+    if not isinstance(array, jax.Array) or jax.process_count() == 1:
+        return "as is", array
+    if not array.addressable_shards:  # whoever holds it writes it (orbax would fail here)
+        return "skip", None
+    held: Holding | None = holding(array)
+    if held is None:
+        return "as is", array
+    if held.kind == ALONE:
+        return ALONE, _alone_view(array)
+    assert held.kind == COPIES
+    return COPIES, _copies_view(array, held.devices)
+
+
+@functools.cache
+def install() -> None:
+    """Register the handler for ``jax.Array`` in orbax's global registry, wrapping the
+    one registered there (once per process; a no-op without orbax)."""
+    if not available():
+        return
+    import orbax.checkpoint as ocp
+
+    wrapped = ocp.type_handlers.get_type_handler(jax.Array)
+    handler = _handler_class(ocp)(wrapped)
+    ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+
+
+def _handler_class(ocp: Any) -> type:
+    class PipelineArrayHandler(ocp.type_handlers.ArrayHandler):
+        """orbax's ``jax.Array`` handler for a pipeline's results (see the module)."""
+
+        def __init__(self, wrapped: Any) -> None:
+            super().__init__()
+            self._wrapped = wrapped
+            # Each process writes the metadata and data of the arrays it holds alone.
+            self._alone = ocp.type_handlers.ArrayHandler(
+                primary_host=None,
+                replica_id=None,
+                use_replica_parallel=False,
+                enable_write_sharding_file=False,
+            )
+
+        def typestr(self) -> str:
+            return self._wrapped.typestr()
+
+        async def metadata(self, infos: Sequence[Any]) -> Any:
+            return await self._wrapped.metadata(infos)
+
+        def finalize(self, directory: Any) -> None:
+            self._wrapped.finalize(directory)
+
+        async def serialize(self, values: Sequence[Any], infos: Sequence[Any], args=None):
+            args = args or [ocp.type_handlers.SaveArgs()] * len(values)
+            groups: dict[str, tuple[list, list, list]] = {}
+            for value, info, arg in zip(values, infos, args):
+                kind, view = view_for_saving(value)
+                if kind == "skip":
+                    continue
+                group = groups.setdefault("alone" if kind == ALONE else "wrapped", ([], [], []))
+                for items, item in zip(group, (view, info, arg)):
+                    items.append(item)
+            futures = []
+            for name, handler in (("wrapped", self._wrapped), ("alone", self._alone)):
+                if name in groups:
+                    futures.extend(await handler.serialize(*groups[name]))
+            return futures
+
+        async def deserialize(self, infos: Sequence[Any], args=None):
+            if args is None:
+                return await self._wrapped.deserialize(infos, args)
+            results: list[Any] = [None] * len(infos)
+            here = []
+            for k, arg in enumerate(args):
+                sharding = getattr(arg, "sharding", None)
+                shape = getattr(arg, "global_shape", None)
+                dtype = getattr(arg, "dtype", None)
+                elsewhere = (
+                    isinstance(sharding, jax.sharding.Sharding)
+                    and not sharding.addressable_devices
+                    and shape is not None
+                    and dtype is not None
+                )
+                if elsewhere:
+                    results[k] = held_elsewhere(jax.ShapeDtypeStruct(tuple(shape), dtype), sharding)
+                else:
+                    here.append(k)
+            if here:
+                got = await self._wrapped.deserialize(
+                    [infos[k] for k in here], [args[k] for k in here]
+                )
+                for k, value in zip(here, got):
+                    results[k] = value
+            return results
+
+    return PipelineArrayHandler
