@@ -1,0 +1,162 @@
+"""Training runs saved and resumed with orbax (tests/runtime/_checkpoint.py): in 2 and 4
+processes under ``python -m pipemark.launch``, with results gathered and kept, on
+devices and on sub-meshes, onto the same layout (bit for bit: the same programs) and
+onto others (within float rounding of ``jax.jit``'s steps); the loss read in every
+process; a process killed mid-save loses nothing. In one process: save, restore and
+resume too, and a step that raises leaves the state it was given as it was."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+pytest.importorskip("orbax.checkpoint")
+
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh
+
+import pipemark as pm
+from tests._devices import computing_on
+from tests._devices import devices as pick_devices
+from tests._xla import child_environ
+from tests.runtime import _checkpoint as script
+
+SCRIPT = Path(script.__file__)
+ROOT = SCRIPT.parents[2]
+
+
+def _launch(out: Path, processes: int, mode: str, *args: str, devices: int = 1):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIPEMARK_")}
+    env = child_environ(env)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["JAX_NUM_CPU_DEVICES"] = str(devices)
+    command = ["-m", "pipemark.launch", "-n", str(processes), str(SCRIPT), str(out), mode, *args]
+    return subprocess.run(
+        [sys.executable, *command], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
+
+
+def _seen(out: Path, mode: str, processes: int) -> list[dict]:
+    return [json.loads((out / f"{mode}-{p}.json").read_text()) for p in range(processes)]
+
+
+def _jit_losses() -> list[float]:
+    """JAX's own: jax.jit of the step, from the same state, on the same batches."""
+    step, state, batches = script.model()
+    step = jax.jit(step)
+    losses = []
+    for batch in batches:
+        *state, loss = step(*state, batch)
+        losses.append(float(loss))
+    return losses
+
+
+def _assert_close(got: list[float], want: list[float]) -> None:
+    # float32 Adam over a few steps: the pipeline adds microbatches' gradients in
+    # another order than jit's one program; a few ulps of the loss, amplified by the
+    # steps, stay far below 1e-5 relative.
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_saved_in_two_processes_resumes_in_two_four_and_one(tmp_path):
+    launched = _launch(tmp_path, 2, "train", devices=2)
+    assert launched.returncode == 0, launched.stderr[-4000:]
+    want = _jit_losses()
+    train = _seen(tmp_path, "train", 2)
+    for seen in train:  # every process read every loss, whatever gather_results says
+        assert seen["devices"] == [4, 2]
+        assert set(seen) >= {"gathered", "held", "meshes"}
+        for name in ("gathered", "held", "meshes"):
+            run = seen[name]
+            assert run == train[0][name]
+            _assert_close(run["losses"], want)
+            # Restored onto the same layout: the same programs, the same bits.
+            assert run["resumed"] == run["standard"] == run["losses"][script.SAVE_AT :]
+        assert seen["gradients"]["loss"] == train[0]["gradients"]["loss"]
+    # Each process held (and checked) its own stages' gradients, none twice.
+    assert sum(seen["gradients"]["held"] for seen in train) == 2 * script.LAYERS
+    # Four processes of one device each: another layout, from each checkpoint.
+    names = ["manager-held", "manager-gathered", "manager-meshes"]
+    launched = _launch(tmp_path, 4, "resume", *(str(tmp_path / n) for n in names))
+    assert launched.returncode == 0, launched.stderr[-4000:]
+    for seen in _seen(tmp_path, "resume", 4):
+        assert seen["devices"] == [4, 1]
+        for name in names:
+            _assert_close(seen[name]["resumed"], want[script.SAVE_AT :])
+    _resume_in_this_process(tmp_path / "manager-held", want)
+
+
+def _resume_in_this_process(directory: Path, want: list[float]) -> None:
+    """The 2-process checkpoint onto this process: 2 stages on 2 devices, and 2 stages
+    on sub-meshes of 2 devices each."""
+    step, _state, batches = script.model()
+    used = pick_devices(4)
+    with computing_on(used):
+        meshes = Mesh(np.array(used).reshape(2, 2), ("stage", "data"))
+        for options in (dict(devices=used[:2]), dict(mesh=meshes)):
+            pipe = script.pipelined(step, dict(num_stages=2, **options))
+            at, restored = script.restore(pipe, str(directory), batches[0])
+            assert at == script.SAVE_AT
+            _assert_close(script.run(pipe, restored, batches, at, script.STEPS)[0], want[at:])
+
+
+@pytest.mark.slow
+def test_a_process_killed_mid_save_resumes_from_the_last_whole_checkpoint(tmp_path):
+    killed = _launch(tmp_path, 2, "killed", devices=2)
+    assert killed.returncode != 0
+    assert "process 1 was killed by signal 9" in killed.stderr, killed.stderr[-3000:]
+    # The step being saved when the process died was never committed.
+    steps = sorted(p.name for p in (tmp_path / "killed").iterdir())
+    assert [s for s in steps if s.isdigit()] == [str(k) for k in range(1, script.KILL_AT)]
+    resumed = _launch(tmp_path, 2, "after-kill", devices=2)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    for seen in _seen(tmp_path, "after-kill", 2):
+        assert seen["first"] == script.KILL_AT - 1
+        # The same layout and programs as the uninterrupted run: the same losses.
+        assert seen["losses"] == seen["uninterrupted"][seen["first"] :]
+
+
+def test_in_one_process_a_checkpoint_resumes_bit_for_bit(tmp_path):
+    step, state, batches = script.model()
+    used = pick_devices(2)
+    with computing_on(used):
+        pipe = script.pipelined(step, dict(num_stages=2, devices=used))
+        losses, middle = script.run(pipe, state, batches, 0, script.SAVE_AT)
+        target = pipe.abstract_state(*state, batches[0])
+        for leaf, kept in zip(jax.tree_util.tree_leaves(middle), jax.tree_util.tree_leaves(target)):
+            assert leaf.sharding.device_set == kept.sharding.device_set  # where it stays
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(tmp_path / "state", script.saved(middle))
+        checkpointer.wait_until_finished()
+        back = checkpointer.restore(tmp_path / "state", script.saved(target))
+        rest = script.run(pipe, middle, batches, script.SAVE_AT, script.STEPS)[0]
+        resumed = script.run(pipe, (back["params"], back["opt_state"]), batches, 3, 5)[0]
+    assert resumed == rest
+    _assert_close(losses + rest, _jit_losses())
+
+
+def test_a_step_that_raises_leaves_the_state_it_was_given(tmp_path):
+    step, state, batches = script.model()
+    used = pick_devices(2)
+    with computing_on(used):
+        pipe = script.pipelined(step, dict(num_stages=2, devices=used))
+        params, opt_state, _ = pipe(*state, batches[0])
+        before = [np.asarray(x) for x in jax.tree_util.tree_leaves((params, opt_state))]
+        x, y = batches[1]
+        with pytest.raises(pm.PipemarkError):  # a bad batch: rows that do not split
+            pipe(params, opt_state, (x[:3], y[:3]))
+        with pytest.raises((TypeError, pm.PipemarkError)):  # one JAX refuses to trace
+            pipe(params, opt_state, (x.astype(np.int32)[:, :3], y))
+        after = jax.tree_util.tree_leaves((params, opt_state))
+        assert all(not leaf.is_deleted() for leaf in after)  # nothing donated away
+        for a, b in zip(after, before):
+            np.testing.assert_array_equal(np.asarray(a), b)
+        pipe(params, opt_state, batches[1])  # and the next good step runs
