@@ -27,6 +27,7 @@ from pipemark.runtime.registry import make_schedule as make_schedule
 from pipemark.runtime.registry import register_schedule as register_schedule
 from pipemark.runtime.registry import schedule_entry as schedule_entry
 from pipemark.runtime.registry import unregister_schedule as unregister_schedule
+from pipemark.runtime.schedule_csv import schedule_from_csv as schedule_from_csv
 from pipemark.runtime.schedules import BACKWARD as BACKWARD
 from pipemark.runtime.schedules import FORWARD as FORWARD
 from pipemark.runtime.schedules import WEIGHT as WEIGHT

@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 from pipemark.errors import PipemarkError, StageGraphError
 from pipemark.runtime.problem import Costs, cost_function
-from pipemark.runtime.schedules import Action, Schedule, dependencies
+from pipemark.runtime.schedules import BACKWARD, WEIGHT, Action, Schedule, dependencies
 
 __all__ = ["Simulation", "simulate_schedule"]
 
@@ -110,7 +110,7 @@ def simulate_schedule(
         With it, the simulation shows how much of a schedule's time is spent waiting
         for transfers on its critical path (:mod:`pipemark.runtime.simulation`).
     """
-    cost = cost_function(costs, schedule.splits_backward, len(schedule.stage_devices))
+    cost = _schedule_cost(schedule, costs)
     preds = schedule.predecessors
     succ = schedule.successors
     orders = schedule.device_orders()
@@ -144,6 +144,22 @@ def simulate_schedule(
     bubble = makespan - sum(busy) / len(orders)
     bound = _makespan_bound(orders, cost, needs, delay)
     return Simulation(start, finish, makespan, tuple(busy), idle, bubble, bound)
+
+
+def _schedule_cost(schedule: Schedule, costs: Costs) -> Callable[[Action], float]:
+    """Each action's cost in ``schedule``: a backward pays B + W where it is whole (the
+    schedule splits none, or not this stage and microbatch's)."""
+    cost = cost_function(costs, schedule.splits_backward, len(schedule.stage_devices))
+    whole = schedule.whole_backwards
+    if not whole:
+        return cost
+
+    def mixed(action: Action) -> float:
+        if action.kind == BACKWARD and (action.stage, action.microbatch) in whole:
+            return cost(action) + cost(action._replace(kind=WEIGHT))
+        return cost(action)
+
+    return mixed
 
 
 def _makespan_bound(orders, cost, needs, delay) -> float:
