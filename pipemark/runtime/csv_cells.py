@@ -101,9 +101,7 @@ def parse_cell(text: str) -> Cell | None:
         close = text.find(")")
         kind = text[close + 1 :] if close > 0 else ""
         if kind != OVERLAP:
-            raise CellError(
-                f"{text!r} is not an overlapped pair '(<cell>;<cell>){OVERLAP}'."
-            )
+            raise CellError(f"{text!r} is not an overlapped pair '(<cell>;<cell>){OVERLAP}'.")
         parts = tuple(_single(part) for part in text[1:close].split(";"))
         if len(parts) != 2 or parts[0].type != "F" or parts[1].type not in ("B", "I"):
             raise CellError(

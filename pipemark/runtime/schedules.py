@@ -657,8 +657,9 @@ def _check_overlapped(
             raise StageGraphError(f"{what} shares an action with another pair.")
         paired.update(pair)
         t = when[first]
-        if when[second] != t + 1 or schedule.stage_devices[first.stage] != (
-            schedule.stage_devices[second.stage]
+        if (
+            when[second] != t + 1
+            or schedule.stage_devices[first.stage] != (schedule.stage_devices[second.stage])
         ):
             raise StageGraphError(
                 f"{what} runs at ticks {t} and {when[second]}; an overlapped pair runs on "
@@ -769,7 +770,9 @@ def schedule_from_orders(
             if action not in partner or ready(partner[action], t, action):
                 tick[d] = action
         if not any(tick) and any(
-            earliest.get(q[position[d]], 0) > t for d, q in enumerate(queues) if position[d] < len(q)
+            earliest.get(q[position[d]], 0) > t
+            for d, q in enumerate(queues)
+            if position[d] < len(q)
         ):
             ticks.append(tuple(tick))  # an idle tick the orders ask for
             continue

@@ -196,9 +196,7 @@ def test_weight_actions_are_checked_like_the_others():
     costs = {"forward": 1.0, "backward": 2.0, "weight": 4.0}
     assert simulate_schedule(mixed, costs).makespan == 1 + 2 + 4 + 1 + (2 + 4)
     with pytest.raises(pm.StageGraphError, match=r"never run, e\.g\. the backward of stage 0"):
-        pm.Schedule(
-            "no backward", 1, (0,), ((),), ((Action(0, 0, F),), (Action(0, 0, W),))
-        )
+        pm.Schedule("no backward", 1, (0,), ((),), ((Action(0, 0, F),), (Action(0, 0, W),)))
 
 
 def test_costs_per_stage_and_bad_costs():
