@@ -8,6 +8,7 @@
 (:mod:`pipemark.runtime.execution`) a pipeline with :class:`PipelineOptions`.
 """
 
+from pipemark.runtime.dualpipe import dualpipev_schedule as dualpipev_schedule
 from pipemark.runtime.memory import MemoryEstimate as MemoryEstimate
 from pipemark.runtime.memory import SlotMemory as SlotMemory
 from pipemark.runtime.options import PipelineOptions as PipelineOptions

@@ -93,7 +93,10 @@ def simulate_schedule(
 ) -> Simulation:
     """Run ``schedule`` on paper: each device runs its actions in the schedule's order,
     each as soon as the device is free and everything it needs has finished (and, for
-    what another device computed, has arrived).
+    what another device computed, has arrived). An overlapped pair
+    (:attr:`~pipemark.runtime.Schedule.overlapped`) runs as one unit: it starts once
+    what both read has arrived, takes the sum of their costs, and both results are out
+    when it ends.
 
     Parameters
     ----------
@@ -122,20 +125,28 @@ def simulate_schedule(
     start: dict[Action, float] = {}
     finish: dict[Action, float] = {}
     remaining = sum(len(o) for o in orders)
+    pairs = dict(schedule.overlapped)  # first -> second: one unit, one program
     while remaining:
         progressed = False
         for d, order in enumerate(orders):
             while position[d] < len(order):
-                action = order[position[d]]
-                if any(n not in finish for n in needs[action]):
+                unit = (order[position[d]],)
+                unit += (pairs[unit[0]],) if unit[0] in pairs else ()
+                reads = [(n, a) for a in unit for n in needs[a] if n not in unit]
+                if any(n not in finish for n, _ in reads):
                     break
-                begin = max([free[d], *(finish[n] + delay(n, action) for n in needs[action])])
-                length = cost(action)
-                start[action], finish[action] = begin, begin + length
+                # A unit starts once everything its actions read has arrived, and its
+                # results leave together when it ends (an overlapped pair is one program).
+                begin = max([free[d], *(finish[n] + delay(n, a) for n, a in reads)])
+                length = sum(map(cost, unit))
+                offset = begin
+                for action in unit:
+                    start[action], finish[action] = offset, begin + length
+                    offset += cost(action)
                 free[d] = begin + length
                 busy[d] += length
-                position[d] += 1
-                remaining -= 1
+                position[d] += len(unit)
+                remaining -= len(unit)
                 progressed = True
         if not progressed:  # a valid schedule never deadlocks
             raise StageGraphError("The schedule's device orders deadlock.")
