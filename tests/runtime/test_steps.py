@@ -21,15 +21,20 @@ def _plan(
     return pipe.plan(*ex.args)
 
 
+def _fused(plan) -> set[tuple[int, ...]]:
+    """The stages of each fused program the plan compiled."""
+    return {combined.stages for combined in plan.fused}
+
+
 @pytest.mark.parametrize("num_microbatches", [1, 4])
 def test_one_stage_fuses_every_forward_with_its_backward(num_microbatches):
     plan = _plan(1, num_microbatches)
     forward, backward = plan.forward_stages[0], plan.backward_stages[0]
     (column,) = plan.steps.columns
-    assert [(s.index, s.fused, s.microbatch) for s in column] == [
-        (backward, forward, m) for m in range(num_microbatches)
+    assert [(s.index, s.fused.stages, s.microbatch) for s in column] == [
+        (backward, (forward, backward), m) for m in range(num_microbatches)
     ]
-    assert set(plan.fused) == {backward}
+    assert _fused(plan) == {(forward, backward)}
     assert plan.steps.num_actions == 2 * num_microbatches
     assert plan.steps.num_programs == num_microbatches
     # The fused step reads the forward's inputs first, then the backward's own (none of
@@ -45,10 +50,9 @@ def test_the_last_stage_of_1f1b_is_fused_and_the_first_is_not():
     plan = _plan(2, 4)
     first, last = plan.steps.columns
     assert all(s.fused is None for s in first)  # its forward feeds stage 1
-    assert [(s.index, s.fused) for s in last] == [
-        (plan.backward_stages[1], plan.forward_stages[1])
-    ] * 4
-    assert set(plan.fused) == {plan.backward_stages[1]}
+    both = (plan.forward_stages[1], plan.backward_stages[1])
+    assert [(s.index, s.fused.stages) for s in last] == [(plan.backward_stages[1], both)] * 4
+    assert _fused(plan) == {both}
     assert plan.steps.num_programs == 12 and plan.steps.num_actions == 16
     # The fused step takes its backward's place in the global order; the rest keeps its own.
     want = [
@@ -91,7 +95,7 @@ def test_zero_bubble_last_stage_fuses_when_its_weight_stage_reads_the_stage_inpu
     assert all(
         ref.stage != last for ref in plan.staged.stages[weight].inputs if ref.kind == "stage"
     )
-    assert set(plan.fused) == {plan.backward_stages[-1]}
+    assert _fused(plan) == {(last, plan.backward_stages[-1])}
     assert plan.steps.num_programs == plan.steps.num_actions - num_microbatches
 
 
@@ -100,7 +104,7 @@ def test_a_zero_bubble_stage_without_a_weight_program_is_fused():
     # leaves it whole, and nothing but it reads the forward.
     plan = _plan(1, 4, "zb-h1")
     assert plan.weight_stages == (None,)
-    assert set(plan.fused) == {plan.backward_stages[0]}
+    assert _fused(plan) == {(plan.forward_stages[0], plan.backward_stages[0])}
     assert plan.steps.num_programs == 4
 
 
@@ -112,5 +116,6 @@ def test_a_forward_not_followed_by_its_backward_is_not_fused(num_stages):
     plan = _plan(num_stages, 4, "gpipe")
     assert not plan.fused and plan.steps.num_programs == plan.steps.num_actions == 8 * num_stages
     plan = _plan(num_stages, 1, "gpipe")
-    assert set(plan.fused) == {plan.backward_stages[-1]}
-    assert [s.fused for s in plan.steps.columns[-1]] == [plan.forward_stages[-1]]
+    both = (plan.forward_stages[-1], plan.backward_stages[-1])
+    assert _fused(plan) == {both}
+    assert [s.fused.stages for s in plan.steps.columns[-1]] == [both]
