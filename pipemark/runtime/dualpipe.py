@@ -13,8 +13,9 @@ where the device would idle. The order is DeepSeek's (``dualpipe/dualpipev.py``,
 device idles DeepSeek's ``(D - 1)(F&B + B - 3W)``, with ``B`` a whole backward and
 ``F&B`` an overlapped pair (``F + B``: the simulator runs a pair as one unit, its two
 costs back to back), where the forward takes as long as the backward's first half
-(``F = B - W``, the costs a zero-bubble schedule is designed for); in general it idles
-``(D - 1)(2F + (B - W) - W)`` in this order:
+(``F = B - W``, the costs a zero-bubble schedule is designed for) and ``W`` no longer
+than ``F``; with ``F`` apart from ``B - W`` it idles ``(D - 1)(2F + (B - W) - W)`` in
+this order:
 
 >>> from pipemark.runtime.simulation import simulate_schedule
 >>> costs = {"forward": 1.0, "backward": 1.0, "weight": 0.5}  # whole backward: 1.5

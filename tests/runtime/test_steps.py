@@ -1,10 +1,15 @@
 """Tests of pipemark.runtime.steps: which forward steps fuse_steps folds into the
-backward step that follows them, and where the fused step goes."""
+backward step that follows them, where the fused step goes, and a whole backward of a
+split stage run as its B and W in one program."""
 
 from __future__ import annotations
 
+import jax
 import pytest
 
+import pipemark as pm
+from pipemark.runtime import BACKWARD, FORWARD, WEIGHT, Action
+from tests._trees import assert_trees_close
 from tests.runtime._fusion import mlp_pipeline, unfused_steps
 
 
@@ -119,3 +124,35 @@ def test_a_forward_not_followed_by_its_backward_is_not_fused(num_stages):
     both = (plan.forward_stages[-1], plan.backward_stages[-1])
     assert _fused(plan) == {both}
     assert [s.fused.stages for s in plan.steps.columns[-1]] == [both]
+
+
+def test_a_whole_backward_of_a_split_stage_is_its_b_and_w_in_one_program():
+    # Stage 2 runs microbatch 0's backward whole and microbatch 1's split; stage 1 splits
+    # both; stage 0 has no W program (its backward is all weight gradient).
+    def split(j, m):
+        return [Action(j, m, BACKWARD), Action(j, m, WEIGHT)]
+
+    orders = [
+        [
+            Action(0, 0, FORWARD),
+            Action(0, 1, FORWARD),
+            Action(0, 0, BACKWARD),
+            Action(0, 1, BACKWARD),
+        ],
+        [Action(1, 0, FORWARD), Action(1, 1, FORWARD), *split(1, 0), *split(1, 1)],
+        [Action(2, 0, FORWARD), Action(2, 1, FORWARD), Action(2, 0, BACKWARD), *split(2, 1)],
+    ]
+    schedule = pm.schedule_from_orders(orders, stage_devices=(0, 1, 2), num_microbatches=2)
+    assert schedule.whole_backwards == {(0, 0), (0, 1), (2, 0)}
+    pipe, ex = mlp_pipeline(3, 2, schedule, num_layers=3)
+    want = jax.jit(jax.value_and_grad(ex.loss_fn))(*ex.args)
+    assert_trees_close(pipe(*ex.args), want, rtol=2e-5, atol=1e-6)
+    plan = pipe.plan(*ex.args)
+    assert plan.weight_stages[0] is None and None not in plan.weight_stages[1:]
+    both = (plan.backward_stages[2], plan.weight_stages[2])
+    # Compiled as one program for stage 2 alone; stage 1's halves stay apart.
+    assert _fused(plan) == {both}
+    (whole,) = [s for s in plan.steps.columns[2] if s.fused is not None]
+    assert whole.microbatch == 0 and whole.fused.stages == both
+    assert whole.sends and all(key[1] == both[0] for _, key, _ in whole.sends)  # to stage 1
+    assert plan.steps.num_programs == plan.steps.num_actions == 4 * 3 + 3
