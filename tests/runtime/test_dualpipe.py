@@ -25,6 +25,7 @@ def test_equals_the_schedule_torch_writes(name, stages, micro):
     torch = pm.schedule_from_csv(FIXTURES / f"{name}.csv", name="dualpipev")
     ours = dualpipev_schedule(stages, micro)
     assert ours == torch  # the same ticks, overlapped pairs and stage placement
+
     # Cell for cell, but for the idle cells pipemark writes where a device waits.
     def busy(text):
         return [[cell for cell in row if cell] for row in read_rows(text)]

@@ -58,9 +58,7 @@ def test_torch_schedules_run_as_pipelines_equal_to_value_and_grad(name):
     plan = step.plan(*ex.args)
     assert plan.schedule is schedule
     assert plan.steps.num_actions == sum(
-        1
-        for _, _, a in schedule.actions()
-        if plan.roles()[a.kind][a.stage] is not None
+        1 for _, _, a in schedule.actions() if plan.roles()[a.kind][a.stage] is not None
     )
 
 
@@ -73,14 +71,14 @@ def test_dualpipev_runs_each_overlapped_pair_and_whole_backward_as_one_program()
     plan = step.plan(*ex.args)
     kinds = {FORWARD: plan.forward_stages, BACKWARD: plan.backward_stages}
     kinds[WEIGHT] = plan.weight_stages
-    index = {i: (kind, k) for kind, per in kinds.items() for k, i in enumerate(per) if i is not None}
+    index = {
+        i: (kind, k) for kind, per in kinds.items() for k, i in enumerate(per) if i is not None
+    }
     # Each overlapped pair is one dispatched step, its parts the pair's forward and the
     # backward (with its W, where the stage's backward is split: a whole one).
     pairs = {frozenset(pair) for pair in schedule.overlapped}
     fused = [s for _, s in plan.steps.serial if s.fused is not None]
-    overlapped = [
-        s for s in fused if frozenset(p.action for p in s.parts[:2]) in pairs
-    ]
+    overlapped = [s for s in fused if frozenset(p.action for p in s.parts[:2]) in pairs]
     assert len(overlapped) == len(schedule.overlapped) == 22
     # A whole backward on a stage split elsewhere runs its B and W as one program; the
     # first stage has no W program (its backward is all weight gradient), so its B
