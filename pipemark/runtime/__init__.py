@@ -1,5 +1,7 @@
 """Run staged programs on several devices: pipeline schedules as data
-(:mod:`pipemark.runtime.schedules`, :mod:`pipemark.runtime.zero_bubble`), built for a
+(:mod:`pipemark.runtime.schedules`, :mod:`pipemark.runtime.zero_bubble`,
+:mod:`pipemark.runtime.dualpipe`; read from and written to
+``torch.distributed.pipelining``'s CSV by :mod:`pipemark.runtime.schedule_csv`), built for a
 :class:`ScheduleProblem` by builders named in one registry
 (:mod:`pipemark.runtime.registry`), their simulation
 (:mod:`pipemark.runtime.simulation`) and plots (:mod:`pipemark.runtime.plot`), and

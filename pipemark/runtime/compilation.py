@@ -363,9 +363,10 @@ def compile_fused(
     ...                   num_stages=1)
     >>> placement = place_stages(jax.devices()[:1], (0,))
     >>> units = compile_units(staged, {0: 0, 1: 0}, placement)
-    >>> [ref.kind for ref in staged.stages[1].inputs]  # the forward's residuals
-    ['stage']
-    >>> both = Combined((0, 1), (((ARGUMENT, 0),), ((0, 0),)), ())
+    >>> backward_reads = tuple((0, ref.index) for ref in staged.stages[1].inputs)
+    >>> backward_reads  # the forward's residuals, handed over inside the program
+    ((0, 0), (0, 1))
+    >>> both = Combined((0, 1), (((ARGUMENT, 0),), backward_reads), ())
     >>> fused = compile_fused(staged, both, units, placement.slots[0])
     >>> accs, passed = fused.run([jnp.zeros(()), jnp.zeros(())], [jnp.float32(1.0)],
     ...                          jnp.float32(1.0))
