@@ -60,9 +60,16 @@ docs: $(STAMP)
 docs-assets: $(STAMP)
 	$(BIN)/python docs/gen/assets.py
 
+# XLA_ISA=AVX2 (or SSE4_2...) pins XLA's CPU code to a lower instruction set than the
+# machine has, for `make test` and `make test-newest` and the processes their tests
+# start: no test may depend on how this CPU rounds (tests/_exact.py). .ci/run pins
+# `make test-newest` to SSE4_2, so each CI run checks two instruction sets.
+XLA_ISA ?=
+ISA_ENV  = $(if $(XLA_ISA),XLA_FLAGS=--xla_cpu_max_isa=$(XLA_ISA))
+
 # pytest exits 5 when it collects no test, which fails this target like any failure.
 test: lint docs
-	$(BIN)/python -m pytest -n 2 --durations=15
+	$(ISA_ENV) $(BIN)/python -m pytest -n 2 --durations=15
 
 # The whole suite again on the newest JAX. Lint and the docs build do not depend on the
 # JAX version; the generated docs (equation counts...) are made on the developer's JAX
@@ -70,7 +77,7 @@ test: lint docs
 # half its examples here, with another seed than `make test`'s.
 test-newest: $(NEWEST_STAMP)
 	$(NEWEST_BIN)/python -c 'import jax, sys; print("JAX", jax.__version__, "on Python", sys.version.split()[0])'
-	PIPEMARK_FUZZ=half PIPEMARK_FUZZ_SEED=1 $(NEWEST_BIN)/python -m pytest -n 2 -m 'not docs_assets' --durations=15
+	$(ISA_ENV) PIPEMARK_FUZZ=half PIPEMARK_FUZZ_SEED=1 $(NEWEST_BIN)/python -m pytest -n 2 -m 'not docs_assets' --durations=15
 
 # The two environments alone (.ci/run builds them while `make test` runs).
 newest-env: $(NEWEST_STAMP)

@@ -27,6 +27,7 @@ long test while the other has nothing left.
 """
 
 import atexit
+import os
 import shutil
 import tempfile
 
@@ -59,12 +60,14 @@ if jax.default_backend() != "cpu":
 
 def pytest_report_header(config):
     """Which JAX and which devices the run is on (the same suite runs on the CPU and,
-    ``make test-tpu``, on an accelerator)."""
+    ``make test-tpu``, on an accelerator), and the XLA flags (``make test XLA_ISA=AVX2``
+    pins the CPU code to a lower instruction set: tests/_exact.py)."""
     return (
         f"jax {jax.__version__}: default backend {jax.default_backend()} "
         f"({jax.device_count()} devices: {jax.devices()[0].device_kind}), host CPU "
         f"{len(jax.devices('cpu'))} devices, matmul precision "
-        f"{jax.config.jax_default_matmul_precision or 'default'}"
+        f"{jax.config.jax_default_matmul_precision or 'default'}, XLA_FLAGS "
+        f"{os.environ.get('XLA_FLAGS') or '(none)'}"
     )
 
 

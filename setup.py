@@ -26,6 +26,9 @@ setup(
         "jaxlib>=0.10,<0.13",
         "numpy>=1.26",
         "networkx>=3.2",
+        # jax.export serializes programs with it (StagedJaxpr.export, pm.load_staged);
+        # JAX itself leaves it optional.
+        "flatbuffers>=24",
     ],
     extras_require={
         # The GPU image runs CUDA 13; on CUDA 12 install cupy-cuda12x instead.

@@ -11,9 +11,12 @@
 import sys
 import types
 
+from pipemark.rendering import views_in as _views_in
+
 # The public names, each loaded from its module on first use (PEP 562): `import
-# pipemark` itself imports nothing, so the command line answers `--help` and `--version`
-# without importing JAX. Name -> (module, attribute), or (module, None) for a module.
+# pipemark` itself imports nothing but the views' registry (pipemark.rendering, a few
+# lines of plain Python), so the command line answers `--help` and `--version` without
+# importing JAX. Name -> (module, attribute), or (module, None) for a module.
 _EXPORTS: dict[str, tuple[str, str | None]] = {
     "Action": ("pipemark.runtime", "Action"),
     "clear_caches": ("pipemark.caches", "clear_caches"),
@@ -21,12 +24,15 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "critical_path": ("pipemark.graph", "critical_path"),
     "eqn_graph": ("pipemark.graph", "eqn_graph"),
     "estimate_cost": ("pipemark.cost", "estimate_cost"),
+    "ExportedStages": ("pipemark.exported", "ExportedStages"),
+    "ExportError": ("pipemark.errors", "ExportError"),
     "flatten_shape_byte_sizes": ("pipemark.cost", "flatten_shape_byte_sizes"),
     "get_lowering": ("pipemark.lowering", "get_lowering"),
     "gpipe_schedule": ("pipemark.runtime", "gpipe_schedule"),
     "ideal_bubble_fraction": ("pipemark.runtime", "ideal_bubble_fraction"),
     "interleaved_schedule": ("pipemark.runtime", "interleaved_schedule"),
     "is_marker": ("pipemark.primitive", "is_marker"),
+    "load_staged": ("pipemark.exported", "load_staged"),
     "lowering": ("pipemark.lowering", "lowering"),
     "LOWERING_MODES": ("pipemark.lowering", "LOWERING_MODES"),
     "make_schedule": ("pipemark.runtime", "make_schedule"),
@@ -79,6 +85,11 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "views": ("pipemark.views", None),
     "write_report": ("pipemark.views", "write_report"),
 }
+
+# The views (pipemark.views: tables, HTML) register how a staged program is drawn when
+# they are imported; its summary(), str() and notebook view import them on first use
+# (pipemark.rendering). Neither module imports JAX.
+_views_in("pipemark.views")
 
 __version__ = "0.1.0"
 __all__ = sorted(_EXPORTS)

@@ -98,6 +98,9 @@ VERSION_TABLE: dict[str, dict[str, str]] = {
         "JaxprEqnContext._create": "0.10.2, 0.12.0.1: eqn.ctx is an interned "
         "JaxprEqnContext whose _create takes its slots (cur_abstract_mesh among them; "
         "0.12 adds cur_layout_mode and no_collectives) by name, xla_metadata as items",
+        "JaxprEqnContext configs": "0.12.1: _create(xla_metadata items, configs), the "
+        "configs named by jax._src.config.jaxpr_eqn_ctx_names(), the mesh as "
+        "abstract_mesh_context_manager",
     },
     # pipemark registers no partial-eval rule: jax.checkpoint and linearize derive one
     # for the marker from its jvp and transpose rules (DESIGN.md).
@@ -160,6 +163,10 @@ def jax_form(row: str) -> str:
         return "Jaxpr" if CLOSED_JAXPR_IS_JAXPR else "ClosedJaxpr"
     if row == "Pallas TPU kernel":
         return "SideEffectType" if pallas_side_effecting() is not True else "bool only"
+    if row == "equation context":
+        ctx = _jax.make_jaxpr(_jax.numpy.sin)(np.float32(1.0)).eqns[0].ctx
+        configs = _context_config_names(ctx) is not None
+        return "JaxprEqnContext configs" if configs else "JaxprEqnContext._create"
     if row == "closed call primitive":
         from jax.extend.core.primitives import closed_call_p
 
@@ -523,31 +530,79 @@ def coordination_client() -> Any:
     return getattr(global_state, "client", None)
 
 
-# JAX 0.10.2 and 0.12.0.1 (measured; the "equation context" row): `eqn.ctx` is a
+# The "equation context" row. JAX 0.10.2 and 0.12.0.1 (measured): `eqn.ctx` is a
 # `jax._src.core.JaxprEqnContext`, interned, built by the static `_create` from its
 # slots in slot order (0.12 adds cur_layout_mode and no_collectives), less `configs`
-# (filled later) and `__weakref__`. `xla_metadata` is stored as a dict but passed as
-# sorted items (the interner hashes the arguments). There is no public constructor.
+# (filled later) and `__weakref__`; the mesh is its `cur_abstract_mesh` slot. JAX
+# 0.12.1 (measured): the slots are only `xla_metadata` and `configs`, the values of the
+# configs `jax._src.config.jaxpr_eqn_ctx_names()` names, the mesh among them as
+# "abstract_mesh_context_manager"; `_create(xla_metadata, configs)`. Both store
+# `xla_metadata` as a dict but take it as sorted items (the interner hashes the
+# arguments). There is no public constructor.
+_MESH_CONFIG = "abstract_mesh_context_manager"
+
+
+def _context_config_names(ctx: Any) -> tuple[str, ...] | None:
+    """The names of ``ctx.configs`` where the context holds its mesh among them (JAX
+    >= 0.12.1), else ``None``."""
+    if hasattr(type(ctx), "cur_abstract_mesh") or "cur_abstract_mesh" in type(ctx).__slots__:
+        return None
+    from jax._src import config
+
+    names = tuple(config.jaxpr_eqn_ctx_names())
+    if _MESH_CONFIG not in names or len(names) != len(ctx.configs):
+        raise JaxVersionError(
+            "equation context: this JAX's JaxprEqnContext holds neither a "
+            f"cur_abstract_mesh nor an {_MESH_CONFIG!r} config; update "
+            "pipemark._compat.eqn_context_mesh and eqn_context_with_mesh."
+        )
+    return names
+
+
+def _metadata_items(ctx: Any) -> Any:
+    metadata = ctx.xla_metadata
+    return None if metadata is None else tuple(sorted(metadata.items()))
+
+
+def eqn_context_mesh(ctx: Any) -> Any:
+    """The abstract mesh an equation was traced under (``jax.sharding.set_mesh``), from
+    its ``eqn.ctx``; an empty mesh outside one.
+
+    >>> import jax, jax.numpy as jnp
+    >>> eqn_context_mesh(jax.make_jaxpr(jnp.sin)(1.0).eqns[0].ctx).empty
+    True
+    """
+    names = _context_config_names(ctx)
+    if names is None:
+        return ctx.cur_abstract_mesh
+    return ctx.configs[names.index(_MESH_CONFIG)]
+
+
 def eqn_context_with_mesh(ctx: Any, mesh: Any) -> Any:
-    """``ctx`` (an equation's ``eqn.ctx``) with ``cur_abstract_mesh`` set to ``mesh``.
+    """``ctx`` (an equation's ``eqn.ctx``) with its abstract mesh set to ``mesh``.
 
     >>> import jax, jax.numpy as jnp
     >>> eqn = jax.make_jaxpr(jnp.sin)(1.0).eqns[0]
     >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
-    >>> eqn_context_with_mesh(eqn.ctx, mesh).cur_abstract_mesh == mesh
+    >>> eqn_context_mesh(eqn_context_with_mesh(eqn.ctx, mesh)) == mesh
     True
     """
-    values = []
-    for name in type(ctx).__slots__:
-        if name == "configs" or name.startswith("__"):
-            continue
-        if name == "cur_abstract_mesh":
-            values.append(mesh)
-        elif name == "xla_metadata":
-            metadata = ctx.xla_metadata
-            values.append(None if metadata is None else tuple(sorted(metadata.items())))
-        else:
-            values.append(getattr(ctx, name))
+    names = _context_config_names(ctx)
+    if names is None:
+        values = []
+        for name in type(ctx).__slots__:
+            if name == "configs" or name.startswith("__"):
+                continue
+            if name == "cur_abstract_mesh":
+                values.append(mesh)
+            elif name == "xla_metadata":
+                values.append(_metadata_items(ctx))
+            else:
+                values.append(getattr(ctx, name))
+    else:
+        configs = list(ctx.configs)
+        configs[names.index(_MESH_CONFIG)] = mesh
+        values = [_metadata_items(ctx), tuple(configs)]
     try:
         new = type(ctx)._create(*values)
     except (AttributeError, TypeError) as error:
@@ -555,7 +610,7 @@ def eqn_context_with_mesh(ctx: Any, mesh: Any) -> Any:
             f"equation context: this JAX's JaxprEqnContext ({error}) is in no form "
             "pipemark._compat.VERSION_TABLE knows; update eqn_context_with_mesh."
         ) from error
-    if new.cur_abstract_mesh != mesh:
+    if eqn_context_mesh(new) != mesh:
         raise JaxVersionError(
             "equation context: JaxprEqnContext._create takes its slots in another order; "
             "update pipemark._compat.eqn_context_with_mesh."

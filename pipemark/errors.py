@@ -15,6 +15,7 @@ __all__ = [
     "StageGraphError",
     "ProcessError",
     "MemoryBudgetError",
+    "ExportError",
     "check_closed_jaxpr",
     "describe_eqn",
 ]
@@ -53,6 +54,12 @@ class MemoryBudgetError(PipemarkError):
     """No plan the runtime can make keeps every device within the ``memory_budget`` a
     pipeline was given. The message names the device slot, its predicted peak and what
     makes it up, and by how much it is over."""
+
+
+class ExportError(PipemarkError):
+    """A program that cannot be exported, or a directory that is not an export
+    :func:`pipemark.load_staged` can read. The message names the program, the step or
+    the file."""
 
 
 def check_closed_jaxpr(value: Any, who: str) -> Any:

@@ -12,9 +12,10 @@ the very same equation objects, in stage order.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -32,6 +33,7 @@ from pipemark._text import plural
 from pipemark.cost import flatten_shape_byte_sizes
 from pipemark.errors import PipemarkError, StageGraphError
 from pipemark.precision import reference_compute_types
+from pipemark.rendering import render
 from pipemark.roles import StageRole, role_from_name
 from pipemark.signature import Signature
 from pipemark.verification import (
@@ -41,6 +43,9 @@ from pipemark.verification import (
     evaluate_reference,
     raise_on_mismatch,
 )
+
+if TYPE_CHECKING:
+    from pipemark.exported import ExportedStages
 
 __all__ = ["Stage", "StagedJaxpr", "ValueRef"]
 
@@ -477,9 +482,11 @@ class StagedJaxpr:
         took (they are flattened). A program made by :func:`pipemark.split` is called
         like the function it traced (keyword, static and non-array arguments too), and
         arguments of another pytree structure are refused. Each stage runs eagerly,
-        equation by equation, as ``jax.extend.core.jaxpr_as_fun`` does, so results
-        match the unsplit program bit for bit; wrap the call in ``jax.jit`` to compile
-        it instead.
+        equation by equation, as ``jax.extend.core.jaxpr_as_fun`` does, so the results
+        are those of the sliced program's equations evaluated that way, bit for bit;
+        against ``jax.jit`` of the function (one compiled program, whose calls staging
+        may have inlined) they agree to float rounding (:meth:`verify`). Wrap the call in
+        ``jax.jit`` to compile it instead.
         """
         flat = self._inputs(args, kwargs)
         if len(flat) != len(self._invars):
@@ -663,6 +670,29 @@ class StagedJaxpr:
             return f"program input {ref.index}"
         return "a constant"
 
+    def export(self, directory: str | os.PathLike) -> ExportedStages:
+        """Write each stage to ``directory`` as a serialized ``jax.export.Exported``
+        (StableHLO with its calling convention), with a ``manifest.json`` that says
+        which outputs feed which inputs, the avals, each stage's role and markers;
+        returns the export read back (:func:`pipemark.load_staged` gives an equal one,
+        in any process, without the model's code). ``docs/export.md`` describes the
+        format.
+
+        The programs are the stages without their markers (lowered to nothing), as the
+        runtime compiles them; the loaded callable takes the flat inputs and returns
+        the flat results, as calling this program does, computed by the compiled
+        stage programs (equal to this program's eager results up to float rounding).
+
+        >>> import tempfile, jax.numpy as jnp, pipemark as pm
+        >>> staged = pm.split(lambda x: jnp.cos(jnp.sin(x)), jnp.ones(2), num_stages=2)
+        >>> exported = staged.export(tempfile.mkdtemp())
+        >>> [stage["name"] for stage in exported.manifest["stages"]]
+        ['layer0', 'layer1']
+        """
+        from pipemark.exported import export_staged
+
+        return export_staged(self, directory)
+
     # ----------------------------------------------------------------- inspection
 
     @property
@@ -708,15 +738,11 @@ class StagedJaxpr:
         -  ------  ----  --  ---  -----  ------  --------  ---------  -------
            total      6   2    2      8     0 B      16 B       32 B  100.0 %
         """
-        from pipemark.views.text import summary
-
-        return summary(self, style=style, width=width)
+        return render("text", self, style=style, width=width)
 
     def __str__(self) -> str:
         return self.summary()
 
     def _repr_html_(self) -> str:
         """The notebook view: :func:`pipemark.views.to_html`."""
-        from pipemark.views.html_view import to_html
-
-        return to_html(self)
+        return render("html", self)

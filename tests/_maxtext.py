@@ -26,6 +26,8 @@ import os
 import sys
 import time
 
+from tests._xla import xla_flags
+
 # Nothing happens on import (pytest's --doctest-modules imports this file in the test
 # process): the environment, JAX and MaxText are set up in main(), in the subprocess.
 
@@ -177,7 +179,7 @@ def check_pipelines(loss, params, specs, batch, mesh, want, parallel: str) -> No
 def main(scan_layers: bool, parallel: str) -> None:
     start = time.perf_counter()
     os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")  # MaxText without Google Cloud clients
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["XLA_FLAGS"] = xla_flags("--xla_force_host_platform_device_count=4")
     import jax
     import jax.numpy as jnp
     from flax.core.spmd import logical_axis_rules

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._xla import child_environ
+
 ROOT = Path(__file__).parents[1]
 
 
@@ -33,16 +35,15 @@ def run_script_once(
 ) -> str:
     """The standard output of ``python script``, run once per session (the first
     worker to ask runs it, under a file lock, and the others read its output) with this
-    checkout on ``PYTHONPATH`` and ``XLA_FLAGS=xla_flags`` (unset for ``None``: the
-    script sets its own). Fails the asking test if the script fails."""
+    checkout on ``PYTHONPATH`` and ``XLA_FLAGS=xla_flags`` (none for ``None``: the
+    script sets its own), with the inherited flags of tests/_xla.py. Fails the asking
+    test if the script fails."""
     shared = session_dir(tmp_path_factory)
     results = shared / f"{name}.out"
     with open(shared / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not results.exists():
-            env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-            if xla_flags is not None:
-                env["XLA_FLAGS"] = xla_flags
+            env = child_environ(dict(os.environ), *([] if xla_flags is None else [xla_flags]))
             env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
             proc = subprocess.run(
                 [sys.executable, str(script)],

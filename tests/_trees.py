@@ -3,6 +3,8 @@ how far it is off, as numpy's own assertions do for one array."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import numpy as np
 
@@ -35,4 +37,35 @@ def assert_trees_equal(got, want) -> int:
         a, b = np.asarray(a), np.asarray(b)
         assert a.dtype == b.dtype, f"leaf {path}: {a.dtype}, want {b.dtype}"
         np.testing.assert_array_equal(a, b, err_msg=f"leaf {path}", strict=True)
+    return len(leaves)
+
+
+def assert_trees_within_ulps(got: Any, want: Any, *, ulps: int = 4) -> int:
+    """Assert ``got`` has ``want``'s tree structure, dtypes and shapes, and every
+    floating leaf is within ``ulps`` units in the last place of its scale: ``|got -
+    want| <= ulps * eps(dtype) * max|want|`` (integers and booleans equal).
+
+    For two different programs that compute the same arithmetic, in another order or
+    another fusion: a sum reordered, an FMA contracted, a vectorised and a scalar
+    ``sin``. Each moves a result by an ulp or two of the values it adds up; a few ulps
+    of the leaf's largest magnitude bound that for the short computations the tests
+    compare this way. Returns the number of leaves."""
+    leaves = _leaves(got, want)
+    for path, a, b in leaves:
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.shape == b.shape and a.dtype == b.dtype, (
+            f"leaf {path}: {a.dtype}{list(a.shape)}, want {b.dtype}{list(b.shape)}"
+        )
+        if not np.issubdtype(a.dtype, np.inexact):
+            np.testing.assert_array_equal(a, b, err_msg=f"leaf {path}", strict=True)
+            continue
+        scale = float(np.max(np.abs(b.astype(np.float64)))) if b.size else 0.0
+        tolerance = ulps * float(np.finfo(a.dtype).eps) * max(scale, float(np.finfo(a.dtype).tiny))
+        np.testing.assert_allclose(
+            a.astype(np.float64),
+            b.astype(np.float64),
+            rtol=0,
+            atol=tolerance,
+            err_msg=f"leaf {path}: more than {ulps} ulps of {scale:g} apart",
+        )
     return len(leaves)

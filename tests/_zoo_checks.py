@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import os
 
+from tests._xla import xla_flags
+
 if __name__ == "__main__":
     # Optimization level 0 halves XLA's compile time, most of this run's time; the
     # references are compiled with the same flags.
-    os.environ["XLA_FLAGS"] = (
-        "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"
+    os.environ["XLA_FLAGS"] = xla_flags(
+        "--xla_force_host_platform_device_count=2", "--xla_backend_optimization_level=0"
     )
     os.environ["JAX_PLATFORMS"] = "cpu"
 

@@ -12,6 +12,7 @@ import pytest
 import pipemark as pm
 from pipemark import examples
 from pipemark.errors import PipemarkError
+from tests._trees import assert_trees_within_ulps
 
 
 def _markers(cj):
@@ -38,6 +39,8 @@ def _builders():
 def test_markers_do_not_change_loss_or_gradients(kind, markers):
     build = _builders()[kind]
     marked, plain = build(markers), build(None)
+    # Eager, with and without markers: the same operations one by one (the models are
+    # Python loops, no marker inside a jit or a loop), so the same bits.
     assert np.array_equal(marked.loss_fn(*marked.args), plain.loss_fn(*plain.args))
     value_marked, grads_marked = jax.value_and_grad(marked.loss_fn)(*marked.args)
     value_plain, grads_plain = jax.value_and_grad(plain.loss_fn)(*plain.args)
@@ -221,7 +224,10 @@ def test_gpt_markers_sit_between_blocks_and_do_not_change_the_loss():
     assert [t for t, _, _ in _markers(marked.trace())] == ["boundary"]
     assert [t for t, _, _ in _markers(_gpt(markers="startend").trace())] == ["start", "end"] * 2
     assert not _markers(plain.trace())
-    assert np.array_equal(
+    # Compiled with and without the markers' barriers: two programs, whose float32
+    # loss may round apart (tests/_exact.py); bfloat16 matmuls feed it, but the same
+    # ones on both sides, so only the last reductions may differ.
+    assert_trees_within_ulps(
         jax.jit(marked.loss_fn)(*marked.args), jax.jit(plain.loss_fn)(*plain.args)
     )
 

@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 
 from pipemark import launch
+from tests._xla import child_environ
 
 ROOT = Path(__file__).parents[1]
 
 
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIPEMARK_")}
-    env.pop("XLA_FLAGS", None)
+    env = child_environ(env)  # the script sets its devices; the ISA pin is kept
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     return env
 

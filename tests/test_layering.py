@@ -94,15 +94,15 @@ def _is_type_checking_block(node: ast.AST) -> bool:
     )
 
 
-def _imports(module: str) -> list[tuple[str, str | None, int]]:
+def _imports(module: str, type_checking: bool = False) -> list[tuple[str, str | None, int]]:
     """``(imported module, imported name or None, line)`` for every import of a
     pipemark module in ``module``, at any depth (a lazy import inside a function counts),
-    except under ``if TYPE_CHECKING:``."""
+    and under ``if TYPE_CHECKING:`` only when ``type_checking``."""
     found = []
     is_package = MODULES[module].name == "__init__.py"
 
     def visit(node: ast.AST) -> None:
-        if _is_type_checking_block(node):
+        if _is_type_checking_block(node) and not type_checking:
             return
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
@@ -149,7 +149,9 @@ def test_no_private_names_are_imported_across_modules():
 def _edges() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {module: set() for module in MODULES}
     for module in MODULES:
-        for target, _, _ in _imports(module):
+        # An import for type hints counts too: it says which module knows which, and a
+        # reader (and `farm-studio look`) follows it like any other.
+        for target, _, _ in _imports(module, type_checking=True):
             # A package's __init__ re-exports; an import of a name from it depends on the
             # package's modules, which its own imports list, so packages are left out.
             if target in MODULES and target != module and MODULES[target].name != "__init__.py":

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import pipemark as pm
+from tests._trees import assert_trees_within_ulps
 
 X = jnp.arange(6.0).reshape(2, 3)
 
@@ -37,7 +38,8 @@ def test_barrier_mode_emits_optimization_barrier():
 def test_identity_mode_emits_no_barrier():
     with pm.lowering("identity"):
         text = lowered_text(marked, X)
-        np.testing.assert_array_equal(jax.jit(marked)(X), jnp.sin(X))
+        # Compiled against eager sin: two programs (tests/_exact.py).
+        assert_trees_within_ulps(jax.jit(marked)(X), jnp.sin(X))
     assert "optimization_barrier" not in text
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._xla import child_environ
+
 ROOT = Path(__file__).parents[1]
 
 
@@ -20,7 +22,7 @@ def test_readme_python_blocks_run(tmp_path):
     assert len(blocks) >= 3
     script = tmp_path / "readme.py"
     script.write_text("\n".join(blocks), encoding="utf-8")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = child_environ(dict(os.environ), "--xla_force_host_platform_device_count=4")
     proc = subprocess.run(
         [sys.executable, str(script)],
         cwd=tmp_path,

@@ -13,6 +13,7 @@ import pytest
 import pipemark as pm
 from pipemark import examples
 from pipemark.signature import SignatureError
+from tests._trees import assert_trees_within_ulps
 
 optax = pytest.importorskip("optax")
 
@@ -68,7 +69,8 @@ def test_split_keyword_of_the_same_name_goes_through_partial():
 
     staged = pm.split(functools.partial(f, num_stages=3.0), jnp.ones(2))
     assert _names(staged) == ["layer0", "layer1"]
-    np.testing.assert_array_equal(staged(jnp.ones(2))[0], jnp.full(2, 3.0) * jnp.sin(1.0))
+    # sin of a vector and of a scalar are two programs (tests/_exact.py).
+    assert_trees_within_ulps(staged(jnp.ones(2))[0], jnp.full(2, 3.0) * jnp.sin(1.0))
 
 
 def test_a_call_with_another_structure_names_both():
@@ -117,12 +119,11 @@ def test_equinox_module_with_function_leaves_splits_and_verifies():
     assert staged.input_names[0] == "model.layers[0].weight"
     loss, grads = vag(model, x, y)
     got = staged(model, x, y)
-    # The eager loss's mean and the staged program's compiled one may round the last
-    # bit differently (JAX 0.12 on CPU: one ulp apart).
-    np.testing.assert_allclose(got[0], loss, rtol=1e-6)
+    # Eager value_and_grad and the staged program's equations evaluated one by one are
+    # two programs: the loss's mean rounds its last bit differently on JAX 0.12, and
+    # the gradients' sums may too (tests/_exact.py).
     want = jax.tree_util.tree_leaves(eqx.filter(grads, eqx.is_array))
-    for a, b in zip(got[1:], want):
-        np.testing.assert_array_equal(a, b)
+    assert_trees_within_ulps(got, [loss, *want])
     pm.show(staged)  # the HTML view takes it too
 
 

@@ -122,8 +122,9 @@ def split_scan(
     """Cut every heavy top-level ``scan`` into ``num_chunks`` scans over contiguous
     index ranges (:func:`chunk_ranges`); see the module docstring.
 
-    Pure: returns a new program computing the same results bit for bit (the input
-    itself when no scan qualifies). A scan qualifies when it has at least two
+    Pure: returns a new program computing the same results with the same equations
+    (the input itself when no scan qualifies); to float rounding, since XLA compiles
+    each chunk's loop for its own length and may unroll or fuse it differently. A scan qualifies when it has at least two
     iterations, no effects, and costs at least ``min_cost_fraction`` of the program;
     ``scans`` (indices of top-level scan equations) chooses them instead.
 

@@ -49,6 +49,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
 from pipemark.errors import PipemarkError
+from pipemark.exported import ExportedStages
 from pipemark.mutation import call_watching_arguments
 from pipemark.passes.gradient import split_at_gradient
 from pipemark.passes.inline import inline_calls
@@ -67,6 +68,7 @@ from pipemark.runtime.perfetto import trace_events, write_trace
 from pipemark.runtime.pipeline_stages import stage_program
 from pipemark.runtime.placement import Slot, device_slot, held_elsewhere, leaf_specs
 from pipemark.runtime.plan import PipelinePlan, build_plan, plan_from_staged
+from pipemark.runtime.plan_export import export_plan, export_train_step, leaf_names
 from pipemark.runtime.programs import compiled_programs
 from pipemark.runtime.schedules import Schedule
 from pipemark.runtime.tracing import replica_batch
@@ -291,6 +293,37 @@ class Pipeline:
         """
         key, dynamic, data, _ = self._bind(params, batch)
         return _traced_call(self._plan(key, dynamic, data), dynamic, data, path)
+
+    def export(self, directory: str | os.PathLike, params: Any, *batch: Any) -> ExportedStages:
+        """Write the programs a call with inputs like these runs, and its schedule, to
+        ``directory`` (:mod:`pipemark.runtime.plan_export`; ``docs/export.md``): a
+        callable of the parameters' array leaves and the whole batch's leaves (flat, in
+        JAX's order) returning the flat ``(loss, grads)`` leaves, computed by the same
+        programs in the same order as a call, which :func:`pipemark.load_staged` reads
+        back in any process. For stages on single devices (``devices=``) in one process.
+
+        >>> import tempfile, jax, pipemark as pm
+        >>> from pipemark import examples
+        >>> loss_fn, params, batch = examples.mlp(num_layers=2, batch=4)
+        >>> pipe = pm.pipeline_value_and_grad(loss_fn, num_stages=1, num_microbatches=2)
+        >>> exported = pipe.export(tempfile.mkdtemp(), params, batch)
+        >>> exported.input_names[0], exported.output_names[:2]
+        ('params[0][0]', ('result[0]', 'result[1][0][0]'))
+        """
+        if self.options.loss_reduction == "sum_over_count":
+            raise PipemarkError(
+                "Export covers loss_reduction 'mean' and 'sum': with 'sum_over_count' a "
+                "call divides by a count computed apart from the pipeline's programs."
+            )
+        key, dynamic, data, _ = self._bind(params, batch)
+        plan = self._plan(key, dynamic, data)
+        results = jax.tree_util.tree_unflatten(plan.out_tree, range(plan.out_tree.num_leaves))
+        return export_plan(
+            plan,
+            directory,
+            input_names=leaf_names("params", dynamic) + leaf_names("batch", data),
+            output_names=leaf_names("result", results),
+        )
 
 
 def within_budget(make_plan: PlanMaker, options: PipelineOptions) -> PipelinePlan:
@@ -617,6 +650,34 @@ class PipelinedStep:
         plan = self._prepare(args)[0]
         *replicated, batch = args
         return _traced_call(plan, tuple(replicated), batch, path)
+
+    def export(self, directory: str | os.PathLike, *args: Any) -> ExportedStages:
+        """Write the programs a step with these arguments runs (its gradient part's, as
+        :meth:`Pipeline.export` writes them, then its update's), and the schedule, to
+        ``directory``: a callable of the step's argument leaves (flat) returning its
+        result leaves, which :func:`pipemark.load_staged` reads back in any process.
+
+        >>> import tempfile, pipemark as pm
+        >>> from pipemark import examples
+        >>> ex = examples.mlp(num_layers=2, batch=4)
+        >>> step, init_state = examples.train_step(ex.loss_fn)
+        >>> pipelined = pm.pipeline_train_step(step, num_stages=1, num_microbatches=2)
+        >>> state = init_state(ex.params)
+        >>> exported = pipelined.export(tempfile.mkdtemp(), ex.params, state, ex.batch)
+        >>> exported.kind, [name for name in exported.programs if name.startswith("update")]
+        ('train_step', ['update/0'])
+        """
+        prepared = self._prepare(args)
+        out_tree = prepared.out_tree
+        results = jax.tree_util.tree_unflatten(out_tree, range(out_tree.num_leaves))
+        return export_train_step(
+            prepared.plan,
+            prepared.parts,
+            directory,
+            num_outputs=out_tree.num_leaves,
+            input_names=leaf_names("args", args),
+            output_names=leaf_names("result", results),
+        )
 
     def __call__(self, *args: Any) -> Any:
         return self._call(args, None)

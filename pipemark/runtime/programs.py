@@ -32,9 +32,9 @@ from pipemark.errors import PipemarkError
 from pipemark.runtime.compilation import ARGUMENT, Combined, Unit
 from pipemark.runtime.placement import Slot
 from pipemark.runtime.plan import PipelinePlan
-from pipemark.runtime.steps import program_name
+from pipemark.runtime.steps import Step, program_name
 
-__all__ = ["compiled_programs"]
+__all__ = ["compiled_programs", "step_program"]
 
 
 def compiled_programs(plan: PipelinePlan) -> dict[str, jax.stages.Compiled]:
@@ -67,23 +67,32 @@ def compiled_programs(plan: PipelinePlan) -> dict[str, jax.stages.Compiled]:
     for worker, step in plan.steps.serial:
         if not plan.placement.local[worker]:
             continue
-        slot = plan.placement.slots[worker]
         name = program_name(step, names)
-        if step.fused is None:
-            unit = plan.units[step.index]
-            accs, inputs = _unit_arguments(plan, unit, slot)
-        else:
-            unit = plan.fused[step.fused]
-            accs, inputs = _fused_arguments(plan, step.fused, slot)
-        if unit.starts:  # one microbatch: the call passes no accumulators at all
-            accs = []
         if name not in programs:
-            scale = _struct(jax.ShapeDtypeStruct((), np.float32), slot.replicated)
+            unit, arguments = step_program(plan, worker, step)
             # Under the mesh context a call walks its steps in (run_plan's), which is
             # part of what JAX keys its compiled programs on.
             with jax.set_mesh(None):
-                programs[name] = unit.run.lower(accs, inputs, scale).compile()
+                programs[name] = unit.run.lower(*arguments).compile()
     return programs
+
+
+def step_program(plan: PipelinePlan, worker: int, step: Step) -> tuple[Unit, tuple]:
+    """The program worker ``worker`` dispatches for ``step`` (a :class:`Unit`, fused
+    where the step is) and the types of the arguments a call passes it:
+    ``(accumulators, inputs, scale)``, as :class:`jax.ShapeDtypeStruct` on the
+    worker's slot (single-device slots)."""
+    slot = plan.placement.slots[worker]
+    if step.fused is None:
+        unit = plan.units[step.index]
+        accs, inputs = _unit_arguments(plan, unit, slot)
+    else:
+        unit = plan.fused[step.fused]
+        accs, inputs = _fused_arguments(plan, step.fused, slot)
+    if unit.starts:  # one microbatch: the call passes no accumulators at all
+        accs = []
+    scale = _struct(jax.ShapeDtypeStruct((), np.float32), slot.replicated)
+    return unit, (accs, inputs, scale)
 
 
 def _struct(aval: Any, sharding: Any) -> jax.ShapeDtypeStruct:

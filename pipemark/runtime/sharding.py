@@ -73,7 +73,7 @@ from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var,
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, Sharding
 from jax.sharding import PartitionSpec as P
 
-from pipemark._compat import eqn_context_with_mesh, literal_value_with_aval
+from pipemark._compat import eqn_context_mesh, eqn_context_with_mesh, literal_value_with_aval
 from pipemark.errors import PipemarkError, check_closed_jaxpr, describe_eqn
 from pipemark.runtime.losses import microbatch_share
 from pipemark.walk import map_bodies
@@ -372,7 +372,7 @@ def _retarget_eqn(
     if any(params[name] is not value for name, value in eqn.params.items()):
         eqn = eqn.replace(params=params)
     # Evaluating an equation enters the mesh it was traced under (set_mesh): the user's.
-    traced_under = eqn.ctx.cur_abstract_mesh
+    traced_under = eqn_context_mesh(eqn.ctx)
     if not traced_under.empty:
         eqn = eqn.replace(ctx=eqn_context_with_mesh(eqn.ctx, target.mesh(traced_under, where)))
     eqn = map_bodies(eqn, lambda body: _retarget_jaxpr(body, target))

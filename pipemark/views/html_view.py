@@ -11,11 +11,13 @@ from __future__ import annotations
 import html
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 
 from pipemark._text import plural
+from pipemark.rendering import register_view
+from pipemark.staged import StagedJaxpr
 from pipemark.views.rows import (
     COLUMN_MEANINGS,
     COLUMNS,
@@ -33,9 +35,6 @@ from pipemark.views.rows import (
     type_text,
 )
 from pipemark.views.text import summary
-
-if TYPE_CHECKING:
-    from pipemark.staged import StagedJaxpr
 
 __all__ = ["HTMLView", "to_html", "write_report"]
 
@@ -298,6 +297,9 @@ def to_html(
         parts.append(view.html(row, color, open_stages))
     parts.append("</div>")
     return "".join(parts)
+
+
+register_view(StagedJaxpr, "html", to_html)  # StagedJaxpr._repr_html_, for notebooks
 
 
 def _crossings(staged: StagedJaxpr) -> tuple[set[Var], dict[tuple[int, int], list[str]]]:

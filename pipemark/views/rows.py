@@ -106,8 +106,8 @@ class StageRow:
 
 def check_staged(staged: Any, what: str) -> StagedJaxpr:
     """``staged`` when it is a staged program, else a :class:`PipemarkError` naming
-    ``what`` was called. Views read a staged program and never import its module (its
-    methods render through the views), so this checks what a view reads."""
+    ``what`` was called. It checks what a view reads, so that anything shaped like a
+    staged program can be drawn."""
     if not all(hasattr(staged, a) for a in ("stages", "outputs", "invars", "input_names")):
         raise PipemarkError(
             f"{what} takes a StagedJaxpr, got {jaxpr_type_name(staged)}; make one with "

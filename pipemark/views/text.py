@@ -18,10 +18,12 @@ from __future__ import annotations
 import io
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from pipemark._text import KEEP_TOGETHER, wrap
 from pipemark.errors import PipemarkError
+from pipemark.rendering import register_view
+from pipemark.staged import StagedJaxpr
 from pipemark.views.rows import (
     COLUMNS,
     LEFT_COLUMNS,
@@ -33,9 +35,6 @@ from pipemark.views.rows import (
     stage_rows,
     type_text,
 )
-
-if TYPE_CHECKING:
-    from pipemark.staged import StagedJaxpr
 
 __all__ = [
     "STYLES",
@@ -260,6 +259,9 @@ def summary(staged: StagedJaxpr, *, style: str = "auto", width: int | None = DEF
     console.print(_rich_table(cells, layout, stage_colors(staged), swatches=False))
     text = "\n".join(line.rstrip() for line in buffer.getvalue().splitlines()).strip("\n")
     return text + _note(layout, width)
+
+
+register_view(StagedJaxpr, "text", summary)  # StagedJaxpr.summary() and str()
 
 
 def _check_width(width: Any) -> None:

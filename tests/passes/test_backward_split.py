@@ -26,7 +26,9 @@ def _count(staged, primitive: str) -> int:
 
 
 def _check_split(staged, split, args) -> None:
-    """Bit-exact results, no equation copied or lost, W deferrable."""
+    """Bit-exact results, no equation copied or lost, W deferrable. Bit for bit
+    because the split holds the very equations of the staged program (checked below),
+    each evaluated by itself on both sides (tests/_exact.py)."""
     for want, got in zip(_leaves(staged(*args)), _leaves(split(*args)), strict=True):
         assert want.dtype == got.dtype
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -15,6 +15,8 @@ from pipemark._compat import CLOSED_JAXPR_IS_JAXPR
 from pipemark.errors import MarkerError, PipemarkError
 from pipemark.passes import dce, mark_missing_vars, split_at_gradient
 from pipemark.passes._markers import find_stage_spans
+from tests._exact import assert_equations_from
+from tests._trees import assert_trees_equal
 
 
 def _step_program(example, optimizer):
@@ -38,10 +40,11 @@ def _compose(compute_grad, apply_grad, args):
     return _run(apply_grad, [*args, *_run(compute_grad, args)])
 
 
-def _assert_same(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y)
+def _assert_same(programs, cj, got, want):
+    """``programs`` compute with ``cj``'s own equations (split, markers added, dead
+    code dropped), so their results are ``cj``'s bit for bit (tests/_exact.py)."""
+    assert_equations_from(programs, cj)
+    assert_trees_equal(got, want)
 
 
 def _snapshot(cj):
@@ -67,7 +70,9 @@ def test_parts_compose_to_the_training_step(model, optimizer):
     for part in (compute_grad, apply_grad):
         assert isinstance(part, ClosedJaxpr)
         check_jaxpr(part.jaxpr)
-    _assert_same(_compose(compute_grad, apply_grad, args), _run(cj, args))
+    _assert_same(
+        (compute_grad, apply_grad), cj, _compose(compute_grad, apply_grad, args), _run(cj, args)
+    )
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -106,7 +111,7 @@ def test_parts_work_with_the_other_passes():
     compute_grad, apply_grad = split_at_gradient(cj)
     routed = dce(mark_missing_vars(compute_grad))
     check_jaxpr(routed.jaxpr)
-    _assert_same(_compose(routed, apply_grad, args), _run(cj, args))
+    _assert_same((routed, apply_grad), cj, _compose(routed, apply_grad, args), _run(cj, args))
 
 
 def test_hand_shaped_step_with_bypass_literal_and_constants():
@@ -124,7 +129,9 @@ def test_hand_shaped_step_with_bypass_literal_and_constants():
     compute_grad, apply_grad = split_at_gradient(cj)
     check_jaxpr(compute_grad.jaxpr)
     check_jaxpr(apply_grad.jaxpr)
-    _assert_same(_compose(compute_grad, apply_grad, args), _run(cj, args))
+    _assert_same(
+        (compute_grad, apply_grad), cj, _compose(compute_grad, apply_grad, args), _run(cj, args)
+    )
     # Each constant lives in the part that reads it.
     assert [np.asarray(c).tolist() for c in compute_grad.consts] == [const_before.tolist()]
     assert [np.asarray(c).tolist() for c in apply_grad.consts] == [const_after.tolist()]
@@ -140,7 +147,12 @@ def test_unread_gradient_still_gets_an_input():
     compute_grad, apply_grad = split_at_gradient(cj)
     check_jaxpr(apply_grad.jaxpr)
     assert len(apply_grad.jaxpr.invars) == 1 + 2
-    _assert_same(_compose(compute_grad, apply_grad, [np.float32(1.0)]), _run(cj, [1.0]))
+    _assert_same(
+        (compute_grad, apply_grad),
+        cj,
+        _compose(compute_grad, apply_grad, [np.float32(1.0)]),
+        _run(cj, [1.0]),
+    )
 
 
 def test_backward_stage_left_open_by_jax_is_not_a_straddle():
@@ -157,7 +169,9 @@ def test_backward_stage_left_open_by_jax_is_not_a_straddle():
     cj = jax.make_jaxpr(step)(*args)
     assert any(s.implicit_end for s in find_stage_spans(cj))
     compute_grad, apply_grad = split_at_gradient(cj)
-    _assert_same(_compose(compute_grad, apply_grad, args), _run(cj, args))
+    _assert_same(
+        (compute_grad, apply_grad), cj, _compose(compute_grad, apply_grad, args), _run(cj, args)
+    )
 
 
 # ------------------------------------------------------------------------------ errors
@@ -243,7 +257,7 @@ def test_mark_apply_stage_gives_the_update_a_stage(model, optimizer):
     assert [id(e) for e in staged["apply_grad"].jaxpr.eqns[1:-1]] == [
         id(e) for e in cj.jaxpr.eqns[grad_at:]
     ]
-    _assert_same(_run(staged.as_closed_jaxpr(), args), _run(cj, args))
+    _assert_same(staged, cj, _run(staged.as_closed_jaxpr(), args), _run(cj, args))
     # Idempotent: the update is in a stage now.
     assert pm.passes.mark_apply_stage(marked) is marked
 
@@ -272,7 +286,7 @@ def test_auto_layers_keeps_the_update_out_of_the_backward_stages(optimizer):
     update = {id(e) for e in cj.jaxpr.eqns[grad_at + 1 :]}
     for stage in staged.stages[:-1]:
         assert not update & {id(e) for e in stage.jaxpr.eqns}, stage.name
-    _assert_same(_run(staged.as_closed_jaxpr(), args), _run(cj, args))
+    _assert_same(staged, cj, _run(staged.as_closed_jaxpr(), args), _run(cj, args))
 
 
 def test_boundary_marked_step_gets_an_apply_stage():

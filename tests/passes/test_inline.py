@@ -14,6 +14,7 @@ from pipemark import examples
 from pipemark.passes import inline_calls
 from pipemark.passes.inline import CALL_RULES
 from pipemark.walk import CALL_PRIMITIVES
+from tests._trees import assert_trees_within_ulps
 
 
 def _prims(cj):
@@ -112,7 +113,9 @@ def test_a_whole_program_call_is_inlined_without_copies():
     assert inlined.jaxpr.invars == body.invars
     assert inlined.jaxpr.debug_info.arg_names == cj.jaxpr.debug_info.arg_names
     leaves = jax.tree_util.tree_leaves((params, x))
-    np.testing.assert_array_equal(jaxpr_as_fun(inlined)(*leaves)[0], jaxpr_as_fun(cj)(*leaves)[0])
+    # The call ran as one compiled program; inlined, its equations run one by one: two
+    # programs, whose reductions may round apart (issue #38: 1 ulp on some CPUs).
+    assert_trees_within_ulps(jaxpr_as_fun(inlined)(*leaves), jaxpr_as_fun(cj)(*leaves))
 
 
 def test_equinox_filter_jit_splits():
@@ -198,7 +201,8 @@ def test_checkpoint_over_stages_becomes_one_checkpoint_per_stage():
         assert remat.params["policy"] is cj.jaxpr.eqns[0].params["policy"]
         assert [e.primitive.name for e in remat.params["jaxpr"].eqns] == ["sin", "mul"]
     staged.verify(fn, 1.0)
-    np.testing.assert_array_equal(jaxpr_as_fun(inlined)(0.3), jaxpr_as_fun(cj)(0.3))
+    # A compiled call against its equations one by one: two programs (tests/_exact.py).
+    assert_trees_within_ulps(jaxpr_as_fun(inlined)(0.3), jaxpr_as_fun(cj)(0.3))
 
 
 def test_gradient_of_a_checkpoint_over_stages():

@@ -26,6 +26,8 @@ from pipemark._compat import CLOSED_JAXPR_IS_JAXPR
 from pipemark.errors import MarkerError, PipemarkError
 from pipemark.passes import dce, mark_missing_vars, remove_markers, slice_stages
 from pipemark.passes._markers import find_stage_spans
+from tests._exact import assert_same_equations_same_bits
+from tests._trees import assert_trees_within_ulps
 
 PASSES = {
     "remove_markers": remove_markers,
@@ -124,11 +126,10 @@ def _run(cj, args):
     return [np.asarray(v) for v in jaxpr_as_fun(cj)(*args)]
 
 
-def _assert_same_outputs(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert x.dtype == y.dtype and x.shape == y.shape
-        assert np.array_equal(x, y)
+def _assert_same_outputs(out, cj, args):
+    """``out`` computes with ``cj``'s own equations (the passes here add, move or drop
+    markers and dead code), so it gives the same bits (tests/_exact.py)."""
+    assert_same_equations_same_bits(out, cj, *args)
 
 
 def _markers(cj):
@@ -186,13 +187,12 @@ def _crossing_reads(cj):
 def test_pass_is_valid_pure_and_exact(program, pass_name):
     cj, args = PROGRAMS[program]()
     before = _snapshot(cj)
-    expected = _run(cj, args)
     out = PASSES[pass_name](cj)
     assert isinstance(out, ClosedJaxpr)
     check_jaxpr(out.jaxpr)
     assert _snapshot(cj) == before
     assert out.jaxpr.invars == cj.jaxpr.invars
-    _assert_same_outputs(_run(out, args), expected)
+    _assert_same_outputs(out, cj, args)
 
 
 @pytest.mark.parametrize("program", sorted(PROGRAMS))
@@ -253,7 +253,9 @@ def test_remove_markers_cleans_sub_jaxprs():
     cj = jax.make_jaxpr(f)(*args)
     out = remove_markers(cj)
     check_jaxpr(out.jaxpr)
-    _assert_same_outputs(_run(out, args), _run(cj, args))
+    # The jitted helper's body lost its markers: it compiles to another program (no
+    # barrier), which may round apart.
+    assert_trees_within_ulps(_run(out, args), _run(cj, args))
     assert "pipeline_marker" in str(cj)
     assert "pipeline_marker" not in str(out)
 
@@ -436,7 +438,7 @@ def test_dce_drops_unread_constants_only():
     assert len(cj.consts) == 2
     out = dce(cj)
     assert len(out.consts) == 1 and np.array_equal(out.consts[0], used)
-    _assert_same_outputs(_run(out, [np.ones(3, np.float32)]), _run(cj, [np.ones(3, np.float32)]))
+    _assert_same_outputs(out, cj, [np.ones(3, np.float32)])
 
 
 def test_dce_after_mark_missing_vars_drops_routes_nobody_uses():
@@ -519,7 +521,6 @@ def test_random_programs(program):
     args = [np.linspace(0.1 * (i + 1), 1.0, 3, dtype=np.float32) for i in range(num_inputs)]
     cj = jax.make_jaxpr(f)(*args)
     before = _snapshot(cj)
-    expected = _run(cj, args)
     plain = remove_markers(cj)
     try:
         find_stage_spans(cj)
@@ -531,14 +532,14 @@ def test_random_programs(program):
             mark_missing_vars(cj)
         for out in (plain, dce(cj)):
             check_jaxpr(out.jaxpr)
-            _assert_same_outputs(_run(out, args), expected)
+            _assert_same_outputs(out, cj, args)
         assert _snapshot(cj) == before
         return
     routed = mark_missing_vars(cj)
     cleaned = dce(routed)
     for out in (routed, cleaned, plain):
         check_jaxpr(out.jaxpr)
-        _assert_same_outputs(_run(out, args), expected)
+        _assert_same_outputs(out, cj, args)
     assert _snapshot(cj) == before
     assert _crossing_reads(routed) == []
     assert _crossing_reads(cleaned) == []
@@ -579,4 +580,4 @@ def test_sliced_stages_read_other_stages_only_through_start_markers(program):
     for out in (routed, dce(routed)):
         staged = slice_stages(out)
         assert _reads_past_the_start_marker(staged) == []
-        _assert_same_outputs([np.asarray(v) for v in staged(*args)], _run(cj, args))
+        _assert_same_outputs(staged, cj, args)

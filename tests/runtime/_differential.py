@@ -16,6 +16,8 @@ import os
 import time
 import traceback
 
+from tests._xla import xla_flags
+
 #: Examples per schedule in the ci profile (each compiles its stages).
 EXAMPLES = {"gpipe": 6, "1f1b": 6, "interleaved": 6, "zb-h1": 6, "zb-v": 6}
 DEVICES = 4
@@ -79,7 +81,7 @@ def _test(schedule: str, examples: int, seen: list):
 
 
 def main() -> None:
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
+    os.environ["XLA_FLAGS"] = xla_flags(f"--xla_force_host_platform_device_count={DEVICES}")
     import warnings
 
     import pipemark as pm

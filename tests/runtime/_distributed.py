@@ -22,6 +22,8 @@ import sys
 import threading
 import time
 
+from tests._xla import xla_flags
+
 
 def _setup() -> tuple[str, str, int]:
     """Read the arguments; start jax.distributed (or ask for N CPU devices) before JAX
@@ -30,7 +32,7 @@ def _setup() -> tuple[str, str, int]:
     stages = int(os.environ.get("PIPEMARK_NUM_PROCESSES", sys.argv[3] if len(sys.argv) > 3 else 2))
     os.environ["JAX_PLATFORMS"] = "cpu"
     if mode == "reference":
-        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={stages}"
+        os.environ["XLA_FLAGS"] = xla_flags(f"--xla_force_host_platform_device_count={stages}")
     else:
         from pipemark.launch import initialize
 

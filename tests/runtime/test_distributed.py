@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests._xla import child_environ
+
 SCRIPT = Path(__file__).with_name("_distributed.py")
 ROOT = Path(__file__).parents[2]
 
@@ -23,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIPEMARK_")}
-    env.pop("XLA_FLAGS", None)
+    env = child_environ(env)  # the script sets its devices; the ISA pin is kept
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     return {**env, **extra}
 
