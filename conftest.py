@@ -35,6 +35,10 @@ import jax
 
 NUM_CPU_DEVICES = 8
 
+# The script that wrote the schedule CSVs of tests/runtime/fixtures imports torch, which
+# is no test dependency: it is run by hand, never collected (nor its doctests).
+collect_ignore = ["tests/runtime/fixtures/torch_schedules.py"]
+
 jax.config.update("jax_enable_checks", True)
 jax.config.update("jax_num_cpu_devices", NUM_CPU_DEVICES)
 

@@ -23,7 +23,8 @@ Prints five markdown tables:
    measured bubble says so (the stages take turns on the cores).
 3. **Host overhead**: with tiny stages, the host time to fetch inputs and dispatch, per
    action, and the wall time per tick.
-4. **Zero-bubble schedules** (``--tables zero-bubble``): ZB-H1 and ZB-V against 1F1B
+4. **Zero-bubble schedules** (``--tables zero-bubble``): ZB-H1, ZB-V and DualPipeV
+   (where ``M`` is at least its ``2D`` stages) against 1F1B
    with stages whose forward, input-cotangent (B) and weight-gradient (W) parts each
    wait ``t`` (the largest ``--sleep-ms``), the measured bubble beside the one
    ``pm.simulate_schedule`` predicts from each action's measured cost
@@ -219,8 +220,10 @@ def sleep_table(
 
 
 def zero_bubble_table(devices: int, micro: list[int], sleep_ms: float, repeat: int) -> str:
-    """ZB-H1 and ZB-V against 1F1B on stages whose F, B and W each wait ``sleep_ms``:
-    the measured bubble beside the simulated one (``pm.simulate_schedule``).
+    """ZB-H1, ZB-V and DualPipeV against 1F1B on stages whose F, B and W each wait
+    ``sleep_ms``: the measured bubble beside the simulated one
+    (``pm.simulate_schedule``). DualPipeV runs each overlapped forward and backward as
+    one program, which the simulation runs as one unit of their two costs.
 
     The simulation takes each action's measured cost (``Pipeline.action_costs``: each
     action run alone and waited for), and the measured bubble is ``1 - work / (devices ×
@@ -248,7 +251,10 @@ def zero_bubble_table(devices: int, micro: list[int], sleep_ms: float, repeat: i
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in micro:
-        for schedule, stages in (("1f1b", devices), ("zb-h1", devices), ("zb-v", 2 * devices)):
+        schedules = [("1f1b", devices), ("zb-h1", devices), ("zb-v", 2 * devices)]
+        # DualPipeV needs at least as many microbatches as stages.
+        schedules += [("dualpipev", 2 * devices)] if m >= 2 * devices else []
+        for schedule, stages in schedules:
             loss_fn, params, _ = native.sleeping_split(stages, t)
             batch = jnp.ones((2 * m, params[0].shape[-1]), jnp.float32)
             pipe = pm.pipeline_value_and_grad(

@@ -58,6 +58,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "Schedule": ("pipemark.runtime", "Schedule"),
     "ScheduleEntry": ("pipemark.runtime", "ScheduleEntry"),
     "ScheduleProblem": ("pipemark.runtime", "ScheduleProblem"),
+    "schedule_from_csv": ("pipemark.runtime", "schedule_from_csv"),
     "schedule_from_orders": ("pipemark.runtime", "schedule_from_orders"),
     "simulate_schedule": ("pipemark.runtime", "simulate_schedule"),
     "zero_bubble_schedule": ("pipemark.runtime", "zero_bubble_schedule"),

@@ -1,5 +1,7 @@
 """Run staged programs on several devices: pipeline schedules as data
-(:mod:`pipemark.runtime.schedules`, :mod:`pipemark.runtime.zero_bubble`), built for a
+(:mod:`pipemark.runtime.schedules`, :mod:`pipemark.runtime.zero_bubble`,
+:mod:`pipemark.runtime.dualpipe`; read from and written to
+``torch.distributed.pipelining``'s CSV by :mod:`pipemark.runtime.schedule_csv`), built for a
 :class:`ScheduleProblem` by builders named in one registry
 (:mod:`pipemark.runtime.registry`), their simulation
 (:mod:`pipemark.runtime.simulation`) and plots (:mod:`pipemark.runtime.plot`), and
@@ -8,6 +10,7 @@
 (:mod:`pipemark.runtime.execution`) a pipeline with :class:`PipelineOptions`.
 """
 
+from pipemark.runtime.dualpipe import dualpipev_schedule as dualpipev_schedule
 from pipemark.runtime.memory import MemoryEstimate as MemoryEstimate
 from pipemark.runtime.memory import SlotMemory as SlotMemory
 from pipemark.runtime.options import PipelineOptions as PipelineOptions
@@ -27,6 +30,7 @@ from pipemark.runtime.registry import make_schedule as make_schedule
 from pipemark.runtime.registry import register_schedule as register_schedule
 from pipemark.runtime.registry import schedule_entry as schedule_entry
 from pipemark.runtime.registry import unregister_schedule as unregister_schedule
+from pipemark.runtime.schedule_csv import schedule_from_csv as schedule_from_csv
 from pipemark.runtime.schedules import BACKWARD as BACKWARD
 from pipemark.runtime.schedules import FORWARD as FORWARD
 from pipemark.runtime.schedules import WEIGHT as WEIGHT

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -39,6 +39,8 @@ from pipemark.runtime.sharding import compile_stage
 from pipemark.staged import StagedJaxpr
 
 __all__ = [
+    "ARGUMENT",
+    "Combined",
     "Unit",
     "compile_fused",
     "compile_units",
@@ -313,63 +315,47 @@ def _jit_unit(
 
 # ----------------------------------------------------------------- fused programs
 
-#: Where a fused program's backward reads each input (:func:`fused_wiring`).
-OUTPUT, INPUT, EXTRA = "output", "input", "extra"
+#: Where a part of a fused program reads one of its inputs: ``(ARGUMENT, k)``, the
+#: fused program's argument ``k``; ``(p, o)`` with ``p >= 0``, output ``o`` of part ``p``.
+ARGUMENT = -1
 
 
-def fused_wiring(
-    forward_inputs: Sequence[Hashable],
-    backward_inputs: Sequence[Hashable],
-    forward_output: Callable[[Any], int | None],
-    shared: Callable[[Any], bool],
-) -> tuple[tuple[str, int], ...]:
-    """Per input of a backward fused after its forward, where the fused program takes
-    it: ``(OUTPUT, i)``, the forward's output ``i`` (``forward_output(entry)`` says which,
-    or ``None``); ``(INPUT, j)``, the forward's input ``j``, for an entry both read that
-    may be ``shared`` (a parameter or batch leaf: a value another stage hands over is
-    counted once per reading stage, so each reads its own); else ``(EXTRA, k)``, the
-    ``k``-th of the inputs the fused program takes after the forward's. The entries are
-    stage input references, or a step's inputs: one rule for the program, its arguments
-    and the steps that pass them.
+class Combined(NamedTuple):
+    """Several stage programs of one slot run as one program (a fused step,
+    :func:`pipemark.runtime.steps.fuse_steps`): a forward and the backward after it, a
+    whole backward as its B and W halves, an overlapped pair
+    (:attr:`pipemark.runtime.Schedule.overlapped`). Hashable: the plan keys the
+    compiled program on it.
 
-    >>> fused_wiring(["p", "x"], ["out0", "p", "x"], lambda e: 0 if e == "out0" else None,
-    ...              lambda e: e == "p")
-    (('output', 0), ('input', 0), ('extra', 0))
+    Attributes
+    ----------
+    stages:
+        The stage index of each part, in the order the program runs them.
+    reads:
+        Per part, per input of its stage: ``(ARGUMENT, k)`` or ``(part, output)`` (an
+        earlier part's output, which need not leave the program).
+    passed:
+        ``(part, output)`` of each value the program returns for other steps.
     """
-    position = {entry: j for j, entry in reversed(list(enumerate(forward_inputs)))}
-    wiring = []
-    extra = 0
-    for entry in backward_inputs:
-        i = forward_output(entry)
-        if i is not None:
-            wiring.append((OUTPUT, i))
-        elif entry in position and shared(entry):
-            wiring.append((INPUT, position[entry]))
-        else:
-            wiring.append((EXTRA, extra))
-            extra += 1
-    return tuple(wiring)
+
+    stages: tuple[int, ...]
+    reads: tuple[tuple[tuple[int, int], ...], ...]
+    passed: tuple[tuple[int, int], ...]
+
+    @property
+    def num_arguments(self) -> int:
+        return 1 + max((k for reads in self.reads for p, k in reads if p == ARGUMENT), default=-1)
 
 
-def stage_wiring(staged: StagedJaxpr, forward: int, backward: int) -> tuple[tuple[str, int], ...]:
-    """:func:`fused_wiring` of stage ``backward`` fused after stage ``forward``."""
-    return fused_wiring(
-        staged.stages[forward].inputs,
-        staged.stages[backward].inputs,
-        lambda ref: ref.index if ref.kind == "stage" and ref.stage == forward else None,
-        lambda ref: ref.kind == "input",
-    )
-
-
-def compile_fused(staged: StagedJaxpr, forward: Unit, backward: Unit, slot: Slot) -> Unit:
-    """One program running stage ``forward.index`` and then stage ``backward.index``
-    (on ``slot``) for one microbatch: a :class:`Unit` whose inputs are the forward's
-    followed by the backward's inputs that are not the forward's outputs, whose
-    accumulators are the forward's followed by the backward's, and whose passed outputs
-    are the backward's. The forward's outputs stay inside the program, so XLA neither
-    writes the residuals out nor reads them back, and fuses across the two stages.
-    Only for a forward whose passed outputs no stage but the backward reads
-    (:func:`pipemark.runtime.steps.fuse_steps` decides).
+def compile_fused(
+    staged: StagedJaxpr, combined: Combined, units: Mapping[int, Unit], slot: Slot
+) -> Unit:
+    """One program running the parts of ``combined`` one after another (on ``slot``),
+    each stage for its own microbatch: a :class:`Unit` whose inputs are
+    ``combined``'s arguments, whose accumulators are each part's (in part order) and
+    whose passed outputs are ``combined.passed``. What one part hands the next stays
+    inside the program, so XLA neither writes it out nor reads it back, and may fuse
+    and overlap across the parts.
 
     >>> import jax, jax.numpy as jnp, pipemark as pm
     >>> from pipemark.runtime.placement import place_stages
@@ -377,80 +363,63 @@ def compile_fused(staged: StagedJaxpr, forward: Unit, backward: Unit, slot: Slot
     ...                   num_stages=1)
     >>> placement = place_stages(jax.devices()[:1], (0,))
     >>> units = compile_units(staged, {0: 0, 1: 0}, placement)
-    >>> fused = compile_fused(staged, units[0], units[1], placement.slots[0])
+    >>> backward_reads = tuple((0, ref.index) for ref in staged.stages[1].inputs)
+    >>> backward_reads  # the forward's residuals, handed over inside the program
+    ((0, 0), (0, 1))
+    >>> both = Combined((0, 1), (((ARGUMENT, 0),), backward_reads), ())
+    >>> fused = compile_fused(staged, both, units, placement.slots[0])
     >>> accs, passed = fused.run([jnp.zeros(()), jnp.zeros(())], [jnp.float32(1.0)],
     ...                          jnp.float32(1.0))
     >>> [round(float(a), 4) for a in accs], passed
     ([0.7081, 0.9093], [])
     """
-    forward_stage, backward_stage = staged.stages[forward.index], staged.stages[backward.index]
-    wiring = stage_wiring(staged, forward.index, backward.index)
-    accumulated = (
-        [o for _, o in forward.accumulated],
-        [o for _, o in backward.accumulated],
-    )
-    programs = (
-        runtime_program(forward_stage.closed_jaxpr),
-        runtime_program(backward_stage.closed_jaxpr),
-    )
-    keys = (
-        _unit_key(programs[0], accumulated[0], [], slot),
-        _unit_key(programs[1], accumulated[1], list(backward.passed), slot),
-    )
-    starts = forward.starts
-    key = None if None in keys else ("fused", *keys, wiring, starts)
+    parts = [units[index] for index in combined.stages]
+    accumulated = tuple(tuple(o for _, o in unit.accumulated) for unit in parts)
+    programs = tuple(runtime_program(staged.stages[i].closed_jaxpr) for i in combined.stages)
+    keys = tuple(_unit_key(p, list(a), [], slot) for p, a in zip(programs, accumulated))
+    starts = parts[0].starts
+    key = None if None in keys else ("fused", keys, combined.reads, combined.passed, starts)
     run = _FUSED_CACHE.get(key) if key is not None else None
     if run is None:
-        run = _jit_fused(
-            *programs,
-            wiring,
-            accumulated,
-            list(backward.passed),
-            slot,
-            starts,
-        )
+        run = _jit_fused(programs, combined, accumulated, slot, starts)
         if key is not None:
             if len(_FUSED_CACHE) >= _UNIT_CACHE_SIZE:
                 del _FUSED_CACHE[next(iter(_FUSED_CACHE))]
             _FUSED_CACHE[key] = run
     return Unit(
-        backward.index,
-        backward.worker,
+        combined.stages[-1],
+        parts[-1].worker,
         run,
         None,
-        (*forward.accumulated, *backward.accumulated),
-        backward.passed,
+        tuple(pair for unit in parts for pair in unit.accumulated),
+        tuple(range(len(combined.passed))),
         donates=not starts,
         starts=starts,
     )
 
 
-# Fused programs, cached like the stage programs (same keys, for the pair and its wiring).
+# Fused programs, cached like the stage programs (same keys, for the parts and wiring).
 _FUSED_CACHE: dict[Any, Callable] = {}
 register_cache(_FUSED_CACHE.clear)
 
 
 def _jit_fused(
-    forward: ClosedJaxpr,
-    backward: ClosedJaxpr,
-    wiring: tuple[tuple[str, int], ...],
-    accumulated: tuple[list[int], list[int]],
-    passed: list[int],
+    programs: tuple[ClosedJaxpr, ...],
+    combined: Combined,
+    accumulated: tuple[tuple[int, ...], ...],
     slot: Slot,
     starts: bool,
 ) -> Callable:
-    forward_fun = jaxpr_as_fun(forward)
-    backward_fun = jaxpr_as_fun(backward)
-    num_forward_inputs = len(forward.jaxpr.invars)
+    funs = [jaxpr_as_fun(program) for program in programs]
 
     def run(accs: list[Any], inputs: list[Any], scale: Any) -> tuple[list[Any], list[Any]]:
-        forward_inputs, extra = inputs[:num_forward_inputs], inputs[num_forward_inputs:]
-        forward_outs = forward_fun(*forward_inputs)
-        where = {OUTPUT: forward_outs, INPUT: forward_inputs, EXTRA: extra}
-        outs = backward_fun(*(where[kind][i] for kind, i in wiring))
-        shares = [forward_outs[o] for o in accumulated[0]] + [outs[o] for o in accumulated[1]]
-        shares = [microbatch_share(v, scale) for v in shares]
+        outs: list[list[Any]] = []
+        for fun, reads in zip(funs, combined.reads):
+            outs.append(fun(*(inputs[k] if p == ARGUMENT else outs[p][k] for p, k in reads)))
+        shares = [
+            microbatch_share(outs[p][o], scale) for p, part in enumerate(accumulated) for o in part
+        ]
         new = shares if starts else [acc + v for acc, v in zip(accs, shares)]
-        return new, [outs[o] for o in passed]
+        return new, [outs[p][o] for p, o in combined.passed]
 
     return jax.jit(run, out_shardings=slot.sharding, donate_argnums=() if starts else (0,))

@@ -197,7 +197,6 @@ class _Call:
         """Dispatch one action and publish its results; the host seconds it spent
         waiting for another worker's value."""
         on_device, batch_on, scale = placed
-        m = step.microbatch
         inputs = []
         waited = 0.0
         for source, where in step.inputs:
@@ -206,8 +205,8 @@ class _Call:
                 waited += w
             elif source == PARAM:
                 value = on_device[where]
-            else:
-                value = batch_on[where][m]
+            else:  # a batch leaf of a microbatch (a fused step's parts may differ)
+                value = batch_on[where[0]][where[1]]
             inputs.append(value)
         measuring = self.spans is not None or self.records is not None
         if measuring:  # the action alone, its inputs computed
@@ -240,16 +239,17 @@ class _Call:
             if step.accumulate:
                 self.accs[index] = new_accs
             return new_accs, outs
-        # A fused step: the forward's accumulators, then the backward's.
-        forward = step.fused
-        accs = [*self.accs.get(forward, ()), *self.accs.get(index, ())]
-        new_accs, outs = plan.fused[index].run(accs, inputs, scale)
+        # A fused step: each part's accumulators, in part order.
+        stages = step.fused.stages
+        accs = [acc for part in stages for acc in self.accs.get(part, ())]
+        new_accs, outs = plan.fused[step.fused].run(accs, inputs, scale)
         if step.accumulate:
-            split = len(plan.units[forward].accumulated)
-            if split:
-                self.accs[forward] = new_accs[:split]
-            if split < len(new_accs):
-                self.accs[index] = new_accs[split:]
+            start = 0
+            for part in stages:
+                count = len(plan.units[part].accumulated)
+                if count:
+                    self.accs[part] = new_accs[start : start + count]
+                start += count
         return new_accs, outs
 
     def publish(self, worker: int, step: Step, outs: Sequence[Any]) -> None:
@@ -279,8 +279,11 @@ class _Call:
         placed = self.place(worker)
         waited = 0.0
         finals = self.steps.finals[worker]  # empty in one process
+        reductions = self.steps.reductions[worker] if self.steps.reductions else {}
         for n, step in enumerate(self.steps.columns[worker]):
             waited += self.run_step(worker, step, placed)
+            for index in reductions.get(n, ()):  # the schedule's REDUCE_GRAD
+                self.finish_stage(index)
             for index in finals.get(n, ()):  # results final: other processes get them
                 self.finish_stage(index)
                 key = (-1, index, 0)
@@ -440,8 +443,13 @@ def _run_serial(call: _Call) -> None:
     cpu = time.thread_time()
     placed = [call.place(w) for w in range(len(call.local))]
     waited = 0.0
+    position = [0] * len(call.local)
+    reductions = call.steps.reductions or tuple({} for _ in call.local)
     for worker, step in call.steps.serial:
         waited += call.run_step(worker, step, placed[worker])
+        for index in reductions[worker].get(position[worker], ()):  # REDUCE_GRAD
+            call.finish_stage(index)
+        position[worker] += 1
     call.host_times.append(time.perf_counter() - begin - waited)
     call.cpu_times.append(time.thread_time() - cpu)
 

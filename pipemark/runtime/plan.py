@@ -79,7 +79,8 @@ class PipelinePlan:
         fused with the backward that follows it where nothing else reads its outputs.
     fused:
         The fused programs (:func:`~pipemark.runtime.compilation.compile_fused`), by
-        backward stage index.
+        the :class:`~pipemark.runtime.compilation.Combined` their steps run
+        (``plan.fused[step.fused]``).
     """
 
     staged: StagedJaxpr
@@ -93,7 +94,7 @@ class PipelinePlan:
     out_tree: Any
     units: Mapping[int, Unit] = dataclasses.field(repr=False, compare=False)
     steps: Steps = dataclasses.field(repr=False, compare=False)
-    fused: Mapping[int, Unit] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    fused: Mapping[Any, Unit] = dataclasses.field(default_factory=dict, repr=False, compare=False)
     loss_reduction: str = "mean"
     timeout_s: float | None = 120.0
     #: How many of a worker's actions may be dispatched and not yet computed
@@ -322,20 +323,20 @@ def _ready(plan: PipelinePlan) -> PipelinePlan:
     ``jax.distributed`` the processes checked to make the same plan, and its
     watchdog."""
     placement, local = plan.placement, plan.placement.local
-    unfused = steps = resolve_steps(
-        plan.staged, plan.schedule, plan.roles(), plan.units, placement, plan.num_param_leaves
-    )
-    pairs: dict[int, int] = {}
+    resolve = (plan.staged, plan.schedule, plan.roles(), plan.units, placement)
+    unfused = steps = resolve_steps(*resolve, plan.num_param_leaves, fuse=False)
     if not placement.meshes:  # a fused program on a sub-mesh is not written yet
-        steps, pairs = fuse_steps(steps, plan.staged, plan.roles(), plan.units, placement)
+        steps = resolve_steps(*resolve, plan.num_param_leaves)
+        steps = fuse_steps(steps, plan.staged, plan.roles(), plan.units, placement, plan.schedule)
     if not plan.gather_results:
         steps = without_gathers(steps)
     units = plan.units
     fused = {
-        backward: compile_fused(
-            plan.staged, units[forward], units[backward], placement.slots[units[backward].worker]
+        step.fused: compile_fused(
+            plan.staged, step.fused, units, placement.slots[units[step.index].worker]
         )
-        for backward, forward in pairs.items()
+        for _, step in steps.serial
+        if step.fused is not None
     }
     zeros = {
         index: tuple(unit.zeros())

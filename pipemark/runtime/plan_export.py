@@ -214,21 +214,24 @@ def _add_steps(plan: PipelinePlan, graph: ProgramGraph) -> None:
             # Under the mesh context a call walks its steps in (see run_plan).
             with jax.set_mesh(None):
                 graph.programs[name] = export_program(name, unit.run, *arguments)
-        m = step.microbatch
         inputs = []
         for source, where in step.inputs:
             if source == PARAM:
                 inputs.append(f"param/{where}")
-            elif source == BATCH:
-                inputs.append(f"batch/{where}" if whole else f"batch/{where}/mb{m}")
+            elif source == BATCH:  # (leaf, microbatch): a fused step's parts may differ
+                leaf, m = where
+                inputs.append(f"batch/{leaf}" if whole else f"batch/{leaf}/mb{m}")
             else:
                 inputs.append("mb{}/stage/{}/{}".format(*where))
         accumulators = _accumulators(unit)
+        # The values the program returns, in order: one per send (a fused program returns
+        # only what leaves it).
+        passed = ["mb{}/stage/{}/{}".format(*key) for _, key, _ in sorted(step.sends)]
         graph.steps.append(
             {
                 "program": name,
                 "reads": [*([] if unit.starts else accumulators), *inputs, f"scale/{worker}"],
-                "writes": [*accumulators, *(f"mb{m}/stage/{step.index}/{o}" for o in unit.passed)],
+                "writes": [*accumulators, *passed],
                 "slot": worker,
             }
         )

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from pipemark.errors import PipemarkError
-from pipemark.runtime.compilation import EXTRA, Unit, stage_wiring
+from pipemark.runtime.compilation import ARGUMENT, Combined, Unit
 from pipemark.runtime.placement import Slot
 from pipemark.runtime.plan import PipelinePlan
 from pipemark.runtime.steps import Step, program_name
@@ -40,9 +40,9 @@ __all__ = ["compiled_programs", "step_program"]
 def compiled_programs(plan: PipelinePlan) -> dict[str, jax.stages.Compiled]:
     """Each program a call of ``plan`` dispatches in this process, compiled for the
     arguments the call passes it, in the order of their first dispatch: by stage name
-    (``"layer0"``, ``"layer0_backward"``), and ``"<forward>+<backward>"`` for a
-    forward and backward fused into one program
-    (:func:`pipemark.runtime.compilation.compile_fused`).
+    (``"layer0"``, ``"layer0_backward"``), and the parts' names joined by ``+`` for a
+    fused program (:func:`pipemark.runtime.compilation.compile_fused`: a forward and
+    its backward, an overlapped pair, a whole backward as its B and W).
 
     Programs a call has compiled come back from JAX's caches (nothing compiles twice),
     provided the parameters and the batch were on their stage's device as committed
@@ -87,8 +87,8 @@ def step_program(plan: PipelinePlan, worker: int, step: Step) -> tuple[Unit, tup
         unit = plan.units[step.index]
         accs, inputs = _unit_arguments(plan, unit, slot)
     else:
-        forward, unit = plan.units[step.fused], plan.fused[step.index]
-        accs, inputs = _fused_arguments(plan, forward, plan.units[step.index], slot)
+        unit = plan.fused[step.fused]
+        accs, inputs = _fused_arguments(plan, step.fused, slot)
     if unit.starts:  # one microbatch: the call passes no accumulators at all
         accs = []
     scale = _struct(jax.ShapeDtypeStruct((), np.float32), slot.replicated)
@@ -109,18 +109,15 @@ def _unit_arguments(plan: PipelinePlan, unit: Unit, slot: Slot) -> tuple[list, l
     return accs, inputs
 
 
-def _fused_arguments(
-    plan: PipelinePlan, forward: Unit, backward: Unit, slot: Slot
-) -> tuple[list, list]:
-    """A fused program's accumulators (the forward's, then the backward's) and inputs
-    (the forward's, then the backward's extra ones: :func:`fused_wiring`)."""
-    forward_accs, forward_inputs = _unit_arguments(plan, forward, slot)
-    backward_accs, _ = _unit_arguments(plan, backward, slot)
-    stage = plan.staged.stages[backward.index]
-    wiring = stage_wiring(plan.staged, forward.index, backward.index)
-    extra = [
-        _struct(var.aval, slot.sharding)
-        for var, (kind, _) in zip(stage.jaxpr.invars, wiring)
-        if kind == EXTRA
-    ]
-    return forward_accs + backward_accs, forward_inputs + extra
+def _fused_arguments(plan: PipelinePlan, combined: Combined, slot: Slot) -> tuple[list, list]:
+    """A fused program's accumulators (each part's, in order) and arguments (each the
+    type of the first part input that reads it)."""
+    accs: list = []
+    inputs: dict[int, Any] = {}
+    for index, reads in zip(combined.stages, combined.reads):
+        part_accs, part_inputs = _unit_arguments(plan, plan.units[index], slot)
+        accs += part_accs
+        for (source, k), struct in zip(reads, part_inputs):
+            if source == ARGUMENT:
+                inputs.setdefault(k, struct)
+    return accs, [inputs[k] for k in range(len(inputs))]

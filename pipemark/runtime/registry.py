@@ -14,9 +14,9 @@ it, so adding a schedule is one builder and one call to :func:`register_schedule
 (True, 6)
 >>> unregister_schedule("gpipe-again")
 >>> SCHEDULES
-('gpipe', '1f1b', 'interleaved', 'zb-h1', 'zb-v')
+('gpipe', '1f1b', 'interleaved', 'zb-h1', 'zb-v', 'dualpipev')
 >>> ZERO_BUBBLE_VARIANTS
-('zb-h1', 'zb-v')
+('zb-h1', 'zb-v', 'dualpipev')
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipemark.errors import PipemarkError
+from pipemark.runtime.dualpipe import build_dualpipev
 from pipemark.runtime.problem import ScheduleProblem
 from pipemark.runtime.schedules import (
     Schedule,
@@ -398,3 +399,4 @@ register_schedule(
     one_stage_per_device=False,
     splits_backward=True,
 )
+register_schedule("dualpipev", build_dualpipev, one_stage_per_device=False, splits_backward=True)

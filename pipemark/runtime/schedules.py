@@ -18,7 +18,14 @@ A schedule is valid when every action runs after everything it needs:
 * in a zero-bubble schedule, whose backward is split in two
   (:func:`pipemark.passes.split_backward`: B, the activation cotangents, and W, the
   parameter gradients), the weight action of ``j`` for ``m`` after its backward
-  action. Either every stage has weight actions, or none has.
+  action. A backward action with a weight action for the same stage and microbatch is
+  the first half (torch's ``I``); one without is the whole backward (torch's ``B``). A
+  schedule may mix the two, microbatch by microbatch (DualPipeV does).
+
+Two actions of one device may run as one dispatched unit (:attr:`Schedule.overlapped`,
+torch's ``OVERLAP_F_B``): a forward and a backward on adjacent ticks, the second's
+inputs ready before the first's tick, compiled into one program so that XLA may
+overlap them.
 
 The builders (:func:`gpipe_schedule`, :func:`one_f_one_b_schedule`,
 :func:`interleaved_schedule`) give each device an *order* of actions and let
@@ -42,6 +49,7 @@ from typing import Any, NamedTuple
 from pipemark._text import format_share, plural
 from pipemark.errors import PipemarkError, StageGraphError
 from pipemark.roles import ACTION_KINDS, BACKWARD, FORWARD, WEIGHT
+from pipemark.runtime.csv_cells import FORMATS, OVERLAP, Cell, write_rows
 
 __all__ = [
     "FORWARD",
@@ -252,6 +260,16 @@ class Schedule:
     ticks:
         ``ticks[t][d]`` is the :class:`Action` device ``d`` runs at tick ``t``, or
         ``None``.
+    overlapped:
+        Pairs of actions run as one dispatched unit (torch's ``OVERLAP_F_B``): a forward
+        and then a backward of one device, on adjacent ticks, the backward's inputs
+        ready before the forward's tick and neither reading the other; the runtime
+        compiles each pair into one program.
+    reduce_grad:
+        ``(stage, tick)`` pairs: the stage's gradients are reduced over its
+        data-parallel replicas after its device's action at that tick (torch's
+        ``REDUCE_GRAD``; at most one per stage, after its last backward and weight
+        actions). Stages not listed are reduced at the end of a call.
 
     Building one checks it; :class:`StageGraphError` says which action runs too early
     (or twice, or never, or on the wrong device) and what to move.
@@ -268,12 +286,16 @@ class Schedule:
     stage_devices: tuple[int, ...]
     predecessors: tuple[tuple[int, ...], ...]
     ticks: tuple[tuple[Action | None, ...], ...]
+    overlapped: tuple[tuple[Action, Action], ...] = ()
+    reduce_grad: tuple[tuple[int, int], ...] = ()
     _finish: dict[Action, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_devices", tuple(self.stage_devices))
         object.__setattr__(self, "predecessors", tuple(tuple(p) for p in self.predecessors))
         object.__setattr__(self, "ticks", tuple(tuple(t) for t in self.ticks))
+        object.__setattr__(self, "overlapped", tuple(tuple(p) for p in self.overlapped))
+        object.__setattr__(self, "reduce_grad", tuple(tuple(r) for r in self.reduce_grad))
         object.__setattr__(self, "_finish", _validate(self))
 
     @property
@@ -307,6 +329,49 @@ class Schedule:
     def splits_backward(self) -> bool:
         """Whether the backward is split into backward and weight actions."""
         return any(a.kind == WEIGHT for tick in self.ticks for a in tick if a)
+
+    @property
+    def whole_backwards(self) -> frozenset[tuple[int, int]]:
+        """The ``(stage, microbatch)`` whose backward action is the whole backward in a
+        schedule that splits others (no weight action of its own); empty where the
+        schedule splits none or all.
+
+        >>> F, B, W = FORWARD, BACKWARD, WEIGHT
+        >>> schedule_from_orders([[Action(0, 0, F), Action(0, 0, B), Action(0, 1, F),
+        ...     Action(0, 1, B), Action(0, 1, W)]], stage_devices=(0,),
+        ...     num_microbatches=2).whole_backwards
+        frozenset({(0, 0)})
+        """
+        if not self.splits_backward:
+            return frozenset()
+        actions = self._finish
+        return frozenset(
+            (a.stage, a.microbatch)
+            for a in actions
+            if a.kind == BACKWARD and a._replace(kind=WEIGHT) not in actions
+        )
+
+    def crosses(self, action: Action) -> tuple[bool, bool]:
+        """Whether ``action`` reads values from another device and whether it sends
+        values to another device, by the stage graph and the stages' devices: a
+        forward reads its predecessors' outputs and sends to its successors, a backward
+        the other way round (a weight action neither). The transfers a
+        ``"compute_comms"`` CSV writes (:meth:`to_csv`) and is checked against.
+
+        >>> one_f_one_b_schedule(2, 1).crosses(Action(0, 0, FORWARD))
+        (False, True)
+        """
+        if action.kind == WEIGHT:
+            return False, False
+        here = self.stage_devices[action.stage]
+        before = self.predecessors[action.stage]
+        after = self.successors[action.stage]
+        if action.kind == BACKWARD:
+            before, after = after, before
+        return (
+            any(self.stage_devices[s] != here for s in before),
+            any(self.stage_devices[s] != here for s in after),
+        )
 
     @property
     def bubble_fraction(self) -> float:
@@ -370,6 +435,80 @@ class Schedule:
 
     def __str__(self) -> str:
         return self.to_text()
+
+    def to_csv(self, format: str = "compute_only", path: Any = None) -> str:
+        """The schedule in ``torch.distributed.pipelining``'s CSV grammar (what its
+        ``_load_csv`` and :func:`pipemark.schedule_from_csv` read): one row per device,
+        one cell per action (``2F0``; ``I`` for a backward whose weight action runs
+        apart, ``B`` for a whole one, ``W``; an overlapped pair as
+        ``(0F3;3B1)OVERLAP_F_B``) and ``REDUCE_GRAD`` after the action
+        :attr:`reduce_grad` names. ``format="compute_only"`` writes an empty cell for
+        each idle tick; ``"compute_comms"`` writes no idle cells but each transfer
+        between devices (:meth:`crosses`): ``RECV_F`` / ``RECV_B`` right before the
+        action that reads it, ``SEND_F`` / ``SEND_B`` right after the one that sends
+        it. With ``path``, also writes the text there.
+
+        >>> print(one_f_one_b_schedule(2, 2).to_csv(), end="")
+        0F0,0F1,,0B0,,0B1
+        ,1F0,1B0,1F1,1B1
+        >>> print(one_f_one_b_schedule(2, 1).to_csv("compute_comms"), end="")
+        0F0,0SEND_F0,0RECV_B0,0B0
+        1RECV_F0,1F0,1B0,1SEND_B0
+        """
+        if format not in FORMATS:
+            raise PipemarkError(
+                f"Unknown CSV format {format!r}; choose {' or '.join(map(repr, FORMATS))}."
+            )
+        rows = [self._csv_row(d, format == "compute_comms") for d in range(self.num_devices)]
+        text = write_rows(rows)
+        if path is not None:
+            with open(path, "w", newline="") as file:
+                file.write(text)
+        return text
+
+    def _csv_row(self, device: int, comms: bool) -> list[Cell | None]:
+        """Device ``device``'s row of :meth:`to_csv`."""
+        second = {pair[1] for pair in self.overlapped}
+        first = {pair[0]: pair for pair in self.overlapped}
+        reductions: dict[int, list[int]] = {}
+        for stage, tick in self.reduce_grad:
+            if self.stage_devices[stage] == device:
+                reductions.setdefault(tick, []).append(stage)
+        row: list[Cell | None] = []
+        for t, tick in enumerate(self.ticks):
+            action = tick[device]
+            if action in second:
+                pass  # written with the first of its pair
+            elif action is None:
+                if not comms:
+                    row.append(None)
+            else:
+                unit = first.get(action, (action,))
+                row += [self._transfer(a, "RECV") for a in unit if comms and self.crosses(a)[0]]
+                cells = tuple(self._compute_cell(a) for a in unit)
+                row.append(cells[0] if len(cells) == 1 else Cell(-1, OVERLAP, None, cells))
+                row += [self._transfer(a, "SEND") for a in unit if comms and self.crosses(a)[1]]
+            if action is not None and action not in first:
+                row += [Cell(stage, "REDUCE_GRAD") for stage in reductions.get(t, ())]
+        while row and row[-1] is None:
+            row.pop()
+        return row
+
+    def _compute_cell(self, action: Action) -> Cell:
+        if action.kind == FORWARD:
+            kind = "F"
+        elif action.kind == WEIGHT:
+            kind = "W"
+        else:
+            kind = "I" if action._replace(kind=WEIGHT) in self._finish else "B"
+        return Cell(action.stage, kind, action.microbatch)
+
+    @staticmethod
+    def _transfer(action: Action, direction: str) -> Cell:
+        """``RECV`` / ``SEND`` cell of ``action``'s transfer, named by the stage that
+        receives or sends (``F`` for forward values, ``B`` for cotangents)."""
+        suffix = "F" if action.kind == FORWARD else "B"
+        return Cell(action.stage, f"{direction}_{suffix}", action.microbatch)
 
 
 def _action_ticks(schedule: Schedule, num_stages: int, m_count: int) -> dict[Action, int]:
@@ -463,21 +602,21 @@ def _validate(schedule: Schedule) -> dict[Action, int]:
                 f"{num_devices} devices (0..{num_devices - 1})."
             )
     when = _action_ticks(schedule, num_stages, m_count)
-    split = any(a.kind == WEIGHT for a in when)
-    kinds = ACTION_KINDS if split else (FORWARD, BACKWARD)
+    # A weight action is optional per stage and microbatch: without one, the backward
+    # action is the whole backward.
     missing = [
         Action(j, m, k)
         for j in range(num_stages)
         for m in range(m_count)
-        for k in kinds
+        for k in (FORWARD, BACKWARD)
         if Action(j, m, k) not in when
     ]
     if missing:
         shown = "; ".join(a.describe() for a in missing[:3])
         raise StageGraphError(
             f"{len(missing)} action(s) never run, e.g. the {shown}. Every stage runs "
-            "its forward and its backward once per microbatch"
-            + (" (and, split, its weight action)." if split else ".")
+            "its forward and its backward once per microbatch (a weight action, where "
+            "the backward is split, after the backward)."
         )
     for action, t in when.items():
         for need in dependencies(action, preds, succ):
@@ -489,7 +628,82 @@ def _validate(schedule: Schedule) -> dict[Action, int]:
                     "schedule_from_orders, which places each action once its inputs are "
                     "ready)."
                 )
+    _check_overlapped(schedule, when, preds, succ)
+    _check_reduce_grad(schedule, when)
     return when
+
+
+def _check_overlapped(
+    schedule: Schedule,
+    when: Mapping[Action, int],
+    preds: Sequence[Sequence[int]],
+    succ: Sequence[Sequence[int]],
+) -> None:
+    """Each overlapped pair is a forward and then a backward of one device on adjacent
+    ticks, neither reading the other, the backward's inputs ready before the forward's
+    tick (so the pair can start as one unit), and no action is in two pairs."""
+    paired: set[Action] = set()
+    for pair in schedule.overlapped:
+        if len(pair) != 2 or not all(isinstance(a, Action) and a in when for a in pair):
+            raise StageGraphError(
+                f"Overlapped pair {pair!r} is not two actions of this schedule; give "
+                "(forward, backward) Actions that it runs."
+            )
+        first, second = pair
+        what = f"The overlapped pair ({first.describe()}; {second.describe()})"
+        if first.kind != FORWARD or second.kind != BACKWARD:
+            raise StageGraphError(f"{what} is not a forward and then a backward.")
+        if paired & set(pair):
+            raise StageGraphError(f"{what} shares an action with another pair.")
+        paired.update(pair)
+        t = when[first]
+        if (
+            when[second] != t + 1
+            or schedule.stage_devices[first.stage] != (schedule.stage_devices[second.stage])
+        ):
+            raise StageGraphError(
+                f"{what} runs at ticks {t} and {when[second]}; an overlapped pair runs on "
+                "one device, the backward at the tick after the forward."
+            )
+        late = [n for n in dependencies(second, preds, succ) if when[n] >= t]
+        if late:
+            raise StageGraphError(
+                f"{what}: the backward reads the {late[0].describe()} (tick "
+                f"{when[late[0]]}), which is not done before the pair starts at tick {t}; "
+                "a pair runs as one unit once everything both read is ready."
+            )
+
+
+def _check_reduce_grad(schedule: Schedule, when: Mapping[Action, int]) -> None:
+    """Each ``(stage, tick)`` of :attr:`Schedule.reduce_grad` names a stage once and a
+    tick where the stage's device runs an action (not the first of an overlapped pair),
+    at or after every backward and weight action of that stage."""
+    seen: set[int] = set()
+    firsts = {pair[0] for pair in schedule.overlapped}
+    for entry in schedule.reduce_grad:
+        stage, tick = entry if len(entry) == 2 else (None, None)
+        if not (_is_index(stage) and 0 <= stage < schedule.num_stages) or stage in seen:
+            raise StageGraphError(
+                f"reduce_grad entry {entry!r}: give (stage, tick) once per stage, with a "
+                f"stage in 0..{schedule.num_stages - 1}."
+            )
+        seen.add(stage)
+        device = schedule.stage_devices[stage]
+        cell = schedule.ticks[tick][device] if _is_index(tick) and 0 <= tick < len(
+            schedule.ticks
+        ) else None  # fmt: skip
+        if cell is None or cell in firsts:
+            raise StageGraphError(
+                f"The gradients of stage {stage} are reduced after tick {tick!r}, where "
+                f"device {device} runs no action that ends a unit; name the tick of the "
+                "action the reduction follows."
+            )
+        last = max(t for a, t in when.items() if a.stage == stage and a.kind != FORWARD)
+        if tick < last:
+            raise StageGraphError(
+                f"The gradients of stage {stage} are reduced after tick {tick}, before its "
+                f"last backward or weight action (tick {last}); reduce them after it."
+            )
 
 
 # ------------------------------------------------------------------------- builders
@@ -502,9 +716,14 @@ def schedule_from_orders(
     num_microbatches: int,
     stage_graph: Any = None,
     name: str = "custom",
+    overlapped: Sequence[tuple[Action, Action]] = (),
+    earliest: Mapping[Action, int] | None = None,
 ) -> Schedule:
     """Place each device's actions, in the given order, at the first tick where
-    everything they need has run.
+    everything they need has run (and not before ``earliest[action]``, where given).
+    Each ``overlapped`` pair (a forward and then a backward, adjacent in one device's
+    order) runs as one unit: the forward waits until the backward's inputs are ready
+    too, and the backward follows at the next tick (:attr:`Schedule.overlapped`).
 
     Raises :class:`StageGraphError` when the orders deadlock (each blocked device waits
     for an action queued behind another blocked one), naming the blocked actions.
@@ -532,6 +751,13 @@ def schedule_from_orders(
     finished: dict[Action, int] = {}
     ticks: list[tuple[Action | None, ...]] = []
     remaining = sum(len(q) for q in queues)
+    partner = dict(tuple(pair) for pair in overlapped)  # first -> second
+    earliest = earliest or {}
+
+    def ready(action: Action, t: int, unit: Action | None = None) -> bool:
+        needs = dependencies(action, preds, succ)
+        return all(finished.get(n, t) < t for n in needs if n != unit)
+
     while remaining:
         t = len(ticks)
         tick: list[Action | None] = [None] * len(queues)
@@ -539,8 +765,17 @@ def schedule_from_orders(
             if position[d] == len(queue):
                 continue
             action = queue[position[d]]
-            if all(finished.get(n, t) < t for n in dependencies(action, preds, succ)):
+            if earliest.get(action, 0) > t or not ready(action, t):
+                continue
+            if action not in partner or ready(partner[action], t, action):
                 tick[d] = action
+        if not any(tick) and any(
+            earliest.get(q[position[d]], 0) > t
+            for d, q in enumerate(queues)
+            if position[d] < len(q)
+        ):
+            ticks.append(tuple(tick))  # an idle tick the orders ask for
+            continue
         if not any(tick):
             blocked = [
                 f"device {d} waits to run the {q[position[d]].describe()}"
@@ -558,7 +793,14 @@ def schedule_from_orders(
                 position[d] += 1
                 remaining -= 1
         ticks.append(tuple(tick))
-    return Schedule(name, num_microbatches, tuple(stage_devices), preds, tuple(ticks))
+    return Schedule(
+        name,
+        num_microbatches,
+        tuple(stage_devices),
+        preds,
+        tuple(ticks),
+        tuple(tuple(pair) for pair in overlapped),
+    )
 
 
 def in_waves(waves: Sequence[Schedule], name: str | None = None) -> Schedule:
@@ -583,6 +825,7 @@ def in_waves(waves: Sequence[Schedule], name: str | None = None) -> Schedule:
         raise PipemarkError("in_waves needs at least one schedule.")
     first = waves[0]
     orders: list[list[Action]] = [[] for _ in range(first.num_devices)]
+    overlapped: list[tuple[Action, ...]] = []
     start = 0
     for wave in waves:
         if wave.stage_devices != first.stage_devices or wave.predecessors != first.predecessors:
@@ -594,6 +837,10 @@ def in_waves(waves: Sequence[Schedule], name: str | None = None) -> Schedule:
             )
         for d, order in enumerate(wave.device_orders()):
             orders[d] += [a._replace(microbatch=a.microbatch + start) for a in order]
+        overlapped += [
+            tuple(a._replace(microbatch=a.microbatch + start) for a in pair)
+            for pair in wave.overlapped
+        ]
         start += wave.num_microbatches
     return schedule_from_orders(
         orders,
@@ -601,6 +848,7 @@ def in_waves(waves: Sequence[Schedule], name: str | None = None) -> Schedule:
         num_microbatches=start,
         stage_graph=first.stage_graph,
         name=name or first.name,
+        overlapped=overlapped,
     )
 
 

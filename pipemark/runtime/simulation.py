@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 from pipemark.errors import PipemarkError, StageGraphError
 from pipemark.runtime.problem import Costs, cost_function
-from pipemark.runtime.schedules import Action, Schedule, dependencies
+from pipemark.runtime.schedules import BACKWARD, WEIGHT, Action, Schedule, dependencies
 
 __all__ = ["Simulation", "simulate_schedule"]
 
@@ -93,7 +93,10 @@ def simulate_schedule(
 ) -> Simulation:
     """Run ``schedule`` on paper: each device runs its actions in the schedule's order,
     each as soon as the device is free and everything it needs has finished (and, for
-    what another device computed, has arrived).
+    what another device computed, has arrived). An overlapped pair
+    (:attr:`~pipemark.runtime.Schedule.overlapped`) runs as one unit: it starts once
+    what both read has arrived, takes the sum of their costs, and both results are out
+    when it ends.
 
     Parameters
     ----------
@@ -110,7 +113,7 @@ def simulate_schedule(
         With it, the simulation shows how much of a schedule's time is spent waiting
         for transfers on its critical path (:mod:`pipemark.runtime.simulation`).
     """
-    cost = cost_function(costs, schedule.splits_backward, len(schedule.stage_devices))
+    cost = _schedule_cost(schedule, costs)
     preds = schedule.predecessors
     succ = schedule.successors
     orders = schedule.device_orders()
@@ -122,20 +125,28 @@ def simulate_schedule(
     start: dict[Action, float] = {}
     finish: dict[Action, float] = {}
     remaining = sum(len(o) for o in orders)
+    pairs = dict(schedule.overlapped)  # first -> second: one unit, one program
     while remaining:
         progressed = False
         for d, order in enumerate(orders):
             while position[d] < len(order):
-                action = order[position[d]]
-                if any(n not in finish for n in needs[action]):
+                unit = (order[position[d]],)
+                unit += (pairs[unit[0]],) if unit[0] in pairs else ()
+                reads = [(n, a) for a in unit for n in needs[a] if n not in unit]
+                if any(n not in finish for n, _ in reads):
                     break
-                begin = max([free[d], *(finish[n] + delay(n, action) for n in needs[action])])
-                length = cost(action)
-                start[action], finish[action] = begin, begin + length
+                # A unit starts once everything its actions read has arrived, and its
+                # results leave together when it ends (an overlapped pair is one program).
+                begin = max([free[d], *(finish[n] + delay(n, a) for n, a in reads)])
+                length = sum(map(cost, unit))
+                offset = begin
+                for action in unit:
+                    start[action], finish[action] = offset, begin + length
+                    offset += cost(action)
                 free[d] = begin + length
                 busy[d] += length
-                position[d] += 1
-                remaining -= 1
+                position[d] += len(unit)
+                remaining -= len(unit)
                 progressed = True
         if not progressed:  # a valid schedule never deadlocks
             raise StageGraphError("The schedule's device orders deadlock.")
@@ -144,6 +155,22 @@ def simulate_schedule(
     bubble = makespan - sum(busy) / len(orders)
     bound = _makespan_bound(orders, cost, needs, delay)
     return Simulation(start, finish, makespan, tuple(busy), idle, bubble, bound)
+
+
+def _schedule_cost(schedule: Schedule, costs: Costs) -> Callable[[Action], float]:
+    """Each action's cost in ``schedule``: a backward pays B + W where it is whole (the
+    schedule splits none, or not this stage and microbatch's)."""
+    cost = cost_function(costs, schedule.splits_backward, len(schedule.stage_devices))
+    whole = schedule.whole_backwards
+    if not whole:
+        return cost
+
+    def mixed(action: Action) -> float:
+        if action.kind == BACKWARD and (action.stage, action.microbatch) in whole:
+            return cost(action) + cost(action._replace(kind=WEIGHT))
+        return cost(action)
+
+    return mixed
 
 
 def _makespan_bound(orders, cost, needs, delay) -> float:

@@ -1,14 +1,19 @@
 """A plan's actions resolved once, when it is built: :func:`resolve_steps`.
 
 For each worker, the :class:`Step` objects it runs, in run order: which stage program,
-for which microbatch, where each input comes from (a parameter leaf, a batch leaf, or
-an output of another stage for the same microbatch) and which workers read each of its
-outputs. Under ``jax.distributed`` also the transfers between this process and the
-others, in the one global order every process walks (:attr:`Steps.transfers`).
-:func:`fuse_steps` then folds a forward step into the backward step that follows it on
-its worker, for the same pipeline stage and microbatch, when no other stage reads the
-forward's outputs (one stage; the last stage of 1F1B): the pair runs as one program
-(:func:`pipemark.runtime.compilation.compile_fused`).
+for which microbatch, where each input comes from (a parameter leaf, a batch leaf of a
+microbatch, or an output of another stage for the same microbatch) and which workers
+read each of its outputs. Under ``jax.distributed`` also the transfers between this
+process and the others, in the one global order every process walks
+(:attr:`Steps.transfers`).
+
+Some steps run several stage programs as one (a *fused* step, one program:
+:func:`pipemark.runtime.compilation.compile_fused`): the schedule's overlapped pairs
+(:attr:`pipemark.runtime.Schedule.overlapped`), a whole backward where the plan split
+the stage's backward into B and W for other microbatches (the two halves in one
+program), and, by :func:`fuse_steps`, a forward with the backward right after it on its
+worker for the same pipeline stage and microbatch when no other stage reads the
+forward's outputs (one stage; the last stage of 1F1B).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from pipemark.runtime.compilation import EXTRA, Unit, fused_wiring
+from pipemark.runtime.compilation import ARGUMENT, Combined, Unit
 from pipemark.runtime.placement import Placement
 from pipemark.runtime.schedules import BACKWARD, FORWARD, WEIGHT, Action, Schedule
 from pipemark.staged import StagedJaxpr
@@ -32,6 +37,7 @@ __all__ = [
     "Step",
     "Steps",
     "Transfer",
+    "fuse_group",
     "fuse_steps",
     "program_name",
     "resolve_steps",
@@ -39,7 +45,8 @@ __all__ = [
     "without_gathers",
 ]
 
-#: Where a step's input comes from (the first item of each entry of :attr:`Step.inputs`).
+#: Where a step's input comes from (the first item of each entry of :attr:`Step.inputs`):
+#: ``(PARAM, leaf)``, ``(BATCH, (leaf, microbatch))``, ``(STAGE, key)``.
 PARAM, BATCH, STAGE = 0, 1, 2
 
 #: A value handed between stages: ``(microbatch, stage index, output index)``.
@@ -67,14 +74,18 @@ class Step(NamedTuple):
     microbatch: int
     action: Action  # the schedule's action it runs
     accumulate: bool
-    # (PARAM, leaf) | (BATCH, leaf) | (STAGE, (microbatch, stage, output))
+    # (PARAM, leaf) | (BATCH, (leaf, microbatch)) | (STAGE, (microbatch, stage, output))
     inputs: tuple[tuple[int, Any], ...]
     # per passed output: (its position among the program's passed outputs, its key, and
     # how many readers each worker has: ((worker, count), ...))
     sends: tuple[tuple[int, Key, tuple[tuple[int, int], ...]], ...]
-    # A fused step (fuse_steps): the forward stage whose program runs first, in one
-    # program with this backward stage's; its inputs come first in ``inputs``.
-    fused: int | None = None
+    # A fused step: the stage programs it runs as one (plan.fused[step.fused]); its
+    # index, microbatch and action are its last part's. None: its own stage's program.
+    fused: Combined | None = None
+    # A fused step's parts, each the step it would be alone, in program order.
+    parts: tuple[Step, ...] = ()
+    # The schedule's tick of its action (a fused step's first part's).
+    tick: int = -1
 
 
 class Steps(NamedTuple):
@@ -95,6 +106,9 @@ class Steps(NamedTuple):
     # Under jax.distributed, per worker: {position in its column: stage index} of the
     # actions after which a stage's results are final; empty in one process.
     finals: tuple[dict[int, tuple[int, ...]], ...]
+    # Per worker, {position in its column: stage indices} reduced over their
+    # data-parallel replicas after that step (the schedule's REDUCE_GRAD).
+    reductions: tuple[dict[int, tuple[int, ...]], ...] = ()
 
     @property
     def num_programs(self) -> int:
@@ -109,55 +123,175 @@ def resolve_steps(
     units: Mapping[int, Unit],
     placement: Placement,
     num_params: int,
+    *,
+    fuse: bool = True,
 ) -> Steps:
     """The steps of ``schedule`` over ``staged``'s stage programs: ``roles[kind][k]`` is
     the stage index of pipeline stage ``k``'s ``kind`` (forward, backward, weight)
-    program, ``None`` where it has none."""
-    num_workers = len(placement.slots)
-    readers: dict[tuple[int, int], dict[int, int]] = {}  # readers per worker
+    program, ``None`` where it has none. A backward the schedule runs whole on a stage
+    whose backward the plan split runs as its B and W; with ``fuse``, the steps of each
+    such backward and of each overlapped pair are one fused step (without, they run one
+    after another, as :func:`~pipemark.runtime.execution.action_costs` times them)."""
+    readers = _stage_readers(staged, units)
+    columns: list[list[Step]] = [[] for _ in placement.slots]
+    serial: list[tuple[int, Step]] = []
+    params: list[set[int]] = [set() for _ in placement.slots]
+    batch: list[set[int]] = [set() for _ in placement.slots]
+    pairs = dict(schedule.overlapped)
+    seconds = set(pairs.values())
+    num_actions = 0
+    for t, _, action in schedule.actions():
+        if action in seconds:  # resolved with the first of its pair
+            continue
+        group: list[Step] = []
+        for a in (action, pairs[action]) if action in pairs else (action,):
+            made = _action_steps(a, t, schedule, staged, roles, units, readers, num_params)
+            num_actions += bool(made)
+            group += made
+        if fuse and len(group) > 1:
+            group = [fuse_group(group)]
+        for step in group:
+            w = units[step.index].worker
+            for source, where in step.inputs:
+                if source == PARAM:
+                    params[w].add(where)
+                elif source == BATCH:
+                    batch[w].add(where[0])
+            columns[w].append(step)
+            serial.append((w, step))
+    return Steps(
+        columns=tuple(tuple(c) for c in columns),
+        serial=tuple(serial),
+        params=tuple(tuple(sorted(p)) for p in params),
+        batch=tuple(tuple(sorted(b)) for b in batch),
+        num_actions=num_actions,
+        readers=readers,
+        transfers=_transfers(serial, units, placement, staged),
+        finals=_finals(columns, units, placement),
+        reductions=_reductions(columns, schedule, roles, units),
+    )
+
+
+def _stage_readers(
+    staged: StagedJaxpr, units: Mapping[int, Unit]
+) -> dict[tuple[int, int], dict[int, int]]:
+    """Per stage output, how many stage inputs read it on each worker."""
+    readers: dict[tuple[int, int], dict[int, int]] = {}
     for c, stage in enumerate(staged.stages):
         if c in units:
             for ref in stage.inputs:
                 if ref.kind == "stage":
                     per = readers.setdefault((ref.stage, ref.index), {})
                     per[units[c].worker] = per.get(units[c].worker, 0) + 1
-    columns: list[list[Step]] = [[] for _ in range(num_workers)]
-    serial: list[tuple[int, Step]] = []
-    params: list[set[int]] = [set() for _ in range(num_workers)]
-    batch: list[set[int]] = [set() for _ in range(num_workers)]
-    for _, _, action in schedule.actions():
-        index = roles[action.kind][action.stage]
+    return readers
+
+
+def _action_steps(
+    action: Action,
+    tick: int,
+    schedule: Schedule,
+    staged: StagedJaxpr,
+    roles: Mapping[str, Sequence[int | None]],
+    units: Mapping[int, Unit],
+    readers: dict[tuple[int, int], dict[int, int]],
+    num_params: int,
+) -> list[Step]:
+    """The steps of one action: none for a stage without that program, its B and W for
+    a backward the schedule runs whole where the plan split it, else one."""
+    kinds = [action.kind]
+    whole = (action.stage, action.microbatch) in schedule.whole_backwards
+    if action.kind == BACKWARD and whole and roles[WEIGHT][action.stage] is not None:
+        kinds.append(WEIGHT)
+    steps = []
+    for kind in kinds:
+        index = roles[kind][action.stage]
         if index is None:  # a stage without a backward (or weight) program
             continue
         unit, m = units[index], action.microbatch
-        w = unit.worker
         inputs = []
         for ref in staged.stages[index].inputs:
             if ref.kind == "input" and ref.index < num_params:
                 inputs.append((PARAM, ref.index))
-                params[w].add(ref.index)
             elif ref.kind == "input":
-                inputs.append((BATCH, ref.index - num_params))
-                batch[w].add(ref.index - num_params)
+                inputs.append((BATCH, (ref.index - num_params, m)))
             else:
                 inputs.append((STAGE, (m, ref.stage, ref.index)))
         sends = tuple(
             (position, (m, index, o), tuple(sorted(readers[(index, o)].items())))
             for position, o in enumerate(unit.passed)
         )
-        step = Step(index, m, action, bool(unit.accumulated), tuple(inputs), sends)
-        columns[w].append(step)
-        serial.append((w, step))
-    return Steps(
-        columns=tuple(tuple(c) for c in columns),
-        serial=tuple(serial),
-        params=tuple(tuple(sorted(p)) for p in params),
-        batch=tuple(tuple(sorted(b)) for b in batch),
-        num_actions=len(serial),
-        readers=readers,
-        transfers=_transfers(serial, units, placement, staged),
-        finals=_finals(columns, units, placement),
+        own = action._replace(kind=kind)
+        steps.append(Step(index, m, own, bool(unit.accumulated), tuple(inputs), sends, tick=tick))
+    return steps
+
+
+def fuse_group(group: Sequence[Step]) -> Step:
+    """The steps ``group`` (of one worker) as one fused step: a part reads what an
+    earlier part computed for the same microbatch inside the program, the parameter and
+    batch leaves several parts read once, and sends only what other steps read. It has
+    its last part's index, microbatch and action and its first part's tick (so it runs
+    where the group starts: everything its parts read is ready by then).
+
+    >>> a = Step(0, 1, Action(0, 1, "forward"), False, ((PARAM, 0),), ((0, (1, 0, 0), ((0, 1),)),))
+    >>> b = Step(1, 1, Action(0, 1, "backward"), True, ((PARAM, 0), (STAGE, (1, 0, 0))), ())
+    >>> fused = fuse_group([a, b])
+    >>> fused.inputs, fused.sends, fused.fused.reads
+    (((0, 0),), (), (((-1, 0),), ((-1, 0), (0, 0))))
+    """
+    arguments: list[tuple[int, Any]] = []
+    position: dict[tuple[int, Any], int] = {}
+    reads = []
+    made = {(part.microbatch, part.index): p for p, part in enumerate(group)}
+    inside: dict[Key, int] = {}  # how many reads of each value stay inside the program
+    for part in group:
+        part_reads = []
+        for entry in part.inputs:
+            source, where = entry
+            producer = made.get(where[:2]) if source == STAGE else None
+            if producer is not None:
+                part_reads.append((producer, where[2]))
+                inside[where] = inside.get(where, 0) + 1
+                continue
+            if source == STAGE or entry not in position:  # each stage reads its own value
+                position.setdefault(entry, len(arguments))
+                part_reads.append((ARGUMENT, len(arguments)))
+                arguments.append(entry)
+            else:  # a parameter or batch leaf several parts read: passed once
+                part_reads.append((ARGUMENT, position[entry]))
+        reads.append(tuple(part_reads))
+    passed, sends = [], []
+    for p, part in enumerate(group):
+        for _, key, targets in part.sends:
+            left = _readers_outside(targets, inside.get(key, 0))
+            if left:
+                sends.append((len(passed), key, left))
+                passed.append((p, key[2]))
+    combined = Combined(tuple(part.index for part in group), tuple(reads), tuple(passed))
+    last = group[-1]
+    return last._replace(
+        accumulate=any(part.accumulate for part in group),
+        inputs=tuple(arguments),
+        sends=tuple(sends),
+        fused=combined,
+        parts=tuple(group),
+        tick=group[0].tick,
     )
+
+
+def _readers_outside(
+    targets: tuple[tuple[int, int], ...], inside: int
+) -> tuple[tuple[int, int], ...]:
+    """``targets`` (readers per worker) less the ``inside`` reads a fused program
+    serves itself (all on its own worker, the one whose count covers them)."""
+    if not inside:
+        return targets
+    left = []
+    for worker, count in targets:
+        own = min(count, inside)
+        inside -= own
+        if count - own:
+            left.append((worker, count - own))
+    return tuple(left)
 
 
 def fuse_steps(
@@ -166,13 +300,13 @@ def fuse_steps(
     roles: Mapping[str, Sequence[int | None]],
     units: Mapping[int, Unit],
     placement: Placement,
-) -> tuple[Steps, dict[int, int]]:
+    schedule: Schedule | None = None,
+) -> Steps:
     """``steps`` with each forward step folded into the backward step right after it in
     its worker's column, when both are the same pipeline stage's for the same
     microbatch and no stage other than that backward reads the forward's outputs (so
     nothing waits for them, and they need not leave the program). The fused step takes
-    the backward's place in the global order. Returns the steps and the stage pairs
-    fused, ``{backward index: forward index}``, for which a fused program is needed.
+    the backward's place in the global order.
 
     With one stage, every forward is fused with its backward under 1F1B; with several,
     the last stage's are (the others pass their outputs on); under a zero-bubble
@@ -184,28 +318,32 @@ def fuse_steps(
     for column in steps.columns:
         for first, second in itertools.pairwise(column):
             if (
-                pairs.get(second.index) == first.index
+                first.fused is None
+                and second.fused is None
+                and pairs.get(second.index) == first.index
                 and first.microbatch == second.microbatch
                 and id(first) not in folded
             ):
                 folded.add(id(first))
-                fused_steps[id(second)] = _fused_step(first, second)
+                fused = fuse_group([first, second])
+                fused_steps[id(second)] = fused._replace(tick=second.tick)
     if not fused_steps:
-        return steps, {}
+        return steps
     columns = tuple(
         tuple(fused_steps.get(id(s), s) for s in column if id(s) not in folded)
         for column in steps.columns
     )
     serial = tuple((w, fused_steps.get(id(s), s)) for w, s in steps.serial if id(s) not in folded)
-    used = {s.index: s.fused for s in fused_steps.values()}
-    return (
-        steps._replace(
-            columns=columns,
-            serial=serial,
-            transfers=_transfers(list(serial), units, placement, staged),
-            finals=_finals([list(c) for c in columns], units, placement),
+    return steps._replace(
+        columns=columns,
+        serial=serial,
+        transfers=_transfers(list(serial), units, placement, staged),
+        finals=_finals([list(c) for c in columns], units, placement),
+        reductions=(
+            steps.reductions
+            if schedule is None
+            else _reductions([list(c) for c in columns], schedule, roles, units)
         ),
-        used,
     )
 
 
@@ -226,6 +364,27 @@ def _fusable_pairs(
     return pairs
 
 
+def _reductions(
+    columns: Sequence[Sequence[Step]],
+    schedule: Schedule,
+    roles: Mapping[str, Sequence[int | None]],
+    units: Mapping[int, Unit],
+) -> tuple[dict[int, tuple[int, ...]], ...]:
+    """Per worker, {position in its column: stage indices} whose gradients are reduced
+    over their replicas after that step (the schedule's ``reduce_grad``)."""
+    per: list[dict[int, tuple[int, ...]]] = [{} for _ in columns]
+    for stage, tick in schedule.reduce_grad:
+        indices = [roles[kind][stage] for kind in (FORWARD, BACKWARD, WEIGHT)]
+        indices = [i for i in indices if i is not None and i in units]
+        if not indices:
+            continue
+        w = units[indices[0]].worker
+        n = max((n for n, step in enumerate(columns[w]) if step.tick <= tick), default=None)
+        if n is not None:
+            per[w][n] = per[w].get(n, ()) + tuple(indices)
+    return tuple(per)
+
+
 def without_gathers(steps: Steps) -> Steps:
     """``steps`` without sending each stage's results to the other processes once final
     (:class:`Gather`): each process keeps its own stages' results
@@ -233,25 +392,6 @@ def without_gathers(steps: Steps) -> Steps:
     return steps._replace(
         transfers=tuple(t for t in steps.transfers if not isinstance(t, Gather)),
         finals=tuple({} for _ in steps.finals),
-    )
-
-
-def _fused_step(forward: Step, backward: Step) -> Step:
-    """The step running ``forward`` and then ``backward`` as one program: the forward's
-    inputs, then the backward's that are neither the forward's outputs nor its inputs
-    (:func:`~pipemark.runtime.compilation.fused_wiring`)."""
-    here = (forward.microbatch, forward.index)
-    wiring = fused_wiring(
-        forward.inputs,
-        backward.inputs,
-        lambda entry: entry[1][2] if entry[0] == STAGE and entry[1][:2] == here else None,
-        lambda entry: entry[0] != STAGE,
-    )
-    extra = tuple(entry for entry, (kind, _) in zip(backward.inputs, wiring) if kind == EXTRA)
-    return backward._replace(
-        accumulate=forward.accumulate or backward.accumulate,
-        inputs=forward.inputs + extra,
-        fused=forward.index,
     )
 
 
@@ -327,33 +467,40 @@ def _finals(
 
 
 def program_name(step: Step, stage_names: Sequence[str]) -> str:
-    """The name of the program ``step`` runs: its stage's, ``"<forward>+<backward>"``
-    for a forward and backward fused into one (:func:`fuse_steps`)."""
-    name = stage_names[step.index]
-    return name if step.fused is None else f"{stage_names[step.fused]}+{name}"
+    """The name of the program ``step`` runs: its stage's, its parts' joined by ``+``
+    for a fused step (``"layer1+layer1_backward"``)."""
+    if step.fused is None:
+        return stage_names[step.index]
+    return "+".join(stage_names[index] for index in step.fused.stages)
 
 
 def step_name(step: Step, stage_names: Sequence[str]) -> str:
-    """What profilers and traces call ``step``: its stage's name (a fused step's two,
-    joined by ``+``) and its microbatch; a split backward's weight half says so.
+    """What profilers and traces call ``step``: its program's name and its microbatch
+    (a fused step's parts' microbatches, where they differ); a split backward's weight
+    half says so.
 
     >>> from pipemark.runtime.schedules import Action
     >>> step = Step(1, 2, Action(0, 2, "backward"), True, (), ())
     >>> step_name(step, ["layer0", "layer0_backward"])
     'layer0_backward mb2'
-    >>> step_name(step._replace(fused=0), ["layer0", "layer0_backward"])
-    'layer0+layer0_backward mb2'
+    >>> forward = Step(0, 3, Action(0, 3, "forward"), False, (), ())
+    >>> step_name(fuse_group([forward, step]), ["layer0", "layer0_backward"])
+    'layer0+layer0_backward mb3+2'
     """
     # Once per action a call dispatches: kept to a few string operations.
     name = program_name(step, stage_names)
-    if step.action.kind == WEIGHT:
+    if step.fused is not None:
+        micro = [part.microbatch for part in step.parts]
+        if len(set(micro)) > 1:
+            return f"{name} mb{'+'.join(map(str, micro))}"
+    if step.action.kind == WEIGHT and step.fused is None:
         return f"{name} (weight) mb{step.microbatch}"
     return f"{name} mb{step.microbatch}"
 
 
 def _stages_of(step: Step) -> tuple[int, ...]:
-    """The stages a step runs: its own, and the forward folded into it (fused)."""
-    return (step.index,) if step.fused is None else (step.fused, step.index)
+    """The stages a step runs: its own, or a fused step's parts'."""
+    return (step.index,) if step.fused is None else step.fused.stages
 
 
 def _passed_type(

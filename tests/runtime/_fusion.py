@@ -44,5 +44,11 @@ def unfused_steps(plan):
     """``plan``'s steps as :func:`resolve_steps` makes them, no forward folded into a
     backward."""
     return resolve_steps(
-        plan.staged, plan.schedule, plan.roles(), plan.units, plan.placement, plan.num_param_leaves
+        plan.staged,
+        plan.schedule,
+        plan.roles(),
+        plan.units,
+        plan.placement,
+        plan.num_param_leaves,
+        fuse=False,
     )

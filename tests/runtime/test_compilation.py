@@ -110,7 +110,7 @@ def _gpt_pipeline(num_stages):
 
 def _runs(plan):
     return {
-        id(plan.units[s.index].run if s.fused is None else plan.fused[s.index].run)
+        id(plan.units[s.index].run if s.fused is None else plan.fused[s.fused].run)
         for _, s in plan.steps.serial
     }
 

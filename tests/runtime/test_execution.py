@@ -166,7 +166,7 @@ def test_each_stage_program_compiles_once():
         jax.block_until_ready(pipe(*args))
     plan = pipe.plan(*args)
     runs = {
-        id(plan.units[s.index].run if s.fused is None else plan.fused[s.index].run)
+        id(plan.units[s.index].run if s.fused is None else plan.fused[s.fused].run)
         for _, s in plan.steps.serial
     }
     assert len(runs) >= 5  # forwards, backwards and a fused program

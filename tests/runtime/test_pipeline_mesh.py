@@ -299,3 +299,39 @@ def test_a_training_step_on_sub_meshes_matches_jax():
     # Called under the pipeline's mesh (as MaxText's train loop sets its own), the same.
     with jax.sharding.set_mesh(mesh):
         assert_trees_close(pipelined(params, state, batch), want, rtol=1e-5, atol=1e-6)
+
+
+def test_dualpipev_with_reduce_grad_on_sub_meshes_matches_jax():
+    # On sub-meshes nothing is fused: an overlapped pair runs as its two programs, a
+    # whole backward of a split stage as its B then its W; each stage's replicas are
+    # reduced where the schedule's REDUCE_GRAD says (read from torch's grammar).
+    loss_fn, params, specs, batch, want = _case("2x2x2")
+    schedule = pm.runtime.dualpipev_schedule(4, 4)
+    ticks = {a: t for t, _, a in schedule.actions()}
+    last = {
+        j: max(t for a, t in ticks.items() if a.stage == j and a.kind != "forward")
+        for j in range(4)
+    }
+    text = schedule.to_csv("compute_comms").splitlines()
+    for j in range(4):  # a REDUCE_GRAD right after each stage's last backward-like cell
+        row = text[schedule.stage_devices[j]].split(",")
+        at = max(i for i, cell in enumerate(row) if cell.startswith(str(j)) and cell[1] in "BIW")
+        row.insert(at + 1, f"{j}REDUCE_GRAD")
+        text[schedule.stage_devices[j]] = ",".join(row)
+    read = pm.schedule_from_csv("\n".join(text), "compute_comms", name="dualpipev")
+    assert dict(read.reduce_grad) == last
+    pipe = pm.pipeline_value_and_grad(
+        loss_fn, num_microbatches=4, schedule=read, mesh=_meshes()["2x2x2"], param_specs=specs
+    )
+    assert_trees_close(pipe(params, batch), want, rtol=1e-5, atol=1e-6)
+    plan = pipe.plan(params, batch)
+    assert not plan.fused and plan.steps.num_programs > plan.steps.num_actions
+    # Each stage is reduced after the last step of its slot at or before its tick.
+    for stage, tick in read.reduce_grad:
+        w = plan.units[plan.backward_stages[stage]].worker
+        column, per = plan.steps.columns[w], plan.steps.reductions[w]
+        (n,) = [n for n, indices in per.items() if plan.backward_stages[stage] in indices]
+        assert column[n].tick <= tick and all(step.tick > tick for step in column[n + 1 :])
+    assert {i for per in plan.steps.reductions for ids in per.values() for i in ids} == set(
+        plan.units
+    )

@@ -160,14 +160,15 @@ def test_the_docs_memory_aware_schedule_keeps_its_residuals_under_the_limit(grap
 
 
 def test_the_built_in_schedules_and_their_entries():
-    assert pm.runtime.SCHEDULES == ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
-    assert pm.runtime.ZERO_BUBBLE_VARIANTS == ("zb-h1", "zb-v")
+    assert pm.runtime.SCHEDULES == ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
+    assert pm.runtime.ZERO_BUBBLE_VARIANTS == ("zb-h1", "zb-v", "dualpipev")
     entries = {name: pm.runtime.schedule_entry(name) for name in pm.runtime.SCHEDULES}
     assert {n for n, e in entries.items() if not e.one_stage_per_device} == {
         "interleaved",
         "zb-v",
+        "dualpipev",
     }
-    assert {n for n, e in entries.items() if e.splits_backward} == {"zb-h1", "zb-v"}
+    assert {n for n, e in entries.items() if e.splits_backward} == {"zb-h1", "zb-v", "dualpipev"}
     with pytest.raises(AttributeError):  # entries are immutable
         entries["gpipe"].splits_backward = True  # type: ignore[misc]
 

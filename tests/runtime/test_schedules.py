@@ -396,3 +396,74 @@ def test_waves_need_a_schedule_the_pipeline_builds():
         pm.runtime.ScheduleProblem(2, 4, microbatches_in_flight=0)
     with pytest.raises(PipemarkError, match="for one pipeline"):
         pm.runtime.schedules.in_waves([pm.gpipe_schedule(2, 2), pm.gpipe_schedule(3, 2)])
+
+
+# ------------------------------------------------- overlapped pairs and REDUCE_GRAD
+
+
+def _pair_orders():
+    """Two stages on one device (a V of one device), whose order puts microbatch 1's
+    forward of stage 0 right before microbatch 0's backward of stage 1."""
+    F, B = FORWARD, BACKWARD
+    order = [
+        Action(0, 0, F), Action(1, 0, F), Action(0, 1, F), Action(1, 0, B),
+        Action(1, 1, F), Action(1, 1, B), Action(0, 0, B), Action(0, 1, B),
+    ]  # fmt: skip
+    return [order]
+
+
+def test_an_overlapped_pair_starts_when_both_are_ready_and_runs_on_adjacent_ticks():
+    pair = (Action(0, 1, FORWARD), Action(1, 0, BACKWARD))
+    s = pm.schedule_from_orders(
+        _pair_orders(), stage_devices=(0, 0), num_microbatches=2, overlapped=[pair]
+    )
+    ticks = {a: t for t, _, a in s.actions()}
+    assert ticks[pair[1]] == ticks[pair[0]] + 1 and s.overlapped == (pair,)
+    assert pm.schedule_from_csv(s.to_csv(), name="custom") == s
+    assert "(0F1;1B0)OVERLAP_F_B" in s.to_csv()
+
+
+@pytest.mark.parametrize(
+    ("pair", "match"),
+    [
+        ((Action(0, 0, FORWARD), Action(1, 0, FORWARD)), "not a forward and then a backward"),
+        ((Action(0, 0, FORWARD), Action(1, 0, BACKWARD)), "runs at ticks 0 and 3"),
+        ((Action(0, 9, FORWARD), Action(1, 0, BACKWARD)), "not two actions of this schedule"),
+    ],
+)
+def test_a_bad_overlapped_pair_is_refused(pair, match):
+    plain = pm.schedule_from_orders(_pair_orders(), stage_devices=(0, 0), num_microbatches=2)
+    with pytest.raises(StageGraphError, match=match):
+        pm.Schedule(plain.name, 2, (0, 0), plain.predecessors, plain.ticks, (pair,))
+
+
+def test_a_pair_whose_backward_reads_its_forward_is_refused():
+    one = pm.make_schedule("1f1b", 1, 1)  # F0, B0 on adjacent ticks
+    pair = (Action(0, 0, FORWARD), Action(0, 0, BACKWARD))
+    with pytest.raises(StageGraphError, match=r"the backward reads the forward .*tick 0"):
+        pm.Schedule(one.name, 1, (0,), one.predecessors, one.ticks, (pair,))
+
+
+def test_reduce_grad_follows_the_stages_last_backward():
+    s = pm.make_schedule("1f1b", 2, 2)
+    ticks = {a: t for t, _, a in s.actions()}
+    last0 = ticks[Action(0, 1, BACKWARD)]
+    good = pm.Schedule(s.name, 2, (0, 1), s.predecessors, s.ticks, (), ((0, last0),))
+    assert "0B1,0REDUCE_GRAD" in good.to_csv()
+    early = ticks[Action(0, 0, BACKWARD)]
+    with pytest.raises(StageGraphError, match="before its last backward or weight action"):
+        pm.Schedule(s.name, 2, (0, 1), s.predecessors, s.ticks, (), ((0, early),))
+    with pytest.raises(StageGraphError, match="runs no action that ends a unit"):
+        pm.Schedule(s.name, 2, (0, 1), s.predecessors, s.ticks, (), ((0, 99),))
+    with pytest.raises(StageGraphError, match="once per stage"):
+        pm.Schedule(s.name, 2, (0, 1), s.predecessors, s.ticks, (), ((0, last0),) * 2)
+
+
+def test_crosses_names_the_transfers_of_a_v():
+    s = pm.make_schedule("zb-v", 4, 4, num_devices=2)  # stages on devices 0 1 1 0
+    assert s.crosses(Action(1, 0, FORWARD)) == (True, False)  # 1 -> 2 on one device
+    # Stage 2 (device 1) reads stage 3's cotangent (device 0), hands its own to stage 1
+    # on its device; stage 3 reads none and sends to stage 2.
+    assert s.crosses(Action(2, 0, BACKWARD)) == (True, False)
+    assert s.crosses(Action(3, 0, BACKWARD)) == (False, True)
+    assert s.crosses(Action(3, 0, "weight")) == (False, False)

@@ -185,12 +185,18 @@ def test_weight_actions_are_checked_like_the_others():
         pm.Schedule(
             "bad", 1, (0,), ((),), ((Action(0, 0, F),), (Action(0, 0, W),), (Action(0, 0, B),))
         )
-    with pytest.raises(pm.StageGraphError, match="and, split, its weight action"):
-        pm.Schedule(
-            "half", 2, (0,), ((),),
-            ((Action(0, 0, F),), (Action(0, 0, B),), (Action(0, 0, W),),
-             (Action(0, 1, F),), (Action(0, 1, B),)),
-        )  # fmt: skip
+    # A backward without a weight action of its own is the whole backward, microbatch
+    # by microbatch: microbatch 0's is split, microbatch 1's whole (and costs B + W).
+    mixed = pm.Schedule(
+        "half", 2, (0,), ((),),
+        ((Action(0, 0, F),), (Action(0, 0, B),), (Action(0, 0, W),),
+         (Action(0, 1, F),), (Action(0, 1, B),)),
+    )  # fmt: skip
+    assert mixed.splits_backward and mixed.whole_backwards == {(0, 1)}
+    costs = {"forward": 1.0, "backward": 2.0, "weight": 4.0}
+    assert simulate_schedule(mixed, costs).makespan == 1 + 2 + 4 + 1 + (2 + 4)
+    with pytest.raises(pm.StageGraphError, match=r"never run, e\.g\. the backward of stage 0"):
+        pm.Schedule("no backward", 1, (0,), ((),), ((Action(0, 0, F),), (Action(0, 0, W),)))
 
 
 def test_costs_per_stage_and_bad_costs():

@@ -1,10 +1,15 @@
 """Tests of pipemark.runtime.steps: which forward steps fuse_steps folds into the
-backward step that follows them, and where the fused step goes."""
+backward step that follows them, where the fused step goes, and a whole backward of a
+split stage run as its B and W in one program."""
 
 from __future__ import annotations
 
+import jax
 import pytest
 
+import pipemark as pm
+from pipemark.runtime import BACKWARD, FORWARD, WEIGHT, Action
+from tests._trees import assert_trees_close
 from tests.runtime._fusion import mlp_pipeline, unfused_steps
 
 
@@ -21,15 +26,20 @@ def _plan(
     return pipe.plan(*ex.args)
 
 
+def _fused(plan) -> set[tuple[int, ...]]:
+    """The stages of each fused program the plan compiled."""
+    return {combined.stages for combined in plan.fused}
+
+
 @pytest.mark.parametrize("num_microbatches", [1, 4])
 def test_one_stage_fuses_every_forward_with_its_backward(num_microbatches):
     plan = _plan(1, num_microbatches)
     forward, backward = plan.forward_stages[0], plan.backward_stages[0]
     (column,) = plan.steps.columns
-    assert [(s.index, s.fused, s.microbatch) for s in column] == [
-        (backward, forward, m) for m in range(num_microbatches)
+    assert [(s.index, s.fused.stages, s.microbatch) for s in column] == [
+        (backward, (forward, backward), m) for m in range(num_microbatches)
     ]
-    assert set(plan.fused) == {backward}
+    assert _fused(plan) == {(forward, backward)}
     assert plan.steps.num_actions == 2 * num_microbatches
     assert plan.steps.num_programs == num_microbatches
     # The fused step reads the forward's inputs first, then the backward's own (none of
@@ -45,10 +55,9 @@ def test_the_last_stage_of_1f1b_is_fused_and_the_first_is_not():
     plan = _plan(2, 4)
     first, last = plan.steps.columns
     assert all(s.fused is None for s in first)  # its forward feeds stage 1
-    assert [(s.index, s.fused) for s in last] == [
-        (plan.backward_stages[1], plan.forward_stages[1])
-    ] * 4
-    assert set(plan.fused) == {plan.backward_stages[1]}
+    both = (plan.forward_stages[1], plan.backward_stages[1])
+    assert [(s.index, s.fused.stages) for s in last] == [(plan.backward_stages[1], both)] * 4
+    assert _fused(plan) == {both}
     assert plan.steps.num_programs == 12 and plan.steps.num_actions == 16
     # The fused step takes its backward's place in the global order; the rest keeps its own.
     want = [
@@ -91,7 +100,7 @@ def test_zero_bubble_last_stage_fuses_when_its_weight_stage_reads_the_stage_inpu
     assert all(
         ref.stage != last for ref in plan.staged.stages[weight].inputs if ref.kind == "stage"
     )
-    assert set(plan.fused) == {plan.backward_stages[-1]}
+    assert _fused(plan) == {(last, plan.backward_stages[-1])}
     assert plan.steps.num_programs == plan.steps.num_actions - num_microbatches
 
 
@@ -100,7 +109,7 @@ def test_a_zero_bubble_stage_without_a_weight_program_is_fused():
     # leaves it whole, and nothing but it reads the forward.
     plan = _plan(1, 4, "zb-h1")
     assert plan.weight_stages == (None,)
-    assert set(plan.fused) == {plan.backward_stages[0]}
+    assert _fused(plan) == {(plan.forward_stages[0], plan.backward_stages[0])}
     assert plan.steps.num_programs == 4
 
 
@@ -112,5 +121,38 @@ def test_a_forward_not_followed_by_its_backward_is_not_fused(num_stages):
     plan = _plan(num_stages, 4, "gpipe")
     assert not plan.fused and plan.steps.num_programs == plan.steps.num_actions == 8 * num_stages
     plan = _plan(num_stages, 1, "gpipe")
-    assert set(plan.fused) == {plan.backward_stages[-1]}
-    assert [s.fused for s in plan.steps.columns[-1]] == [plan.forward_stages[-1]]
+    both = (plan.forward_stages[-1], plan.backward_stages[-1])
+    assert _fused(plan) == {both}
+    assert [s.fused.stages for s in plan.steps.columns[-1]] == [both]
+
+
+def test_a_whole_backward_of_a_split_stage_is_its_b_and_w_in_one_program():
+    # Stage 2 runs microbatch 0's backward whole and microbatch 1's split; stage 1 splits
+    # both; stage 0 has no W program (its backward is all weight gradient).
+    def split(j, m):
+        return [Action(j, m, BACKWARD), Action(j, m, WEIGHT)]
+
+    orders = [
+        [
+            Action(0, 0, FORWARD),
+            Action(0, 1, FORWARD),
+            Action(0, 0, BACKWARD),
+            Action(0, 1, BACKWARD),
+        ],
+        [Action(1, 0, FORWARD), Action(1, 1, FORWARD), *split(1, 0), *split(1, 1)],
+        [Action(2, 0, FORWARD), Action(2, 1, FORWARD), Action(2, 0, BACKWARD), *split(2, 1)],
+    ]
+    schedule = pm.schedule_from_orders(orders, stage_devices=(0, 1, 2), num_microbatches=2)
+    assert schedule.whole_backwards == {(0, 0), (0, 1), (2, 0)}
+    pipe, ex = mlp_pipeline(3, 2, schedule, num_layers=3)
+    want = jax.jit(jax.value_and_grad(ex.loss_fn))(*ex.args)
+    assert_trees_close(pipe(*ex.args), want, rtol=2e-5, atol=1e-6)
+    plan = pipe.plan(*ex.args)
+    assert plan.weight_stages[0] is None and None not in plan.weight_stages[1:]
+    both = (plan.backward_stages[2], plan.weight_stages[2])
+    # Compiled as one program for stage 2 alone; stage 1's halves stay apart.
+    assert _fused(plan) == {both}
+    (whole,) = [s for s in plan.steps.columns[2] if s.fused is not None]
+    assert whole.microbatch == 0 and whole.fused.stages == both
+    assert whole.sends and all(key[1] == both[0] for _, key, _ in whole.sends)  # to stage 1
+    assert plan.steps.num_programs == plan.steps.num_actions == 4 * 3 + 3
