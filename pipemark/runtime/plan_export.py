@@ -72,9 +72,9 @@ def leaf_names(prefix: str, tree: Any) -> list[str]:
 
 def schedule_entry(schedule: Schedule) -> dict[str, Any]:
     """The schedule as the manifest holds it: its name, sizes, stage devices and stage
-    graph, and its table: ``csv`` where :class:`~pipemark.runtime.Schedule` writes one
-    (``to_csv``), else ``text``, the grid :meth:`~pipemark.runtime.Schedule.to_text`
-    draws.
+    graph, and its table as ``csv`` in ``torch.distributed.pipelining``'s grammar
+    (:meth:`~pipemark.runtime.Schedule.to_csv`, compute only), which
+    :func:`pipemark.schedule_from_csv` and torch's ``_load_csv`` read back.
 
     >>> import pipemark as pm
     >>> entry = schedule_entry(pm.one_f_one_b_schedule(2, 4))
@@ -87,10 +87,7 @@ def schedule_entry(schedule: Schedule) -> dict[str, Any]:
         "stage_devices": list(schedule.stage_devices),
         "predecessors": [list(p) for p in schedule.predecessors],
     }
-    if hasattr(schedule, "to_csv"):
-        entry["csv"] = schedule.to_csv()
-    else:  # a Schedule without its CSV form: the text grid, for people
-        entry["text"] = schedule.to_text()
+    entry["csv"] = schedule.to_csv()
     return entry
 
 
