@@ -5,8 +5,8 @@
 :class:`ScheduleProblem` by builders named in one registry
 (:mod:`pipemark.runtime.registry`), their simulation
 (:mod:`pipemark.runtime.simulation`) and plots (:mod:`pipemark.runtime.plot`), and
-:func:`pipeline_value_and_grad` / :func:`pipeline_train_step`
-(:mod:`pipemark.runtime.pipeline`), which plan (:mod:`pipemark.runtime.plan`) and run
+:func:`pipeline_value_and_grad` (:mod:`pipemark.runtime.pipeline`) and
+:func:`pipeline_train_step` (:mod:`pipemark.runtime.train_step`), which plan (:mod:`pipemark.runtime.plan`) and run
 (:mod:`pipemark.runtime.execution`) a pipeline with :class:`PipelineOptions`.
 """
 
@@ -16,10 +16,8 @@ from pipemark.runtime.memory import SlotMemory as SlotMemory
 from pipemark.runtime.options import PipelineOptions as PipelineOptions
 from pipemark.runtime.pipeline import LOSS_REDUCTIONS as LOSS_REDUCTIONS
 from pipemark.runtime.pipeline import Pipeline as Pipeline
-from pipemark.runtime.pipeline import PipelinedStep as PipelinedStep
-from pipemark.runtime.pipeline import PipelinePlan as PipelinePlan
-from pipemark.runtime.pipeline import pipeline_train_step as pipeline_train_step
 from pipemark.runtime.pipeline import pipeline_value_and_grad as pipeline_value_and_grad
+from pipemark.runtime.plan import PipelinePlan as PipelinePlan
 from pipemark.runtime.plot import plot_schedule as plot_schedule
 from pipemark.runtime.problem import ScheduleProblem as ScheduleProblem
 from pipemark.runtime.registry import SCHEDULES as SCHEDULES
@@ -43,5 +41,7 @@ from pipemark.runtime.schedules import one_f_one_b_schedule as one_f_one_b_sched
 from pipemark.runtime.schedules import schedule_from_orders as schedule_from_orders
 from pipemark.runtime.simulation import Simulation as Simulation
 from pipemark.runtime.simulation import simulate_schedule as simulate_schedule
+from pipemark.runtime.train_step import PipelinedStep as PipelinedStep
+from pipemark.runtime.train_step import pipeline_train_step as pipeline_train_step
 from pipemark.runtime.zero_bubble import build_zero_bubble as build_zero_bubble
 from pipemark.runtime.zero_bubble import zero_bubble_schedule as zero_bubble_schedule

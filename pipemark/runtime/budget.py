@@ -271,3 +271,11 @@ def _over_message(trial: _Trial, budget: int) -> str:
         f"({format_bytes(budget)}) with {' and '.join(done)}: {parts}. Give the pipeline "
         "more devices or stages, more microbatches (fewer rows each), or a larger budget."
     )
+
+
+def within_budget(make_plan: PlanMaker, options: PipelineOptions) -> PipelinePlan:
+    """``make_plan(options, frozenset())``, or with a ``memory_budget``, the plan
+    within it (:func:`pipemark.runtime.budget.plan_within_budget`)."""
+    if options.memory_budget is None:
+        return make_plan(options, frozenset())
+    return plan_within_budget(make_plan, options)

@@ -1,6 +1,7 @@
-"""The pipeline API: :func:`pipeline_value_and_grad` and :func:`pipeline_train_step`
-run a loss function's forward and backward stages on several devices, microbatch by
-microbatch, following a pipeline schedule.
+"""The pipeline API: :func:`pipeline_value_and_grad` (here) and
+:func:`~pipemark.runtime.train_step.pipeline_train_step` (a training step whose gradient
+part is such a pipeline) run a loss function's forward and backward stages on several
+devices, microbatch by microbatch, following a pipeline schedule.
 
 How a call runs:
 
@@ -40,69 +41,35 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
 from pipemark.errors import PipemarkError
 from pipemark.exported import ExportedStages
 from pipemark.mutation import call_watching_arguments
-from pipemark.passes.gradient import split_at_gradient
-from pipemark.passes.inline import inline_calls
 from pipemark.runtime.arguments import (
     PartitionedParams,
     batch_arg_names,
     check_batch_args,
     partition_params,
 )
-from pipemark.runtime.budget import PlanMaker, check_update_within, plan_within_budget
+from pipemark.runtime.budget import within_budget
+from pipemark.runtime.calls import record_holders, shape_key, traced_call
 from pipemark.runtime.execution import action_costs, run_plan
-from pipemark.runtime.holdings import record_results
 from pipemark.runtime.keeping import abstract_leaves, kept_shardings, stage_readers
-from pipemark.runtime.losses import LOSS_REDUCTIONS, count_batch_free_terms_once, split_count
-from pipemark.runtime.memory import MemoryEstimate, plan_memory, with_update
+from pipemark.runtime.losses import LOSS_REDUCTIONS, split_count
+from pipemark.runtime.memory import MemoryEstimate, plan_memory
 from pipemark.runtime.options import PipelineOptions
 from pipemark.runtime.orbax_arrays import install as install_orbax_handler
-from pipemark.runtime.perfetto import trace_events, write_trace
-from pipemark.runtime.pipeline_stages import stage_program
-from pipemark.runtime.placement import Slot, device_slot, held_elsewhere, leaf_specs
-from pipemark.runtime.plan import PipelinePlan, build_plan, plan_from_staged
-from pipemark.runtime.plan_export import export_plan, export_train_step, leaf_names
+from pipemark.runtime.placement import leaf_specs
+from pipemark.runtime.plan import PipelinePlan, build_plan
+from pipemark.runtime.plan_export import export_plan, leaf_names
 from pipemark.runtime.programs import compiled_programs
 from pipemark.runtime.schedules import Schedule
-from pipemark.runtime.tracing import replica_batch
-from pipemark.runtime.transport import CollectiveTransport, Transport
-from pipemark.runtime.update import StageUpdates, UpdatePart, input_owners, split_update
 
-__all__ = [
-    "LOSS_REDUCTIONS",
-    "Pipeline",
-    "PipelinePlan",
-    "PipelinedStep",
-    "pipeline_value_and_grad",
-    "pipeline_train_step",
-]
-
-
-# ------------------------------------------------------------------------ public
-
-
-def _shape_key(tree: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], np.dtype], ...]]:
-    """What a plan is built for: the tree's structure and each leaf's shape and dtype
-    as JAX would trace it. Computed on every call: an array's own shape and dtype
-    (``jnp.result_type`` costs about 15 µs a leaf), others through JAX's rules."""
-    leaves, structure = jax.tree_util.tree_flatten(tree)
-    types = []
-    for x in leaves:
-        if isinstance(x, (jax.Array, np.ndarray)):
-            types.append((x.shape, jax.dtypes.canonicalize_dtype(x.dtype)))
-        else:  # a Python or NumPy scalar: its dtype is JAX's choice
-            types.append((np.shape(x), np.dtype(jnp.result_type(x))))
-    return structure, tuple(types)
+__all__ = ["LOSS_REDUCTIONS", "Pipeline", "pipeline_value_and_grad"]
 
 
 class Pipeline:
@@ -120,7 +87,7 @@ class Pipeline:
         self._losses: dict[Any, tuple[Callable, Callable | None]] = {}
 
     def _key(self, params: Any, batch: Any) -> Any:
-        key = _shape_key((params, batch))
+        key = shape_key((params, batch))
         if self.options.mesh is not None and self.options.param_specs is None:
             # The parameters' own shardings lay them out on the sub-meshes.
             specs = leaf_specs(None, params, self.options.stage_axis)
@@ -189,7 +156,7 @@ class Pipeline:
         if count_fn is not None:
             count = count_fn(dynamic, batch)
             result = jax.tree_util.tree_map(lambda x: x / count, result)
-        _record(plan, jax.tree_util.tree_leaves(result), plan.result_holders())
+        record_holders(plan, jax.tree_util.tree_leaves(result), plan.result_holders())
         return result
 
     def __call__(self, params: Any, *batch: Any) -> tuple[Any, Any]:
@@ -322,7 +289,7 @@ class Pipeline:
         ['layer1+layer1_backward mb0', 'layer1+layer1_backward mb1']
         """
         key, dynamic, data, _ = self._bind(params, batch)
-        return _traced_call(self._plan(key, dynamic, data), dynamic, data, path)
+        return traced_call(self._plan(key, dynamic, data), dynamic, data, path)
 
     def export(self, directory: str | os.PathLike, params: Any, *batch: Any) -> ExportedStages:
         """Write the programs a call with inputs like these runs, and its schedule, to
@@ -354,34 +321,6 @@ class Pipeline:
             input_names=leaf_names("params", dynamic) + leaf_names("batch", data),
             output_names=leaf_names("result", results),
         )
-
-
-def _record(plan: PipelinePlan, results: Sequence[Any], holders: Sequence[int | None]) -> None:
-    """Under ``jax.distributed``, say which process holds each of a call's results
-    (:mod:`pipemark.runtime.holdings`), so that orbax saves them
-    (:mod:`pipemark.runtime.orbax_arrays`)."""
-    if plan.placement.distributed:
-        record_results(plan.placement, results, holders)
-        install_orbax_handler()
-
-
-def within_budget(make_plan: PlanMaker, options: PipelineOptions) -> PipelinePlan:
-    """``make_plan(options, frozenset())``, or with a ``memory_budget``, the plan
-    within it (:func:`pipemark.runtime.budget.plan_within_budget`)."""
-    if options.memory_budget is None:
-        return make_plan(options, frozenset())
-    return plan_within_budget(make_plan, options)
-
-
-def _traced_call(plan: PipelinePlan, params: Any, batch: Any, path: Any) -> dict:
-    """A warm-up call of ``plan``, then one recorded, as a trace (written to ``path``)."""
-    jax.block_until_ready(run_plan(plan, params, batch, None))
-    records: list = []
-    jax.block_until_ready(run_plan(plan, params, batch, None, records=records))
-    trace = trace_events(plan, records)
-    if path is not None:
-        write_trace(path, trace)
-    return trace
 
 
 def pipeline_value_and_grad(
@@ -553,564 +492,3 @@ def pipeline_value_and_grad(
         stage_layers=stage_layers,
     )
     return Pipeline(loss_fn, options)
-
-
-# ------------------------------------------------------------------ training step
-
-
-def _refuse_unsplit_batch(replicated: list[Any], batch: Any, error: Exception) -> None:
-    """When tracing the step for one microbatch failed and an argument before the batch
-    has the batch's leading size, say that only the last argument is split."""
-    size = np.shape(jax.tree_util.tree_leaves(batch)[0])[0]
-    for i in reversed(range(len(replicated))):  # data usually comes just before the batch
-        if any(np.shape(x)[:1] == (size,) for x in jax.tree_util.tree_leaves(replicated[i])):
-            first = str(error).splitlines()[0] if str(error) else type(error).__name__
-            raise PipemarkError(
-                f"Tracing the step for one microbatch failed ({type(error).__name__}: "
-                f"{first}). pipeline_train_step splits only the step's last argument (the "
-                f"batch) into microbatches, and argument {i} has the batch's leading size "
-                f"{size}: if it is data too, pass the data as one argument, e.g. "
-                "step(params, state, (x, y)) instead of step(params, state, x, y)."
-            ) from error
-
-
-def _check_accumulable(compute: ClosedJaxpr, compute_full: ClosedJaxpr) -> None:
-    """The values the update reads from the gradient part must not depend on the batch
-    size: they are accumulated over microbatches."""
-    micro_avals = [v.aval for v in compute.jaxpr.outvars]
-    full_avals = [v.aval for v in compute_full.jaxpr.outvars]
-    for i, (a, b) in enumerate(zip(micro_avals, full_avals)):
-        if a.shape != b.shape:
-            raise PipemarkError(
-                f"Value {i} that the update after pm.mark_gradient reads from the "
-                f"gradient part has shape {a.shape} for one microbatch but {b.shape} for "
-                "the whole batch; only values that do not depend on the batch size "
-                "(gradients, a mean loss) can be accumulated over microbatches. Reduce "
-                "it over the batch before the grad marker."
-            )
-
-
-def _trace_step(step_fn: Callable, args: tuple) -> tuple[ClosedJaxpr, ClosedJaxpr, Any]:
-    """``step_fn`` traced on ``args``, its calls inlined (a ``jax.jit`` step holds its
-    grad marker inside its body, as :func:`pipemark.split` finds it), cut at the grad
-    marker: ``(compute_grad, apply_grad, output shape)``."""
-    cj, out_shape = jax.make_jaxpr(
-        lambda *a: call_watching_arguments(step_fn, a), return_shape=True
-    )(*args)
-    compute, apply = split_at_gradient(inline_calls(cj))
-    return compute, apply, out_shape
-
-
-class PipelinedStep:
-    """A training step whose gradient part runs as a pipeline; made by
-    :func:`pipeline_train_step`."""
-
-    def __init__(self, step_fn: Callable, options: PipelineOptions) -> None:
-        self.step_fn = step_fn
-        self.options = options
-        self._prepared: dict[Any, tuple[PipelinePlan, Callable, Any]] = {}
-
-    def plan(self, *args: Any) -> PipelinePlan:
-        """The pipeline plan of the gradient part, for arguments shaped like these."""
-        return self._prepare(args)[0]
-
-    def _prepare(self, args: tuple[Any, ...]) -> _Prepared:
-        if not args:
-            raise PipemarkError(
-                "A pipelined training step needs at least the batch argument (the last one)."
-            )
-        key = _shape_key(args)
-        prepared = self._prepared.get(key)
-        if prepared is not None:
-            return prepared
-        *replicated, batch = args
-        options = self.options
-        batch_structs, micro, replicas = replica_batch(batch, options)
-        # The gradient part is traced for one microbatch (it runs per microbatch); the
-        # update is traced for the whole batch (it runs once, and may read the batch).
-        try:
-            compute, _, _ = _trace_step(self.step_fn, (*replicated, batch_structs))
-        except PipemarkError:
-            raise
-        except (TypeError, ValueError) as error:  # JAX's own, e.g. shapes that disagree
-            _refuse_unsplit_batch(replicated, batch, error)
-            raise
-        compute_full, apply, out_shape = _trace_step(self.step_fn, args)
-        _check_accumulable(compute, compute_full)
-        num_replicated = len(jax.tree_util.tree_leaves(tuple(replicated)))
-        if options.loss_reduction == "sum":
-            # What does not read the batch (weight decay's gradient) counts once.
-            compute = count_batch_free_terms_once(
-                compute, num_replicated, options.num_microbatches * replicas
-            )
-        specs = None
-        if options.mesh is not None:
-            specs = leaf_specs(options.param_specs, tuple(replicated), options.stage_axis)
-        plan = _step_plan(compute, options, num_replicated, micro, specs)
-        num_args = len(jax.tree_util.tree_leaves(args))
-        split = _split(plan, apply, num_args)
-        if split is None and not plan.gather_results and plan.placement.distributed:
-            # The whole update reads every stage's gradients: they are gathered, as
-            # with gather_results=True (every process then runs it).
-            options = dataclasses.replace(options, gather_results=True)
-            plan = _step_plan(compute, options, num_replicated, micro, specs)
-        parts = _update_parts(plan, apply, split)
-        if options.memory_budget is not None:
-            updates = _update_bytes(plan, parts)
-            check_update_within(updates, plan.placement.slots, options.memory_budget)
-        out_tree = jax.tree_util.tree_structure(out_shape)
-        shared: tuple[int, ...] = ()
-        if split is not None and plan.placement.distributed:
-            # Results no slot owns, and scalars (the loss, a metric), go to every process.
-            first = num_args + len(plan.staged.outputs)
-            scalars = [first + k for k, v in enumerate(apply.jaxpr.outvars) if not v.aval.shape]
-            shared = tuple(sorted({*split.unowned, *scalars}))
-        prepared = _Prepared(plan, out_tree, parts, _update_holders(plan, num_args), shared)
-        self._prepared[key] = prepared
-        return prepared
-
-    def action_costs(self, *args: Any, repeat: int = 3) -> dict[str, tuple[float, ...]]:
-        """Measured costs of the gradient part's actions, as
-        :meth:`Pipeline.action_costs` gives them (the update, run once, is not an action)."""
-        plan = self._prepare(args)[0]
-        *replicated, batch = args
-        return action_costs(plan, tuple(replicated), batch, repeat)
-
-    def memory(self, *args: Any) -> MemoryEstimate:
-        """What a step with these arguments holds on each device slot: the gradient
-        part as :meth:`Pipeline.memory` predicts it, and the update after it
-        (``SlotMemory.update``: each slot's part of it, the largest where a slot runs
-        several rounds, or the whole update on the first slot where it does not split;
-        its compiled program's arguments, among them the optimizer state and the
-        gradients, its results and temporaries; under ``jax.distributed``, of this
-        process's slots)."""
-        prepared = self._prepare(args)
-        return _step_memory(prepared.plan, prepared.parts)
-
-    def trace(self, *args: Any, path: str | os.PathLike | None = None) -> dict:
-        """The gradient part of one step with these arguments, traced as
-        :meth:`Pipeline.trace` does (the update, run once, is not an action); written to
-        ``path`` when given, and returned."""
-        plan = self._prepare(args)[0]
-        *replicated, batch = args
-        return _traced_call(plan, tuple(replicated), batch, path)
-
-    def export(self, directory: str | os.PathLike, *args: Any) -> ExportedStages:
-        """Write the programs a step with these arguments runs (its gradient part's, as
-        :meth:`Pipeline.export` writes them, then its update's), and the schedule, to
-        ``directory``: a callable of the step's argument leaves (flat) returning its
-        result leaves, which :func:`pipemark.load_staged` reads back in any process.
-
-        >>> import tempfile, pipemark as pm
-        >>> from pipemark import examples
-        >>> ex = examples.mlp(num_layers=2, batch=4)
-        >>> step, init_state = examples.train_step(ex.loss_fn)
-        >>> pipelined = pm.pipeline_train_step(step, num_stages=1, num_microbatches=2)
-        >>> state = init_state(ex.params)
-        >>> exported = pipelined.export(tempfile.mkdtemp(), ex.params, state, ex.batch)
-        >>> exported.kind, [name for name in exported.programs if name.startswith("update")]
-        ('train_step', ['update/0'])
-        """
-        prepared = self._prepare(args)
-        out_tree = prepared.out_tree
-        results = jax.tree_util.tree_unflatten(out_tree, range(out_tree.num_leaves))
-        return export_train_step(
-            prepared.plan,
-            prepared.parts,
-            directory,
-            num_outputs=out_tree.num_leaves,
-            input_names=leaf_names("args", args),
-            output_names=leaf_names("result", results),
-        )
-
-    def __call__(self, *args: Any) -> Any:
-        return self._call(args, None)
-
-    def abstract_state(self, *args: Any) -> tuple[Any, ...]:
-        """The step's state (its arguments but the batch, ``args[:-1]``) as
-        ``jax.ShapeDtypeStruct`` s laid out where this pipeline keeps each leaf
-        (:mod:`pipemark.runtime.keeping`): a parameter on the slot whose stages read it,
-        a leaf of the optimizer state on the slot whose part of the update reads it;
-        under ``jax.distributed`` on another process's slot where only that process
-        reads it (results not gathered), else on this process's own. The target to
-        restore a checkpoint to (``orbax.checkpoint.args.StandardRestore``), on this
-        layout or another (docs/training.md).
-
-        >>> import jax, pipemark as pm
-        >>> from pipemark import examples
-        >>> ex = examples.mlp(num_layers=2, batch=4)
-        >>> step, init_state = examples.train_step(ex.loss_fn, optimizer="adam")
-        >>> state = init_state(ex.params)
-        >>> pipelined = pm.pipeline_train_step(step, num_stages=1, num_microbatches=2)
-        >>> params, opt_state = pipelined.abstract_state(ex.params, state, ex.batch)
-        >>> jax.tree_util.tree_structure(opt_state) == jax.tree_util.tree_structure(state)
-        True
-        """
-        prepared = self._prepare(args)
-        plan = prepared.plan
-        leaves, treedef = jax.tree_util.tree_flatten(tuple(args[:-1]))
-        readers = stage_readers(plan, len(leaves))
-        for part in prepared.parts:
-            for position, sharding in zip(part.inputs, part.shardings):
-                if position < len(leaves):
-                    readers[position].append((part.worker, sharding))
-        shardings = kept_shardings(plan, readers)
-        if plan.placement.distributed:  # orbax then restores others' leaves as theirs
-            install_orbax_handler()
-        return treedef.unflatten(abstract_leaves(leaves, shardings))
-
-    def timed_call(self, *args: Any) -> tuple[Any, dict[str, float]]:
-        """Like calling the step, and also return the gradient part's timings, as
-        :meth:`Pipeline.timed_call` gives them; under ``jax.distributed`` also
-        ``update_bytes_sent`` / ``update_bytes_received``: the bytes the update moved
-        between this process's slots and other processes' (with
-        ``gather_results=False``: the small values its parts exchange, and the results
-        no slot owns, which every process gets)."""
-        timings: dict[str, float] = {}
-        out = self._call(args, timings)
-        return out, timings
-
-    def _call(self, args: tuple[Any, ...], timings: dict | None) -> Any:
-        prepared = self._prepare(args)
-        plan, out_tree = prepared.plan, prepared.out_tree
-        *replicated, batch = args
-        accumulated = run_plan(plan, tuple(replicated), batch, timings)
-        # The update runs once: each slot its own stages' part, or, where it does not
-        # split, whole on the first slot; on a sub-mesh each parameter keeps its layout
-        # there. The parts fill one table (StageUpdates): the update's inputs, its
-        # results, then the small values slots exchange, each copied to the slots that
-        # read it. Under jax.distributed each process runs its own slots' parts (see
-        # _update_parts and _run_update).
-        values = dict(enumerate([*jax.tree_util.tree_leaves(args), *accumulated]))
-        num_inputs = len(values)
-        transport = None
-        if plan.placement.distributed:
-            transport = CollectiveTransport(plan.watchdog, plan.placement.process)
-        with jax.set_mesh(None):  # on its slot whatever the caller's mesh (see run_plan)
-            held = _run_update(plan, prepared, values, transport)
-        if timings is not None and transport is not None:
-            timings["update_bytes_sent"] = transport.bytes_sent
-            timings["update_bytes_received"] = transport.bytes_received
-        positions = range(num_inputs, num_inputs + out_tree.num_leaves)
-        outputs = [values[k] for k in positions]
-        if plan.gather_results:  # every process ran the whole update: copies everywhere
-            _record(plan, outputs, [None] * len(outputs))
-        else:
-            _record(plan, outputs, [held.get(k) for k in positions])
-        return jax.tree_util.tree_unflatten(out_tree, outputs)
-
-
-def _step_plan(
-    compute: ClosedJaxpr,
-    options: PipelineOptions,
-    num_param_leaves: int,
-    microbatch_size: int,
-    param_specs: Any,
-) -> PipelinePlan:
-    """The plan of a training step's gradient part ``compute``, cut as ``options`` say
-    (again for each plan a memory budget tries), scheduled and compiled."""
-    out_tree = jax.tree_util.tree_structure([0] * len(compute.jaxpr.outvars))
-
-    def make_plan(chosen: PipelineOptions, remat: frozenset[str]) -> PipelinePlan:
-        staged, layers = stage_program(
-            compute,
-            chosen.num_stages,
-            "The gradient part of the step",
-            chosen.block_cuts,
-            chosen.stage_layers,
-        )
-        return plan_from_staged(
-            staged,
-            out_tree,
-            num_param_leaves=num_param_leaves,
-            microbatch_size=microbatch_size,
-            options=chosen,
-            param_specs=param_specs,
-            rematerialize=remat,
-            stage_layers=layers,
-        )
-
-    return within_budget(make_plan, options)
-
-
-def _step_memory(plan: PipelinePlan, parts: tuple[_UpdatePart, ...]) -> MemoryEstimate:
-    """``plan``'s memory with the update after it (:func:`_update_bytes`)."""
-    estimate = plan_memory(plan)
-    for worker, update in _update_bytes(plan, parts).items():
-        estimate = with_update(estimate, worker, update)
-    return estimate
-
-
-def _update_bytes(plan: PipelinePlan, parts: tuple[_UpdatePart, ...]) -> dict[int, int]:
-    """Per slot of this process that runs a part of the update, what its largest part
-    holds: the compiled program's arguments (the optimizer state, the gradients),
-    results and temporaries (another process's parts are compiled, and measured,
-    there). A slot that runs several parts (values it exchanges with the other slots,
-    then its results) holds them one after the other."""
-    sizes: dict[int, int] = {}
-    for part in parts:
-        if not plan.placement.local[part.worker]:
-            continue
-        structs = [
-            jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=where)
-            for aval, where in zip(part.program.in_avals, part.shardings)
-        ]
-        with jax.set_mesh(None):  # as the call runs it (see __call__)
-            analysis = part.run.lower(*structs).compile().memory_analysis()
-        update = (
-            analysis.argument_size_in_bytes
-            + analysis.output_size_in_bytes
-            + analysis.temp_size_in_bytes
-        )
-        sizes[part.worker] = max(sizes.get(part.worker, 0), update)
-    return sizes
-
-
-class _UpdatePart(NamedTuple):
-    """One program of a training step's update (``program``, jitted as ``run``): its
-    slot (worker), the positions it reads in the table of the update's values (see
-    :class:`~pipemark.runtime.update.StageUpdates`), each laid out by ``shardings``, and
-    those it computes."""
-
-    worker: int
-    program: ClosedJaxpr
-    run: Callable
-    inputs: tuple[int, ...]
-    outputs: tuple[int, ...]
-    shardings: tuple[Any, ...]
-
-
-class _Prepared(NamedTuple):
-    """What a training step's call needs, made once per argument shapes."""
-
-    plan: PipelinePlan
-    out_tree: Any
-    parts: tuple[_UpdatePart, ...]  # the update, per slot and round where it splits
-    holders: tuple[int | None, ...]  # per input of the update (see _update_holders)
-    shared: tuple[int, ...]  # results sent to every process (see _run_update)
-
-
-def _split(plan: PipelinePlan, apply: ClosedJaxpr, num_args: int) -> StageUpdates | None:
-    """The update of ``plan``'s step split per slot (:func:`split_update`, with the
-    rounds that exchange small coupled values such as the partial sums of a global
-    norm), or ``None`` where it does not split (a big value couples two slots, or the
-    update has effects) or runs whole anyway.
-
-    Under ``jax.distributed`` with ``gather_results=False`` every process cuts the same
-    parts (a result no slot owns goes to slot 0, whichever process this is) and runs
-    its own slots' (:func:`_run_update`). With results gathered (the default) every
-    process holds every gradient: it runs the whole update on its own first slot, so
-    that every process gets the whole new state, as before."""
-    if plan.placement.distributed and plan.gather_results:
-        return None
-    return split_update(apply, input_owners(plan, num_args), _first_update_slot(plan))
-
-
-def _first_update_slot(plan: PipelinePlan) -> int:
-    """Where a result no slot owns is computed, and where the update runs whole: this
-    process's first slot, or, when processes keep their own results, slot 0 (every
-    process must cut the same parts)."""
-    return 0 if plan.placement.distributed and not plan.gather_results else plan.update_worker
-
-
-def _update_parts(
-    plan: PipelinePlan, apply: ClosedJaxpr, split: StageUpdates | None
-) -> tuple[_UpdatePart, ...]:
-    """The parts of ``split`` (where it is ``None``, one part: the whole update
-    ``apply`` on the first slot), each jitted and reading its inputs on its slot (a
-    sub-mesh's parameters with their layout there: :meth:`PipelinePlan.update_sharding`)."""
-    if split is None:
-        count = len(apply.jaxpr.invars)
-        results = tuple(range(count, count + len(apply.jaxpr.outvars)))
-        parts: Sequence[UpdatePart] = (
-            UpdatePart(_first_update_slot(plan), apply, tuple(range(count)), results),
-        )
-    else:
-        parts = split.parts
-    return tuple(
-        _UpdatePart(
-            p.worker,
-            p.program,
-            jax.jit(jaxpr_as_fun(p.program)),
-            p.inputs,
-            p.outputs,
-            tuple(plan.update_sharding(i, p.worker) for i in p.inputs),
-        )
-        for p in parts
-    )
-
-
-def _update_holders(plan: PipelinePlan, num_args: int) -> tuple[int | None, ...]:
-    """Per input of the update (the step's argument leaves, ``num_args`` of them, then
-    the pipeline's accumulated results): the slot whose process alone holds it, or
-    ``None`` where every process does (the arguments, which every process passes; every
-    result when results are gathered, and in one process)."""
-    return (None,) * num_args + plan.result_holders()
-
-
-def _run_update(
-    plan: PipelinePlan,
-    prepared: _Prepared,
-    values: dict[int, Any],
-    transport: Transport | None,
-) -> dict[int, int | None]:
-    """Run the update's parts in order, filling the table ``values`` (its inputs first,
-    see :class:`~pipemark.runtime.update.StageUpdates`) with what they compute; the
-    ``prepared`` holders say which slot's process alone holds each input (``None``:
-    every one). Returns the same for every position of the table after the update.
-
-    A part of this process's slot reads its inputs there (``device_put``). Under
-    ``jax.distributed`` a part of another process's slot runs there: its results are
-    arrays of the global program this process does not hold (as
-    :func:`pipemark.runtime.execution.run_plan` returns another process's stages'
-    results). A value a part reads from a slot of another process (an exchanged partial
-    sum) moves with ``transport``: every process walks the same parts in the same
-    order, so both ends of each move meet. The results no slot owns (``shared``) then
-    go to every process.
-    """
-    slots, local = plan.placement.slots, plan.placement.local
-    held = dict(enumerate(prepared.holders))
-    avals: dict[int, Any] = {}
-    moved: dict[tuple[int, int], Any] = {}  # (position, slot): a value moved there
-    for part in prepared.parts:
-        reader = slots[part.worker]
-        inputs = []
-        for i, aval in zip(part.inputs, part.program.in_avals):
-            source = held.get(i)
-            if source is None or slots[source].process == reader.process:
-                inputs.append(values.get(i))
-                continue
-            if (i, part.worker) not in moved:
-                ends = device_slot(slots[source].device), device_slot(reader.device)
-                got = _move(plan, [i], values, source, ends, [aval], transport)
-                moved[(i, part.worker)] = got[0] if got else None
-            inputs.append(moved[(i, part.worker)])
-        if local[part.worker]:
-            outputs = part.run(*jax.device_put(inputs, list(part.shardings)))
-        else:  # another process computes them: arrays without data here
-            outputs = [held_elsewhere(a, reader.replicated) for a in part.program.out_avals]
-        values.update(zip(part.outputs, outputs))
-        held.update((k, part.worker) for k in part.outputs)
-        avals.update(zip(part.outputs, part.program.out_avals))
-    by_source: dict[int, list[int]] = {}
-    for k in prepared.shared:  # grouped by the slot that computed them, in slot order
-        by_source.setdefault(held[k], []).append(k)
-    for source, positions in sorted(by_source.items()):
-        types = [avals[k] for k in positions]
-        for process, device in plan.placement.receivers().items():
-            if process != slots[source].process:
-                ends = device_slot(slots[source].device), device_slot(device)
-                got = _move(plan, positions, values, source, ends, types, transport)
-                values.update(zip(positions, got or ()))
-        held.update(dict.fromkeys(positions))  # every process now holds them
-    return held
-
-
-def _move(
-    plan: PipelinePlan,
-    positions: Sequence[int],
-    values: Mapping[int, Any],
-    source: int,
-    ends: tuple[Slot, Slot],
-    avals: Sequence[Any],
-    transport: Transport | None,
-) -> list[Any] | None:
-    """The values at ``positions`` of the update's table, computed on slot ``source``,
-    moved between the devices ``ends`` (the source slot's first device, so that a
-    sub-mesh's value goes whole) by ``transport``: on the receiving end's process, the
-    values there; ``None`` elsewhere."""
-    # Only under jax.distributed does a part read a value of another process's slot.
-    assert transport is not None
-    sent = None
-    if plan.placement.local[source]:
-        sent = jax.device_put([values[i] for i in positions], ends[0].device)
-    types = tuple((a.shape, a.dtype) for a in avals)
-    what = f"values {list(positions)} of the update"
-    return transport.move(sent, types, *ends, what)
-
-
-def pipeline_train_step(
-    step_fn: Callable[..., Any],
-    *,
-    num_stages: int | None = None,
-    num_microbatches: int,
-    schedule: str | Schedule = "1f1b",
-    devices: Sequence[Any] | None = None,
-    loss_reduction: str = "mean",
-    timeout_s: float | None = 120.0,
-    block_cuts: str = "prefer",
-    mesh: Any = None,
-    param_specs: Any = None,
-    stage_axis: str = "stage",
-    data_axis: str = "data",
-    gather_results: bool = True,
-    recompute_residuals: bool = True,
-    dispatch_ahead: int | None = 2,
-    memory_budget: int | None = None,
-    microbatches_in_flight: int | None = None,
-    stage_layers: Sequence[int] | None = None,
-) -> PipelinedStep:
-    """A training step ``step_fn(*state, batch)`` whose gradients are computed as a
-    pipeline and then applied once.
-
-    ``step_fn`` computes gradients with ``jax.grad``/``jax.value_and_grad`` of a loss
-    whose layers are marked, marks them with :func:`pipemark.mark_gradient`, and updates
-    (see :func:`pipemark.examples.train_step`); a ``jax.jit`` step is inlined first,
-    as :func:`pipemark.split` inlines it. It is cut at the grad marker with
-    :func:`pipemark.passes.split_at_gradient`: the part before runs as a pipeline over
-    ``num_microbatches`` microbatches of ``batch`` (its last argument), every value it
-    hands to the update (the gradients, the loss) averaged over microbatches (or added,
-    with ``loss_reduction="sum"``); the part after runs once, per stage where the
-    stage's parameters live (each device its own stages' new parameters and optimizer
-    state; values that couple the stages, such as each device's share of a global
-    norm, are small and exchanged: :mod:`pipemark.runtime.update`; on sub-meshes,
-    ``mesh=``, each stage's sub-mesh, its parameters laid out by ``param_specs``, a
-    pytree prefix of the arguments but the batch, or by their own sharding), or, where
-    a big value couples two stages, whole on the first stage's device or sub-mesh.
-
-    Under ``jax.distributed`` with ``gather_results=False`` each process runs the
-    update's parts of its own slots, from its own stages' gradients (never sent to
-    another process) and its own parameters and optimizer state; the small coupled
-    values cross processes with the pipeline's transfers, and the results another
-    process computed are arrays of the global program this process does not hold (as
-    :func:`pipeline_value_and_grad` returns them; a result no stage owns, such as Adam's
-    step count or a global norm returned as a metric, goes to every process). With
-    ``gather_results=True`` (the default), and where the update does not split, every
-    process receives every gradient and runs the whole update on its first slot, so
-    every process gets the whole new state. The other options are those of
-    :func:`pipeline_value_and_grad`.
-
-    >>> import jax, numpy as np, pipemark as pm
-    >>> from pipemark import examples
-    >>> ex = examples.mlp(num_layers=2, batch=4)
-    >>> step, init_state = examples.train_step(ex.loss_fn, optimizer="adam")
-    >>> state = init_state(ex.params)
-    >>> pipelined = pm.pipeline_train_step(step, num_stages=1, num_microbatches=2)
-    >>> new_params, new_state, loss = pipelined(ex.params, state, ex.batch)
-    >>> bool(np.allclose(loss, step(ex.params, state, ex.batch)[2], rtol=1e-5))
-    True
-    """
-    if not callable(step_fn):
-        raise PipemarkError(
-            f"pipeline_train_step: step_fn must be callable, got {type(step_fn).__name__}."
-        )
-    options = PipelineOptions(
-        num_microbatches=num_microbatches,
-        num_stages=num_stages,
-        schedule=schedule,
-        devices=devices,
-        loss_reduction=loss_reduction,
-        timeout_s=timeout_s,
-        block_cuts=block_cuts,
-        mesh=mesh,
-        param_specs=param_specs,
-        stage_axis=stage_axis,
-        data_axis=data_axis,
-        gather_results=gather_results,
-        recompute_residuals=recompute_residuals,
-        dispatch_ahead=dispatch_ahead,
-        memory_budget=memory_budget,
-        microbatches_in_flight=microbatches_in_flight,
-        stage_layers=stage_layers,
-    )
-    return PipelinedStep(step_fn, options)

@@ -1,0 +1,208 @@
+"""Running a training step's update after its pipeline
+(:class:`~pipemark.runtime.train_step.PipelinedStep`): the update cut per slot
+(:func:`pipemark.runtime.update.split_update`) or whole, each part jitted for its slot,
+what each part holds, and the parts run in order, values moving between processes'
+slots where a part reads another's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+
+from pipemark.runtime.placement import Slot, device_slot, held_elsewhere
+from pipemark.runtime.plan import PipelinePlan
+from pipemark.runtime.transport import Transport
+from pipemark.runtime.update import StageUpdates, UpdatePart, input_owners, split_update
+
+__all__ = [
+    "UpdateProgram",
+    "first_update_slot",
+    "run_update",
+    "split_step_update",
+    "update_bytes",
+    "update_holders",
+    "update_programs",
+]
+
+
+class UpdateProgram(NamedTuple):
+    """One program of a training step's update (``program``, jitted as ``run``): its
+    slot (worker), the positions it reads in the table of the update's values (see
+    :class:`~pipemark.runtime.update.StageUpdates`), each laid out by ``shardings``, and
+    those it computes."""
+
+    worker: int
+    program: ClosedJaxpr
+    run: Callable
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    shardings: tuple[Any, ...]
+
+
+def update_bytes(plan: PipelinePlan, parts: tuple[UpdateProgram, ...]) -> dict[int, int]:
+    """Per slot of this process that runs a part of the update, what its largest part
+    holds: the compiled program's arguments (the optimizer state, the gradients),
+    results and temporaries (another process's parts are compiled, and measured,
+    there). A slot that runs several parts (values it exchanges with the other slots,
+    then its results) holds them one after the other."""
+    sizes: dict[int, int] = {}
+    for part in parts:
+        if not plan.placement.local[part.worker]:
+            continue
+        structs = [
+            jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=where)
+            for aval, where in zip(part.program.in_avals, part.shardings)
+        ]
+        with jax.set_mesh(None):  # as the call runs it (see __call__)
+            analysis = part.run.lower(*structs).compile().memory_analysis()
+        update = (
+            analysis.argument_size_in_bytes
+            + analysis.output_size_in_bytes
+            + analysis.temp_size_in_bytes
+        )
+        sizes[part.worker] = max(sizes.get(part.worker, 0), update)
+    return sizes
+
+
+def split_step_update(plan: PipelinePlan, apply: ClosedJaxpr, num_args: int) -> StageUpdates | None:
+    """The update of ``plan``'s step split per slot (:func:`split_update`, with the
+    rounds that exchange small coupled values such as the partial sums of a global
+    norm), or ``None`` where it does not split (a big value couples two slots, or the
+    update has effects) or runs whole anyway.
+
+    Under ``jax.distributed`` with ``gather_results=False`` every process cuts the same
+    parts (a result no slot owns goes to slot 0, whichever process this is) and runs
+    its own slots' (:func:`run_update`). With results gathered (the default) every
+    process holds every gradient: it runs the whole update on its own first slot, so
+    that every process gets the whole new state, as before."""
+    if plan.placement.distributed and plan.gather_results:
+        return None
+    return split_update(apply, input_owners(plan, num_args), first_update_slot(plan))
+
+
+def first_update_slot(plan: PipelinePlan) -> int:
+    """Where a result no slot owns is computed, and where the update runs whole: this
+    process's first slot, or, when processes keep their own results, slot 0 (every
+    process must cut the same parts)."""
+    return 0 if plan.placement.distributed and not plan.gather_results else plan.update_worker
+
+
+def update_programs(
+    plan: PipelinePlan, apply: ClosedJaxpr, split: StageUpdates | None
+) -> tuple[UpdateProgram, ...]:
+    """The parts of ``split`` (where it is ``None``, one part: the whole update
+    ``apply`` on the first slot), each jitted and reading its inputs on its slot (a
+    sub-mesh's parameters with their layout there: :meth:`PipelinePlan.update_sharding`)."""
+    if split is None:
+        count = len(apply.jaxpr.invars)
+        results = tuple(range(count, count + len(apply.jaxpr.outvars)))
+        parts: Sequence[UpdatePart] = (
+            UpdatePart(first_update_slot(plan), apply, tuple(range(count)), results),
+        )
+    else:
+        parts = split.parts
+    return tuple(
+        UpdateProgram(
+            p.worker,
+            p.program,
+            jax.jit(jaxpr_as_fun(p.program)),
+            p.inputs,
+            p.outputs,
+            tuple(plan.update_sharding(i, p.worker) for i in p.inputs),
+        )
+        for p in parts
+    )
+
+
+def update_holders(plan: PipelinePlan, num_args: int) -> tuple[int | None, ...]:
+    """Per input of the update (the step's argument leaves, ``num_args`` of them, then
+    the pipeline's accumulated results): the slot whose process alone holds it, or
+    ``None`` where every process does (the arguments, which every process passes; every
+    result when results are gathered, and in one process)."""
+    return (None,) * num_args + plan.result_holders()
+
+
+def run_update(
+    plan: PipelinePlan,
+    parts: Sequence[UpdateProgram],
+    holders: Sequence[int | None],
+    shared: Sequence[int],
+    values: dict[int, Any],
+    transport: Transport | None,
+) -> dict[int, int | None]:
+    """Run the update's parts in order, filling the table ``values`` (its inputs first,
+    see :class:`~pipemark.runtime.update.StageUpdates`) with what they compute; ``holders``
+    says which slot's process alone holds each input (``None``: every one), as
+    :func:`update_holders` gives them. Returns the same for every position of the table after the update.
+
+    A part of this process's slot reads its inputs there (``device_put``). Under
+    ``jax.distributed`` a part of another process's slot runs there: its results are
+    arrays of the global program this process does not hold (as
+    :func:`pipemark.runtime.execution.run_plan` returns another process's stages'
+    results). A value a part reads from a slot of another process (an exchanged partial
+    sum) moves with ``transport``: every process walks the same parts in the same
+    order, so both ends of each move meet. The results no slot owns (``shared``) then
+    go to every process (``shared``: the positions that do).
+    """
+    slots, local = plan.placement.slots, plan.placement.local
+    held = dict(enumerate(holders))
+    avals: dict[int, Any] = {}
+    moved: dict[tuple[int, int], Any] = {}  # (position, slot): a value moved there
+    for part in parts:
+        reader = slots[part.worker]
+        inputs = []
+        for i, aval in zip(part.inputs, part.program.in_avals):
+            source = held.get(i)
+            if source is None or slots[source].process == reader.process:
+                inputs.append(values.get(i))
+                continue
+            if (i, part.worker) not in moved:
+                ends = device_slot(slots[source].device), device_slot(reader.device)
+                got = _move(plan, [i], values, source, ends, [aval], transport)
+                moved[(i, part.worker)] = got[0] if got else None
+            inputs.append(moved[(i, part.worker)])
+        if local[part.worker]:
+            outputs = part.run(*jax.device_put(inputs, list(part.shardings)))
+        else:  # another process computes them: arrays without data here
+            outputs = [held_elsewhere(a, reader.replicated) for a in part.program.out_avals]
+        values.update(zip(part.outputs, outputs))
+        held.update((k, part.worker) for k in part.outputs)
+        avals.update(zip(part.outputs, part.program.out_avals))
+    by_source: dict[int, list[int]] = {}
+    for k in shared:  # grouped by the slot that computed them, in slot order
+        by_source.setdefault(held[k], []).append(k)
+    for source, positions in sorted(by_source.items()):
+        types = [avals[k] for k in positions]
+        for process, device in plan.placement.receivers().items():
+            if process != slots[source].process:
+                ends = device_slot(slots[source].device), device_slot(device)
+                got = _move(plan, positions, values, source, ends, types, transport)
+                values.update(zip(positions, got or ()))
+        held.update(dict.fromkeys(positions))  # every process now holds them
+    return held
+
+
+def _move(
+    plan: PipelinePlan,
+    positions: Sequence[int],
+    values: Mapping[int, Any],
+    source: int,
+    ends: tuple[Slot, Slot],
+    avals: Sequence[Any],
+    transport: Transport | None,
+) -> list[Any] | None:
+    """The values at ``positions`` of the update's table, computed on slot ``source``,
+    moved between the devices ``ends`` (the source slot's first device, so that a
+    sub-mesh's value goes whole) by ``transport``: on the receiving end's process, the
+    values there; ``None`` elsewhere."""
+    # Only under jax.distributed does a part read a value of another process's slot.
+    assert transport is not None
+    sent = None
+    if plan.placement.local[source]:
+        sent = jax.device_put([values[i] for i in positions], ends[0].device)
+    types = tuple((a.shape, a.dtype) for a in avals)
+    what = f"values {list(positions)} of the update"
+    return transport.move(sent, types, *ends, what)
