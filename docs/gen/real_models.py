@@ -190,9 +190,10 @@ print([e.params["length"] for e in scans])
         "A jitted training step",
         """\
 `@jax.jit` on the whole step is the usual way to write it. The program is then one
-`jit` equation; `pm.split` inlines it (`pm.passes.inline_calls`) before cutting, and
-`verify` runs the reference equation by equation too, so the comparison stays bit
-for bit.""",
+`jit` equation; `pm.split` inlines it (`pm.passes.inline_calls`) before cutting, so
+the stages run its equations one by one where `jax.jit` runs one compiled program, and
+`verify` compares the two to float rounding (its report names each result's
+tolerance).""",
         """\
 def mlp_loss(params, x):
     for w in params:
