@@ -54,9 +54,11 @@ def init_params(key: jax.Array, vocab: int, d_model: int, num_layers: int, seq: 
     """The parameters: embeddings, ``num_layers`` blocks, the final norm and the output
     projection (float32, small normal weights, ones and zeros for the norms).
 
-    >>> params = init_params(jax.random.key(0), vocab=10, d_model=8, num_layers=2, seq=4)
-    >>> len(params["blocks"]), params["blocks"][0]["w_qkv"].shape
-    (2, (8, 24))
+    >>> import functools
+    >>> sizes = functools.partial(init_params, vocab=10, d_model=8, num_layers=2, seq=4)
+    >>> params = jax.eval_shape(sizes, jax.random.key(0))  # the shapes, nothing computed
+    >>> len(params["blocks"]), params["blocks"][0]["w_qkv"].shape, params["unembed"].shape
+    (2, (8, 24), (8, 10))
     """
     keys = iter(jax.random.split(key, 3 + 4 * num_layers))
 

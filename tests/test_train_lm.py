@@ -13,9 +13,11 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import jax
@@ -36,6 +38,7 @@ from tests._xla import child_environ
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_lm.py"
+PAGE = ROOT / "docs" / "training.md"
 # A smaller model than the example's default, for a few seconds of compiling.
 SMALL = ["--layers", "2", "--d-model", "32", "--heads", "2", "--seq", "32", "--batch", "8"]
 SMALL += ["--microbatches", "2", "--sample", "40"]
@@ -158,3 +161,21 @@ def test_two_processes_under_the_launcher_each_keeping_its_stages_state(tmp_path
             *state, loss = step(*state, text.batch_at(k))
             resumed.append(float(loss))
     _assert_close(resumed, want[2:])
+
+
+def test_the_code_on_the_docs_page_is_cut_from_the_example():
+    source = SCRIPT.read_text(encoding="utf-8")
+    page = PAGE.read_text(encoding="utf-8")
+    blocks = re.findall(r"<!-- from examples/train_lm.py -->\n```python\n(.*?)```", page, re.S)
+    assert len(blocks) >= 5
+    for block in blocks:  # as it stands in the example, at some indentation
+        found = any(textwrap.indent(block, " " * k) in source for k in range(0, 17, 4))
+        assert found, f"docs/training.md shows code that examples/train_lm.py lacks:\n{block}"
+
+
+def test_the_docs_page_lists_every_option_with_its_default():
+    defaults = vars(_example().parse_args([]))
+    page = PAGE.read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `(--[a-z-]+)`[^|]*\| `([^`]*)` \|", page, re.M)
+    listed = {option[2:].replace("-", "_"): default for option, default in rows}
+    assert listed == {name: repr(value) for name, value in defaults.items()}
