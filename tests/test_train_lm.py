@@ -30,10 +30,7 @@ pytest.importorskip("rich")
 pytest.importorskip("matplotlib")
 
 import orbax.checkpoint as ocp
-from jax.sharding import SingleDeviceSharding
 
-from tests._devices import computing_on
-from tests._devices import devices as pick_devices
 from tests._xla import child_environ
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,20 +143,18 @@ def test_two_processes_under_the_launcher_each_keeping_its_stages_state(tmp_path
     # same run goes on, within float rounding.
     example = _example()
     text, step, state = example.build(example.parse_args([*SMALL, "--steps", "4"]))
-    (device,) = pick_devices(1)
-    with computing_on([device]):
-        target = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=SingleDeviceSharding(device)),
-            {"params": state[0], "opt_state": state[1]},
-        )
-        with ocp.CheckpointManager(tmp_path / "run") as manager:
-            assert manager.all_steps() == [2, 4]
-            restored = manager.restore(2, args=ocp.args.StandardRestore(target))
-        state = (restored["params"], restored["opt_state"])
-        step, resumed = jax.jit(step), []
-        for k in (2, 3):
-            *state, loss = step(*state, text.batch_at(k))
-            resumed.append(float(loss))
+    target = jax.tree.map(  # where build() put the initial state: one device
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+        {"params": state[0], "opt_state": state[1]},
+    )
+    with ocp.CheckpointManager(tmp_path / "run") as manager:
+        assert manager.all_steps() == [2, 4]
+        restored = manager.restore(2, args=ocp.args.StandardRestore(target))
+    state = (restored["params"], restored["opt_state"])
+    step, resumed = jax.jit(step), []
+    for k in (2, 3):
+        *state, loss = step(*state, text.batch_at(k))
+        resumed.append(float(loss))
     _assert_close(resumed, want[2:])
 
 
