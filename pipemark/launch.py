@@ -5,7 +5,8 @@ all when one fails.
 
 starts ``train.py --steps 10`` four times, with the environment telling each its
 process id, the process count and the coordinator's address (a free local port). The
-script calls :func:`initialize` before anything else touches JAX. When a process exits
+script calls :func:`initialize` before anything else touches JAX (a script that also
+runs alone calls it where :func:`launched` says it was launched). When a process exits
 with an error (or is killed), the launcher says which and stops the others, so a
 pipeline never waits on a process that is gone; its exit status is that process's. A
 process that raises exits at once (it does not wait for its peers at JAX's shutdown
@@ -30,7 +31,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-__all__ = ["initialize", "launch", "main"]
+__all__ = ["initialize", "launched", "launch", "main"]
 
 _COORDINATOR = "PIPEMARK_COORDINATOR"
 _NUM_PROCESSES = "PIPEMARK_NUM_PROCESSES"
@@ -66,6 +67,17 @@ def initialize() -> None:
         shutdown_timeout_seconds=30,
     )
     _exit_on_uncaught_exception()
+
+
+def launched() -> bool:
+    """Whether ``python -m pipemark.launch`` started this process: a script that runs
+    alone as well as under the launcher calls :func:`initialize` only then.
+
+    >>> from pipemark import launch
+    >>> launch.launched()  # this process was not started by the launcher
+    False
+    """
+    return _COORDINATOR in os.environ
 
 
 def _exit_on_uncaught_exception() -> None:

@@ -65,9 +65,10 @@ def test_a_module_runs_in_every_process(tmp_path):
     # Each process writes its own file: lines the processes print to one pipe interleave.
     (tmp_path / "hello_launch.py").write_text(
         "import os, sys\n"
+        "from pipemark.launch import launched\n"
         "me = os.environ['PIPEMARK_PROCESS_ID']\n"
         "with open(os.path.join(os.environ['HELLO_OUT'], me), 'w') as f:\n"
-        "    f.write(repr(sys.argv[1:]))\n"
+        "    f.write(repr([launched(), *sys.argv[1:]]))\n"
     )
     env = _env()
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
@@ -78,7 +79,8 @@ def test_a_module_runs_in_every_process(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     for process in ("0", "1"):
-        assert (tmp_path / process).read_text() == "['--steps', '3']"
+        assert (tmp_path / process).read_text() == "[True, '--steps', '3']"
+    assert not launch.launched()  # this process was not launched
 
 
 STUBBORN = """\
