@@ -160,6 +160,57 @@ def resolve_sizes(args: argparse.Namespace, platform: str) -> dict:
     return sizes
 
 
+# ------------------------------------------------------------- the model and the scan
+
+
+def gpt_example(sizes: dict, rows: int, markers: str | None):
+    """``pipemark.examples.gpt`` at ``sizes`` (one of :data:`SIZES`) on ``rows`` rows:
+    float32 parameters, bfloat16 matmuls, ``markers`` between its blocks (``None``:
+    the unmarked model a user runs without a pipeline).
+
+    >>> ex = gpt_example(SIZES["tiny"], 2, None)
+    >>> ex.batch[0].shape, ex.params["blocks"][0]["w1"].dtype
+    ((2, 16), dtype('float32'))
+    """
+    import jax.numpy as jnp
+
+    from pipemark import examples
+
+    return examples.gpt(
+        sizes["layers"], sizes["d_model"], sizes["heads"], seq=sizes["seq"], batch=rows,
+        vocab=sizes["vocab"], d_ff=sizes["d_ff"], compute_dtype=jnp.bfloat16,
+        markers=markers,
+    )  # fmt: skip
+
+
+def scan_accumulation(loss_fn, microbatches: int):
+    """``accumulate(params, batch) -> (loss, grads)``: ``jax.value_and_grad(loss_fn)``
+    added up over the ``microbatches`` microbatches of ``batch`` (its leading axis
+    cut) in a ``lax.scan``, then averaged: what a user writes instead of a pipeline.
+
+    >>> import jax.numpy as jnp
+    >>> accumulate = scan_accumulation(lambda w, x: jnp.mean(x * w), 2)
+    >>> loss, grad = accumulate(2.0, jnp.arange(4.0))
+    >>> float(loss), float(grad)
+    (3.0, 1.5)
+    """
+    import jax
+    import jax.numpy as jnp
+
+    def accumulate(params, batch):
+        micro = jax.tree.map(lambda x: x.reshape(microbatches, -1, *x.shape[1:]), batch)
+        value_and_grad = jax.value_and_grad(loss_fn)
+
+        def body(total, one):
+            return jax.tree.map(jnp.add, total, value_and_grad(params, one)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, (jnp.zeros((), jnp.float32), params))
+        total, _ = jax.lax.scan(body, zeros, micro)
+        return jax.tree.map(lambda t: t / microbatches, total)
+
+    return accumulate
+
+
 # ----------------------------------------------------------------- one configuration
 
 
@@ -221,7 +272,6 @@ def _step(config: str, loss_fn, device, microbatches: int):
     """``(step, pipeline)``: the function a row calls with ``(params, batch)``, and the
     pipeline when it is one (for its compiled programs)."""
     import jax
-    import jax.numpy as jnp
 
     import pipemark as pm
 
@@ -238,19 +288,7 @@ def _step(config: str, loss_fn, device, microbatches: int):
         return pipe, pipe
     if config != "scan":
         return jax.jit(jax.value_and_grad(loss_fn)), None
-
-    def accumulate(params, batch):
-        micro = jax.tree.map(lambda x: x.reshape(microbatches, -1, *x.shape[1:]), batch)
-        value_and_grad = jax.value_and_grad(loss_fn)
-
-        def body(total, one):
-            return jax.tree.map(jnp.add, total, value_and_grad(params, one)), None
-
-        zeros = jax.tree.map(jnp.zeros_like, (jnp.zeros((), jnp.float32), params))
-        total, _ = jax.lax.scan(body, zeros, micro)
-        return jax.tree.map(lambda t: t / microbatches, total)
-
-    return jax.jit(accumulate), None
+    return jax.jit(scan_accumulation(loss_fn, microbatches)), None
 
 
 def _memory(step, pipe, params, batch) -> dict:
@@ -307,18 +345,12 @@ def measure(config: str, sizes: dict, microbatches: int, repeat: int, device, co
     """Time one configuration's first call and steps, count its compilations, read its
     compiled programs' memory."""
     import jax
-    import jax.numpy as jnp
 
     import pipemark as pm
-    from pipemark import examples
 
     pm.set_lowering("barrier")
     markers = None if config in ("jit", "jit-half", "scan") else "boundary"
-    ex = examples.gpt(
-        sizes["layers"], sizes["d_model"], sizes["heads"], seq=sizes["seq"],
-        batch=rows_of(config, sizes), vocab=sizes["vocab"], d_ff=sizes["d_ff"],
-        compute_dtype=jnp.bfloat16, markers=markers,
-    )  # fmt: skip
+    ex = gpt_example(sizes, rows_of(config, sizes), markers)
     params, batch = jax.block_until_ready(jax.device_put(ex.args, device))
     step, pipe = _step(config, ex.loss_fn, device, microbatches)
     counter.take()

@@ -255,6 +255,73 @@ def test_accelerator_benchmark_measures_each_row_in_its_own_process(tmp_path):
     assert any(line.startswith("- s2: predicted peak (`Pipeline.memory`) ") for line in lines)
 
 
+@pytest.mark.slow  # a process compiling a bfloat16 GPT's scan and pipeline on CPU (~15 s)
+def test_training_curve_benchmark_prints_both_curves(tmp_path):
+    out = tmp_path / "curve.md"
+    options = ["--size", "tiny", "--layers", "2", "--stages", "2", "--microbatches", "2"]
+    options += ["--steps", "10", "--every", "5", "--warmup", "2", "--markdown", str(out)]
+    lines = _output_lines("training_curve.py", *options)
+    assert out.read_text().splitlines() == lines  # progress went to stderr
+    assert lines[0].endswith("; cpu (cpu); JAX " + jax.__version__)
+    header = next(line for line in lines if line.startswith("| step |"))
+    assert "`lax.scan` accumulation" in header and "pipeline S 2, M 2" in header
+    start = lines.index(header) + 2  # after the alignment row
+    table = lines[start : lines.index("", start)]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in table]
+    assert [row[0] for row in rows] == ["1", "5", "10"]  # step 1, then every 5
+    assert float(rows[-1][1]) < float(rows[0][1])  # the model learns
+    # Both train the same model on the same microbatches in bfloat16 from the same
+    # state: their losses stay within a bfloat16 rounding (2^-8 relative) of each other.
+    for _, scan, piped, rel in rows:
+        assert float(rel) < 2**-8 and abs(float(piped) - float(scan)) < 2**-8 * float(scan)
+    largest = next(line for line in lines if line.startswith("- largest relative difference: "))
+    assert float(largest.split(": ")[1].split()[0]) < 2**-8, largest
+    for name in ("`lax.scan` accumulation", "pipeline"):
+        line = next(line for line in lines if line.startswith(f"- {name}: first call "))
+        assert line.endswith("over 9 steps, 0 compilations after the first"), line
+    assert any(line.startswith("- pipeline / scan, mean step: ") for line in lines)
+
+
+def _training_curve():
+    if str(REPO / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+    import training_curve
+
+    return training_curve
+
+
+def test_training_curve_batches_follow_their_rule_three_times_in_four():
+    bench = _training_curve()
+    (tokens, targets), *_ = bench.make_batches(dict(batch=64, seq=32, vocab=50), 2, seed=3)
+    follows = targets == (5 * tokens + 3) % 50
+    assert 0.7 < follows.mean() < 0.8  # 3 in 4, and a random token that happens to follow
+    assert (tokens[:, 1:] == targets[:, :-1]).all()
+
+
+def test_training_curve_table_and_summary_from_losses():
+    bench = _training_curve()
+    scan = {"losses": [4.0, 3.0, 2.5], "seconds": [9.0, 0.010, 0.030], "late_compiles": 0}
+    piped = {"losses": [4.0, 3.003, 2.5], "seconds": [12.0, 0.022, 0.022], "late_compiles": 1}
+    lines = bench.table(scan["losses"], piped["losses"], 2, 4, 8).splitlines()
+    assert lines[0] == (
+        "| step | loss, `lax.scan` accumulation | loss, pipeline S 4, M 8 | relative difference |"
+    )
+    assert lines[2:] == [  # step 1, every 2nd, and the last
+        "| 1 | 4.00000 | 4.00000 | 0 |",
+        "| 2 | 3.00000 | 3.00300 | 1.0e-03 |",
+        "| 3 | 2.50000 | 2.50000 | 0 |",
+    ]
+    assert bench.summary(scan, piped) == [
+        "- largest relative difference: 1.0e-03 at step 2 (bfloat16 rounds to 2^-8 = 3.9e-03 "
+        "relative)",
+        "- `lax.scan` accumulation: first call 9.0 s, mean step 20.0 ms over 2 steps, 0 "
+        "compilations after the first",
+        "- pipeline: first call 12.0 s, mean step 22.0 ms over 2 steps, 1 compilations after "
+        "the first",
+        "- pipeline / scan, mean step: 1.100",
+    ]
+
+
 def test_accelerator_table_and_verdicts_from_results():
     bench = _accelerator()
     sizes = dict(bench.SIZES["tiny"], preset="tiny")
