@@ -19,9 +19,14 @@ The batches are a made-up language a model learns a little of within 100 steps: 
 each row, three tokens in four follow from the one before (``t -> 5 t + 3`` modulo the
 vocabulary), the fourth is drawn at random.
 
-Printed (and written to ``--markdown``): a header, the table of both losses and their
-relative difference every ``--every`` steps, and summary lines: the largest relative
-difference over all steps, each run's first call (tracing and compiling) and mean step
+A third run, ``jax.jit`` of the scan over ``--spread-microbatches`` microbatches (half
+as many, by default), measures JAX's own spread: the same step in bfloat16 with its
+gradients summed in another order, a curve as legitimate as the scan's. The pipeline's
+curve is judged against it, not against zero.
+
+Printed (and written to ``--markdown``): a header, the table of the losses and their
+relative differences from the scan every ``--every`` steps, and summary lines: the
+largest relative difference over all steps (the pipeline's, and JAX's own), each run's first call (tracing and compiling) and mean step
 (the steps after the first, each waited for), and the compilations after the first
 step (``jax.monitoring``'s, none expected). Progress goes to stderr.
 """
@@ -30,12 +35,17 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import sys
 import time
 from pathlib import Path
 
-import accelerator  # benchmarks/accelerator.py: the model, its sizes, the scan
 import numpy as np
+
+# benchmarks/accelerator.py (the model, its sizes, the scan), found beside this file
+# also when the docs run this module by path to render recorded results (report).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import accelerator
 
 WEIGHT_DECAY, CLIP_NORM = 0.1, 1.0
 
@@ -130,8 +140,10 @@ def train(name: str, step, state, batches, counter) -> dict:
     return {"losses": losses, "seconds": seconds, "late_compiles": len(counter.take())}
 
 
-def run(args: argparse.Namespace) -> tuple[list[str], dict, dict]:
-    """Both runs, each from a fresh initial state (the scan donates its own)."""
+def run(args: argparse.Namespace) -> tuple[list[str], dict, dict, dict | None]:
+    """The runs, each from a fresh initial state (the scan donates its own): the scan,
+    the pipeline and, with ``--spread-microbatches``, the scan over that many
+    microbatches (JAX's own spread: the same gradients summed in another order)."""
     import jax
 
     import pipemark as pm
@@ -143,17 +155,20 @@ def run(args: argparse.Namespace) -> tuple[list[str], dict, dict]:
     tx = make_optimizer(args.steps, args.lr, args.warmup)
     batches = jax.device_put(make_batches(sizes, args.steps, args.seed), device)
     results = {}
-    for name, markers in (("scan", None), ("pipeline", "boundary")):
+    runs = [("scan", None, args.microbatches), ("pipeline", "boundary", args.microbatches)]
+    if args.spread_microbatches:
+        runs.append(("spread", None, args.spread_microbatches))
+    for name, markers, micro in runs:
         ex = accelerator.gpt_example(sizes, sizes["batch"], markers)
         # The whole state on the device (committed, as the steps return it): a step
         # given some leaves uncommitted (optax's step count) would compile again.
         state = jax.device_put((ex.params, tx.init(ex.params)), device)
-        if name == "scan":
-            step = scan_step(ex.loss_fn, tx, args.microbatches)
+        if name != "pipeline":
+            step = scan_step(ex.loss_fn, tx, micro)
         else:
             step = pipeline_step(ex.loss_fn, tx, args.stages, args.microbatches, device)
         _log(f"{name}: first call")
-        results[name] = train(name, step, state, batches, counter)
+        results[name] = dict(train(name, step, state, batches, counter), microbatches=micro)
         del ex, state, step
     header = [
         f"{datetime.date.today()}; {device.device_kind} ({device.platform}); JAX {jax.__version__}",
@@ -165,7 +180,7 @@ def run(args: argparse.Namespace) -> tuple[list[str], dict, dict]:
         f"{CLIP_NORM}, learning rate warming up over {args.warmup} steps to {args.lr:g}, "
         f"cosine decay to 0 at step {args.steps}",
     ]
-    return header, results["scan"], results["pipeline"]
+    return header, results["scan"], results["pipeline"], results.get("spread")
 
 
 def _count(number: int) -> str:
@@ -176,9 +191,19 @@ def _relative(pipeline: float, scan: float) -> float:
     return abs(pipeline - scan) / abs(scan)
 
 
-def table(scan: list[float], pipeline: list[float], every: int, stages: int, micro: int) -> str:
+def table(
+    scan: list[float],
+    pipeline: list[float],
+    every: int,
+    stages: int,
+    micro: int,
+    spread: list[float] | None = None,
+    spread_micro: int | None = None,
+) -> str:
     """Both losses and their relative difference at step 1 and every ``every`` steps
-    (steps counted from 1).
+    (steps counted from 1); with ``spread`` (the scan over ``spread_micro``
+    microbatches), its loss and its relative difference from the scan too: how far
+    JAX's own programs of the same step fall apart.
 
     >>> print(table([2.0, 1.5], [2.0, 1.503], 2, 4, 8))
     | step | loss, `lax.scan` accumulation | loss, pipeline S 4, M 8 | relative difference |
@@ -186,20 +211,27 @@ def table(scan: list[float], pipeline: list[float], every: int, stages: int, mic
     | 1 | 2.00000 | 2.00000 | 0 |
     | 2 | 1.50000 | 1.50300 | 2.0e-03 |
     """
-    lines = [
-        f"| step | loss, `lax.scan` accumulation | loss, pipeline S {stages}, M {micro} "
-        "| relative difference |",
-        "|---:|---:|---:|---:|",
-    ]
+    head = f"| step | loss, `lax.scan` accumulation | loss, pipeline S {stages}, M {micro} "
+    head += "| relative difference |"
+    if spread is not None:
+        head += f" loss, `lax.scan` M {spread_micro} | JAX's own spread |"
+    lines = [head, "|---:" * head.count(" | ") + "|---:|"]
     for k, (a, b) in enumerate(zip(scan, pipeline), start=1):
         if k == 1 or k % every == 0 or k == len(scan):
-            rel = _relative(b, a)
-            lines.append(f"| {k} | {a:.5f} | {b:.5f} | {f'{rel:.1e}' if rel else '0'} |")
+            line = f"| {k} | {a:.5f} | {b:.5f} | {_format(_relative(b, a))} |"
+            if spread is not None:
+                line += f" {spread[k - 1]:.5f} | {_format(_relative(spread[k - 1], a))} |"
+            lines.append(line)
     return "\n".join(lines)
 
 
-def summary(scan: dict, pipeline: dict) -> list[str]:
-    """The largest relative difference, each run's first call and mean step, and the
+def _format(rel: float) -> str:
+    return f"{rel:.1e}" if rel else "0"
+
+
+def summary(scan: dict, pipeline: dict, spread: dict | None = None) -> list[str]:
+    """The largest relative difference (and, with ``spread``, JAX's own: the scan over
+    other microbatches against the scan), each run's first call and mean step, and the
     compilations after the first step."""
     rel = [_relative(b, a) for a, b in zip(scan["losses"], pipeline["losses"])]
     worst = int(np.argmax(rel))
@@ -207,6 +239,14 @@ def summary(scan: dict, pipeline: dict) -> list[str]:
         f"- largest relative difference: {rel[worst]:.1e} at step {worst + 1} "
         f"(bfloat16 rounds to 2^-8 = 3.9e-03 relative)"
     ]
+    if spread is not None:
+        own = [_relative(b, a) for a, b in zip(scan["losses"], spread["losses"])]
+        top = int(np.argmax(own))
+        lines.append(
+            f"- JAX's own spread (`lax.scan` over {spread['microbatches']} microbatches "
+            f"against the scan): largest {own[top]:.1e} at step {top + 1}; the pipeline's "
+            f"largest difference is {rel[worst] / own[top]:.2f} times that"
+        )
     means = {}
     for name, result in (("`lax.scan` accumulation", scan), ("pipeline", pipeline)):
         later = result["seconds"][1:] or result["seconds"]
@@ -221,6 +261,30 @@ def summary(scan: dict, pipeline: dict) -> list[str]:
     return lines
 
 
+def report(results: dict) -> str:
+    """The text the benchmark prints, from its results (what ``--json`` records): the
+    header, the table of curves, the summary lines.
+
+    >>> run = {"losses": [2.0, 1.5], "seconds": [5.0, 0.1], "late_compiles": 0}
+    >>> results = dict(header=["a header"], scan=run, pipeline=run, spread=None, every=1,
+    ...                stages=2, microbatches=4)
+    >>> print(report(results).splitlines()[4])
+    | 1 | 2.00000 | 2.00000 | 0 |
+    """
+    spread = results.get("spread")
+    curves = table(
+        results["scan"]["losses"],
+        results["pipeline"]["losses"],
+        results["every"],
+        results["stages"],
+        results["microbatches"],
+        spread and spread["losses"],
+        spread and spread["microbatches"],
+    )
+    summed = summary(results["scan"], results["pipeline"], spread)
+    return "\n".join([*results["header"], "", curves, "", *summed])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=["auto", *accelerator.SIZES], default="auto")
@@ -233,17 +297,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=6e-4, help="the peak learning rate")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0, help="of the batches")
+    parser.add_argument(
+        "--spread-microbatches",
+        type=int,
+        help="also run the scan over this many microbatches, JAX's own spread (default: "
+        "half of --microbatches; 0: no such run)",
+    )
     parser.add_argument("--markdown", help="write the table and summary here too")
+    parser.add_argument("--json", help="write the results here (report renders them)")
     args = parser.parse_args(argv)
     if not 0 <= args.warmup < args.steps:
         parser.error(
             f"--warmup ({args.warmup}) must be at least 0 and below --steps ({args.steps})"
         )
-    header, scan, pipeline = run(args)
-    text = "\n".join(
-        [*header, "", table(scan["losses"], pipeline["losses"], args.every, args.stages,
-         args.microbatches), "", *summary(scan, pipeline)]
-    )  # fmt: skip
+    if args.spread_microbatches is None:
+        args.spread_microbatches = args.microbatches // 2
+    header, scan, pipeline, spread = run(args)
+    results = dict(header=header, scan=scan, pipeline=pipeline, spread=spread)
+    results.update(every=args.every, stages=args.stages, microbatches=args.microbatches)
+    text = report(results)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     print(text)
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)

@@ -260,11 +260,15 @@ def test_training_curve_benchmark_prints_both_curves(tmp_path):
     out = tmp_path / "curve.md"
     options = ["--size", "tiny", "--layers", "2", "--stages", "2", "--microbatches", "2"]
     options += ["--steps", "10", "--every", "5", "--warmup", "2", "--markdown", str(out)]
-    lines = _output_lines("training_curve.py", *options)
+    lines = _output_lines("training_curve.py", *options, "--json", str(tmp_path / "curve.json"))
     assert out.read_text().splitlines() == lines  # progress went to stderr
+    # The docs render recorded results with report: the same text.
+    recorded = json.loads((tmp_path / "curve.json").read_text())
+    assert _training_curve().report(recorded).splitlines() == lines
     assert lines[0].endswith("; cpu (cpu); JAX " + jax.__version__)
     header = next(line for line in lines if line.startswith("| step |"))
     assert "`lax.scan` accumulation" in header and "pipeline S 2, M 2" in header
+    assert header.endswith("| loss, `lax.scan` M 1 | JAX's own spread |")
     start = lines.index(header) + 2  # after the alignment row
     table = lines[start : lines.index("", start)]
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in table]
@@ -272,10 +276,16 @@ def test_training_curve_benchmark_prints_both_curves(tmp_path):
     assert float(rows[-1][1]) < float(rows[0][1])  # the model learns
     # Both train the same model on the same microbatches in bfloat16 from the same
     # state: their losses stay within a bfloat16 rounding (2^-8 relative) of each other.
-    for _, scan, piped, rel in rows:
+    for _, scan, piped, rel, other, spread in rows:
         assert float(rel) < 2**-8 and abs(float(piped) - float(scan)) < 2**-8 * float(scan)
+        # The table rounds losses to 5 decimals: the recomputed spread is as rough.
+        own = abs(float(other) - float(scan)) / float(scan)
+        assert float(spread) == pytest.approx(own, rel=0.1, abs=2e-5)
     largest = next(line for line in lines if line.startswith("- largest relative difference: "))
     assert float(largest.split(": ")[1].split()[0]) < 2**-8, largest
+    assert any(
+        line.startswith("- JAX's own spread (`lax.scan` over 1 microbatches") for line in lines
+    )
     for name in ("`lax.scan` accumulation", "pipeline"):
         line = next(line for line in lines if line.startswith(f"- {name}: first call "))
         assert line.endswith("over 9 steps, 0 compilations after the first"), line
@@ -311,6 +321,14 @@ def test_training_curve_table_and_summary_from_losses():
         "| 2 | 3.00000 | 3.00300 | 1.0e-03 |",
         "| 3 | 2.50000 | 2.50000 | 0 |",
     ]
+    spread = dict(scan, losses=[4.0, 3.0015, 2.5], microbatches=4)
+    assert bench.table(scan["losses"], piped["losses"], 2, 4, 8, spread["losses"], 4).splitlines()[
+        3
+    ] == ("| 2 | 3.00000 | 3.00300 | 1.0e-03 | 3.00150 | 5.0e-04 |")
+    assert bench.summary(scan, piped, spread)[1] == (
+        "- JAX's own spread (`lax.scan` over 4 microbatches against the scan): largest "
+        "5.0e-04 at step 2; the pipeline's largest difference is 2.00 times that"
+    )
     assert bench.summary(scan, piped) == [
         "- largest relative difference: 1.0e-03 at step 2 (bfloat16 rounds to 2^-8 = 3.9e-03 "
         "relative)",
