@@ -242,8 +242,8 @@ def build(args: argparse.Namespace) -> tuple[Text, Any, tuple]:
     # One compiled program each, rather than an operation at a time.
     init = jax.jit(init_params, static_argnums=(1, 2, 3, 4))
     params = init(jax.random.key(args.seed), len(text.chars), args.d_model, args.layers, args.seq)
-    # Committed to a device: an array left uncommitted on the default device would get
-    # stage programs compiled apart for it, in the first step only.
+    # On this process's first device, where the one-device jax.jit of the same step runs
+    # too (the pipeline puts each leaf on its own stage's device either way).
     state = jax.device_put((params, jax.jit(tx.init)(params)), jax.local_devices()[0])
     return text, make_train_step(args.heads, tx), state
 

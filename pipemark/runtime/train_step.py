@@ -262,14 +262,15 @@ class PipelinedStep:
         prepared = self._prepare(args)
         plan, out_tree = prepared.plan, prepared.out_tree
         *replicated, batch = args
-        accumulated = run_plan(plan, tuple(replicated), batch, timings)
+        state = _committed(tuple(replicated))
+        accumulated = run_plan(plan, state, batch, timings)
         # The update runs once: each slot its own stages' part, or, where it does not
         # split, whole on the first slot; on a sub-mesh each parameter keeps its layout
         # there. The parts fill one table (StageUpdates): the update's inputs, its
         # results, then the small values slots exchange, each copied to the slots that
         # read it. Under jax.distributed each process runs its own slots' parts (see
         # update_programs and run_update).
-        values = dict(enumerate([*jax.tree_util.tree_leaves(args), *accumulated]))
+        values = dict(enumerate([*jax.tree_util.tree_leaves((*state, batch)), *accumulated]))
         num_inputs = len(values)
         transport = None
         if plan.placement.distributed:
@@ -298,6 +299,21 @@ class _Prepared(NamedTuple):
     parts: tuple[UpdateProgram, ...]  # the update, per slot and round where it splits
     holders: tuple[int | None, ...]  # per input of the update (see update_holders)
     shared: tuple[int, ...]  # results sent to every process (see run_update)
+
+
+def _committed(state: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``state`` with each uncommitted array (``jnp.ones``, ``jax.random``'s: on the
+    default device, not put there) committed where it lies, which copies nothing. A
+    step's results, the next step's state, are committed, and ``jit`` compiles a program
+    for uncommitted arguments apart: so the second step compiles nothing. Only the
+    first step's state is uncommitted, as a rule, so later steps pass it as it is."""
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    loose = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not x.committed]
+    if not loose:
+        return state
+    for i in loose:
+        leaves[i] = jax.device_put(leaves[i], leaves[i].sharding)
+    return treedef.unflatten(leaves)
 
 
 def _step_plan(

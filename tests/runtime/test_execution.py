@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import pipemark as pm
@@ -189,3 +191,24 @@ def test_threaded_and_serial_walks_run_the_same_compiled_programs():
     with compilations() as compiled:
         jax.block_until_ready(run_plan(plan, *ex.args, None, parallel=False))
     assert compiled == []
+
+
+def test_uncommitted_state_compiles_nothing_at_the_second_step():
+    # Parameters made on the default device (jnp, jax.random) are uncommitted; a step's
+    # results, the next step's arguments, are committed, and jit compiles a program for
+    # each kind apart. The runtime commits what it is given: the first step compiles
+    # every program, the second none.
+    pm.clear_caches()
+    used = pick_devices(2)
+    ex = examples.mlp(num_layers=4, width=3, batch=8)
+    step, init_state = examples.train_step(ex.loss_fn, optimizer="adam")
+    params = jax.tree_util.tree_map(lambda p: jnp.asarray(np.asarray(p)), ex.params)
+    state = init_state(params)
+    assert not any(leaf.committed for leaf in jax.tree_util.tree_leaves(params))
+    pipelined = pm.pipeline_train_step(step, num_stages=2, num_microbatches=2, devices=used)
+    first = jax.block_until_ready(pipelined(params, state, ex.batch))
+    with compilations() as compiled:
+        jax.block_until_ready(pipelined(*first[:2], ex.batch))
+    assert compiled == []
+    # What the caller gave is as it was: nothing donated or moved in place.
+    assert not any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves((params, state)))
