@@ -14,15 +14,18 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 pytest.importorskip("orbax.checkpoint")
 
+import optax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 import pipemark as pm
+from pipemark import examples
 from tests._devices import computing_on
 from tests._devices import devices as pick_devices
 from tests._xla import child_environ
@@ -160,3 +163,52 @@ def test_a_step_that_raises_leaves_the_state_it_was_given(tmp_path):
         for a, b in zip(after, before):
             np.testing.assert_array_equal(np.asarray(a), b)
         pipe(params, opt_state, batches[1])  # and the next good step runs
+
+
+def test_a_stage_that_fails_while_it_runs_leaves_the_state_it_was_given():
+    # The error happens inside a stage program on its device (a host callback that
+    # raises, as a data check or a NaN guard does), after the pipeline started.
+    ex = examples.mlp(num_layers=script.LAYERS, width=script.WIDTH, batch=script.ROWS)
+    tx = optax.adamw(1e-2)
+
+    def guard(x):
+        if not np.isfinite(x).all():
+            raise FloatingPointError("a non-finite activation")
+        return x
+
+    @jax.custom_jvp  # a callback has no derivative of its own: the identity's
+    def checked(x):
+        return jax.pure_callback(guard, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    checked.defjvp(lambda primals, tangents: (checked(*primals), *tangents))
+
+    def loss_fn(params, batch):
+        x, y = batch
+        for k, (w, b) in enumerate(params):
+            if k == 2:  # in the second stage
+                x = checked(x)
+            x = jnp.tanh(x @ w + b)
+            if k < len(params) - 1:
+                pm.mark_pipeline_boundary()
+        return jnp.mean((x - y) ** 2)
+
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(pm.mark_gradient(grads), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    used = pick_devices(2)
+    with computing_on(used):
+        pipe = pm.pipeline_train_step(step, num_stages=2, num_microbatches=2, devices=used)
+        params, opt_state, _ = pipe(ex.params, tx.init(ex.params), ex.batch)
+        before = [np.asarray(x) for x in jax.tree_util.tree_leaves((params, opt_state))]
+        x, y = ex.batch
+        bad = (np.asarray(x).copy(), y)
+        bad[0][0, 0] = np.nan
+        with pytest.raises(Exception, match="non-finite activation"):
+            jax.block_until_ready(pipe(params, opt_state, bad))
+        after = jax.tree_util.tree_leaves((params, opt_state))
+        assert all(not leaf.is_deleted() for leaf in after)
+        for a, b in zip(after, before):
+            np.testing.assert_array_equal(np.asarray(a), b)
+        jax.block_until_ready(pipe(params, opt_state, ex.batch))  # the next step runs
