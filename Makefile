@@ -70,8 +70,10 @@ XLA_ISA ?=
 ISA_ENV  = $(if $(XLA_ISA),XLA_FLAGS=--xla_cpu_max_isa=$(XLA_ISA))
 
 # pytest exits 5 when it collects no test, which fails this target like any failure.
+# The fuzzer runs half its examples here and the other half's worth, with another seed,
+# in `make test-newest`: together one full profile, and CI within its time.
 test: lint docs
-	$(ISA_ENV) $(BIN)/python -m pytest -n 2 --durations=15
+	$(ISA_ENV) PIPEMARK_FUZZ=$${PIPEMARK_FUZZ:-half} $(BIN)/python -m pytest -n 2 --durations=15
 
 # The whole suite again on the newest JAX. Lint and the docs build do not depend on the
 # JAX version; the generated docs (equation counts...) are made on the developer's JAX

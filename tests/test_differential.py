@@ -7,8 +7,9 @@ JAX's own evaluation of the original function (eager ``fn`` and
 schedules are fuzzed in ``tests/runtime/test_differential.py``.
 
 Profiles: ``PIPEMARK_FUZZ=ci`` (default; the example counts below, seeded),
-``PIPEMARK_FUZZ=half`` (half as many: ``make test-newest`` runs it with another seed, so
-the two JAX environments try different programs) and ``PIPEMARK_FUZZ=long`` (ten times
+``PIPEMARK_FUZZ=half`` (half as many: ``make test`` runs it with seed 0 and
+``make test-newest`` with seed 1, so the two JAX environments try different programs and
+together as many as one ``ci`` run) and ``PIPEMARK_FUZZ=long`` (ten times
 as many); ``PIPEMARK_FUZZ_SEED`` picks another seed than 0. Measured (2026-12-04, one core, jax 0.10.2 CPU): an example with control flow
 (scan, cond, while, checkpoint) costs about 0.45 s when its gradient is checked too,
 mostly compiling the bodies JAX's transposition makes afresh for each program (the
