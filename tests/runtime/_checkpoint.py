@@ -11,7 +11,8 @@ one pipeline stage per device, with results gathered and not, and on sub-meshes:
 saves its state after step :data:`SAVE_AT` with orbax (``CheckpointManager`` with
 ``StandardSave``, and ``StandardCheckpointer``), restores it onto the same layout with
 ``PipelinedStep.abstract_state`` and runs the last steps again. ``resume`` restores
-each checkpoint named onto this launch's layout and runs the last steps. ``killed``
+each checkpoint named onto this launch's layout and runs the last steps, then saves the
+state it reached and restores it, with results kept and gathered. ``killed``
 saves after every step and SIGKILLs process 1 right after asking to save step
 :data:`KILL_AT` (mid-save); ``after-kill`` resumes from the last whole checkpoint, then
 runs the same steps uninterrupted. ``train`` also saves and restores the gradients of a
@@ -171,14 +172,39 @@ def gradients(out: str) -> dict:
 
 def resume(out: str, directories: list[str]) -> dict:
     """Each checkpoint restored onto this launch's first layout (a stage per device,
-    results kept): the losses of the last steps."""
+    results kept): the losses of the last steps. Then, in this launch's layouts with
+    results kept and gathered, the state after the last step saved by these processes
+    and restored (``resaved``: the leaves this process holds, each equal to what was
+    saved)."""
     step, _, batches = model()
     pipe = pipelined(step, layouts()["held"])
     seen = {}
     for directory in directories:
         at, state = restore(pipe, directory, batches[0])
         seen[os.path.basename(directory)] = dict(resumed=run(pipe, state, batches, at, STEPS)[0])
+    for name in ("held", "gathered"):
+        pipe = pipelined(step, layouts()[name])
+        at, state = restore(pipe, directories[0], batches[0])
+        _, state = run(pipe, state, batches, at, STEPS)
+        seen[f"resaved-{name}"] = resave(pipe, state, batches[0], os.path.join(out, name))
     return seen
+
+
+def resave(pipe, state, batch, directory: str) -> int:
+    """``state`` saved with a StandardCheckpointer and restored onto ``pipe``'s layout:
+    each restored leaf laid out as the one saved and, where this process holds it,
+    equal to it. The number of leaves this process held."""
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(directory, saved(state))
+    checkpointer.wait_until_finished()
+    back = checkpointer.restore(directory, saved(pipe.abstract_state(*model()[1], batch)))
+    held = 0
+    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(saved(state))):
+        assert a.sharding == b.sharding, (a.sharding, b.sharding)
+        if b.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            held += 1
+    return held
 
 
 def killed(out: str, resuming: bool) -> dict:

@@ -1,5 +1,5 @@
-"""Training runs saved and resumed with orbax (tests/runtime/_checkpoint.py): in 2 and 4
-processes under ``python -m pipemark.launch``, with results gathered and kept, on
+"""Training runs saved and resumed with orbax (tests/runtime/_checkpoint.py): saved in 2
+and 4 processes under ``python -m pipemark.launch``, with results gathered and kept, on
 devices and on sub-meshes, onto the same layout (bit for bit: the same programs) and
 onto others (within float rounding of ``jax.jit``'s steps); the loss read in every
 process; a process killed mid-save loses nothing. In one process: save, restore and
@@ -90,10 +90,16 @@ def test_saved_in_two_processes_resumes_in_two_four_and_one(tmp_path):
     names = ["manager-held", "manager-gathered", "manager-meshes"]
     launched = _launch(tmp_path, 4, "resume", *(str(tmp_path / n) for n in names))
     assert launched.returncode == 0, launched.stderr[-4000:]
-    for seen in _seen(tmp_path, "resume", 4):
+    resumed = _seen(tmp_path, "resume", 4)
+    for seen in resumed:
         assert seen["devices"] == [4, 1]
         for name in names:
             _assert_close(seen[name]["resumed"], want[script.SAVE_AT :])
+    # Saved and restored by the four processes: with results kept each leaf is held by
+    # one process at least (the scalars by all); gathered, every process holds every one.
+    leaves = len(jax.tree_util.tree_leaves(script.saved(script.model()[1])))
+    assert leaves <= sum(seen["resaved-held"] for seen in resumed) < 4 * leaves
+    assert [seen["resaved-gathered"] for seen in resumed] == [leaves] * 4
     _resume_in_this_process(tmp_path / "manager-held", want)
 
 
