@@ -1,7 +1,7 @@
 """What both pipeline entry points (:class:`~pipemark.runtime.pipeline.Pipeline` and
 :class:`~pipemark.runtime.train_step.PipelinedStep`) do around a call: the key a plan is
 built for, a traced call, and, under ``jax.distributed``, saying which process holds
-each result (so that orbax saves it where it is)."""
+each result (so that orbax saves it where it is) and where a restored leaf goes."""
 
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ import numpy as np
 
 from pipemark.runtime.execution import run_plan
 from pipemark.runtime.holdings import record_results
+from pipemark.runtime.keeping import Reader, abstract_leaves, kept_shardings
 from pipemark.runtime.orbax_arrays import install as install_orbax_handler
 from pipemark.runtime.perfetto import trace_events, write_trace
 from pipemark.runtime.plan import PipelinePlan
 
-__all__ = ["record_holders", "shape_key", "traced_call"]
+__all__ = ["record_holders", "restore_target", "shape_key", "traced_call"]
 
 
 def shape_key(tree: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], np.dtype], ...]]:
@@ -44,6 +45,19 @@ def record_holders(
     if plan.placement.distributed:
         record_results(plan.placement, results, holders)
         install_orbax_handler()
+
+
+def restore_target(
+    plan: PipelinePlan, leaves: Sequence[Any], readers: Sequence[Sequence[Reader]]
+) -> list[Any]:
+    """``leaves`` as ``jax.ShapeDtypeStruct`` s laid out where ``plan`` keeps each
+    (:func:`~pipemark.runtime.keeping.kept_shardings` of its ``readers``): orbax's
+    restore target. Under ``jax.distributed`` this installs pipemark's orbax handler,
+    which restores a leaf kept by another process as held there."""
+    shardings = kept_shardings(plan, readers)
+    if plan.placement.distributed:
+        install_orbax_handler()
+    return abstract_leaves(leaves, shardings)
 
 
 def traced_call(plan: PipelinePlan, params: Any, batch: Any, path: Any) -> dict:

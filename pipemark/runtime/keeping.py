@@ -19,7 +19,7 @@ import numpy as np
 
 from pipemark.runtime.plan import PipelinePlan
 
-__all__ = ["abstract_leaves", "kept_shardings", "stage_readers"]
+__all__ = ["Reader", "abstract_leaves", "kept_shardings", "stage_readers"]
 
 #: A slot that reads a leaf and how it lays it out there: ``(worker, sharding)``.
 Reader = tuple[int, Any]

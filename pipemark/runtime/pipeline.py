@@ -56,13 +56,12 @@ from pipemark.runtime.arguments import (
     partition_params,
 )
 from pipemark.runtime.budget import within_budget
-from pipemark.runtime.calls import record_holders, shape_key, traced_call
+from pipemark.runtime.calls import record_holders, restore_target, shape_key, traced_call
 from pipemark.runtime.execution import action_costs, run_plan
-from pipemark.runtime.keeping import abstract_leaves, kept_shardings, stage_readers
+from pipemark.runtime.keeping import stage_readers
 from pipemark.runtime.losses import LOSS_REDUCTIONS, split_count
 from pipemark.runtime.memory import MemoryEstimate, plan_memory
 from pipemark.runtime.options import PipelineOptions
-from pipemark.runtime.orbax_arrays import install as install_orbax_handler
 from pipemark.runtime.placement import leaf_specs
 from pipemark.runtime.plan import PipelinePlan, build_plan
 from pipemark.runtime.plan_export import export_plan, leaf_names
@@ -182,10 +181,8 @@ class Pipeline:
         key, dynamic, batch_tree, part = self._bind(params, batch)
         plan = self._plan(key, dynamic, batch_tree)
         leaves, treedef = jax.tree_util.tree_flatten(dynamic)
-        shardings = kept_shardings(plan, stage_readers(plan, len(leaves)))
-        if plan.placement.distributed:  # orbax then restores others' leaves as theirs
-            install_orbax_handler()
-        return part.combine(treedef.unflatten(abstract_leaves(leaves, shardings)))
+        target = restore_target(plan, leaves, stage_readers(plan, len(leaves)))
+        return part.combine(treedef.unflatten(target))
 
     def timed_call(self, params: Any, *batch: Any) -> tuple[tuple[Any, Any], dict[str, float]]:
         """Like calling the pipeline, and also return timings: ``dispatch_s`` (wall time

@@ -20,13 +20,12 @@ from pipemark.mutation import call_watching_arguments
 from pipemark.passes.gradient import split_at_gradient
 from pipemark.passes.inline import inline_calls
 from pipemark.runtime.budget import check_update_within, within_budget
-from pipemark.runtime.calls import record_holders, shape_key, traced_call
+from pipemark.runtime.calls import record_holders, restore_target, shape_key, traced_call
 from pipemark.runtime.execution import action_costs, run_plan
-from pipemark.runtime.keeping import abstract_leaves, kept_shardings, stage_readers
+from pipemark.runtime.keeping import stage_readers
 from pipemark.runtime.losses import count_batch_free_terms_once
 from pipemark.runtime.memory import MemoryEstimate, plan_memory, with_update
 from pipemark.runtime.options import PipelineOptions
-from pipemark.runtime.orbax_arrays import install as install_orbax_handler
 from pipemark.runtime.pipeline_stages import stage_program
 from pipemark.runtime.placement import leaf_specs
 from pipemark.runtime.plan import PipelinePlan, plan_from_staged
@@ -242,10 +241,7 @@ class PipelinedStep:
             for position, sharding in zip(part.inputs, part.shardings):
                 if position < len(leaves):
                     readers[position].append((part.worker, sharding))
-        shardings = kept_shardings(plan, readers)
-        if plan.placement.distributed:  # orbax then restores others' leaves as theirs
-            install_orbax_handler()
-        return treedef.unflatten(abstract_leaves(leaves, shardings))
+        return treedef.unflatten(restore_target(plan, leaves, readers))
 
     def timed_call(self, *args: Any) -> tuple[Any, dict[str, float]]:
         """Like calling the step, and also return the gradient part's timings, as
