@@ -156,17 +156,8 @@ def gradients(out: str) -> dict:
     options = layouts()["held"]
     pipe = pm.pipeline_value_and_grad(ex.loss_fn, num_microbatches=MICRO, timeout_s=60, **options)
     loss, grads = pipe(ex.params, (x, y))
-    checkpointer = ocp.StandardCheckpointer()
-    directory = os.path.join(out, "gradients")
-    checkpointer.save(directory, grads)
-    checkpointer.wait_until_finished()
-    back = checkpointer.restore(directory, pipe.abstract_params(ex.params, (x, y)))
-    held = 0
-    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(grads)):
-        assert a.sharding == b.sharding, (a.sharding, b.sharding)
-        if b.addressable_shards:
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-            held += 1
+    target = pipe.abstract_params(ex.params, (x, y))
+    held = save_and_restore(grads, target, os.path.join(out, "gradients"))
     return dict(loss=float(loss), held=held)
 
 
@@ -191,15 +182,21 @@ def resume(out: str, directories: list[str]) -> dict:
 
 
 def resave(pipe, state, batch, directory: str) -> int:
-    """``state`` saved with a StandardCheckpointer and restored onto ``pipe``'s layout:
-    each restored leaf laid out as the one saved and, where this process holds it,
-    equal to it. The number of leaves this process held."""
+    """``state`` saved and restored onto ``pipe``'s layout (:func:`save_and_restore`)."""
+    target = saved(pipe.abstract_state(*model()[1], batch))
+    return save_and_restore(saved(state), target, directory)
+
+
+def save_and_restore(tree, target, directory: str) -> int:
+    """``tree`` saved with a StandardCheckpointer and restored onto ``target``: each
+    restored leaf laid out as the one saved and, where this process holds it, equal to
+    it. The number of leaves this process held."""
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(directory, saved(state))
+    checkpointer.save(directory, tree)
     checkpointer.wait_until_finished()
-    back = checkpointer.restore(directory, saved(pipe.abstract_state(*model()[1], batch)))
+    back = checkpointer.restore(directory, target)
     held = 0
-    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(saved(state))):
+    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(tree)):
         assert a.sharding == b.sharding, (a.sharding, b.sharding)
         if b.addressable_shards:
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
