@@ -64,6 +64,8 @@ __all__ = [
     "transformer",
     "scanned_transformer",
     "gpt",
+    "llama",
+    "LLAMA_ATTENTIONS",
     "sized",
     "train_step",
 ]
@@ -728,6 +730,171 @@ def gpt(
         return _cross_entropy(logits.astype(jnp.float32), targets)
 
     return Example(_decoder_loss(markers, block, head), params, (tokens, targets))
+
+
+# ------------------------------------------------------------------- Llama-style
+
+#: The attentions :func:`llama` can be built with, by name.
+LLAMA_ATTENTIONS = ("dot_product", "dot_product_mask", "einsum")
+
+
+def _rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
+    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
+
+
+def _rotary(x: jax.Array) -> jax.Array:
+    """Rotary position embedding of ``x`` (batch, seq, heads, head_dim), half-split."""
+    seq, half = x.shape[1], x.shape[-1] // 2
+    frequencies = 10000.0 ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * frequencies[None, :]
+    cos, sin = (f(angles)[None, :, None, :].astype(x.dtype) for f in (jnp.cos, jnp.sin))
+    first, second = x[..., :half], x[..., half:]
+    return jnp.concatenate([first * cos - second * sin, first * sin + second * cos], axis=-1)
+
+
+def _einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal attention over (batch, seq, heads, head_dim), written out: scores and
+    softmax in float32."""
+    seq, head_dim = q.shape[1], q.shape[-1]
+    scores = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(head_dim)
+    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    probs = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1).astype(v.dtype)
+    return jnp.einsum("bnts,bsnh->btnh", probs, v)
+
+
+def _llama_attention(name: str | Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    if callable(name):
+        return name
+    if name == "dot_product":
+        return functools.partial(jax.nn.dot_product_attention, is_causal=True)
+    if name == "dot_product_mask":
+
+        def masked(q, k, v):
+            causal = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), dtype=bool))
+            return jax.nn.dot_product_attention(q, k, v, mask=causal[None, None])
+
+        return masked
+    if name == "einsum":
+        return _einsum_attention
+    raise PipemarkError(
+        f"llama: unknown attention {name!r}; choose one of {', '.join(LLAMA_ATTENTIONS)} "
+        "or pass a function attention(q, k, v) over (batch, seq, heads, head_dim)."
+    )
+
+
+def _llama_block(x, p, num_heads: int, dtype: Any, attention: Callable[..., jax.Array]):
+    """A Llama block over the float32 residual stream ``x``: RMSNorm, rotary causal
+    attention, RMSNorm, a SwiGLU MLP; matmuls in ``dtype``."""
+    batch, seq, d_model = x.shape
+    h = _rms_norm(x, p["attn_norm"]).astype(dtype)
+    q, k, v = (
+        (h @ p[w].astype(dtype)).reshape(batch, seq, num_heads, d_model // num_heads)
+        for w in ("wq", "wk", "wv")
+    )
+    mixed = attention(_rotary(q), _rotary(k), v).reshape(batch, seq, d_model)
+    x = x + (mixed @ p["wo"].astype(dtype)).astype(jnp.float32)
+    h = _rms_norm(x, p["mlp_norm"]).astype(dtype)
+    gated = jax.nn.silu(h @ p["w_gate"].astype(dtype)) * (h @ p["w_up"].astype(dtype))
+    return x + (gated @ p["w_down"].astype(dtype)).astype(jnp.float32)
+
+
+def _llama_params(num_layers, vocab, d_model, d_ff, tied, seed) -> dict[str, Any]:
+    key = jax.random.key(seed)
+    keys = iter(jax.random.split(key, 2 + 7 * num_layers))
+
+    def normal(shape, fan_in):
+        return jax.random.normal(next(keys), shape, jnp.float32) / math.sqrt(fan_in)
+
+    def block():
+        square = {w: normal((d_model, d_model), d_model) for w in ("wq", "wk", "wv", "wo")}
+        return {
+            "attn_norm": jnp.ones((d_model,), jnp.float32),
+            **square,
+            "mlp_norm": jnp.ones((d_model,), jnp.float32),
+            "w_gate": normal((d_model, d_ff), d_model),
+            "w_up": normal((d_model, d_ff), d_model),
+            "w_down": normal((d_ff, d_model), d_ff),
+        }
+
+    # std 1/sqrt(d_model): with tied embeddings the logits of a normed stream stay O(1)
+    params = {"embed": normal((vocab, d_model), d_model)}
+    params["blocks"] = [block() for _ in range(num_layers)]
+    params["final_norm"] = jnp.ones((d_model,), jnp.float32)
+    if not tied:
+        params["unembed"] = normal((d_model, vocab), d_model)
+    return params
+
+
+def llama(
+    num_layers: int = 4,
+    d_model: int = 32,
+    num_heads: int = 4,
+    seq: int = 16,
+    batch: int = 4,
+    *,
+    vocab: int = 64,
+    d_ff: int | None = None,
+    attention: str | Callable[..., jax.Array] = "dot_product",
+    tied: bool = True,
+    compute_dtype: Any = jnp.bfloat16,
+    markers: str | None = "boundary",
+    seed: int = 0,
+) -> Example:
+    """A Llama-style language model written the way JAX users write one: RMSNorm,
+    rotary embeddings, a SwiGLU MLP (``jax.nn.silu``) of width ``d_ff`` (by default
+    ``8 * d_model // 3``), embeddings tied to the output projection when ``tied``,
+    float32 parameters and matmuls in ``compute_dtype``.
+
+    ``attention`` is ``"dot_product"`` (``jax.nn.dot_product_attention(q, k, v,
+    is_causal=True)``), ``"dot_product_mask"`` (the same with a boolean causal
+    ``mask``), ``"einsum"`` (written out, softmax in float32) or a function
+    ``attention(q, k, v)`` over ``(batch, seq, heads, head_dim)`` arrays, e.g. a Pallas
+    kernel. ``markers`` places a :func:`pipemark.mark_pipeline_boundary` between
+    blocks (``"boundary"``) or start/end pairs (``"startend"``). ``batch`` is
+    ``(tokens, targets)`` of shape ``(batch, seq)``.
+
+    >>> ex = llama(num_layers=2, d_model=16, num_heads=2, seq=8, batch=2, vocab=32)
+    >>> sorted(ex.params)
+    ['blocks', 'embed', 'final_norm']
+    >>> bool(3.0 < float(ex.loss_fn(*ex.args)) < 4.5)  # about log(32) = 3.47 at first
+    True
+    """
+    _check_markers(markers)
+    d_ff = 8 * d_model // 3 if d_ff is None else d_ff
+    _check_positive(num_layers=num_layers, d_model=d_model, num_heads=num_heads, seq=seq)
+    _check_positive(batch=batch, vocab=vocab, d_ff=d_ff)
+    if d_model % num_heads:
+        raise PipemarkError(f"d_model ({d_model}) must be a multiple of num_heads ({num_heads}).")
+    attend = _llama_attention(attention)
+    dtype = jnp.dtype(compute_dtype)
+    params = _llama_params(num_layers, vocab, d_model, d_ff, tied, seed)
+    stream = np.random.default_rng(seed).integers(0, vocab, size=(batch, seq + 1))
+    tokens, targets = (jnp.asarray(t, jnp.int32) for t in (stream[:, :-1], stream[:, 1:]))
+
+    def loss_fn(params, batch):
+        tokens, targets = batch
+        blocks, last = params["blocks"], len(params["blocks"]) - 1
+        x = tokens
+        for i, p in enumerate(blocks):
+            extra = {"embed": params["embed"]} if i in (0, last) else {}
+            if i == last:
+                extra["final_norm"] = params["final_norm"]
+                if "unembed" in params:
+                    extra["unembed"] = params["unembed"]
+            x, p, extra = _layer_begin(markers, f"block{i}", i, (x, p, extra))
+            if i == 0:
+                x = jnp.take(extra["embed"], x, axis=0)
+            x = _llama_block(x, p, num_heads, dtype, attend)
+            if i == last:
+                out = extra.get("unembed", extra["embed"].T)
+                logits = _rms_norm(x, extra["final_norm"]).astype(dtype) @ out.astype(dtype)
+                log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+                x = -jnp.mean(jnp.take_along_axis(log_probs, targets[..., None], axis=-1))
+            x = _layer_finish(markers, f"block{i}", x)
+        return x
+
+    return Example(loss_fn, params, (tokens, targets))
 
 
 # ------------------------------------------------------------ stages of fixed duration

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.layout import Format, Layout
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from jax.sharding import PartitionSpec as P
 
@@ -45,6 +46,7 @@ __all__ = [
     "compile_fused",
     "compile_units",
     "keeps_markers",
+    "kept_on_slot",
     "result_shardings",
     "runtime_program",
     "stage_readers",
@@ -118,6 +120,44 @@ def stage_readers(staged: StagedJaxpr) -> dict[tuple[int, int], int]:
     return readers
 
 
+def kept_on_slot(staged: StagedJaxpr, workers: Mapping[int, int]) -> dict[int, frozenset[int]]:
+    """Per stage index of ``workers`` (stage index -> worker), the outputs that only
+    stages on its own worker read: residuals a forward keeps for its backward, and on a
+    slot that runs consecutive stages (the interleaved schedule on one device), the
+    activations between them. These never leave the device, so their programs may hand
+    them over in whatever memory layout XLA prefers (:func:`_passed_shardings`).
+
+    >>> import jax, jax.numpy as jnp, pipemark as pm
+    >>> staged = pm.split(jax.value_and_grad(lambda w: jnp.sum(jnp.cos(jnp.sin(w)))), 1.0,
+    ...                   num_stages=2)
+    >>> kept_on_slot(staged, {0: 0, 1: 1, 2: 1, 3: 0})[0]  # layer0's residual for its backward
+    frozenset({1})
+    """
+    elsewhere: set[tuple[int, int]] = set()
+    read: set[tuple[int, int]] = set()
+    for j, stage in enumerate(staged.stages):
+        for ref in stage.inputs:
+            if ref.kind == "stage" and ref.stage in workers:
+                read.add((ref.stage, ref.index))
+                if workers.get(j) != workers[ref.stage]:
+                    elsewhere.add((ref.stage, ref.index))
+    return {index: frozenset(o for s, o in read - elsewhere if s == index) for index in workers}
+
+
+def _passed_shardings(slot: Slot, passed: Sequence[int], kept: frozenset[int]) -> list[Any]:
+    """The ``out_shardings`` of a program's passed outputs on a single-device ``slot``:
+    those ``kept`` on the slot in the layout XLA chooses (``Layout.AUTO``), the others
+    in the default one. At a program boundary JAX otherwise writes every output in the
+    default layout: on a TPU v5e a forward wrote the float32 attention probabilities
+    it keeps (1 x 16 x 1024 x 1024) transposed into it and its backward transposed them
+    back, two copies of 0.2 ms per block and microbatch, about the whole gap between
+    the pipeline and the ``lax.scan`` accumulation (issue #40). The program that reads
+    such a value compiles for the layout it arrives in (``jax.jit`` follows a committed
+    argument's layout)."""
+    auto = Format(Layout.AUTO, slot.sharding)
+    return [auto if o in kept else slot.sharding for o in passed]
+
+
 def compile_units(
     staged: StagedJaxpr,
     workers: Mapping[int, int],
@@ -139,8 +179,9 @@ def compile_units(
     readers = stage_readers(staged)
     if not placement.meshes:
         starts = num_microbatches == 1
+        kept = kept_on_slot(staged, workers)
         return {
-            index: _compile_unit(staged, index, w, placement.slots[w], readers, starts)
+            index: _compile_unit(staged, index, w, placement.slots[w], readers, starts, kept[index])
             for index, w in workers.items()
         }
     specs = _MeshSpecs(num_params, param_specs or (), result_specs, data_axis)
@@ -266,16 +307,18 @@ def _compile_unit(
     slot: Slot,
     readers: dict[tuple[int, int], int],
     starts: bool,
+    kept: frozenset[int] = frozenset(),
 ) -> Unit:
     stage = staged.stages[index]
     accumulated, passed = _outputs(staged, index, readers)
     outputs = [o for _, o in accumulated]
     program = runtime_program(stage.closed_jaxpr)
     key = _unit_key(program, outputs, list(passed), slot)
-    key = key and (*key, starts)
+    kept = kept & frozenset(passed)
+    key = key and (*key, starts, tuple(sorted(kept)))
     cached = _UNIT_CACHE.get(key) if key is not None else None
     if cached is None:
-        cached = _jit_unit(program, outputs, list(passed), slot, starts)
+        cached = _jit_unit(program, outputs, list(passed), slot, starts, kept)
         if key is not None:
             if len(_UNIT_CACHE) >= _UNIT_CACHE_SIZE:
                 del _UNIT_CACHE[next(iter(_UNIT_CACHE))]
@@ -288,7 +331,12 @@ def _compile_unit(
 
 
 def _jit_unit(
-    program: ClosedJaxpr, accumulated: list[int], passed: list[int], slot: Slot, starts: bool
+    program: ClosedJaxpr,
+    accumulated: list[int],
+    passed: list[int],
+    slot: Slot,
+    starts: bool,
+    kept: frozenset[int],
 ) -> tuple[Callable, Callable | None]:
     fun = jaxpr_as_fun(program)
     avals = [v.aval for v in program.jaxpr.outvars]
@@ -310,7 +358,9 @@ def _jit_unit(
         zeros = jax.jit(make_zeros, out_shardings=sharding)
     # The accumulators are donated: XLA adds this microbatch's share in place, and a
     # step holds one copy of the gradients, not two (jax.jit's own step holds one).
-    return jax.jit(run, out_shardings=sharding, donate_argnums=(0,) if zeros else ()), zeros
+    out_shardings = (sharding, _passed_shardings(slot, passed, kept))
+    donate = (0,) if zeros else ()
+    return jax.jit(run, out_shardings=out_shardings, donate_argnums=donate), zeros
 
 
 # ----------------------------------------------------------------- fused programs
@@ -378,10 +428,15 @@ def compile_fused(
     programs = tuple(runtime_program(staged.stages[i].closed_jaxpr) for i in combined.stages)
     keys = tuple(_unit_key(p, list(a), [], slot) for p, a in zip(programs, accumulated))
     starts = parts[0].starts
+    kept_by_stage = kept_on_slot(staged, {i: unit.worker for i, unit in units.items()})
+    kept = frozenset(
+        k for k, (p, o) in enumerate(combined.passed) if o in kept_by_stage[combined.stages[p]]
+    )
     key = None if None in keys else ("fused", keys, combined.reads, combined.passed, starts)
+    key = key and (*key, tuple(sorted(kept)))
     run = _FUSED_CACHE.get(key) if key is not None else None
     if run is None:
-        run = _jit_fused(programs, combined, accumulated, slot, starts)
+        run = _jit_fused(programs, combined, accumulated, slot, starts, kept)
         if key is not None:
             if len(_FUSED_CACHE) >= _UNIT_CACHE_SIZE:
                 del _FUSED_CACHE[next(iter(_FUSED_CACHE))]
@@ -409,6 +464,7 @@ def _jit_fused(
     accumulated: tuple[tuple[int, ...], ...],
     slot: Slot,
     starts: bool,
+    kept: frozenset[int],
 ) -> Callable:
     funs = [jaxpr_as_fun(program) for program in programs]
 
@@ -422,4 +478,5 @@ def _jit_fused(
         new = shares if starts else [acc + v for acc, v in zip(accs, shares)]
         return new, [outs[p][o] for p, o in combined.passed]
 
-    return jax.jit(run, out_shardings=slot.sharding, donate_argnums=() if starts else (0,))
+    out_shardings = (slot.sharding, _passed_shardings(slot, range(len(combined.passed)), kept))
+    return jax.jit(run, out_shardings=out_shardings, donate_argnums=() if starts else (0,))

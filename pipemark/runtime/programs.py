@@ -23,6 +23,7 @@ True
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -32,7 +33,7 @@ from pipemark.errors import PipemarkError
 from pipemark.runtime.compilation import ARGUMENT, Combined, Unit
 from pipemark.runtime.placement import Slot
 from pipemark.runtime.plan import PipelinePlan
-from pipemark.runtime.steps import Step, program_name
+from pipemark.runtime.steps import STAGE, Step, program_name
 
 __all__ = ["compiled_programs", "step_program"]
 
@@ -64,17 +65,38 @@ def compiled_programs(plan: PipelinePlan) -> dict[str, jax.stages.Compiled]:
         )
     names = [stage.name for stage in plan.staged.stages]
     programs: dict[str, jax.stages.Compiled] = {}
+    # The layout each handed-over value leaves its program in: a value kept on its slot
+    # may leave in XLA's choice (compilation._passed_shardings), and the program that
+    # reads it is compiled for that layout, as a call compiles it.
+    formats: dict[tuple[int, int, int], Any] = {}  # (stage, output, reading worker)
     for worker, step in plan.steps.serial:
         if not plan.placement.local[worker]:
             continue
         name = program_name(step, names)
+        unit, (accs, inputs, scale) = step_program(plan, worker, step)
         if name not in programs:
-            unit, arguments = step_program(plan, worker, step)
+            inputs = [_arriving(s, w, worker, formats) for s, w in zip(inputs, step.inputs)]
             # Under the mesh context a call walks its steps in (run_plan's), which is
             # part of what JAX keys its compiled programs on.
             with jax.set_mesh(None):
-                programs[name] = unit.run.lower(*arguments).compile()
+                programs[name] = unit.run.lower(accs, inputs, scale).compile()
+        passed_formats = programs[name].output_formats[1]
+        for position, (_, stage, output), readers in step.sends:
+            # Only values kept on the slot leave in a layout of XLA's choice (JAX 0.10
+            # misreports the others' layouts in output_formats; they are the default).
+            if all(reader == worker for reader, _ in readers):
+                formats[(stage, output, worker)] = passed_formats[position]
     return programs
+
+
+def _arriving(struct: jax.ShapeDtypeStruct, where: tuple, worker: int, formats: Mapping) -> Any:
+    """``struct`` in the layout its value arrives in, where a program on the same
+    worker makes it."""
+    source, key = where
+    found = formats.get((*key[1:], worker)) if source == STAGE else None
+    if found is None:
+        return struct
+    return jax.ShapeDtypeStruct(struct.shape, struct.dtype, sharding=found)
 
 
 def step_program(plan: PipelinePlan, worker: int, step: Step) -> tuple[Unit, tuple]:

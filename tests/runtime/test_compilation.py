@@ -11,6 +11,8 @@ import pipemark as pm
 from pipemark import examples
 from pipemark.runtime.compilation import keeps_markers, runtime_program
 from pipemark.runtime.programs import compiled_programs
+from pipemark.runtime.steps import PARAM, STAGE
+from tests._trees import assert_trees_close
 from tests.runtime._compiles import compilations
 
 
@@ -143,3 +145,53 @@ def test_custom_call_programs_of_identical_blocks_stay_apart():
         plan = pipe.plan(*ex.args)
         assert plan.units[1].run is not plan.units[2].run
         assert len(_runs(plan)) == 7
+
+
+def _transposing_loss(params, x):
+    w1, w2 = params
+    h = jnp.sin(x @ w1).T  # XLA computes the transpose for free in a column-major layout
+    pm.mark_pipeline_boundary()
+    return jnp.mean(jnp.tanh(h.T @ w2) ** 2)
+
+
+def test_values_kept_on_a_slot_are_handed_over_in_the_layout_xla_chooses():
+    """Issue #40: a value that stays on its slot leaves its program in XLA's layout and
+    the program that reads it is compiled for that layout, by a call as by
+    compiled_programs (one compilation each); elsewhere outputs keep the default one.
+    On CPU, XLA writes ``sin(x @ w1).T`` column-major, the default being row-major."""
+    pm.clear_caches()
+    params = (jnp.linspace(-1, 1, 8 * 16).reshape(8, 16), jnp.linspace(-1, 1, 64).reshape(16, 4))
+    x = jnp.linspace(-2, 2, 8 * 8).reshape(8, 8)
+    params, x = jax.device_put((params, x), jax.devices()[0])  # committed, as a call places them
+    pipe = pm.pipeline_value_and_grad(
+        _transposing_loss, num_stages=2, num_microbatches=2, schedule="interleaved",
+        devices=jax.devices()[:1],
+    )  # fmt: skip
+    plan = pipe.plan(params, x)
+    programs = compiled_programs(plan)
+    shapes = [a.shape for a in plan.staged.stages[0].out_avals]
+    transposed = shapes.index((16, 4))  # h.T, which layer1 reads on the same device
+    sends = {key[2]: position for position, key, _ in plan.steps.serial[0][1].sends}
+    handed = programs["layer0"].output_formats[1][sends[transposed]]
+    assert handed.layout.major_to_minor == (1, 0)
+    step = next(s for _, s in plan.steps.serial if s.index != 0)
+    position = step.inputs.index((STAGE, (0, 0, transposed)))
+    reader = programs[next(n for n in programs if n.startswith("layer1"))]
+    assert reader.input_formats[0][1][position].layout == handed.layout
+    with compilations() as compiled:
+        loss, grads = jax.block_until_ready(pipe(params, x))
+    assert "jit(run)" not in compiled  # the call runs the programs compiled_programs made
+    want_loss, want_grads = jax.jit(jax.value_and_grad(_transposing_loss))(params, x)
+    # Two microbatches summed against one batch: rounding apart, not bits.
+    assert_trees_close((loss, grads), (want_loss, want_grads), rtol=1e-5, atol=1e-7)
+    # Across devices the value is sent in the default layout.
+    apart = pm.pipeline_value_and_grad(
+        _transposing_loss, num_stages=2, num_microbatches=2, devices=jax.devices()[:2]
+    )
+    sent = apart.plan(params, x)
+    (_, step), *_ = sent.steps.serial
+    sends = {key[2]: position for position, key, _ in step.sends}
+    leaves = jax.tree.leaves(params)
+    inputs = [leaves[k] if source == PARAM else x[:4] for source, k in step.inputs]
+    array = sent.units[0].run([], inputs, jnp.float32(0.5))[1][sends[transposed]]
+    assert array.format.layout.major_to_minor == (0, 1)
