@@ -163,6 +163,35 @@ def resolve_sizes(args: argparse.Namespace, platform: str) -> dict:
 # ------------------------------------------------------------- the model and the scan
 
 
+#: The models ``--model`` chooses: the GPT, and a Llama-style model
+#: (``pipemark.examples.llama``: RMSNorm, rotary, SwiGLU) with each attention it offers,
+#: tied or untied embeddings (issue #40).
+MODELS = ("gpt", "llama", "llama-mask", "llama-einsum", "llama-untied")
+
+
+def model_example(model: str, sizes: dict, rows: int, markers: str | None):
+    """The ``model`` of :data:`MODELS` at ``sizes`` on ``rows`` rows. A Llama's SwiGLU
+    MLP is ``d_ff * 2 // 3`` wide, so that its three matrices hold what the GPT's two do.
+
+    >>> ex = model_example("llama-mask", SIZES["tiny"], 2, "boundary")
+    >>> ex.batch[0].shape, sorted(ex.params)
+    ((2, 16), ['blocks', 'embed', 'final_norm'])
+    """
+    if model == "gpt":
+        return gpt_example(sizes, rows, markers)
+    import jax.numpy as jnp
+
+    from pipemark import examples
+
+    attention = {"llama-mask": "dot_product_mask", "llama-einsum": "einsum"}
+    return examples.llama(
+        sizes["layers"], sizes["d_model"], sizes["heads"], seq=sizes["seq"], batch=rows,
+        vocab=sizes["vocab"], d_ff=sizes["d_ff"] * 2 // 3, compute_dtype=jnp.bfloat16,
+        attention=attention.get(model, "dot_product"), tied=model != "llama-untied",
+        markers=markers,
+    )  # fmt: skip
+
+
 def gpt_example(sizes: dict, rows: int, markers: str | None):
     """``pipemark.examples.gpt`` at ``sizes`` (one of :data:`SIZES`) on ``rows`` rows:
     float32 parameters, bfloat16 matmuls, ``markers`` between its blocks (``None``:
@@ -341,7 +370,9 @@ def _peak(device) -> dict:
     }
 
 
-def measure(config: str, sizes: dict, microbatches: int, repeat: int, device, counter) -> dict:
+def measure(
+    config: str, sizes: dict, microbatches: int, repeat: int, device, counter, model: str = "gpt"
+) -> dict:
     """Time one configuration's first call and steps, count its compilations, read its
     compiled programs' memory."""
     import jax
@@ -350,7 +381,7 @@ def measure(config: str, sizes: dict, microbatches: int, repeat: int, device, co
 
     pm.set_lowering("barrier")
     markers = None if config in ("jit", "jit-half", "scan") else "boundary"
-    ex = gpt_example(sizes, rows_of(config, sizes), markers)
+    ex = model_example(model, sizes, rows_of(config, sizes), markers)
     params, batch = jax.block_until_ready(jax.device_put(ex.args, device))
     step, pipe = _step(config, ex.loss_fn, device, microbatches)
     counter.take()
@@ -387,6 +418,7 @@ def child(args: argparse.Namespace) -> None:
         "device_kind": device.device_kind,
         "jax": jax.__version__,
         "sizes": sizes,
+        "model": args.model,
         "rows": rows_of(args.child, sizes),
         "microbatches": args.microbatches,
         "repeat": args.repeat,
@@ -399,7 +431,15 @@ def child(args: argparse.Namespace) -> None:
             result["message"] = f"{stages} stages > {sizes['layers']} blocks"
         else:
             result.update(
-                measure(args.child, sizes, args.microbatches, args.repeat, device, counter)
+                measure(
+                    args.child,
+                    sizes,
+                    args.microbatches,
+                    args.repeat,
+                    device,
+                    counter,
+                    args.model,
+                )
             )
             result["status"] = "ok"
     except Exception as error:  # reported in the table, not raised
@@ -416,7 +456,7 @@ def child(args: argparse.Namespace) -> None:
 
 def _child_command(args: argparse.Namespace, config: str, result: str) -> list[str]:
     command = [sys.executable, "-u", __file__, "--child", config, "--result", result]
-    command += ["--size", args.size, "--repeat", str(args.repeat)]
+    command += ["--size", args.size, "--repeat", str(args.repeat), "--model", args.model]
     command += ["--microbatches", str(args.microbatches)]
     for key in ("layers", "d_model", "heads", "d_ff", "vocab", "seq", "batch"):
         if getattr(args, key) is not None:
@@ -477,8 +517,14 @@ def run_all(args: argparse.Namespace, configs: list[str]) -> list[dict]:
 # -------------------------------------------------------------------------- the table
 
 
-def param_count(sizes: dict) -> int:
+def param_count(sizes: dict, model: str = "gpt") -> int:
+    """The parameters of ``model`` (:data:`MODELS`) at ``sizes``: a Llama's SwiGLU has
+    three ``d_ff * 2 // 3``-wide matrices, its embedding is its output projection unless
+    untied."""
     d, d_ff, vocab, seq = (sizes[k] for k in ("d_model", "d_ff", "vocab", "seq"))
+    if model.startswith("llama"):
+        block = 4 * d * d + 3 * d * (d_ff * 2 // 3) + 2 * d
+        return vocab * d * (2 if model == "llama-untied" else 1) + sizes["layers"] * block + d
     block = 4 * d * d + 2 * d * d_ff + d_ff + 5 * d
     return vocab * d + seq * d + sizes["layers"] * block + 2 * d + d * vocab
 
@@ -645,18 +691,29 @@ def verdicts(results: list[dict]) -> list[str]:
     return lines
 
 
+def _model_name(model: str) -> str:
+    if model == "gpt":
+        return "examples.gpt"
+    what = {"llama-mask": "dot_product_attention(mask=causal)", "llama-einsum": "einsum attention"}
+    what["llama-untied"] = "dot_product_attention(is_causal=True), untied embeddings"
+    attention = what.get(model, "dot_product_attention(is_causal=True)")
+    return f"examples.llama (SwiGLU d_ff * 2 // 3 wide), {attention}"
+
+
 def header(results: list[dict], sizes: dict, microbatches: int, repeat: int) -> list[str]:
     first = next((r for r in results if "device_kind" in r), {})
     jit = next((r for r in results if r["config"] == "jit" and r.get("memory")), None)
     xla = jit["memory"].get("xla_flops") if jit else None
     flops = model_flops(sizes, sizes["batch"])
+    name = first.get("model", "gpt")
     model = ", ".join(
         f"{k} {sizes[k]}" for k in ("layers", "d_model", "heads", "d_ff", "vocab", "seq")
     )
     return [
         f"{first.get('date', datetime.date.today().isoformat())}; {first.get('device_kind', '?')} "
         f"({first.get('platform', '?')}); JAX {first.get('jax', '?')}",
-        f"model: examples.gpt ({sizes['preset']}: {model}; {param_count(sizes) / 1e6:.1f}M "
+        f"model: {_model_name(name)} ({sizes['preset']} sizes: {model}; "
+        f"{param_count(sizes, name) / 1e6:.1f}M "
         "float32 parameters, bfloat16 matmuls); batch B rows, M microbatches "
         f"({microbatches}); step: median of {repeat} calls",
         f"model FLOPs per step of {sizes['batch']} rows: {flops / 1e12:.3g} T (counted: 6 x "
@@ -691,6 +748,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma-separated rows")
     parser.add_argument("--size", choices=["auto", *SIZES], default="auto")
+    parser.add_argument("--model", choices=MODELS, default="gpt")
     for key in ("layers", "d_model", "heads", "d_ff", "vocab", "seq", "batch"):
         parser.add_argument(f"--{key.replace('_', '-')}", dest=key, type=int)
     parser.add_argument("--microbatches", type=int, default=8)
