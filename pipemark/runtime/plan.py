@@ -167,7 +167,8 @@ class PipelinePlan:
         sharding = self.param_sharding(leaf, worker)
         if self.param_specs is None or self.fsdp_gather != "once":
             return sharding
-        return NamedSharding(sharding.mesh, gathered_spec(sharding.spec, self.data_axis))
+        spec = gathered_spec(sharding.spec, self.data_axis)
+        return sharding if spec == sharding.spec else NamedSharding(sharding.mesh, spec)
 
     @property
     def update_worker(self) -> int:

@@ -61,7 +61,17 @@ def test_value_and_grad_with_data_sharded_parameters_matches_jax(gather):
         assert grad.sharding.spec == P("data", None)
         assert frozenset(grad.sharding.device_set) in sub_meshes
         assert {s.data.shape for s in grad.addressable_shards} == {(WIDTH // 4, WIDTH)}
-    assert pipe.plan(ex.params, ex.batch).fsdp_gather == gather
+    plan = pipe.plan(ex.params, ex.batch)
+    # The stage programs read the parameters gathered (once per call, before them), or
+    # sharded (each gathers them itself).
+    read = {
+        unit.program.in_shardings[k].spec
+        for index, unit in plan.units.items()
+        for k, ref in enumerate(plan.staged.stages[index].inputs)
+        if ref.kind == "input" and ref.index < plan.num_param_leaves
+    }
+    assert read == {P(None, None) if gather == "once" else P("data", None)}
+    assert plan.fsdp_gather == gather
 
 
 def _adamw_step(loss_fn):
@@ -98,8 +108,11 @@ def test_adamw_training_steps_on_the_shards_match_jax(gather):
 def test_bytes_per_device_fall_with_the_data_axis():
     ex = _model()
     step, init = _adamw_step(ex.loss_fn)
-    held = []
-    for data in (1, 2, 4):
+    # Each stage holds 2 layers of two 16 x 16 float32 matrices: 4 KiB, 1/D of it on
+    # each device of its sub-mesh; the optimizer state two moments of them, and Adam's
+    # step count (4 bytes, replicated).
+    stage_bytes = 2 * 2 * WIDTH * WIDTH * 4
+    for data in (2, 4):
         mesh = _mesh(data)
         pipe = pm.pipeline_value_and_grad(
             ex.loss_fn, num_microbatches=2, mesh=mesh, param_specs=FSDP
@@ -109,22 +122,10 @@ def test_bytes_per_device_fall_with_the_data_axis():
             step, num_microbatches=2, mesh=mesh, param_specs=(FSDP, None)
         )
         params, opt_state, _ = pipelined(ex.params, init(ex.params), ex.batch)
+        assert _per_device(params) == _per_device(grads) == stage_bytes // data
+        assert _per_device(opt_state) == 2 * stage_bytes // data + 4
         memory = pipe.memory(ex.params, ex.batch).slots
-        held.append(
-            (
-                _per_device(params),
-                _per_device(grads),
-                _per_device(opt_state),
-                max(s.parameters for s in memory),
-            )
-        )
-    one = held[0]
-    # Each stage holds 2 layers of two 16 x 16 float32 matrices: 4 KiB, / D per device;
-    # the optimizer state two moments of them (and Adam's 4-byte count, replicated).
-    assert one[:2] == (4 * WIDTH * WIDTH * 4,) * 2 and one[3] == one[0]
-    for data, (params, grads, state, parameters) in zip((2, 4), held[1:]):
-        assert (params, grads, parameters) == (one[0] // data,) * 3
-        assert state == (one[2] - 4) // data + 4
+        assert [s.parameters for s in memory] == [stage_bytes // data] * 2
 
 
 def test_a_memory_budget_gathers_per_microbatch_where_once_does_not_fit():
