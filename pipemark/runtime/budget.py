@@ -6,6 +6,10 @@ parameters, batch, accumulators, the values the schedule keeps in flight, the la
 program temporaries) stay within ``bytes``. The plan is made as the options ask first;
 while a slot is over, the budget tries the changes that lower memory:
 
+* **parameters gathered per microbatch**: with ``fsdp_gather=None`` and parameters
+  sharded over the data axis (FSDP), each stage program gathers its parameters itself
+  and reduce-scatters its gradients (``fsdp_gather="per_microbatch"``) instead of a
+  copy gathered once per call and whole gradients per replica; tried before the others;
 * **fewer microbatches in flight**: the schedule run in waves of fewer microbatches
   (``microbatches_in_flight``, :func:`pipemark.runtime.schedules.in_waves`), so that a
   device holds fewer microbatches' residuals at once;
@@ -40,6 +44,7 @@ from pipemark.runtime.placement import Slot
 from pipemark.runtime.plan import PipelinePlan
 from pipemark.runtime.registry import build_schedule
 from pipemark.runtime.schedules import Schedule
+from pipemark.runtime.sharding import gathered_spec
 from pipemark.runtime.simulation import simulate_schedule
 
 __all__ = ["check_update_within", "plan_within_budget"]
@@ -164,6 +169,12 @@ def _changes(trial: _Trial, budget: int) -> Iterator[_Change]:
     flight, the forward stages of the slots over rematerialised, and each move of a
     marked layer off a stage of a slot over."""
     plan, remat, names = trial.plan, trial.rematerialize, _forward_names(trial.plan)
+    if trial.options.fsdp_gather is None and _gathers_once(plan):
+        # Parameters sharded over the data axis gathered in each program instead of
+        # once per call: no whole copy held, the gradients accumulated in shards. The
+        # schedule is the same (its collectives are not in the unit costs): tried first.
+        options = dataclasses.replace(trial.options, fsdp_gather="per_microbatch")
+        yield _Change(options, remat, trial.time)
     fewer = _fewer_in_flight(trial)
     if fewer is not None:
         options, schedule = fewer
@@ -176,6 +187,21 @@ def _changes(trial: _Trial, budget: int) -> Iterator[_Change]:
     for moved in _layer_moves(plan, over):
         options = dataclasses.replace(trial.options, stage_layers=moved)
         yield _Change(options, remat, _unit_time(plan.schedule, names, moved, remat))
+
+
+def _shards_over_data(plan: PipelinePlan) -> bool:
+    """Whether ``plan`` has parameters sharded over a data axis longer than 1 (FSDP)."""
+    slot = plan.placement.slots[0]
+    if plan.param_specs is None or slot.mesh is None:
+        return False
+    if slot.mesh.shape.get(plan.data_axis, 1) == 1:
+        return False
+    return any(gathered_spec(spec, plan.data_axis) != spec for spec in plan.param_specs)
+
+
+def _gathers_once(plan: PipelinePlan) -> bool:
+    """Whether ``plan`` gathers parameters sharded over the data axis once per call."""
+    return plan.fsdp_gather == "once" and _shards_over_data(plan)
 
 
 def _layer_moves(plan: PipelinePlan, over: set[int]) -> Iterator[tuple[int, ...]]:
@@ -261,6 +287,8 @@ def _over_message(trial: _Trial, budget: int) -> str:
     done = []
     if trial.rematerialize:
         done.append(f"the forward stages {', '.join(sorted(trial.rematerialize))} rematerialised")
+    if trial.plan.fsdp_gather == "per_microbatch" and _shards_over_data(trial.plan):
+        done.append("the FSDP parameters gathered per microbatch")
     held = max(trial.plan.schedule.in_flight())
     done.append(f"{held} microbatch{'es' if held > 1 else ''} in flight at most")
     if trial.plan.stage_layers is not None:

@@ -168,12 +168,15 @@ def compile_units(
     result_specs: Sequence[Any] | None = None,
     data_axis: str = "data",
     num_microbatches: int = 2,
+    fsdp_gather: str = "once",
 ) -> dict[int, Unit]:
     """A :class:`Unit` for each stage ``index`` of ``workers`` (stage index -> worker),
     compiled for that worker's slot (programs seen before come from a cache). On
     sub-meshes, the first ``num_params`` inputs of ``staged`` are parameters laid out by
     ``param_specs`` (one ``PartitionSpec`` each), and each result ``r`` of ``staged``
-    is reduced into ``result_specs[r]`` (replicated where ``None``). With
+    is reduced into ``result_specs[r]`` (replicated where ``None``); parameters sharded
+    over ``data_axis`` are gathered as ``fsdp_gather`` says
+    (:func:`pipemark.runtime.sharding.compile_stage`). With
     ``num_microbatches`` 1, single-device units keep no accumulators
     (:attr:`Unit.starts`)."""
     readers = stage_readers(staged)
@@ -184,7 +187,7 @@ def compile_units(
             index: _compile_unit(staged, index, w, placement.slots[w], readers, starts, kept[index])
             for index, w in workers.items()
         }
-    specs = _MeshSpecs(num_params, param_specs or (), result_specs, data_axis)
+    specs = _MeshSpecs(num_params, param_specs or (), result_specs, data_axis, fsdp_gather)
     return {
         index: _mesh_unit(staged, index, w, placement.slots[w], readers, specs)
         for index, w in workers.items()
@@ -196,6 +199,7 @@ class _MeshSpecs(NamedTuple):
     param_specs: Sequence[Any]
     result_specs: Sequence[Any] | None
     data_axis: str
+    fsdp_gather: str
 
 
 def _outputs(
@@ -237,6 +241,7 @@ def _mesh_unit(
         passed=list(passed),
         accumulated_specs=None if sums is None else [sums[r] or P() for r, _ in accumulated],
         data_axis=specs.data_axis,
+        fsdp_gather=specs.fsdp_gather,
     )
     finish = compiled.reduce if compiled.replicas > 1 and accumulated else None
     return Unit(

@@ -177,7 +177,9 @@ class _Call:
         plan = self.plan
         sources = [self.param_leaves[i] for i in need_params]
         if plan.param_specs is not None:  # sub-meshes: each parameter with its own layout
-            where = [plan.param_sharding(i, worker) for i in need_params]
+            # A parameter sharded over the data axis and gathered once per call is
+            # gathered here, the copy every microbatch's program reads.
+            where = [plan.stage_param_sharding(i, worker) for i in need_params]
             placed = jax.device_put(sources, where) if sources else []
             batch = [x for j in need_batch for x in self.slices[j]]
             placed = [*placed, *plan.placement.put(batch, worker)]

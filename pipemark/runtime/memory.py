@@ -3,7 +3,9 @@
 
 Per slot, in bytes:
 
-* ``parameters``: the parameter leaves its stages read, placed there once a call;
+* ``parameters``: the parameter leaves its stages read, placed there once a call; on
+  a sub-mesh, a device's shard of each (laid out by its ``param_specs``: a parameter
+  sharded over the data axis, FSDP, counts ``1/D`` of its bytes);
 * ``batch``: its stages' batch leaves, all microbatches, placed there once a call;
 * ``accumulators``: the loss and gradients its stages accumulate over microbatches;
 * ``in_flight``: the most bytes of values handed between stages (activations sent
@@ -12,7 +14,10 @@ Per slot, in bytes:
   schedule: the plan's actions in schedule order, a value held on each reading slot
   from the action that makes it until its last reader there ran. This is what the
   schedule decides: GPipe holds all ``M`` microbatches' residuals on the first
-  stage, 1F1B at most ``S``;
+  stage, 1F1B at most ``S``. Parameters sharded over the data axis add their
+  gathered copy: with ``fsdp_gather="once"`` every such parameter of the slot, held
+  for the whole call; with ``"per_microbatch"`` those of the slot's stage that reads
+  the most, held while one program runs;
 * ``temporaries``: the largest of XLA's temporaries (``memory_analysis()``) over the
   programs the slot runs, when they are compiled for it.
 
@@ -26,20 +31,24 @@ there): compare it with the predicted peak less ``temporaries``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from pipemark.cost import nbytes
 from pipemark.runtime.plan import PipelinePlan
 from pipemark.runtime.programs import compiled_programs
+from pipemark.runtime.sharding import gathered_spec
 from pipemark.runtime.steps import STAGE, Key, program_name
 
 __all__ = [
     "MemoryEstimate",
     "SlotMemory",
+    "device_bytes",
     "estimate_memory",
     "format_bytes",
     "plan_memory",
@@ -182,17 +191,17 @@ def estimate_memory(
     worst = _in_flight(plan, temporaries)
     slots = []
     for worker, slot in enumerate(plan.placement.slots):
-        parameters = sum(nbytes(avals[i]) for i in steps.params[worker])
+        parameters = sum(
+            device_bytes(avals[i], plan.param_sharding(i, worker)) for i in steps.params[worker]
+        )
         batch = num_micro * sum(
             nbytes(avals[plan.num_param_leaves + j]) for j in steps.batch[worker]
         )
         accumulators = sum(
-            nbytes(staged.stages[unit.index].out_avals[o])
-            for unit in plan.units.values()
-            if unit.worker == worker
-            for _, o in unit.accumulated
+            _accumulator_bytes(plan, unit) for unit in plan.units.values() if unit.worker == worker
         )
         flight, temp = worst[worker]
+        flight += _gathered(plan, worker)
         slots.append(
             SlotMemory(
                 slot=worker,
@@ -207,6 +216,72 @@ def estimate_memory(
             )
         )
     return MemoryEstimate(tuple(slots))
+
+
+def device_bytes(aval: Any, sharding: Any) -> int:
+    """The bytes of one device's shard of a value of type ``aval`` laid out by
+    ``sharding`` (a ``NamedSharding``; anything else: the whole value), the largest
+    where the shards are uneven.
+
+    >>> import jax, numpy as np
+    >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    >>> mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+    >>> device_bytes(jax.ShapeDtypeStruct((8, 6), np.float32), NamedSharding(mesh, P("data")))
+    96
+    """
+    if not isinstance(sharding, NamedSharding):
+        return nbytes(aval)
+    shape = list(aval.shape)
+    for dim, entry in enumerate(sharding.spec):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        count = math.prod(sharding.mesh.shape[n] for n in names if isinstance(n, str))
+        shape[dim] = -(-shape[dim] // count)
+    return math.prod(shape) * np.dtype(aval.dtype).itemsize
+
+
+def _accumulator_bytes(plan: PipelinePlan, unit: Any) -> int:
+    """A device's bytes of ``unit``'s accumulators: on a sub-mesh, a replica's whole
+    value, or a shard of a gradient reduced per microbatch (``fsdp_gather``)."""
+    out_avals = plan.staged.stages[unit.index].out_avals
+    if unit.program is None:
+        return sum(nbytes(out_avals[o]) for _, o in unit.accumulated)
+    program = unit.program
+    total = 0
+    for (_, o), sharding, per_replica in zip(
+        unit.accumulated, program.accumulator_shardings, program.per_replica
+    ):
+        aval = out_avals[o]
+        if per_replica:
+            aval = jax.ShapeDtypeStruct((program.replicas, *aval.shape), aval.dtype)
+        total += device_bytes(aval, sharding)
+    return total
+
+
+def _gathered(plan: PipelinePlan, worker: int) -> int:
+    """The bytes of the gathered copies of the data-sharded parameters that a device of
+    slot ``worker`` holds at once (see the module's text)."""
+    if plan.param_specs is None:
+        return 0
+    avals, mine = plan.staged.in_avals, set(plan.steps.params[worker])
+
+    def copy(leaf: int) -> int:  # a device's gathered copy; 0 unless data-sharded
+        sharding = plan.param_sharding(leaf, worker)
+        spec = gathered_spec(sharding.spec, plan.data_axis)
+        if spec == sharding.spec or sharding.mesh.shape.get(plan.data_axis, 1) == 1:
+            return 0
+        return device_bytes(avals[leaf], NamedSharding(sharding.mesh, spec))
+
+    if plan.fsdp_gather == "once":
+        return sum(copy(leaf) for leaf in mine)
+    return max(
+        (
+            sum(copy(ref.index) for ref in plan.staged.stages[unit.index].inputs
+                if ref.kind == "input" and ref.index in mine)
+            for unit in plan.units.values()
+            if unit.worker == worker
+        ),
+        default=0,
+    )  # fmt: skip
 
 
 def with_update(estimate: MemoryEstimate, slot: int, update: int) -> MemoryEstimate:

@@ -22,6 +22,7 @@ from pipemark.passes.auto import check_block_cuts
 from pipemark.runtime.losses import LOSS_REDUCTIONS
 from pipemark.runtime.registry import schedule_entry
 from pipemark.runtime.schedules import Schedule
+from pipemark.runtime.sharding import FSDP_GATHERS
 
 __all__ = ["PipelineOptions", "check_positive"]
 
@@ -79,10 +80,23 @@ class PipelineOptions:
         ``PartitionSpec`` per leaf (a pytree prefix of the parameters; ``None``:
         replicated). Default: the spec of each parameter's own ``NamedSharding``, else
         replicated.
+        A spec may name the data axis (``P("data", None)``: FSDP): each device keeps
+        its shard of the parameter, the stages gather it as ``fsdp_gather`` says, and
+        its gradient (and, in a training step, its optimizer state) comes back sharded
+        the same way.
     stage_axis, data_axis:
         With ``mesh``: the names of its stage axis and of its data-parallel axis (each
         microbatch is split into replicas along it, and gradients are reduced over it
         once per step).
+    fsdp_gather:
+        With parameters sharded over the data axis: ``"once"`` (each stage's
+        parameters gathered once per call, the copy every microbatch reads; their
+        gradients accumulated whole per replica and reduce-scattered once), or
+        ``"per_microbatch"`` (each stage program gathers the parameters it reads, and
+        reduce-scatters its microbatch's gradients into shards: no whole copy outlives
+        a program, for an all-gather and a reduce-scatter per program). ``None``
+        (default): ``"once"``, or with a ``memory_budget`` that the once-gathered
+        copy does not fit, ``"per_microbatch"``.
     loss_reduction:
         One of :data:`~pipemark.runtime.losses.LOSS_REDUCTIONS`.
     timeout_s:
@@ -140,6 +154,7 @@ class PipelineOptions:
     memory_budget: int | None = None
     microbatches_in_flight: int | None = None
     stage_layers: tuple[int, ...] | None = None
+    fsdp_gather: str | None = None
 
     def __post_init__(self) -> None:
         if self.timeout_s is not None and (
@@ -192,6 +207,13 @@ class PipelineOptions:
                 raise PipemarkError(
                     f"{name} must be an axis name (a str), got {getattr(self, name)!r}."
                 )
+        if self.fsdp_gather is not None and self.fsdp_gather not in FSDP_GATHERS:
+            raise PipemarkError(
+                f"fsdp_gather is {self.fsdp_gather!r}; use 'once' (gather each stage's "
+                "data-sharded parameters once per call), 'per_microbatch' (in every "
+                "stage program, to hold less) or None (once, unless a memory_budget "
+                "needs per_microbatch)."
+            )
         if self.mesh is None:
             if self.param_specs is not None:
                 raise PipemarkError(
@@ -204,6 +226,12 @@ class PipelineOptions:
                 "Pass either devices= (one device per slot) or mesh= (a sub-mesh per slot), "
                 "not both."
             )
+
+    @property
+    def gathering(self) -> str:
+        """How the stages gather parameters sharded over the data axis: ``fsdp_gather``,
+        ``"once"`` where it is ``None``."""
+        return self.fsdp_gather or "once"
 
     @property
     def splits_backward(self) -> bool:

@@ -340,6 +340,7 @@ def pipeline_value_and_grad(
     memory_budget: int | None = None,
     microbatches_in_flight: int | None = None,
     stage_layers: Sequence[int] | None = None,
+    fsdp_gather: str | None = None,
 ) -> Pipeline:
     """``jax.value_and_grad(loss_fn)`` computed as a pipeline over several devices.
 
@@ -402,9 +403,19 @@ def pipeline_value_and_grad(
         With ``mesh``: a ``PartitionSpec`` per parameter (a pytree prefix of
         ``params``; ``None``: replicated) over the sub-mesh's axes; by default each
         parameter's own ``NamedSharding`` spec. Gradients come back with the same
-        layout on their stage's sub-mesh.
+        layout on their stage's sub-mesh. A spec may name ``data_axis``
+        (``P("data", None)``, FSDP): each device then holds a shard of the parameter,
+        the stages gather it (``fsdp_gather``) and its gradient is reduce-scattered
+        into the same shards.
     stage_axis, data_axis:
         With ``mesh``: the names of its stage and data-parallel axes.
+    fsdp_gather:
+        How a stage gathers its parameters sharded over ``data_axis``: ``"once"`` per
+        call, before its first microbatch, every microbatch reading that copy (and
+        accumulating whole gradients per replica, reduce-scattered once per call), or
+        ``"per_microbatch"``, inside each stage program, which also reduce-scatters its
+        microbatch's gradients (less memory, more collectives). ``None`` (default):
+        ``"once"``, unless a ``memory_budget`` is not met with it.
     gather_results:
         Under ``jax.distributed``: ``False`` leaves each result with the process whose
         stage computed it (the others get arrays of the global program they do not
@@ -487,5 +498,6 @@ def pipeline_value_and_grad(
         memory_budget=memory_budget,
         microbatches_in_flight=microbatches_in_flight,
         stage_layers=stage_layers,
+        fsdp_gather=fsdp_gather,
     )
     return Pipeline(loss_fn, options)

@@ -13,7 +13,8 @@ process runs, which process receives what, where a training step's update runs.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -31,6 +32,7 @@ __all__ = [
     "device_slot",
     "held_elsewhere",
     "leaf_specs",
+    "mesh_leaf_specs",
     "mesh_slot",
     "place_stages",
     "put_on",
@@ -180,6 +182,71 @@ def leaf_specs(param_specs: Any, params: Any, stage_axis: str) -> list[Any]:
                 "replicated) for each parameter."
             )
     return specs
+
+
+def mesh_leaf_specs(options: Any, params: Any, what: str = "params") -> list[Any]:
+    """:func:`leaf_specs` of ``params`` for ``options.mesh``, each checked against the
+    stages' sub-mesh: every axis it names exists there, once, and divides the
+    dimension it shards (a parameter sharded over the data axis, FSDP, included).
+    Raises a :class:`PipemarkError` naming the parameter (``what`` and its path) and
+    saying what to do.
+
+    >>> import jax, numpy as np
+    >>> from jax.sharding import Mesh
+    >>> from pipemark.runtime.options import PipelineOptions
+    >>> mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("stage", "data"))
+    >>> options = PipelineOptions(num_microbatches=2, mesh=mesh, param_specs={"w": P("data")})
+    >>> mesh_leaf_specs(options, {"w": np.ones((3, 4))})
+    Traceback (most recent call last):
+    ...
+    pipemark.errors.PipemarkError: Parameter params['w'] of shape (3, 4) has param_specs P('data',): ...
+    """
+    specs = leaf_specs(options.param_specs, params, options.stage_axis)
+    mesh = options.mesh
+    first = mesh if isinstance(mesh, Mesh) else next(iter(mesh), None)
+    if not isinstance(first, Mesh):
+        return specs  # available_slots says what is wrong with the mesh
+    sizes = {n: int(k) for n, k in first.shape.items() if n != options.stage_axis}
+    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+    leaves = jax.tree_util.tree_leaves(params)
+    for path, leaf, spec in zip(paths, leaves, specs):
+        problem = _spec_problem(tuple(getattr(leaf, "shape", ())), spec, sizes)
+        if problem:
+            raise PipemarkError(
+                f"Parameter {what}{path} of shape {tuple(getattr(leaf, 'shape', ()))} has "
+                f"param_specs {spec}: {problem}"
+            )
+    return specs
+
+
+def _spec_problem(shape: tuple[int, ...], spec: Any, sizes: Mapping[str, int]) -> str | None:
+    """What is wrong with laying out an array of ``shape`` by ``spec`` on a sub-mesh of
+    axis ``sizes``, with what to do; ``None`` where nothing is."""
+    if len(spec) > len(shape):
+        return (
+            f"{len(spec)} entries for {len(shape)} dimensions. Give at most one entry "
+            "per dimension."
+        )
+    seen: set[str] = set()
+    for dim, entry in enumerate(spec):
+        names = [n for n in (entry if isinstance(entry, tuple) else (entry,)) if n is not None]
+        for name in names:
+            if name not in sizes:
+                return (
+                    f"it names axis {name!r}, which the stages' sub-mesh {dict(sizes)} "
+                    "lacks. Name only the sub-mesh's axes."
+                )
+            if name in seen:
+                return f"it names axis {name!r} twice. Shard each dimension over other axes."
+            seen.add(name)
+        count = math.prod(sizes[n] for n in names)
+        if shape[dim] % count:
+            return (
+                f"dimension {dim} ({shape[dim]}) does not split into the {count} shards "
+                f"of {tuple(names)}. Shard a dimension divisible by {count} instead (or "
+                "pad this one), or leave the parameter replicated (None)."
+            )
+    return None
 
 
 class _Group:

@@ -24,10 +24,11 @@ from pipemark.runtime.compilation import Unit, compile_fused, compile_units
 from pipemark.runtime.losses import LOSS_REDUCTIONS
 from pipemark.runtime.options import PipelineOptions
 from pipemark.runtime.pipeline_stages import pipeline_stages, stage_program
-from pipemark.runtime.placement import Placement, Slot, leaf_specs, place_stages
+from pipemark.runtime.placement import Placement, Slot, mesh_leaf_specs, place_stages
 from pipemark.runtime.problem import ScheduleProblem
 from pipemark.runtime.schedules import BACKWARD, FORWARD, WEIGHT, Schedule
 from pipemark.runtime.scheduling import plan_schedule
+from pipemark.runtime.sharding import gathered_spec
 from pipemark.runtime.steps import Steps, fuse_steps, resolve_steps, without_gathers
 from pipemark.runtime.tracing import (
     loss_over_microbatches,
@@ -111,6 +112,10 @@ class PipelinePlan:
     watchdog: Watchdog | None = dataclasses.field(default=None, repr=False, compare=False)
     #: On sub-meshes: each parameter leaf's ``PartitionSpec`` on its stage's sub-mesh.
     param_specs: tuple[Any, ...] | None = None
+    #: On sub-meshes: how the stages gather parameters sharded over the data axis
+    #: (:data:`~pipemark.runtime.sharding.FSDP_GATHERS`).
+    fsdp_gather: str = "once"
+    data_axis: str = "data"
     #: Under jax.distributed: whether each stage's results go to every process
     #: (:class:`~pipemark.runtime.PipelineOptions` ``gather_results``).
     gather_results: bool = True
@@ -154,6 +159,16 @@ class PipelinePlan:
         if self.param_specs is None:
             return slot.replicated
         return NamedSharding(slot.mesh, self.param_specs[leaf])
+
+    def stage_param_sharding(self, leaf: int, worker: int) -> Any:
+        """Where worker ``worker``'s stage programs read parameter leaf ``leaf``: its
+        layout there, or, sharded over the data axis and gathered once per call
+        (``fsdp_gather="once"``), that layout gathered (the copy a call places there)."""
+        sharding = self.param_sharding(leaf, worker)
+        if self.param_specs is None or self.fsdp_gather != "once":
+            return sharding
+        spec = gathered_spec(sharding.spec, self.data_axis)
+        return sharding if spec == sharding.spec else NamedSharding(sharding.mesh, spec)
 
     @property
     def update_worker(self) -> int:
@@ -240,7 +255,7 @@ def build_plan(
     )
     specs = None
     if options.mesh is not None:
-        specs = leaf_specs(options.param_specs, params, options.stage_axis)
+        specs = mesh_leaf_specs(options, params)
     return plan_from_staged(
         staged,
         out_tree,
@@ -290,6 +305,7 @@ def plan_from_staged(
         result_specs=result_specs,
         data_axis=options.data_axis,
         num_microbatches=schedule.num_microbatches,
+        fsdp_gather=options.gathering,
     )
     units = types.MappingProxyType(units)  # the plan is immutable
     plan = PipelinePlan(
@@ -308,6 +324,8 @@ def plan_from_staged(
         timeout_s=options.timeout_s,
         dispatch_ahead=options.dispatch_ahead,
         param_specs=None if param_specs is None else tuple(param_specs),
+        fsdp_gather=options.gathering,
+        data_axis=options.data_axis,
         gather_results=options.gather_results,
         problem=problem,
         rematerialized=frozenset(rematerialize),

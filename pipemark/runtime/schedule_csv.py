@@ -19,8 +19,9 @@ misplaced one (a receive after the action that reads it, a send before the one t
 computes it, either on another row) is refused, naming it. ``REDUCE_GRAD`` is kept where
 it is written (:attr:`~pipemark.runtime.Schedule.reduce_grad`): it must follow every
 backward and weight action of its stage in the stage's row. ``UNSHARD`` and ``RESHARD``
-(FSDP parameter gathering, which pipemark does not do) are accepted as no-ops, on their
-stage's row.
+(FSDP parameter gathering) are accepted on their stage's row and ignored: pipemark
+gathers parameters sharded over the data axis as the pipeline's ``fsdp_gather`` says,
+not where these cells stand.
 
 >>> s = schedule_from_csv("0F0,0F1,0B0,0B1\\n,1F0,1B0,1F1,1B1")
 >>> s.stage_devices, s.num_microbatches, s.num_ticks

@@ -23,14 +23,27 @@ The rules
   model's program names the data axis for the rows of the *whole* microbatch, while the
   stage program sees the rows of one replica: the data axis is removed from every spec
   (``P("data", "model")`` becomes ``P(None, "model")``) and ``vmap`` puts it back on
-  the replica axis. Parameter specs (``param_specs``) may not name the data axis
-  (FSDP is not supported yet).
+  the replica axis.
+- **Parameters may be sharded over the data axis (FSDP).** A parameter spec
+  (``param_specs``) naming the data axis (``P("data", None)``) keeps each device's
+  shard of the parameter between calls; a stage program reads it whole, gathered (an
+  all-gather over ``data``) as ``fsdp_gather`` says: ``"once"`` (the default), the
+  parameter is gathered once per call, before the stage's first microbatch, and every
+  microbatch reads the gathered copy (held until the end of the call); or
+  ``"per_microbatch"``, each stage program gathers it itself (the gathered copy lives
+  only while one program runs, at the cost of an all-gather per program).
 - **Every other axis keeps its name and must keep its size**: a spec naming an axis the
   sub-mesh lacks, or one of another size, is a :class:`~pipemark.errors.PipemarkError`.
 - **Delayed reduction** (NVIDIA JaxPP's): gradients accumulate per replica, with a
   leading replica axis sharded ``P(data_axis, *param_spec)``, so no microbatch pays a
   cross-replica all-reduce; :attr:`CompiledStage.reduce` sums the replica axis once
-  into the parameter's own sharding (the one all-reduce of a step).
+  into the parameter's own sharding (the one all-reduce of a step). The gradient of a
+  data-sharded parameter is reduced into its data-sharded spec: with ``"once"`` it
+  accumulates per replica (``P(data_axis, *gathered spec)``, a whole gradient per
+  device) and ``reduce`` is one reduce-scatter per step; with ``"per_microbatch"``
+  each program reduce-scatters its microbatch's gradient into an accumulator sharded
+  like the parameter (a shard per device, never a whole gradient), and ``reduce``
+  leaves it as it is.
 - With ``D == 1`` (no data axis, or one of size 1) there is no replica axis: inputs,
   outputs and accumulators have the shapes of the traced program.
 - Sub-meshes have ``Auto`` axes (``jax.sharding.AxisType.Auto``) whatever the user's
@@ -64,7 +77,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -79,12 +92,19 @@ from pipemark.runtime.losses import microbatch_share
 from pipemark.walk import map_bodies
 
 __all__ = [
+    "FSDP_GATHERS",
     "CompiledStage",
     "compile_stage",
+    "gathered_spec",
     "retarget_shardings",
     "retarget_spec",
     "stage_meshes",
 ]
+
+
+#: How a stage gathers its parameters sharded over the data axis (``fsdp_gather``):
+#: once per call for every microbatch, or inside each stage program.
+FSDP_GATHERS = ("once", "per_microbatch")
 
 
 # ------------------------------------------------------------------------ sub-meshes
@@ -223,6 +243,31 @@ def retarget_spec(
                 )
         entries.append(None if not names else names[0] if len(names) == 1 else tuple(names))
     return P(*entries)
+
+
+def gathered_spec(spec: P, data_axis: str = "data") -> P:
+    """``spec`` with ``data_axis`` left out: how a parameter sharded over the data axis
+    (FSDP) is laid out once gathered, as the stage program reads it.
+
+    >>> gathered_spec(P("data", "model")) == P(None, "model")
+    True
+    >>> gathered_spec(P(("data", "model"), None)) == P("model", None)
+    True
+    """
+    entries = []
+    for entry in spec:
+        names = entry if isinstance(entry, tuple) else (entry,)
+        kept = tuple(n for n in names if n is not None and n != data_axis)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return P(*entries)
+
+
+def _names_axis(spec: P, axis: str) -> bool:
+    return any(
+        axis in (entry if isinstance(entry, tuple) else (entry,))
+        for entry in spec
+        if entry is not None
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,13 +449,15 @@ class CompiledStage:
         stage accumulates nothing.
     reduce:
         ``reduce(accs) -> sums``: the replica axis summed, each sum in its own
-        sharding (``accumulated_shardings``); the accumulators themselves when
-        ``replicas == 1``.
+        sharding (``accumulated_shardings``: a reduce-scatter for a data-sharded
+        one); the accumulators themselves when ``replicas == 1``, and those already
+        reduced per microbatch (``fsdp_gather="per_microbatch"``).
     replicas:
         ``D``, the size of the sub-mesh's data axis (1 without one).
     in_shardings:
-        Where each input of ``run`` must be (parameters whole, with their spec; other
-        inputs with a leading replica axis ``P(data_axis)`` when ``replicas > 1``).
+        Where each input of ``run`` must be (parameters with their spec, a
+        data-sharded one gathered when ``fsdp_gather="once"``; other inputs with a
+        leading replica axis ``P(data_axis)`` when ``replicas > 1``).
     passed_shardings:
         The layout a passed output is placed in to cross to another process. ``run``
         itself takes per-microbatch inputs in any layout on the sub-mesh and gives its
@@ -418,8 +465,8 @@ class CompiledStage:
         program splits them), so a residual a forward hands its backward is never
         gathered.
     accumulator_shardings, accumulated_shardings:
-        Where each accumulator lives (``P(data_axis, *spec)``) and where its sum goes
-        (``spec``).
+        Where each accumulator lives (``P(data_axis, *spec)``, or ``spec`` where each
+        microbatch is reduced into it) and where its sum goes (``spec``).
     """
 
     run: Callable[[list[Any], list[Any], Any], tuple[list[Any], list[Any]]]
@@ -431,6 +478,8 @@ class CompiledStage:
     passed_shardings: tuple[NamedSharding, ...]
     accumulator_shardings: tuple[NamedSharding, ...]
     accumulated_shardings: tuple[NamedSharding, ...]
+    #: Per accumulator: whether it has a leading replica axis (``reduce`` sums it).
+    per_replica: tuple[bool, ...] = ()
 
 
 def compile_stage(
@@ -443,6 +492,7 @@ def compile_stage(
     accumulated_specs: Sequence[P] | None = None,
     data_axis: str = "data",
     stage_axis: str = "stage",
+    fsdp_gather: str = "once",
 ) -> CompiledStage:
     """Jit the stage program ``closed`` over ``submesh``, as ``replicas`` data-parallel
     replicas of it when the sub-mesh has a data axis longer than 1.
@@ -457,8 +507,9 @@ def compile_stage(
         The stage's sub-mesh (:func:`stage_meshes`).
     param_specs:
         Input index -> ``PartitionSpec`` on ``submesh`` of each input that is a
-        parameter (read whole by every replica). Every other input is per-microbatch
-        (the batch or another stage's value) and gets the replica axis.
+        parameter (read whole by every replica; one naming the data axis is gathered
+        first, see ``fsdp_gather``). Every other input is per-microbatch (the batch or
+        another stage's value) and gets the replica axis.
     accumulated:
         Output indices summed over microbatches (the loss and gradients).
     passed:
@@ -468,30 +519,48 @@ def compile_stage(
         parameter's); replicated when ``None``.
     data_axis, stage_axis:
         The axis names (see the module docstring).
+    fsdp_gather:
+        One of :data:`FSDP_GATHERS` (see the module docstring): ``"once"``, ``run``
+        takes data-sharded parameters gathered (``in_shardings``) and accumulates
+        their gradients per replica; ``"per_microbatch"``, ``run`` takes them sharded,
+        gathers them itself and reduce-scatters each microbatch's gradient.
+
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> sub = Mesh(np.array(jax.devices()[:2]), ("data",))
+    >>> cj = jax.make_jaxpr(lambda w, x: (x @ w).sum())(jnp.ones((4, 3)), jnp.ones((1, 4)))
+    >>> stage = compile_stage(cj, sub, param_specs={0: P("data", None)}, accumulated=[0],
+    ...                       passed=[], accumulated_specs=[P()], fsdp_gather="per_microbatch")
+    >>> stage.in_shardings[0].spec == P("data", None)
+    True
     """
     check_closed_jaxpr(closed, "compile_stage")
+    if fsdp_gather not in FSDP_GATHERS:
+        raise PipemarkError(
+            f"fsdp_gather is {fsdp_gather!r}; use one of {FSDP_GATHERS}: gather the "
+            "parameters sharded over the data axis once per call, or in every program."
+        )
     program = retarget_shardings(closed, submesh, data_axis=data_axis, stage_axis=stage_axis)
     _check_indices(program, param_specs, accumulated, passed, accumulated_specs)
     replicas = int(submesh.shape.get(data_axis, 1))
     replicated = replicas > 1
-    params = {i: _param_spec(s, f"input {i}", submesh, data_axis) for i, s in param_specs.items()}
+    params = {i: _param_spec(s, f"input {i}", submesh) for i, s in param_specs.items()}
     sum_specs = [
-        _param_spec(s, f"accumulated output {o}", submesh, data_axis)
+        _param_spec(s, f"accumulated output {o}", submesh)
         for o, s in zip(accumulated, accumulated_specs or [P()] * len(accumulated))
     ]
-
-    def on_mesh(spec: P) -> NamedSharding:
-        return NamedSharding(submesh, spec)
-
-    per_microbatch = on_mesh(P(data_axis) if replicated else P())
-    in_shardings = tuple(
-        on_mesh(params[i]) if i in params else per_microbatch
-        for i in range(len(program.jaxpr.invars))
+    layout = _stage_layout(
+        submesh, params, sum_specs, len(program.jaxpr.invars), data_axis, fsdp_gather
     )
-    acc_shardings = tuple(on_mesh(P(data_axis, *s) if replicated else s) for s in sum_specs)
-    sum_shardings = tuple(on_mesh(s) for s in sum_specs)
+    in_shardings, acc_shardings, per_replica = (
+        layout.inputs,
+        layout.accumulators,
+        layout.per_replica,
+    )
+    sum_shardings = tuple(NamedSharding(submesh, s) for s in sum_specs)
+    per_microbatch = NamedSharding(submesh, P(data_axis) if replicated else P())
     passed_shardings = (per_microbatch,) * len(passed)
     fun = _replicated(program, params, replicas if replicated else 0, data_axis)
+    fun = _gathering(fun, layout.gathers)
     # A value handed between stages keeps the layout its program gives it (along data on
     # the replica axis, and split over model where the program splits it): pinning it
     # to P(data) would gather the model shards of every residual and weight a forward
@@ -499,9 +568,12 @@ def compile_stage(
     # outputs are left to the compiler; in_shardings/passed_shardings stay the layout a
     # microbatch is placed in.
     loose_in = tuple(s if i in params else None for i, s in enumerate(in_shardings))
-    run = _runner(fun, accumulated, passed, (acc_shardings, loose_in, (None,) * len(passed)))
+    reduced = [replicated and not r for r in per_replica]  # summed over replicas by run
+    run = _runner(
+        fun, accumulated, passed, (acc_shardings, loose_in, (None,) * len(passed)), reduced
+    )
     avals = [program.jaxpr.outvars[o].aval for o in accumulated]
-    shapes = [((replicas, *a.shape) if replicated else a.shape, a.dtype) for a in avals]
+    shapes = [((replicas, *a.shape) if r else a.shape, a.dtype) for a, r in zip(avals, per_replica)]
     zeros = None
     if accumulated:
 
@@ -512,14 +584,56 @@ def compile_stage(
     return CompiledStage(
         run=run,
         zeros=zeros,
-        reduce=_reducer(acc_shardings, sum_shardings) if replicated else list,
+        reduce=_reducer(acc_shardings, sum_shardings, per_replica) if replicated else list,
         replicas=replicas,
         submesh=submesh,
         in_shardings=in_shardings,
         passed_shardings=passed_shardings,
         accumulator_shardings=acc_shardings,
         accumulated_shardings=sum_shardings,
+        per_replica=per_replica,
     )
+
+
+class _Layout(NamedTuple):
+    """Where a stage program's inputs and accumulators lie on its sub-mesh."""
+
+    inputs: tuple[NamedSharding, ...]
+    accumulators: tuple[NamedSharding, ...]
+    #: Per accumulator: whether it keeps a replica axis until ``reduce``.
+    per_replica: tuple[bool, ...]
+    #: The data-sharded parameters the program gathers itself, and how.
+    gathers: dict[int, NamedSharding]
+
+
+def _stage_layout(
+    submesh: Mesh,
+    params: Mapping[int, P],
+    sum_specs: Sequence[P],
+    num_inputs: int,
+    data_axis: str,
+    fsdp_gather: str,
+) -> _Layout:
+    replicated = int(submesh.shape.get(data_axis, 1)) > 1
+    once = fsdp_gather == "once"
+
+    def on_mesh(spec: P) -> NamedSharding:
+        return NamedSharding(submesh, spec)
+
+    per_microbatch = on_mesh(P(data_axis) if replicated else P())
+    # Gathered once per call, a data-sharded parameter reaches the program whole.
+    read = {i: gathered_spec(s, data_axis) if once else s for i, s in params.items()}
+    inputs = tuple(on_mesh(read[i]) if i in read else per_microbatch for i in range(num_inputs))
+    # An accumulator keeps a replica axis until reduce, but a data-sharded gradient
+    # gathered per microbatch: it is reduce-scattered each microbatch, so that no device
+    # holds a whole gradient (the memory "per_microbatch" is chosen to save).
+    per_replica = tuple(replicated and (once or not _names_axis(s, data_axis)) for s in sum_specs)
+    accumulators = tuple(
+        on_mesh(P(data_axis, *gathered_spec(s, data_axis)) if r else s)
+        for s, r in zip(sum_specs, per_replica)
+    )
+    gathers = {} if once else {i: on_mesh(gathered_spec(s, data_axis)) for i, s in params.items()}
+    return _Layout(inputs, accumulators, per_replica, gathers)
 
 
 def _check_indices(
@@ -549,8 +663,9 @@ def _check_indices(
         )
 
 
-def _param_spec(spec: Any, what: str, submesh: Mesh, data_axis: str) -> P:
-    """``spec`` checked: a PartitionSpec over ``submesh``'s axes, not the data axis."""
+def _param_spec(spec: Any, what: str, submesh: Mesh) -> P:
+    """``spec`` checked: a PartitionSpec over ``submesh``'s axes (the data axis among
+    them: a parameter sharded over it is gathered, see the module docstring)."""
     if not isinstance(spec, P):
         raise PipemarkError(
             f"compile_stage: the spec of {what} is {spec!r}; give a "
@@ -560,13 +675,6 @@ def _param_spec(spec: Any, what: str, submesh: Mesh, data_axis: str) -> P:
         if entry is None:
             continue
         for name in entry if isinstance(entry, tuple) else (entry,):
-            if name == data_axis:
-                raise PipemarkError(
-                    f"compile_stage: the spec {spec} of {what} shards over the data axis "
-                    f"{data_axis!r}, which the pipeline uses for data-parallel replicas "
-                    "(parameters sharded over it, FSDP, are not supported yet). Shard "
-                    "parameters over the other axes only."
-                )
             if name not in submesh.shape:
                 raise PipemarkError(
                     f"compile_stage: the spec {spec} of {what} names axis {name!r}, which "
@@ -588,11 +696,31 @@ def _replicated(
     return jax.vmap(fun, in_axes=in_axes, axis_size=replicas, spmd_axis_name=data_axis)
 
 
+def _gathering(
+    fun: Callable[..., list[Any]], gathers: Mapping[int, NamedSharding]
+) -> Callable[..., list[Any]]:
+    """``fun`` reading each input in ``gathers`` (a parameter sharded over the data
+    axis) gathered into its sharding there first: an all-gather in the program, whose
+    result XLA frees once the program no longer reads it."""
+    if not gathers:
+        return fun
+
+    def gathered(*inputs: Any) -> list[Any]:
+        inputs = tuple(
+            jax.lax.with_sharding_constraint(x, gathers[i]) if i in gathers else x
+            for i, x in enumerate(inputs)
+        )
+        return fun(*inputs)
+
+    return gathered
+
+
 def _runner(
     fun: Callable[..., list[Any]],
     accumulated: Sequence[int],
     passed: Sequence[int],
     shardings: tuple[tuple[NamedSharding | None, ...], ...],
+    reduced: Sequence[bool],
 ) -> Callable[[list[Any], list[Any], Any], tuple[list[Any], list[Any]]]:
     acc_shardings, in_shardings, passed_shardings = shardings
     scale_sharding = NamedSharding(acc_shardings[0].mesh, P()) if acc_shardings else None
@@ -601,7 +729,11 @@ def _runner(
         # scale is an argument so that one compiled program serves every number of
         # microbatches and replicas (1/(M*D) for a mean, 1 for a sum).
         outs = fun(*inputs)
-        new = [acc + microbatch_share(outs[o], scale) for acc, o in zip(accs, accumulated)]
+        shares = [microbatch_share(outs[o], scale) for o in accumulated]
+        # An accumulator without a replica axis (a data-sharded gradient, reduced per
+        # microbatch) gets the replicas' sum: a reduce-scatter into its sharding.
+        shares = [v.sum(axis=0, dtype=v.dtype) if r else v for v, r in zip(shares, reduced)]
+        new = [acc + share for acc, share in zip(accs, shares)]
         return new, [outs[o] for o in passed]
 
     return jax.jit(
@@ -613,12 +745,15 @@ def _runner(
 
 
 def _reducer(
-    acc_shardings: tuple[NamedSharding, ...], sum_shardings: tuple[NamedSharding, ...]
+    acc_shardings: tuple[NamedSharding, ...],
+    sum_shardings: tuple[NamedSharding, ...],
+    per_replica: Sequence[bool],
 ) -> Callable[[list[Any]], list[Any]]:
     """The one cross-replica reduction of a step: each accumulator's replica axis summed
-    into its own sharding."""
+    into its own sharding (a reduce-scatter where that is sharded over the data axis);
+    an accumulator without one (reduced per microbatch) as it is."""
 
     def reduce(accs: list[Any]) -> list[Any]:
-        return [acc.sum(axis=0, dtype=acc.dtype) for acc in accs]
+        return [acc.sum(axis=0, dtype=acc.dtype) if r else acc for acc, r in zip(accs, per_replica)]
 
     return jax.jit(reduce, in_shardings=(list(acc_shardings),), out_shardings=list(sum_shardings))

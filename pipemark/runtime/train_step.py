@@ -23,11 +23,12 @@ from pipemark.runtime.budget import check_update_within, within_budget
 from pipemark.runtime.calls import record_holders, restore_target, shape_key, traced_call
 from pipemark.runtime.execution import action_costs, run_plan
 from pipemark.runtime.keeping import stage_readers
+from pipemark.runtime.layouts import StepLayouts, step_layouts
 from pipemark.runtime.losses import count_batch_free_terms_once
 from pipemark.runtime.memory import MemoryEstimate, plan_memory, with_update
 from pipemark.runtime.options import PipelineOptions
 from pipemark.runtime.pipeline_stages import stage_program
-from pipemark.runtime.placement import leaf_specs
+from pipemark.runtime.placement import mesh_leaf_specs
 from pipemark.runtime.plan import PipelinePlan, plan_from_staged
 from pipemark.runtime.plan_export import export_train_step, leaf_names
 from pipemark.runtime.schedules import Schedule
@@ -130,18 +131,20 @@ class PipelinedStep:
             compute = count_batch_free_terms_once(
                 compute, num_replicated, options.num_microbatches * replicas
             )
-        specs = None
-        if options.mesh is not None:
-            specs = leaf_specs(options.param_specs, tuple(replicated), options.stage_axis)
-        plan = _step_plan(compute, options, num_replicated, micro, specs)
         num_args = len(jax.tree_util.tree_leaves(args))
+        layouts = None
+        if options.mesh is not None:
+            specs = mesh_leaf_specs(options, tuple(replicated), "args")
+            # The optimizer state and the gradients laid out like their parameters.
+            layouts = step_layouts(compute, apply, specs, num_args)
+        plan = _step_plan(compute, options, num_replicated, micro, layouts)
         split = split_step_update(plan, apply, num_args)
         if split is None and not plan.gather_results and plan.placement.distributed:
             # The whole update reads every stage's gradients: they are gathered, as
             # with gather_results=True (every process then runs it).
             options = dataclasses.replace(options, gather_results=True)
-            plan = _step_plan(compute, options, num_replicated, micro, specs)
-        parts = update_programs(plan, apply, split)
+            plan = _step_plan(compute, options, num_replicated, micro, layouts)
+        parts = update_programs(plan, apply, split, layouts and layouts.table)
         if options.memory_budget is not None:
             updates = update_bytes(plan, parts)
             check_update_within(updates, plan.placement.slots, options.memory_budget)
@@ -317,10 +320,11 @@ def _step_plan(
     options: PipelineOptions,
     num_param_leaves: int,
     microbatch_size: int,
-    param_specs: Any,
+    layouts: StepLayouts | None,
 ) -> PipelinePlan:
     """The plan of a training step's gradient part ``compute``, cut as ``options`` say
-    (again for each plan a memory budget tries), scheduled and compiled."""
+    (again for each plan a memory budget tries), scheduled and compiled; on
+    sub-meshes, its state and results laid out by ``layouts``."""
     out_tree = jax.tree_util.tree_structure([0] * len(compute.jaxpr.outvars))
 
     def make_plan(chosen: PipelineOptions, remat: frozenset[str]) -> PipelinePlan:
@@ -337,7 +341,8 @@ def _step_plan(
             num_param_leaves=num_param_leaves,
             microbatch_size=microbatch_size,
             options=chosen,
-            param_specs=param_specs,
+            param_specs=None if layouts is None else layouts.state,
+            result_specs=None if layouts is None else layouts.results,
             rematerialize=remat,
             stage_layers=layers,
         )
@@ -373,6 +378,7 @@ def pipeline_train_step(
     memory_budget: int | None = None,
     microbatches_in_flight: int | None = None,
     stage_layers: Sequence[int] | None = None,
+    fsdp_gather: str | None = None,
 ) -> PipelinedStep:
     """A training step ``step_fn(*state, batch)`` whose gradients are computed as a
     pipeline and then applied once.
@@ -436,5 +442,6 @@ def pipeline_train_step(
         memory_budget=memory_budget,
         microbatches_in_flight=microbatches_in_flight,
         stage_layers=stage_layers,
+        fsdp_gather=fsdp_gather,
     )
     return PipelinedStep(step_fn, options)

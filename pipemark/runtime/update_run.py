@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 import jax
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+from jax.sharding import NamedSharding
 
 from pipemark.runtime.placement import Slot, device_slot, held_elsewhere
 from pipemark.runtime.plan import PipelinePlan
@@ -91,11 +92,18 @@ def first_update_slot(plan: PipelinePlan) -> int:
 
 
 def update_programs(
-    plan: PipelinePlan, apply: ClosedJaxpr, split: StageUpdates | None
+    plan: PipelinePlan,
+    apply: ClosedJaxpr,
+    split: StageUpdates | None,
+    layouts: Mapping[int, Any] | None = None,
 ) -> tuple[UpdateProgram, ...]:
     """The parts of ``split`` (where it is ``None``, one part: the whole update
     ``apply`` on the first slot), each jitted and reading its inputs on its slot (a
-    sub-mesh's parameters with their layout there: :meth:`PipelinePlan.update_sharding`)."""
+    sub-mesh's parameters with their layout there: :meth:`PipelinePlan.update_sharding`).
+    On sub-meshes, ``layouts`` gives the ``PartitionSpec`` of positions of the update's
+    value table (:func:`pipemark.runtime.layouts.step_layouts`): the inputs there are
+    read, and the results written, in that layout (gradients and optimizer state
+    sharded like their parameters)."""
     if split is None:
         count = len(apply.jaxpr.invars)
         results = tuple(range(count, count + len(apply.jaxpr.outvars)))
@@ -104,17 +112,22 @@ def update_programs(
         )
     else:
         parts = split.parts
-    return tuple(
-        UpdateProgram(
-            p.worker,
-            p.program,
-            jax.jit(jaxpr_as_fun(p.program)),
-            p.inputs,
-            p.outputs,
-            tuple(plan.update_sharding(i, p.worker) for i in p.inputs),
+    layouts = layouts if plan.placement.meshes else None
+
+    def laid_out(position: int, worker: int) -> Any:
+        if layouts is None or position not in layouts:
+            return None
+        return NamedSharding(plan.placement.slots[worker].mesh, layouts[position])
+
+    programs = []
+    for p in parts:
+        shardings = tuple(
+            laid_out(i, p.worker) or plan.update_sharding(i, p.worker) for i in p.inputs
         )
-        for p in parts
-    )
+        outs = [laid_out(k, p.worker) for k in p.outputs]
+        run = jax.jit(jaxpr_as_fun(p.program), out_shardings=outs if any(outs) else None)
+        programs.append(UpdateProgram(p.worker, p.program, run, p.inputs, p.outputs, shardings))
+    return tuple(programs)
 
 
 def update_holders(plan: PipelinePlan, num_args: int) -> tuple[int | None, ...]:

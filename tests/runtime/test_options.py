@@ -51,6 +51,14 @@ def test_gather_results_must_be_a_bool(value):
         pm.pipeline_value_and_grad(lambda p, x: x, num_microbatches=1, gather_results=value)
 
 
+@pytest.mark.parametrize("value", ["twice", True, "ONCE"])
+def test_fsdp_gather_is_checked_before_tracing(value):
+    with pytest.raises(pm.PipemarkError, match=r"fsdp_gather is .*; use 'once'"):
+        pm.pipeline_value_and_grad(lambda p, x: x, num_microbatches=1, fsdp_gather=value)
+    with pytest.raises(pm.PipemarkError, match=r"fsdp_gather is .*; use 'once'"):
+        pm.pipeline_train_step(lambda p, x: x, num_microbatches=1, fsdp_gather=value)
+
+
 def test_gather_results_changes_nothing_in_one_process():
     # Every stage is this process's: its results are held here whatever the option.
     ex = examples.mlp(4)

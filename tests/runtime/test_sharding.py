@@ -25,12 +25,14 @@ from pipemark.errors import PipemarkError
 from pipemark.passes.stages import pair_stages
 from pipemark.runtime.sharding import (
     compile_stage,
+    gathered_spec,
     retarget_shardings,
     retarget_spec,
     stage_meshes,
 )
 from pipemark.staging import split_jaxpr
 from pipemark.walk import iter_eqns
+from tests._trees import assert_trees_within_ulps
 
 ROWS, WIDTH, HIDDEN = 8, 4, 8  # the batch of one step (one microbatch), layer sizes
 
@@ -511,7 +513,7 @@ def _tiny():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"param_specs": {0: P("data")}}, "shards over the data axis 'data'"),
+        ({"fsdp_gather": "twice"}, "fsdp_gather is 'twice'; use one of"),
         ({"param_specs": {0: P("expert")}}, "names axis 'expert'"),
         ({"param_specs": {0: ("model",)}}, "give a jax.sharding.PartitionSpec"),
         ({"param_specs": {5: P()}}, r"param_specs names \[5\].*2 inputs"),
@@ -556,3 +558,55 @@ def test_the_model_constraints_shard_the_replica_axis_over_data():
         if eqn.primitive.name == "sharding_constraint"
     ]
     assert specs == [P("data", None, "model")]
+
+
+# ------------------------------------------------------------ FSDP: data-sharded params
+
+
+def _collectives(text: str) -> set[str]:
+    found = re.findall(r"\b(all-gather|reduce-scatter|all-reduce)(?:-start)?\(", text)
+    return set(found)
+
+
+@pytest.mark.parametrize("gather", ["once", "per_microbatch"])
+def test_a_data_sharded_parameter_is_gathered_and_its_gradient_reduce_scattered(gather):
+    """A parameter sharded ``P("data", None)`` over 4 replicas: its gradient, summed
+    over 2 microbatches of 4 replicas, equals ``jax.jit(jax.grad)`` over all their rows
+    and comes back sharded like the parameter. ``"once"`` runs on the gathered
+    parameter (no collective per microbatch) and reduces once; ``"per_microbatch"``
+    gathers and reduces in the program (a CPU reduce-scatter is an all-reduce)."""
+    sub = _mesh((4,), ("data",))
+
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+    w = jax.random.normal(jax.random.key(0), (8, 3))
+    xs = jax.random.normal(jax.random.key(1), (2, 4, 2, 8))  # microbatch, replica, rows
+    cj = jax.make_jaxpr(jax.grad(loss))(w, xs[0, 0])
+    stage = compile_stage(
+        cj, sub, param_specs={0: P("data", None)}, accumulated=[0], passed=[],
+        accumulated_specs=[P("data", None)], fsdp_gather=gather,
+    )  # fmt: skip
+    # The program reads the parameter gathered, or gathers it itself.
+    read = P("data", None) if gather == "per_microbatch" else gathered_spec(P("data", None))
+    assert stage.in_shardings[0].spec == read
+    placed = jax.device_put(w, NamedSharding(sub, P("data", None)))
+    accs = stage.zeros()
+    first = jax.device_put([placed, xs[0]], list(stage.in_shardings))
+    run_text = stage.run.lower(accs, first, 1.0).compile().as_text()
+    reduce_text = stage.reduce.lower(accs).compile().as_text()
+    for m in range(2):
+        inputs = jax.device_put([placed, xs[m]], list(stage.in_shardings))
+        accs, _ = stage.run(accs, inputs, 0.5)
+    (grad,) = stage.reduce(accs)
+    want = jax.jit(jax.grad(lambda w: 0.5 * loss(w, xs.reshape(-1, 8))))(w)
+    assert_trees_within_ulps(grad, want, ulps=8)
+    assert grad.sharding.spec == P("data", None)
+    assert {s.data.shape for s in grad.addressable_shards} == {(2, 3)}
+    if gather == "once":  # whole per replica until the one reduction
+        assert accs[0].shape == (4, 8, 3) and stage.per_replica == (True,)
+        assert not _collectives(run_text) and _collectives(reduce_text)
+    else:  # a shard per device between microbatches
+        assert accs[0].shape == (8, 3) and stage.per_replica == (False,)
+        assert "all-gather" in _collectives(run_text) and not _collectives(reduce_text)
+        assert _collectives(run_text) & {"reduce-scatter", "all-reduce"}
