@@ -166,7 +166,7 @@ def resolve_sizes(args: argparse.Namespace, platform: str) -> dict:
 #: The models ``--model`` chooses: the GPT, and a Llama-style model
 #: (``pipemark.examples.llama``: RMSNorm, rotary, SwiGLU) with each attention it offers,
 #: tied or untied embeddings (issue #40).
-MODELS = ("gpt", "llama", "llama-mask", "llama-einsum", "llama-untied")
+MODELS = ("gpt", "llama", "llama-mask", "llama-einsum", "llama-untied", "nnx")
 
 
 def model_example(model: str, sizes: dict, rows: int, markers: str | None):
@@ -179,6 +179,17 @@ def model_example(model: str, sizes: dict, rows: int, markers: str | None):
     """
     if model == "gpt":
         return gpt_example(sizes, rows, markers)
+    if model == "nnx":  # benchmarks/nnx_model.py, beside this script
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("nnx_model", REPO / "benchmarks/nnx_model.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        names = ("layers", "d_model", "heads", "vocab", "seq")
+        return module.nnx_lm(
+            **{k: sizes[k] for k in names}, d_ff=sizes["d_ff"] * 2 // 3, rows=rows,
+            markers=markers is not None,
+        )  # fmt: skip
     import jax.numpy as jnp
 
     from pipemark import examples
@@ -522,7 +533,7 @@ def param_count(sizes: dict, model: str = "gpt") -> int:
     three ``d_ff * 2 // 3``-wide matrices, its embedding is its output projection unless
     untied."""
     d, d_ff, vocab, seq = (sizes[k] for k in ("d_model", "d_ff", "vocab", "seq"))
-    if model.startswith("llama"):
+    if model.startswith("llama") or model == "nnx":
         block = 4 * d * d + 3 * d * (d_ff * 2 // 3) + 2 * d
         return vocab * d * (2 if model == "llama-untied" else 1) + sizes["layers"] * block + d
     block = 4 * d * d + 2 * d * d_ff + d_ff + 5 * d
@@ -694,6 +705,8 @@ def verdicts(results: list[dict]) -> list[str]:
 def _model_name(model: str) -> str:
     if model == "gpt":
         return "examples.gpt"
+    if model == "nnx":
+        return "flax nnx (benchmarks/nnx_model.py: MultiHeadAttention, SwiGLU, tied)"
     what = {"llama-mask": "dot_product_attention(mask=causal)", "llama-einsum": "einsum attention"}
     what["llama-untied"] = "dot_product_attention(is_causal=True), untied embeddings"
     attention = what.get(model, "dot_product_attention(is_causal=True)")

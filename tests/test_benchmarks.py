@@ -14,6 +14,9 @@ from pathlib import Path
 import jax
 import pytest
 
+import pipemark as pm
+from tests._trees import assert_trees_close
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -396,3 +399,20 @@ def test_accelerator_shortens_what_did_not_fit(message, short):
     bench = _accelerator()
     assert bench.short_error(message) == short
     assert bench.is_out_of_memory(message) == ("RESOURCE_EXHAUSTED" in message)
+
+
+@pytest.mark.parametrize("model", ["llama-mask", "nnx"])
+def test_accelerator_models_pipelined_equal_jax_value_and_grad(model):
+    """Issue #40: the benchmark's models as users write them (``jax.nn.dot_product_attention``
+    with a mask; flax nnx ``MultiHeadAttention``), at a tiny size, split into two stages
+    of two microbatches: JAX's own gradient within bfloat16 rounding."""
+    bench = _accelerator()
+    sizes = dict(bench.SIZES["tiny"], layers=2)
+    ex = bench.model_example(model, sizes, 4, "boundary")
+    pipe = pm.pipeline_value_and_grad(
+        ex.loss_fn, num_stages=2, num_microbatches=2, devices=jax.devices()[:2]
+    )
+    plain = bench.model_example(model, sizes, 4, None)
+    want = jax.jit(jax.value_and_grad(plain.loss_fn))(plain.params, plain.batch)
+    # Two microbatches' means averaged against one mean; matmuls in bfloat16.
+    assert_trees_close(pipe(*ex.args), want, rtol=2e-2, atol=2e-3)
