@@ -24,7 +24,11 @@ that of the calls. The runtime's workers never wait for a transfer: they dispatc
 their next actions meanwhile.
 
 The program of a transfer is built in one function, ``_pair(source, target, types)``:
-for slots of one device each; slots on sub-meshes generalise it.
+for slots of one device each; slots on sub-meshes generalise it. Both compile it ahead,
+on a thread of their own, and call the compiled program: both ends then run the same
+executable whichever lines of the caller's code send and receive (a program carries the
+source line that traced it, and on JAX 0.12.1 two processes whose programs differ in it
+never meet).
 """
 
 from __future__ import annotations
@@ -305,9 +309,13 @@ def _pair(source: Any, target: Any, types: tuple, process: int) -> _Pair:
 
     spec = P("pair")
     sharding = NamedSharding(mesh, spec)
-    program = jax.jit(shard_map(move, mesh=mesh, in_specs=(spec,), out_specs=spec))
     # Each global array holds a value's block on each device: the first axis doubles.
     blocks = [shape or (1,) for shape, _ in types]
+    program = _compiled(
+        shard_map(move, mesh=mesh, in_specs=(spec,), out_specs=spec),
+        [((2 * b[0], *b[1:]), dtype) for b, (_, dtype) in zip(blocks, types)],
+        sharding,
+    )
     makers = [
         global_array_maker((2 * b[0], *b[1:]), dtype, sharding)
         for b, (_, dtype) in zip(blocks, types)
@@ -325,6 +333,36 @@ def _pair(source: Any, target: Any, types: tuple, process: int) -> _Pair:
 register_cache(_pair.cache_clear)
 
 
+def _compiled(move: Any, types: list[tuple], sharding: NamedSharding) -> Any:
+    """``jax.jit(move)`` compiled for a list of global arrays of ``types`` laid out by
+    ``sharding``, the same executable in every process: lowered on a thread of its own.
+
+    XLA's programs carry the source line of the Python code that traced them, and on
+    JAX 0.12.1 two processes whose collective programs differ in those lines alone
+    never meet (the transfer waits forever). Traced where the sender calls
+    :meth:`CollectiveTransport.send` and the receiver :meth:`~CollectiveTransport.receive`,
+    from different lines of a script, they would differ. On a new thread every frame
+    above the tracing is the standard library's, pipemark's or JAX's, which JAX leaves
+    out of the locations: the programs are alike whoever calls. (The runtime's own
+    transfers ran on such a thread already.) Calling the compiled program, not the
+    ``jit``, guarantees no call traces it again from the caller's line."""
+    specs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in types]
+    done: dict[str, Any] = {}
+
+    def compile_() -> None:
+        try:
+            done["program"] = jax.jit(move).lower(specs).compile()
+        except BaseException as error:  # raised in the caller's thread below
+            done["error"] = error
+
+    thread = threading.Thread(target=compile_, name="pipemark-transfer-compile")
+    thread.start()
+    thread.join()
+    if "error" in done:
+        raise done["error"]
+    return done["program"]
+
+
 @functools.lru_cache(maxsize=256)
 def _mesh_pair(source: Slot, target: Slot, types: tuple, process: int) -> _Pair:
     """The compiled transfer of values of ``types``, each laid out by its slot's
@@ -339,7 +377,11 @@ def _mesh_pair(source: Slot, target: Slot, types: tuple, process: int) -> _Pair:
     def move(blocks: list[Any]) -> list[Any]:
         return [lax.ppermute(b, "pair", perm=[(0, 1)]) for b in blocks]
 
-    program = jax.jit(shard_map(move, mesh=mesh, in_specs=(spec,), out_specs=spec))
+    program = _compiled(
+        shard_map(move, mesh=mesh, in_specs=(spec,), out_specs=spec),
+        [((2, *shape), dtype) for shape, dtype in types],
+        sharding,
+    )
     # The public constructor, which places each shard by its device (the shards come in
     # the source array's order).
     makers = [

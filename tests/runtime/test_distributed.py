@@ -168,6 +168,26 @@ def test_sub_mesh_stages_in_two_processes_equal_one_process(tmp_path):
     _check_held(want, runs, ("1f1b",), reference="")
 
 
+def test_a_bare_send_and_receive_between_two_processes_complete(tmp_path):
+    # The transport alone, outside a pipeline, the two ends called from different
+    # lines of the script: each value arrives as sent, bit for bit (JAX 0.12.1 hung
+    # here while the transfer's program carried its caller's line).
+    from tests.runtime._distributed import bare_values
+
+    launched = _run(
+        ["-m", "pipemark.launch", "-n", "2", str(SCRIPT), str(tmp_path), "bare"],
+        timeout=120,
+        PIPEMARK_TEST_TIMEOUT="20",
+    )
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    got = np.load(tmp_path / "bare-1.npz")
+    want = {f"{c}-{i}": v for c in range(3) for i, v in enumerate(bare_values(c)[: 3 - c // 2])}
+    assert sorted(got.files) == sorted(want)
+    for key, value in want.items():
+        assert got[key].dtype == np.asarray(value).dtype and got[key].shape == np.shape(value)
+        np.testing.assert_array_equal(got[key], value, err_msg=key)
+
+
 def test_a_process_dispatches_its_next_action_while_its_transfer_waits(tmp_path):
     # Process 1's first forward waits 3 s. Process 0's forwards under GPipe need nothing
     # from process 1, and its transfers wait on a thread of their own: all four run
