@@ -275,9 +275,14 @@ class Placement:
         """Whether a value from worker ``producer`` to worker ``reader`` moves between
         processes (as a collective of every process owning devices of either slot),
         rather than within this process (or stays on its slot)."""
-        if producer == reader:
+        if producer == reader or not self.distributed:
             return False
-        return len(self.slots[producer].processes | self.slots[reader].processes) > 1
+        processes = self._processes  # made once: a worker asks for each value it sends
+        return len(processes[producer] | processes[reader]) > 1
+
+    @cached_property
+    def _processes(self) -> tuple[frozenset[int], ...]:
+        return tuple(slot.processes for slot in self.slots)
 
     def stage_devices(self) -> tuple[Any, ...]:
         """The first device of each pipeline stage's slot."""
