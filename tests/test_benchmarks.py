@@ -114,13 +114,6 @@ def test_scan_benchmark_prints_balance_and_time():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    tuple(jax.__version_info__[:3]) >= (0, 12, 1),
-    reason="on JAX 0.12.1 the benchmark's bare CollectiveTransport.send/receive between "
-    "two processes (outside a pipeline call) never completes, while every pipeline's "
-    "transfers do (tests/runtime/test_distributed.py, test_checkpoint.py); not yet "
-    "understood, see the session note of 2026-12-06",
-)
 def test_distributed_benchmark_prints_its_table():
     lines = _output_lines("distributed.py", "--processes", "2", "--quick")
     header = next(line for line in lines if line.startswith("| processes | schedule |"))

@@ -54,7 +54,7 @@ from pipemark.caches import register_cache
 from pipemark.errors import PipemarkError
 from pipemark.runtime.compilation import Unit, result_shardings
 from pipemark.runtime.exchange import Cancelled, Exchange
-from pipemark.runtime.placement import device_slot, held_elsewhere
+from pipemark.runtime.placement import device_slot, held_elsewhere, put_global
 from pipemark.runtime.plan import PipelinePlan
 from pipemark.runtime.schedules import BACKWARD, FORWARD, WEIGHT, Action
 from pipemark.runtime.steps import PARAM, STAGE, Gather, Key, Step, step_name, value_type
@@ -180,7 +180,7 @@ class _Call:
             # A parameter sharded over the data axis and gathered once per call is
             # gathered here, the copy every microbatch's program reads.
             where = [plan.stage_param_sharding(i, worker) for i in need_params]
-            placed = jax.device_put(sources, where) if sources else []
+            placed = put_global(sources, where)
             batch = [x for j in need_batch for x in self.slices[j]]
             placed = [*placed, *plan.placement.put(batch, worker)]
         else:
@@ -257,12 +257,13 @@ class _Call:
     def publish(self, worker: int, step: Step, outs: Sequence[Any]) -> None:
         entries = []
         copies: dict[int, list[Any]] = {}
+        crossing = self.plan.placement.crossing
         for position, key, targets in step.sends:
             for reader, count in targets:
                 if reader == worker:
                     entries.append((key, reader, outs[position], count))
-                elif not self.local[reader]:  # sent when the global order reaches it
-                    entries.append((key, reader, outs[position], 1))
+                elif crossing(worker, reader):  # sent when the global order reaches it
+                    entries.append(((*key, reader), len(self.local), outs[position], 1))
                 else:
                     copies.setdefault(reader, []).append((key, position, count))
         slots = self.plan.placement.slots
@@ -288,8 +289,14 @@ class _Call:
                 self.finish_stage(index)
             for index in finals.get(n, ()):  # results final: other processes get them
                 self.finish_stage(index)
+                accs = self.accs[index]
+                slot = self.plan.placement.slots[worker]
+                if len(slot.processes) > 1:
+                    # Whole on each device of the slot (gathered over its processes) on
+                    # this thread, which alone runs collectives over the slot's devices.
+                    accs = jax.device_put(list(accs), [slot.replicated] * len(accs))
                 key = (-1, index, 0)
-                self.exchange.publish([(key, len(self.local), self.accs[index], 1)])
+                self.exchange.publish([(key, len(self.local), accs, 1)])
         self.host_times.append(time.perf_counter() - start - waited)
         self.cpu_times.append(time.thread_time() - cpu)
 
@@ -303,7 +310,8 @@ class _Call:
         what = functools.partial(_describe, self.plan, keys)
         values = None
         if self.local[producer]:
-            values = [self.exchange.take(key, reader)[0] for key in keys]
+            mailbox = len(self.local)  # the transfer thread's
+            values = [self.exchange.take((*key, reader), mailbox)[0] for key in keys]
         received = self.transport.move(values, types, slots[producer], slots[reader], what)
         if received is not None:
             readers = self.steps.readers
@@ -315,14 +323,22 @@ class _Call:
         """Every process other than its worker's receives the accumulated results of
         stage ``gather.index``: one transport move to each receiving device in turn,
         which the worker's process sends and that device's process receives (the
-        others pass it by)."""
+        others pass it by). A stage whose sub-mesh spans processes has its results whole
+        on each of its devices already (:meth:`walk`): each of its processes keeps its
+        own copy, and the process of its first device sends to the processes outside."""
         transport, index = self.transport, gather.index
-        source = device_slot(self.plan.placement.slots[gather.worker].device)
+        slot = self.plan.placement.slots[gather.worker]
+        source = device_slot(slot.device)
         what = f"the results of stage {self.plan.staged.stages[index].name!r}"
         accs = None
         if self.local[gather.worker]:
             accs = self.exchange.take((-1, index, 0), len(self.local))[0]
-            if self.plan.placement.meshes:  # a sub-mesh's results go whole, from one device
+            if len(slot.processes) > 1:
+                # Whole on each of the slot's devices already: each of its processes
+                # keeps its own copy, and the one of the slot's first device sends it.
+                accs = [_copy_on(v, slot.device) for v in accs]
+                self.accs[index] = accs
+            elif self.plan.placement.meshes:  # a sub-mesh's results go whole, from one device
                 accs = [jax.device_put(v, source.device) for v in accs]
         sent, received = transport.bytes_sent, transport.bytes_received
         for _, receiver in gather.receivers:
@@ -412,6 +428,13 @@ class _Call:
                     results[r] = value
         self.gathered[0] += transport.bytes_sent - sent
         self.gathered[1] += transport.bytes_received - received
+
+
+def _copy_on(value: Any, device: Any) -> Any:
+    """This process's whole copy of ``value`` (replicated over a sub-mesh that spans
+    processes): the one on ``device`` where this process owns it, else its first."""
+    shards = value.addressable_shards
+    return next((s.data for s in shards if s.device == device), shards[0].data)
 
 
 def _bound_dispatch(pending: collections.deque, results: Any, ahead: int) -> None:

@@ -15,9 +15,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
+from functools import cached_property
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
@@ -35,6 +37,7 @@ __all__ = [
     "mesh_leaf_specs",
     "mesh_slot",
     "place_stages",
+    "put_global",
     "put_on",
 ]
 
@@ -53,7 +56,8 @@ class Slot:
         How a value handed between stages, or a microbatch, lies on the slot (on a
         sub-mesh with a data axis: its leading replica axis along that axis).
     process:
-        The process that owns the devices (all of them: a slot lies in one process).
+        The process that owns the slot's first device (on a sub-mesh that spans
+        processes, :attr:`processes` names every one).
     replicated:
         How a value whole on every device of the slot lies there.
     replicas:
@@ -74,6 +78,12 @@ class Slot:
         """The slot's first device."""
         return self.devices[0]
 
+    @property
+    def processes(self) -> frozenset[int]:
+        """The processes that own the slot's devices: one, or several for a sub-mesh
+        that spans processes (each of them runs the slot's programs, on its devices)."""
+        return frozenset(_process_of(d) for d in self.devices)
+
     def __str__(self) -> str:
         if self.mesh is None:
             return str(self.device)
@@ -85,7 +95,27 @@ def put_on(values: Sequence[Any], slot: Slot) -> list[Any]:
     """``values`` copied onto ``slot`` (laid out by its sharding), in one transfer."""
     if slot.mesh is None:
         return copy_to_device(list(values), slot.device)
-    return jax.device_put(list(values), slot.sharding)
+    return put_global(list(values), [slot.sharding] * len(values))
+
+
+def put_global(values: Sequence[Any], shardings: Sequence[Any]) -> list[Any]:
+    """``values`` laid out by ``shardings``. A sharding over devices of several
+    processes (a sub-mesh that spans processes) takes from each value, which every
+    such process holds whole (the pipeline's arguments), the shards of this process's
+    devices: ``jax.device_put`` refuses an array committed to one device there.
+
+    >>> import jax, numpy as np
+    >>> sharding = jax.sharding.SingleDeviceSharding(jax.devices()[1])
+    >>> [v.sharding == sharding for v in put_global([np.ones(2)], [sharding])]
+    [True]
+    """
+    values = list(values)
+    if all(s.is_fully_addressable for s in shardings):
+        return jax.device_put(values, list(shardings)) if values else []
+    return [
+        jax.make_array_from_callback(np.shape(v), s, lambda index, v=v: v[index])
+        for v, s in zip(values, shardings)
+    ]
 
 
 def _not_on(values: list[Any], sharding: Any) -> list[int]:
@@ -117,8 +147,8 @@ def device_slot(device: Any) -> Slot:
 
 
 def mesh_slot(mesh: Mesh, data_axis: str) -> Slot:
-    """A slot of a sub-mesh (within one process: :func:`pipemark.runtime.sharding.stage_meshes`
-    checks it), with ``mesh.shape[data_axis]`` replicas (1 without that axis)."""
+    """A slot of a sub-mesh (its devices of one process or of several), with
+    ``mesh.shape[data_axis]`` replicas (1 without that axis)."""
     replicas = int(mesh.shape.get(data_axis, 1))
     sharding = NamedSharding(mesh, P(data_axis) if replicas > 1 else P())
     devices = tuple(mesh.devices.flat)
@@ -291,15 +321,35 @@ class Placement:
     stage_slots: tuple[int, ...]
     process: int
 
-    @property
+    @cached_property
     def local(self) -> tuple[bool, ...]:
-        """Per worker, whether this process runs it."""
-        return tuple(slot.process == self.process for slot in self.slots)
+        """Per worker, whether this process runs it (owns devices of its slot: a slot
+        that spans processes runs in each of them)."""
+        return tuple(self.process in slot.processes for slot in self.slots)
 
-    @property
+    @cached_property
     def distributed(self) -> bool:
-        """Whether some worker belongs to another process (under ``jax.distributed``)."""
-        return not all(self.local)
+        """Whether some worker's devices belong to another process (under
+        ``jax.distributed``)."""
+        return any(slot.processes != {self.process} for slot in self.slots)
+
+    @cached_property
+    def spanning(self) -> bool:
+        """Whether some slot's sub-mesh spans processes."""
+        return any(len(slot.processes) > 1 for slot in self.slots)
+
+    def crossing(self, producer: int, reader: int) -> bool:
+        """Whether a value from worker ``producer`` to worker ``reader`` moves between
+        processes (as a collective of every process owning devices of either slot),
+        rather than within this process (or stays on its slot)."""
+        if producer == reader or not self.distributed:
+            return False
+        processes = self._processes  # made once: a worker asks for each value it sends
+        return len(processes[producer] | processes[reader]) > 1
+
+    @cached_property
+    def _processes(self) -> tuple[frozenset[int], ...]:
+        return tuple(slot.processes for slot in self.slots)
 
     def stage_devices(self) -> tuple[Any, ...]:
         """The first device of each pipeline stage's slot."""
@@ -334,7 +384,7 @@ class Placement:
         # The slots' platform, not the default backend's: a pipeline given the host
         # CPU's devices on an accelerator machine receives on the CPU too.
         platform = self.slots[0].device.platform
-        for device in (*(s.device for s in self.slots), *jax.devices(platform)):
+        for device in (*(d for s in self.slots for d in s.devices), *jax.devices(platform)):
             first.setdefault(_process_of(device), device)
         return first
 
@@ -344,7 +394,9 @@ class Placement:
         whole on its first slot, or, in a process that runs no slot, on its receiving
         device (:meth:`receivers`). Never JAX's default device, which may be another
         platform's than the pipeline's."""
-        mine = next((s for s in self.slots if s.process == self.process), None)
+        # A slot of this process alone: one that spans processes would make the result
+        # an array of the global program, not this process's own copy.
+        mine = next((s for s in self.slots if s.processes == {self.process}), None)
         if mine is not None:
             return mine.replicated
         return SingleDeviceSharding(self.receivers()[self.process])

@@ -18,13 +18,20 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from pipemark.errors import PipemarkError
 from pipemark.passes.residuals import RECOMPUTABLE, recompute_residuals
 from pipemark.runtime.agreement import check_agreement
 from pipemark.runtime.compilation import Unit, compile_fused, compile_units
 from pipemark.runtime.losses import LOSS_REDUCTIONS
 from pipemark.runtime.options import PipelineOptions
 from pipemark.runtime.pipeline_stages import pipeline_stages, stage_program
-from pipemark.runtime.placement import Placement, Slot, mesh_leaf_specs, place_stages
+from pipemark.runtime.placement import (
+    Placement,
+    Slot,
+    mesh_leaf_specs,
+    place_stages,
+    put_global,
+)
 from pipemark.runtime.problem import ScheduleProblem
 from pipemark.runtime.schedules import BACKWARD, FORWARD, WEIGHT, Schedule
 from pipemark.runtime.scheduling import plan_schedule
@@ -296,6 +303,12 @@ def plan_from_staged(
     stages = pipeline_stages(staged, options.splits_backward)
     problem, schedule = plan_schedule(stages, options)
     placement = place_stages(problem.slots, schedule.stage_devices)
+    if placement.spanning and not options.gather_results:
+        raise PipemarkError(
+            "gather_results=False with a stage whose sub-mesh spans processes is not "
+            "supported yet: keep gather_results=True (every process gets every result), "
+            "or lay the mesh out so that each stage's devices belong to one process."
+        )
     units = compile_units(
         stages.staged,
         {index: placement.stage_slots[k] for index, k in stages.pipeline_stage().items()},
@@ -362,7 +375,7 @@ def _ready(plan: PipelinePlan) -> PipelinePlan:
         if unit.zeros is not None and local[unit.worker] and not unit.donates
     }
     scales = {
-        w: jax.device_put(np.float32(plan.device_scale(slot)), slot.replicated)
+        w: put_global([np.float32(plan.device_scale(slot))], [slot.replicated])[0]
         for w, slot in enumerate(placement.slots)
         if local[w]
     }

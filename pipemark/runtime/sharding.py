@@ -46,6 +46,10 @@ The rules
   leaves it as it is.
 - With ``D == 1`` (no data axis, or one of size 1) there is no replica axis: inputs,
   outputs and accumulators have the shapes of the traced program.
+- **A sub-mesh may span processes** (``jax.distributed``): each process that owns some
+  of its devices runs the stage's programs on them, and the runtime moves values
+  between stages as collectives over both sub-meshes
+  (:mod:`pipemark.runtime.transport`).
 - Sub-meshes have ``Auto`` axes (``jax.sharding.AxisType.Auto``) whatever the user's
   mesh has: the compiler propagates shardings from the parameters and constraints.
   A program with ``Explicit``-axis shardings is refused.
@@ -129,7 +133,8 @@ def stage_meshes(
     Returns
     -------
     The sub-meshes, all with the same axis names and shape (``Auto`` axes), no device
-    in two of them, each within one process.
+    in two of them. Under ``jax.distributed`` a sub-mesh may span processes: each
+    process that owns some of its devices runs the stage's programs on them.
 
     >>> import jax, numpy as np
     >>> mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "stage", "model"))
@@ -183,13 +188,6 @@ def _check_sub_meshes(meshes: Sequence[Mesh]) -> None:
                 f"Sub-mesh {k} has axes {dict(sub.shape)} but sub-mesh 0 has "
                 f"{dict(first.shape)}; every stage's sub-mesh needs the same axis names "
                 "and sizes."
-            )
-        processes = {d.process_index for d in sub.devices.flat}
-        if len(processes) > 1:
-            raise PipemarkError(
-                f"Sub-mesh {k} spans processes {sorted(processes)}; for now each stage's "
-                "sub-mesh must lie within one process. Lay the mesh out so that the "
-                "devices of one stage belong to one host."
             )
         for device in sub.devices.flat:
             if device in owner:

@@ -409,7 +409,7 @@ def _transfers(
     hangs or aborts otherwise)."""
     if not placement.distributed:
         return ()
-    process = [slot.process for slot in placement.slots]
+    process = [slot.processes for slot in placement.slots]
     last = {
         index: n
         for n, (_, step) in enumerate(serial)
@@ -425,12 +425,12 @@ def _transfers(
             if source != STAGE or (key, worker) in moved:
                 continue
             producer = units[key[1]].worker
-            if process[producer] != process[worker]:
+            if placement.crossing(producer, worker):
                 moved.add((key, worker))
                 per_producer.setdefault(producer, []).append(key)
         for p, keys in per_producer.items():
-            if placement.process not in (process[p], process[worker]):
-                continue  # between two other processes
+            if placement.process not in process[p] | process[worker]:
+                continue  # between other processes
             types = tuple(_passed_type(staged, placement, p, i, o) for _, i, o in keys)
             transfers.append((p, worker, tuple(keys), types))
         for index in _stages_of(step):
@@ -438,7 +438,8 @@ def _transfers(
                 continue
             out_avals = staged.stages[index].out_avals
             types = tuple(value_type(out_avals[o]) for _, o in units[index].accumulated)
-            others = tuple((q, d) for q, d in receivers.items() if q != process[worker])
+            # A process owning part of the slot keeps its own copy of the results.
+            others = tuple((q, d) for q, d in receivers.items() if q not in process[worker])
             transfers.append(Gather(worker, index, types, others))
     return tuple(transfers)
 

@@ -28,7 +28,7 @@ from pipemark.runtime.losses import count_batch_free_terms_once
 from pipemark.runtime.memory import MemoryEstimate, plan_memory, with_update
 from pipemark.runtime.options import PipelineOptions
 from pipemark.runtime.pipeline_stages import stage_program
-from pipemark.runtime.placement import mesh_leaf_specs
+from pipemark.runtime.placement import available_slots, mesh_leaf_specs
 from pipemark.runtime.plan import PipelinePlan, plan_from_staged
 from pipemark.runtime.plan_export import export_train_step, leaf_names
 from pipemark.runtime.schedules import Schedule
@@ -44,6 +44,18 @@ from pipemark.runtime.update_run import (
 )
 
 __all__ = ["PipelinedStep", "pipeline_train_step"]
+
+
+def _refuse_spanning_stages(options: PipelineOptions) -> None:
+    """A training step's update runs on each process's own slots: a stage whose
+    sub-mesh spans processes (``pipeline_value_and_grad`` runs one) is refused."""
+    if options.mesh is None or not any(len(s.processes) > 1 for s in available_slots(options)):
+        return
+    raise PipemarkError(
+        "pipeline_train_step with a stage whose sub-mesh spans processes is not supported "
+        "yet: lay the mesh out so that each stage's devices belong to one process, or "
+        "use pipeline_value_and_grad (which runs it) and update the parameters outside."
+    )
 
 
 def _refuse_unsplit_batch(replicated: list[Any], batch: Any, error: Exception) -> None:
@@ -113,6 +125,7 @@ class PipelinedStep:
             return prepared
         *replicated, batch = args
         options = self.options
+        _refuse_spanning_stages(options)
         batch_structs, micro, replicas = replica_batch(batch, options)
         # The gradient part is traced for one microbatch (it runs per microbatch); the
         # update is traced for the whole batch (it runs once, and may read the batch).

@@ -24,7 +24,11 @@ that of the calls. The runtime's workers never wait for a transfer: they dispatc
 their next actions meanwhile.
 
 The program of a transfer is built in one function, ``_pair(source, target, types)``:
-for slots of one device each; slots on sub-meshes generalise it.
+for slots of one device each; slots on sub-meshes generalise it. Both compile it ahead,
+on a thread of their own, and call the compiled program: both ends then run the same
+executable whichever lines of the caller's code send and receive (a program carries the
+source line that traced it, and on JAX 0.12.1 two processes whose programs differ in it
+never meet).
 """
 
 from __future__ import annotations
@@ -62,9 +66,10 @@ class Transport(Protocol):
         self, values: Sequence[Any] | None, types: tuple, source: Slot, target: Slot, what: Any
     ) -> list[Any] | None:
         """Move ``values`` (of ``(shape, dtype)`` ``types``) from ``source`` to
-        ``target``. The process owning ``source`` passes the values; the process owning
-        ``target`` gets the values on its slot (``None`` elsewhere). ``what`` names
-        what moves, for a message: a string, or a function giving one.
+        ``target``. A process owning (devices of) ``source`` passes the values (its
+        view of them); a process owning devices of ``target`` gets the values on the
+        slot (``None`` elsewhere). ``what`` names what moves, for a message: a string,
+        or a function giving one.
 
         Every process calls it for every move it may be an end of, in the same order; a
         process that is neither end passes it by. Sending a stage's results to every
@@ -189,33 +194,51 @@ class CollectiveTransport:
     ) -> list[Any] | None:
         """One collective over both sub-meshes: each device of ``source`` sends its
         shard to the device at the same position of ``target`` (both slots have the
-        same mesh shape, and the values their ``sharding``)."""
+        same mesh shape, and the values their ``sharding``). Every process owning
+        devices of either slot takes part: with its shards of the values where it owns
+        some of ``source`` (then ``values`` are this process's view of them), with
+        placeholders on its devices of ``target``, where it gets its shards of the
+        results (a sub-mesh may span processes)."""
         types = tuple((tuple(s), np.dtype(d)) for s, d in types)
         me = self.process
+        if me not in source.processes | target.processes:
+            return None
         pair = _mesh_pair(source, target, types, me)
-        if source.process == me:
+        arrays = pair.placeholders
+        if me in source.processes:
             # Both ends agree on the slot's layout (the receiver cannot see the
-            # sender's): a value in another one is resharded first, within the sender.
+            # sender's): a value in another one is resharded first, over the source.
             values = [
                 v if v.sharding == source.sharding else jax.device_put(v, source.sharding)
-                for v in values
+                for v in values or ()
             ]
             arrays = [
-                make([s.data.reshape(1, *s.data.shape) for s in v.addressable_shards])
-                for make, v in zip(pair.makers, values)
+                make([*(s.data.reshape(1, *s.data.shape) for s in v.addressable_shards), *held])
+                for make, v, held in zip(pair.makers, values, pair.placeholders)
             ]
-            self._transfer(pair.program, arrays, ("sending", what, "to", target.device))
+        # A message names another process of the collective (a receiver, where there
+        # is one: a sender waits for those).
+        ends = (*target.devices, *source.devices) if me in source.processes else source.devices
+        peer = next((d for d in ends if d.process_index != me), target.device)
+        verb = (
+            ("sending", what, "to", peer) if me in source.processes else ("for", what, "from", peer)
+        )
+        out = self._transfer(pair.program, arrays, verb)
+        if me in source.processes:
             self.bytes_sent += pair.nbytes
+        if me not in target.processes:
             return None
-        if target.process != me:
-            return None
-        out = self._transfer(pair.program, pair.placeholders, ("for", what, "from", source.device))
         self.bytes_received += pair.nbytes
+        mine = set(target.devices)
         return [
             jax.make_array_from_single_device_arrays(
                 shape,
                 target.sharding,
-                [s.data.reshape(s.data.shape[1:]) for s in array.addressable_shards],
+                [
+                    s.data.reshape(s.data.shape[1:])
+                    for s in array.addressable_shards
+                    if s.device in mine
+                ],
             )
             for array, (shape, _) in zip(out, types)
         ]
@@ -285,7 +308,9 @@ class _Pair(NamedTuple):
 
     program: Any  # the compiled transfer
     makers: list[Any]  # per value: its global array from the sender's shard
-    placeholders: list[Any] | None  # the receiving end's arguments (on its process)
+    # The receiving end's arguments (on its process); between sub-meshes, in a process
+    # that also sends, per value its blocks on its devices of the receiving sub-mesh.
+    placeholders: list[Any] | None
     nbytes: int  # the bytes one transfer moves (jax.Array.nbytes costs ~10 µs a value)
 
 
@@ -305,9 +330,13 @@ def _pair(source: Any, target: Any, types: tuple, process: int) -> _Pair:
 
     spec = P("pair")
     sharding = NamedSharding(mesh, spec)
-    program = jax.jit(shard_map(move, mesh=mesh, in_specs=(spec,), out_specs=spec))
     # Each global array holds a value's block on each device: the first axis doubles.
     blocks = [shape or (1,) for shape, _ in types]
+    program = _compiled(
+        shard_map(move, mesh=mesh, in_specs=(spec,), out_specs=spec),
+        [((2 * b[0], *b[1:]), dtype) for b, (_, dtype) in zip(blocks, types)],
+        sharding,
+    )
     makers = [
         global_array_maker((2 * b[0], *b[1:]), dtype, sharding)
         for b, (_, dtype) in zip(blocks, types)
@@ -325,6 +354,36 @@ def _pair(source: Any, target: Any, types: tuple, process: int) -> _Pair:
 register_cache(_pair.cache_clear)
 
 
+def _compiled(move: Any, types: list[tuple], sharding: NamedSharding) -> Any:
+    """``jax.jit(move)`` compiled for a list of global arrays of ``types`` laid out by
+    ``sharding``, the same executable in every process: lowered on a thread of its own.
+
+    XLA's programs carry the source line of the Python code that traced them, and on
+    JAX 0.12.1 two processes whose collective programs differ in those lines alone
+    never meet (the transfer waits forever). Traced where the sender calls
+    :meth:`CollectiveTransport.send` and the receiver :meth:`~CollectiveTransport.receive`,
+    from different lines of a script, they would differ. On a new thread every frame
+    above the tracing is the standard library's, pipemark's or JAX's, which JAX leaves
+    out of the locations: the programs are alike whoever calls. (The runtime's own
+    transfers ran on such a thread already.) Calling the compiled program, not the
+    ``jit``, guarantees no call traces it again from the caller's line."""
+    specs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in types]
+    done: dict[str, Any] = {}
+
+    def compile_() -> None:
+        try:
+            done["program"] = jax.jit(move).lower(specs).compile()
+        except BaseException as error:  # raised in the caller's thread below
+            done["error"] = error
+
+    thread = threading.Thread(target=compile_, name="pipemark-transfer-compile")
+    thread.start()
+    thread.join()
+    if "error" in done:
+        raise done["error"]
+    return done["program"]
+
+
 @functools.lru_cache(maxsize=256)
 def _mesh_pair(source: Slot, target: Slot, types: tuple, process: int) -> _Pair:
     """The compiled transfer of values of ``types``, each laid out by its slot's
@@ -339,20 +398,26 @@ def _mesh_pair(source: Slot, target: Slot, types: tuple, process: int) -> _Pair:
     def move(blocks: list[Any]) -> list[Any]:
         return [lax.ppermute(b, "pair", perm=[(0, 1)]) for b in blocks]
 
-    program = jax.jit(shard_map(move, mesh=mesh, in_specs=(spec,), out_specs=spec))
+    program = _compiled(
+        shard_map(move, mesh=mesh, in_specs=(spec,), out_specs=spec),
+        [((2, *shape), dtype) for shape, dtype in types],
+        sharding,
+    )
     # The public constructor, which places each shard by its device (the shards come in
     # the source array's order).
     makers = [
         functools.partial(jax.make_array_from_single_device_arrays, (2, *shape), sharding)
         for shape, _ in types
     ]
-    placeholders = None
-    if target.process == process:  # this process receives
-        placeholders = []
-        for make, (shape, dtype) in zip(makers, types):
-            block = (1, *target.sharding.shard_shape(shape))
-            devices = target.devices
-            placeholders.append(make([jax.device_put(np.zeros(block, dtype), d) for d in devices]))
+    # Per value, the blocks this process passes on its devices of ``target`` (none
+    # where it owns none): placeholders of the values' type, where the results land.
+    mine = [d for d in target.devices if d.process_index == process]
+    placeholders = []
+    for shape, dtype in types:
+        block = np.zeros((1, *target.sharding.shard_shape(shape)), dtype)
+        placeholders.append([jax.device_put(block, d) for d in mine])
+    if process not in source.processes:  # the whole arguments: placeholders alone
+        placeholders = [make(held) for make, held in zip(makers, placeholders)]
     nbytes = sum(int(np.prod(shape)) * dtype.itemsize for shape, dtype in types)
     return _Pair(program, makers, placeholders, nbytes)
 

@@ -13,6 +13,7 @@ a training step clipped by the global norm, each process updating its own stages
     python tests/runtime/_distributed.py OUT_DIR shape      # process 1's batch differs
     python tests/runtime/_distributed.py OUT_DIR schedule   # process 1's schedule differs
     python tests/runtime/_distributed.py OUT_DIR overlap    # process 1's first forward waits
+    python tests/runtime/_distributed.py OUT_DIR bare       # CollectiveTransport alone
 """
 
 from __future__ import annotations
@@ -130,6 +131,39 @@ def overlap(me: int) -> None:
     np.save(os.path.join(OUT, f"{MODE}-{me}.npy"), np.asarray(times))
 
 
+def bare_values(call: int) -> list:
+    """What process 0 sends process 1 in ``bare``'s transfer ``call``: a float block, an
+    int32 scalar and a float16 matrix."""
+    return [
+        np.arange(16, dtype=np.float32) * (call + 1),
+        np.int32(7 - call),
+        (np.arange(6).reshape(2, 3) + call).astype(np.float16),
+    ]
+
+
+def bare(me: int) -> None:
+    """``CollectiveTransport.send`` in process 0 and ``receive`` in process 1, outside
+    any pipeline call and from different lines of this script (on JAX 0.12.1 that hung
+    while the programs carried the caller's line), twice with the same types, once
+    with others; process 1 saves what it received."""
+    from pipemark.runtime.transport import CollectiveTransport, Watchdog
+
+    source, target = jax.devices()[:2]
+    transport = CollectiveTransport(Watchdog(TIMEOUT, me), me)
+    received = {}
+    for call in range(3):
+        values = bare_values(call)[: 3 if call < 2 else 2]
+        if me == 0:
+            placed = [jax.device_put(v, source) for v in values]
+            transport.send(placed, source, target, "the values")
+        else:
+            types = [(np.shape(v), np.asarray(v).dtype) for v in values]
+            got = transport.receive(types, source, target, "the values")
+            received.update({f"{call}-{i}": np.asarray(v) for i, v in enumerate(got)})
+    if me == 1:
+        np.savez(os.path.join(OUT, "bare-1.npz"), **received)
+
+
 def mismatched(me: int) -> None:
     """Process 1 calls with another batch size (``shape``) or schedule (``schedule``)."""
     rows = 8 if MODE == "schedule" or me == 0 else 12
@@ -224,6 +258,8 @@ def main() -> None:
         return mismatched(me)
     if MODE == "overlap":
         return overlap(me)
+    if MODE == "bare":
+        return bare(me)
     saved = {}
     for name, loss_fn, params, batch, schedule, stages in runs():
         options = dict(num_stages=stages, num_microbatches=4, schedule=schedule, timeout_s=TIMEOUT)
