@@ -42,6 +42,7 @@ backward action of that stage) and the largest temporary of a stage's program.
 >>> layout = Layout(pp=4, fsdp=64, microbatches=16, remat=True)
 >>> p = predict_layout(Transformer.llama2_7b(), layout, tpu_v5e(256), global_batch=1024)
 >>> p.fits, round(p.step_seconds, 1), round(p.bubble_fraction, 2)
+(True, 12.5, 0.18)
 """
 
 from __future__ import annotations
