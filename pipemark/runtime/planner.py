@@ -456,7 +456,7 @@ def search_layouts(
     global_batch: int,
     schedules: Sequence[str] = ("1f1b", "interleaved", "zb-h1", "zb-v"),
     tensor_parallel: Sequence[int] = (1, 2, 4, 8),
-    max_pp: int = 16,
+    max_pp: int = 8,
     microbatch_factors: Sequence[int] = (1, 2, 4),
 ) -> list[Layout]:
     """Layouts of all of ``cluster``'s chips: powers of two for PP (up to ``max_pp``, at
