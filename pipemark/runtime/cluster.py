@@ -159,6 +159,10 @@ def tpu_v5e(num_chips: int = 256) -> Cluster:
       its chips.
     * Latencies are not published: 1 µs per ICI step, 25 µs per DCN message
       (assumptions).
+
+    >>> cluster = tpu_v5e(1024)
+    >>> cluster.num_slices, cluster.dcn_bandwidth / cluster.chips_per_host / 1e9
+    (4, 3.125)
     """
     return Cluster(
         name=f"TPU v5e, {num_chips} chips",
@@ -252,7 +256,11 @@ def collective_seconds(cluster: Cluster, kind: str, nbytes: float, group: Group)
 
 def transfer_seconds(cluster: Cluster, nbytes: float, across_slices: bool) -> float:
     """Seconds to send ``nbytes`` from one chip to another: one ICI port in one
-    direction within a slice, the chip's share of its host's DCN across slices."""
+    direction within a slice, the chip's share of its host's DCN across slices.
+
+    >>> round(transfer_seconds(TPU_V5E_POD, 50e6, across_slices=False) * 1e3, 3)
+    1.001
+    """
     if nbytes <= 0:
         return 0.0
     if across_slices:

@@ -373,6 +373,15 @@ def predict_layout(
     ``cluster``, ``global_batch`` sequences (rows) a step (see the module's text).
     ``overlap``: whether a gradient reduction starts during the backward that makes
     its gradients; ``update``: whether the step ends with the optimizer update.
+
+    >>> from pipemark.runtime.workload import MeasuredPipeline
+    >>> from pipemark.runtime.cluster import tpu_v5e
+    >>> measured = MeasuredPipeline({"forward": 1.0, "backward": 2.0},
+    ...                             Layout(pp=2, microbatches=4), global_batch=4)
+    >>> p = predict_layout(measured, Layout(pp=2, microbatches=4), tpu_v5e(2),
+    ...                    global_batch=4, update=False)
+    >>> p.step_seconds, round(p.bubble_fraction, 3)  # (M + S - 1)(F + B); a fifth idle
+    (15.0, 0.2)
     """
     if layout.chips > cluster.num_chips:
         raise PipemarkError(
