@@ -19,6 +19,15 @@ from pipemark.rendering import views_in as _views_in
 # importing JAX. Name -> (module, attribute), or (module, None) for a module.
 _EXPORTS: dict[str, tuple[str, str | None]] = {
     "Action": ("pipemark.runtime", "Action"),
+    "Cluster": ("pipemark.runtime", "Cluster"),
+    "Layout": ("pipemark.runtime", "Layout"),
+    "LayoutPrediction": ("pipemark.runtime", "LayoutPrediction"),
+    "MeasuredPipeline": ("pipemark.runtime", "MeasuredPipeline"),
+    "predict_layout": ("pipemark.runtime", "predict_layout"),
+    "rank_layouts": ("pipemark.runtime", "rank_layouts"),
+    "search_layouts": ("pipemark.runtime", "search_layouts"),
+    "tpu_v5e": ("pipemark.runtime", "tpu_v5e"),
+    "Transformer": ("pipemark.runtime", "Transformer"),
     "clear_caches": ("pipemark.caches", "clear_caches"),
     "Cost": ("pipemark.cost", "Cost"),
     "critical_path": ("pipemark.graph", "critical_path"),

@@ -1,0 +1,305 @@
+"""The layout planner (pipemark/runtime/planner.py, cluster.py, workload.py): its
+formulas against hand-computed cases, and its predictions against measurements: a
+pipeline of native-sleep stages run here (one process, one device a stage), and the
+TPU v5e S-stage runs recorded in benchmarks/results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import pytest
+
+import pipemark as pm
+from pipemark.runtime.cluster import Cluster, Group, axis_group, collective_seconds, tpu_v5e
+from pipemark.runtime.planner import predict_layout, rank_layouts, search_layouts
+from pipemark.runtime.workload import Layout, MeasuredPipeline, Transformer
+from tests._xla import child_environ
+
+_REPO = Path(__file__).resolve().parents[2]
+# A cluster whose transfers and collectives take no time: the measured pipelines run
+# in one process, their values copied between devices of one host.
+FREE = Cluster("free links", 8, 8, 8, 2**40, 1e12, 1e15, 1e15, 2, 0.0, 1e15, 0.0)
+
+
+def _unit(kind_costs=(1.0, 1.0, 1.0), stages=2, microbatches=4, schedule="1f1b", **extra):
+    forward, backward, weight = kind_costs
+    layout = Layout(pp=stages, schedule=schedule, microbatches=microbatches)
+    model = MeasuredPipeline(
+        {"forward": forward, "backward": backward, "weight": weight},
+        layout,
+        global_batch=microbatches,
+        **extra,
+    )
+    return model, layout
+
+
+# ------------------------------------------------------------------- the cluster
+
+
+def test_axis_groups_follow_the_mesh_order_across_slices():
+    cluster = tpu_v5e(1024)
+    sizes = {"tp": 4, "fsdp": 64, "pp": 2, "dp": 2}
+    assert axis_group(cluster, sizes, "tp") == Group(4, 1)
+    assert axis_group(cluster, sizes, "fsdp") == Group(64, 1)
+    assert axis_group(cluster, sizes, "pp") == Group(1, 2)  # stride 256: one a slice
+    assert axis_group(cluster, sizes, "dp") == Group(1, 2)
+    with pytest.raises(pm.PipemarkError, match="needs 2048 chips"):
+        axis_group(cluster, {**sizes, "dp": 4}, "dp")
+
+
+def test_ring_collectives_by_hand():
+    cluster = tpu_v5e(1024)
+    gib = 2**30
+    # 8 chips along one torus dimension: 2 ports of 50 GB/s, 7 steps of 1 µs.
+    want = 7 / 8 * gib / 100e9 + 7e-6
+    assert collective_seconds(cluster, "reduce_scatter", gib, Group(8, 1)) == pytest.approx(want)
+    assert collective_seconds(cluster, "all_reduce", gib, Group(8, 1)) == pytest.approx(2 * want)
+    # 64 chips use all four ports.
+    assert collective_seconds(cluster, "all_gather", gib, Group(64, 1)) == pytest.approx(
+        63 / 64 * gib / 200e9 + 63e-6
+    )
+    # Across 4 slices, one chip in each: the host's 25 GB/s shared by its 8 chips.
+    assert collective_seconds(cluster, "all_reduce", gib, Group(1, 4)) == pytest.approx(
+        2 * (3 / 4 * gib / (25e9 / 8) + 3 * 25e-6)
+    )
+    assert collective_seconds(cluster, "all_reduce", gib, Group(1, 1)) == 0.0
+    with pytest.raises(pm.PipemarkError, match="Unknown collective 'broadcast'"):
+        collective_seconds(cluster, "broadcast", gib, Group(8, 1))
+
+
+def test_a_bad_cluster_is_refused():
+    with pytest.raises(pm.PipemarkError, match="chips_per_host = 0"):
+        Cluster("x", 8, 0, 8, 1, 1.0, 1.0, 1.0, 1, 0.0, 1.0, 0.0)
+    with pytest.raises(pm.PipemarkError, match="whole slices"):
+        Cluster("x", 12, 4, 8, 1, 1.0, 1.0, 1.0, 1, 0.0, 1.0, 0.0)
+    assert tpu_v5e(256).with_chips(1024).num_slices == 4
+
+
+# -------------------------------------------------------------------- the models
+
+
+def test_llama_parameter_counts_are_the_published_ones():
+    assert Transformer.llama2_7b().parameters == pytest.approx(6.74e9, rel=0.01)
+    assert Transformer.llama2_70b().parameters == pytest.approx(68.98e9, rel=0.01)
+
+
+def test_the_stages_flops_add_up_to_6n_plus_attention():
+    model = Transformer.llama2_7b(seq=2048)
+    layout = Layout(pp=4, dp=2, fsdp=2, microbatches=8)
+    peak = 1e12
+    work = model.stage_work(layout, global_batch=64, peak_flops=peak)
+    seconds = sum(work.forward) + sum(work.backward) + sum(work.weight)
+    flops = seconds * peak * model.efficiency * layout.microbatches * layout.dp * layout.fsdp
+    # PaLM's count, less the embedding's 6 V h (a lookup, no matrix product).
+    tokens = 64 * 2048
+    want = (6 * model.parameters - 6 * 32000 * 4096 + 12 * 32 * 4096 * 2048) * tokens
+    assert flops == pytest.approx(want, rel=1e-3)
+    assert work.flops == pytest.approx(want + 6 * 32000 * 4096 * tokens, rel=1e-3)
+
+
+def test_bad_layouts_say_what_to_do():
+    with pytest.raises(pm.PipemarkError, match="pp = 0"):
+        Layout(pp=0)
+    with pytest.raises(pm.PipemarkError, match="Unknown schedule 'zz'"):
+        Layout(schedule="zz")
+    with pytest.raises(pm.PipemarkError, match="runs one stage a device"):
+        Layout(pp=2, schedule="1f1b", stages_per_device=2)
+    with pytest.raises(pm.PipemarkError, match="reduce = 'never'"):
+        Layout(reduce="never")
+    with pytest.raises(pm.PipemarkError, match="does not split into DP 3"):
+        Transformer.llama2_7b().stage_work(Layout(dp=3), global_batch=8, peak_flops=1.0)
+    with pytest.raises(pm.PipemarkError, match="64 pipeline stages for 32 layers"):
+        Transformer.llama2_7b().stage_work(Layout(pp=64), global_batch=64, peak_flops=1.0)
+    assert Layout(pp=2, schedule="zb-v").num_stages == 4
+
+
+def test_measured_costs_scale_with_rows_a_chip_and_regroup():
+    model, _ = _unit((1.0, 2.0, 0.0), stages=4, microbatches=4)
+    work = model.stage_work(Layout(pp=2, microbatches=2), global_batch=4)
+    assert work.forward == (4.0, 4.0)  # two stages each, twice the rows
+    # Each stage split in two; its whole backward split into B = W = half of it.
+    split = model.stage_work(Layout(pp=8, schedule="zb-h1", microbatches=8), global_batch=8)
+    assert split.forward == (0.5,) * 8 and split.backward == split.weight == (0.5,) * 8
+    with pytest.raises(pm.PipemarkError, match="measured with 4 stages, asked for 3"):
+        model.stage_work(Layout(pp=3, microbatches=3), global_batch=3)
+    with pytest.raises(pm.PipemarkError, match="give 4 non-negative numbers"):
+        MeasuredPipeline({"forward": (1.0, 2.0)}, Layout(pp=4, microbatches=4), global_batch=4)
+
+
+# --------------------------------------------------------------- the predictions
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_equal_stages_take_the_textbook_makespan(schedule):
+    model, layout = _unit((1.0, 2.0, 0.0), stages=4, microbatches=8, schedule=schedule)
+    p = predict_layout(model, layout, FREE, global_batch=8, update=False)
+    assert p.step_seconds == pytest.approx((8 + 4 - 1) * 3.0)  # (M + S - 1)(F + B)
+    assert p.bubble_fraction == pytest.approx(3 / 11)
+    assert p.idle_seconds == pytest.approx(3 * 3.0)
+
+
+def test_activations_in_flight_follow_the_schedule():
+    # GPipe holds every microbatch's activations on each stage, 1F1B at most S.
+    for schedule, held in (("gpipe", 8), ("1f1b", 4)):
+        model, layout = _unit(stages=4, microbatches=8, schedule=schedule, activation_bytes=100)
+        p = predict_layout(model, layout, FREE, global_batch=8)
+        assert p.memory["activations"] == held * 100
+
+
+def test_transfers_over_dcn_lengthen_the_pipeline():
+    cluster = Cluster("two slices", 2, 1, 1, 2**40, 1e12, 1e15, 1e15, 2, 0.0, 1e3, 0.5)
+    model, layout = _unit((1.0, 1.0, 0.0), stages=2, microbatches=1, boundary_bytes=1000)
+    p = predict_layout(model, layout, cluster, global_batch=1, update=False)
+    # F0, 0.5 s latency + 1 s for 1000 bytes, F1, B1, the cotangent back, B0.
+    assert p.step_seconds == pytest.approx(4 + 2 * 1.5)
+
+
+def _reducing(reduce: str, overlap: bool):
+    # Two stages of 8 layers, 1 s per action; data parallelism across two slices whose
+    # DCN all-reduces a stage's gradients in 4 s.
+    cluster = Cluster("slow DCN", 4, 1, 2, 2**40, 1e12, 1e15, 1e15, 2, 0.0, 5e8, 0.0)
+    layout = Layout(pp=2, dp=2, microbatches=4, reduce=reduce)
+    model = MeasuredPipeline(
+        {"forward": 1.0, "backward": 1.0}, layout, global_batch=8, parameters=5e8, layers=8
+    )
+    return predict_layout(model, layout, cluster, global_batch=8, overlap=overlap, update=False)
+
+
+def test_delayed_and_overlapped_reduction_is_measured_by_the_simulator():
+    compute = 4 * 2.0 + 1 * 2.0  # M (F + B) and the pipeline's fill and drain
+    reduction = 2 * 0.5 * 4 * 5e8 / 5e8  # ring all-reduce over 2 of 2 GB at 0.5 GB/s
+    once = _reducing("step", overlap=False)
+    assert once.step_seconds == pytest.approx(compute + reduction)
+    # Started layer by layer during the last backward (1 s), it hides 7/8 s of it.
+    overlapped = _reducing("step", overlap=True)
+    assert overlapped.step_seconds == pytest.approx(compute + reduction - 7 / 8)
+    # Reduced every microbatch, four times the traffic queues on the network: on the
+    # first stage from 1/8 s into its first backward (which starts at 3 s), 16 s of it.
+    every = _reducing("microbatch", overlap=True)
+    assert every.step_seconds == pytest.approx(3 + 1 / 8 + 4 * reduction)
+    assert every.reduction_seconds > 2 * overlapped.reduction_seconds
+
+
+def test_layouts_that_do_not_fit_are_refused_and_the_winner_explained():
+    model = Transformer.llama2_7b()
+    layouts = [
+        Layout(pp=4, fsdp=64, microbatches=16, remat=True),
+        Layout(pp=4, fsdp=64, microbatches=16, remat=True, schedule="zb-h1"),
+        Layout(pp=1, dp=256, microbatches=4),  # 16 bytes a parameter unsharded
+    ]
+    ranking = rank_layouts(model, tpu_v5e(256), global_batch=1024, layouts=layouts)
+    assert [p.layout for p in ranking.ranked] == [layouts[1], layouts[0]]
+    assert ranking.ranked[0].bubble_fraction < ranking.ranked[1].bubble_fraction
+    assert [r.layout for r in ranking.refused] == [layouts[2]]
+    assert ranking.refused[0].peak_bytes > 16 * model.parameters
+    text = ranking.explain()
+    assert "Best: PP 4 × DP 1 × FSDP 64 × TP 1, zb-h1, M 16, remat" in text
+    assert "pipeline bubble and transfer waits" in text and "Refused for memory" in text
+    assert "| 1 | PP 4 × DP 1 × FSDP 64 × TP 1, zb-h1" in ranking.table()
+
+
+def test_the_search_space_uses_every_chip_and_splits_the_batch():
+    model = Transformer.llama2_7b()
+    layouts = search_layouts(model, tpu_v5e(256), global_batch=256)
+    assert layouts and all(layout.chips == 256 for layout in layouts)
+    assert all(256 % (l.dp * l.fsdp * l.microbatches) == 0 for l in layouts)  # noqa: E741
+    assert {l.schedule for l in layouts if l.pp == 1} == {"1f1b"}  # noqa: E741
+    ranking = rank_layouts(
+        Transformer.llama2_70b(), tpu_v5e(256), global_batch=256, layouts=[Layout(pp=1, dp=256)]
+    )
+    with pytest.raises(pm.PipemarkError, match="No layout of Llama 2 70B fits"):
+        _ = ranking.best
+
+
+# ---------------------------------------------------- against measured pipelines
+
+if str(_REPO / "benchmarks") not in sys.path:
+    sys.path.insert(0, str(_REPO / "benchmarks"))
+
+import _native_sleep as ns  # noqa: E402
+import planner_check  # noqa: E402
+
+
+def _fastest_call(pipe, args, calls: int = 5) -> float:
+    """The fastest of ``calls`` calls after a first: other work on a shared machine only
+    slows a call down."""
+    jax.block_until_ready(pipe(*args))
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        jax.block_until_ready(pipe(*args))
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _measured_sleeps():
+    """Stages that wait 10 ms in C each for F, B and W (the machine's two cores stay
+    free), two stages on two CPU devices, 4 microbatches; their costs measured with
+    ZB-H1 (B and W apart)."""
+    example = ns.sleeping_split(num_stages=2, seconds=0.01, batch=8)
+    devices = jax.devices()[:2]
+    measuring = pm.pipeline_value_and_grad(
+        example.loss_fn, num_microbatches=4, schedule="zb-h1", devices=devices
+    )
+    costs = measuring.action_costs(*example.args, repeat=2)
+    model = MeasuredPipeline(costs, Layout(pp=2, schedule="zb-h1", microbatches=4), global_batch=8)
+    return example, devices, model
+
+
+def _predicted(model, schedule: str) -> float:
+    layout = Layout(pp=2, schedule=schedule, microbatches=4)
+    return predict_layout(model, layout, FREE, global_batch=8, update=False).step_seconds
+
+
+@pytest.mark.skipif(not ns.available(), reason="no working C compiler for the native sleep")
+def test_predictions_from_measured_action_costs_are_within_10_percent_of_the_runs():
+    # Every schedule's call predicted from the costs measured with ZB-H1.
+    example, devices, model = _measured_sleeps()
+    errors = {}
+    for schedule in ("gpipe", "1f1b", "zb-h1"):
+        pipe = pm.pipeline_value_and_grad(
+            example.loss_fn, num_microbatches=4, schedule=schedule, devices=devices
+        )
+        measured = _fastest_call(pipe, example.args)
+        errors[schedule] = _predicted(model, schedule) / measured - 1
+    assert all(abs(e) <= 0.10 for e in errors.values()), errors
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not ns.available(), reason="no working C compiler for the native sleep")
+def test_predictions_are_within_10_percent_of_runs_in_two_processes(tmp_path):
+    # The same pipeline with one stage a process (python -m pipemark.launch -n 2),
+    # predicted from the costs measured here, in one process: the values between
+    # stages now cross processes (a few bytes; the prediction counts them as free).
+    _, _, model = _measured_sleeps()
+    out = tmp_path / "seconds.json"
+    env = child_environ({k: v for k, v in os.environ.items() if not k.startswith("PIPEMARK_")})
+    env["PYTHONPATH"] = os.pathsep.join([str(_REPO), env.get("PYTHONPATH", "")])
+    script = _REPO / "tests" / "runtime" / "_planner_processes.py"
+    launched = subprocess.run(
+        [sys.executable, "-m", "pipemark.launch", "-n", "2", str(script), str(out)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    measured = json.loads(out.read_text())
+    errors = {s: _predicted(model, s) / seconds - 1 for s, seconds in measured.items()}
+    assert set(errors) == {"gpipe", "1f1b", "zb-h1"}
+    assert all(abs(e) <= 0.10 for e in errors.values()), errors
+
+
+def test_tpu_s_stage_runs_are_predicted_from_the_recorded_scan_step():
+    rows = {(r["file"], r["config"]): r["error"] for r in planner_check.tpu_s_stage_checks()}
+    assert len(rows) == 10
+    # The 16-stage pipeline as it ran with dispatch_ahead=2 and 256 programs to
+    # dispatch a step (runs 2 and 4) was bound by the host's dispatching, which the
+    # prediction (the actions' device time alone) leaves out: 16 % and 11 % faster.
+    slow = {("dispatch-ahead", "s16"), ("dispatch-bound", "s16")}
+    assert all(-0.17 < rows[key] < -0.10 for key in slow), rows
+    assert all(abs(e) <= 0.10 for key, e in rows.items() if key not in slow), rows
