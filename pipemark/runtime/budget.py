@@ -64,11 +64,19 @@ class _Trial:
         return [s for s in self.slots if s.predicted_peak > budget]
 
 
-def plan_within_budget(make_plan: PlanMaker, options: PipelineOptions) -> PipelinePlan:
+#: ``arguments(plan)``: per slot of ``plan``, the bytes of the caller's arrays there
+#: that the plan does not count (:func:`pipemark.runtime.memory.argument_bytes`).
+Arguments = Callable[[PipelinePlan], Sequence[int]]
+
+
+def plan_within_budget(
+    make_plan: PlanMaker, options: PipelineOptions, arguments: Arguments | None = None
+) -> PipelinePlan:
     """The plan ``make_plan`` makes for ``options``, changed round by round (fewer
     microbatches in flight, forward stages rematerialised, marked layers moved
     between stages) until
-    every slot's predicted peak is within ``options.memory_budget`` bytes. Raises
+    every slot's predicted peak (with the caller's ``arguments`` where given: the arrays
+    it passes lie on the devices too) is within ``options.memory_budget`` bytes. Raises
     :class:`MemoryBudgetError` when no change brings it closer.
 
     >>> import jax, pipemark as pm
@@ -87,13 +95,15 @@ def plan_within_budget(make_plan: PlanMaker, options: PipelineOptions) -> Pipeli
             "plan_within_budget needs options.memory_budget (bytes per device); these "
             "options have none. Plan them with make_plan(options, frozenset()) instead."
         )
-    trial = _try(make_plan, options, frozenset(), budget)
+    trial = _try(make_plan, options, frozenset(), budget, arguments)
     while trial.excess:  # each round brings it closer: at most as many as bytes over
-        trial = _next_trial(make_plan, trial, budget)
+        trial = _next_trial(make_plan, trial, budget, arguments)
     return trial.plan
 
 
-def _next_trial(make_plan: PlanMaker, trial: _Trial, budget: int) -> _Trial:
+def _next_trial(
+    make_plan: PlanMaker, trial: _Trial, budget: int, arguments: Arguments | None
+) -> _Trial:
     """Of the plans one change away from ``trial`` that come closer to the budget, one
     that fits, else the one expected to take least time. The changes are planned (and
     compiled) in the order of their expected time, up to the first that fits: any later
@@ -101,7 +111,7 @@ def _next_trial(make_plan: PlanMaker, trial: _Trial, budget: int) -> _Trial:
     changes = sorted(_changes(trial, budget), key=lambda change: change.time)
     best = None
     for change in changes:
-        tried = _try(make_plan, change.options, change.rematerialize, budget)
+        tried = _try(make_plan, change.options, change.rematerialize, budget, arguments)
         if tried.excess < trial.excess and (
             best is None or (tried.excess > 0, tried.time) < (best.excess > 0, best.time)
         ):
@@ -141,10 +151,14 @@ def check_update_within(updates: Mapping[int, int], slots: Sequence[Slot], budge
 
 
 def _try(
-    make_plan: PlanMaker, options: PipelineOptions, remat: frozenset[str], budget: int
+    make_plan: PlanMaker,
+    options: PipelineOptions,
+    remat: frozenset[str],
+    budget: int,
+    arguments: Arguments | None = None,
 ) -> _Trial:
     plan = make_plan(options, remat)
-    slots = plan_memory(plan).slots
+    slots = plan_memory(plan, arguments(plan) if arguments else None).slots
     excess = sum(max(0, s.predicted_peak - budget) for s in slots)
     time = _unit_time(plan.schedule, _forward_names(plan), plan.stage_layers, remat)
     return _Trial(options, remat, plan, slots, excess, time)
@@ -252,12 +266,13 @@ def _forward_stages_on(plan: PipelinePlan, slots: set[int]) -> frozenset[str]:
     )
 
 
+#: What a slot's predicted peak is made of, as the refusal lists it.
+_PARTS = ("parameters", "batch", "accumulators", "arguments", "in_flight", "temporaries")
+
+
 def _over_message(trial: _Trial, budget: int) -> str:
     worst = max(trial.over(budget), key=lambda s: s.predicted_peak)
-    parts = ", ".join(
-        f"{name} {format_bytes(getattr(worst, name) or 0)}"
-        for name in ("parameters", "batch", "accumulators", "in_flight", "temporaries")
-    )
+    parts = ", ".join(f"{name} {format_bytes(getattr(worst, name) or 0)}" for name in _PARTS)
     done = []
     if trial.rematerialize:
         done.append(f"the forward stages {', '.join(sorted(trial.rematerialize))} rematerialised")
@@ -273,9 +288,11 @@ def _over_message(trial: _Trial, budget: int) -> str:
     )
 
 
-def within_budget(make_plan: PlanMaker, options: PipelineOptions) -> PipelinePlan:
+def within_budget(
+    make_plan: PlanMaker, options: PipelineOptions, arguments: Arguments | None = None
+) -> PipelinePlan:
     """``make_plan(options, frozenset())``, or with a ``memory_budget``, the plan
     within it (:func:`pipemark.runtime.budget.plan_within_budget`)."""
     if options.memory_budget is None:
         return make_plan(options, frozenset())
-    return plan_within_budget(make_plan, options)
+    return plan_within_budget(make_plan, options, arguments)
