@@ -5,9 +5,11 @@ own walk."""
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
@@ -312,3 +314,118 @@ def test_a_training_step_holds_no_more_arrays_than_predicted(
     ratios = _check_bound(estimate, samples, used)
     assert max(ratios) < 1.5, ratios
     assert all(s.update is not None and s.update <= s.predicted_peak for s in estimate.slots)
+
+
+# ------------------------------------------------------------ running out of memory
+
+
+def _cubic_loss(width):
+    """An MLP layer, then every triple of the microbatch's rows with ``width`` features
+    each handed to the next stage: ``rows**3 * width`` floats, which a larger batch
+    makes too many for the device, a smaller one not."""
+
+    def loss_fn(params, batch):
+        x, y = batch
+        w0, w1 = params
+        h = jnp.tanh(x @ w0)
+        c = h[:, 0]
+        triples = c[:, None, None, None] * c[None, :, None, None] * c[None, None, :, None]
+        wide = triples * jnp.ones(width, h.dtype)
+        pm.mark_pipeline_boundary()
+        return jnp.mean(wide * w1) + jnp.mean((h - y) ** 2)
+
+    return loss_fn
+
+
+def _runs_out_and_recovers(used, width, rows, small_rows, num_microbatches, schedule):
+    """A training step of :func:`_cubic_loss` whose batch of ``rows`` rows does not fit
+    on the devices ``used`` raises DeviceOutOfMemory and leaves the state it was
+    given; the same step with ``small_rows`` rows then computes what JAX computes."""
+    with computing_on(used):
+        params = (jnp.full((4, 4), 0.25), jnp.float32(0.5))
+        step, init = examples.train_step(_cubic_loss(width), optimizer="adam")
+        state = init(params)
+        params, state, _ = jax.jit(step)(params, state, _ones(8, 4))  # a state of its own
+    pipe = pm.pipeline_train_step(
+        step,
+        num_stages=2,
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        devices=used,
+    )
+    leaves = jax.tree_util.tree_leaves((params, state))
+    before = [np.asarray(leaf) for leaf in leaves]
+    big = _ones(rows, 4)
+    plan = pipe.plan(params, state, big)  # compiled: it fits, and keeps a few scalars
+    live = _buffers()
+    with pytest.raises(pm.DeviceOutOfMemory) as caught:
+        jax.block_until_ready(pipe(params, state, big))
+    error = caught.value
+    assert isinstance(error, pm.PipemarkError) and isinstance(error, MemoryError)
+    assert isinstance(error.__cause__, jax.errors.JaxRuntimeError)
+    assert "RESOURCE_EXHAUSTED" in str(error.__cause__)
+    message = str(error)
+    names = [stage.name for stage in plan.staged.stages]
+    assert re.search(r"running program '([\w+]+)' \(([FBW])\d+s\d", message), message
+    assert re.search(r"running program '([\w+]+)'", message).group(1).split("+")[0] in names
+    assert "Pipeline.memory predicts a peak of" in message
+    assert "the device's limit is" in message and "memory_budget=" in message
+    # Nothing of the call stays on the devices, though the error is kept.
+    # (The caller's frames in its traceback may hold arrays committed where they lay:
+    # the same buffers as the caller's.)
+    assert _buffers() <= live
+    for leaf, kept in zip(leaves, before):
+        assert not leaf.is_deleted()
+        np.testing.assert_array_equal(np.asarray(leaf), kept)
+    # The next call, with a batch that fits, runs and computes what JAX computes.
+    small = _ones(small_rows, 4)
+    with computing_on(used):
+        want = jax.jit(step)(params, state, small)
+    got = pipe(params, state, small)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-6)
+    return error
+
+
+def _buffers():
+    """The device buffers of the live arrays."""
+    return {
+        (shard.device, shard.data.unsafe_buffer_pointer())
+        for array in jax.live_arrays()
+        if not array.is_deleted()
+        for shard in array.addressable_shards
+    }
+
+
+def _ones(rows, features):
+    return (jnp.ones((rows, features)), jnp.full((rows, features), 0.5))
+
+
+def test_a_device_out_of_memory_raises_and_leaves_the_state():
+    """A genuine out-of-memory, nothing simulated: the first stage's output for a
+    microbatch of 1024 rows is 1024**3 * 1024 float32s (4 TiB), which the CPU's
+    allocator refuses (XLA's RESOURCE_EXHAUSTED, at run time: the program compiles);
+    8 rows need 2 MiB."""
+    used = pick_devices(2)
+    if used[0].platform != "cpu":
+        pytest.skip("the CPU's refusal; test_a_device_runs_out_of_memory is the accelerator's")
+    error = _runs_out_and_recovers(used, 1024, 2048, 16, 2, "1f1b")
+    assert "limit is unknown (cpu reports no bytes_limit)" in str(error)
+
+
+def test_a_device_runs_out_of_memory_between_programs_that_each_fit():
+    """On a device that reports its memory limit (a TPU's ``bytes_limit``): each
+    microbatch's output of the first stage takes a quarter of the device, which every
+    program fits (XLA compiles them), and GPipe holds eight of them at once (the
+    second stage's backward reads them): the device runs out while the pipeline runs,
+    as the estimate predicts."""
+    (device,) = jax.devices()[:1]
+    limit = (device.memory_stats() or {}).get("bytes_limit") if device.platform != "cpu" else None
+    if not limit:
+        pytest.skip("needs a device that reports memory_stats()['bytes_limit'] (a TPU)")
+    rows = 32
+    width = int(limit / 4 / 4 / rows**3)  # a quarter of the device per microbatch
+    error = _runs_out_and_recovers([device], width, 8 * rows, 8, 8, "gpipe")
+    predicted = int(re.search(r"predicts a peak of [^(]+\((\d+) bytes\)", str(error)).group(1))
+    assert predicted > limit, str(error)
+    assert f"({limit} bytes)" in str(error)
