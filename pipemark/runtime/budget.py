@@ -22,9 +22,11 @@ time (simulated with unit action costs, a backward costing two, a rematerialised
 three, each times the stage's share of the layers), a change that fits before any that
 does not; it plans (and compiles) the changes in the order of their expected time, up to
 the first that fits. Waves on one device cost nothing, so they come first there; on
-several devices each wave fills and drains the pipeline. When no change comes closer,
-:class:`~pipemark.MemoryBudgetError` says which slot is over, by how much, and what
-its peak is made of.
+several devices each wave fills and drains the pipeline. A plan is compiled (for its
+programs' temporaries) only once the rest of its peak fits. When no change comes
+closer, :class:`~pipemark.MemoryBudgetError` says which slot is over, by how much,
+and what its peak is made of, before running anything, and before compiling anything
+where the rest is over already.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 from pipemark.errors import MemoryBudgetError, PipemarkError
-from pipemark.runtime.memory import SlotMemory, format_bytes, plan_memory
+from pipemark.runtime.memory import SlotMemory, estimate_memory, format_bytes, plan_memory
 from pipemark.runtime.options import PipelineOptions
 from pipemark.runtime.placement import Slot
 from pipemark.runtime.plan import PipelinePlan
@@ -158,7 +160,13 @@ def _try(
     arguments: Arguments | None = None,
 ) -> _Trial:
     plan = make_plan(options, remat)
-    slots = plan_memory(plan, arguments(plan) if arguments else None).slots
+    given = arguments(plan) if arguments else None
+    # Without the temporaries first, which need the programs compiled: a plan over the
+    # budget already is refused (or changed) before anything compiles, and a program
+    # too large for the device never reaches its compiler.
+    slots = estimate_memory(plan, None, given).slots
+    if all(s.predicted_peak <= budget for s in slots):
+        slots = plan_memory(plan, given).slots
     excess = sum(max(0, s.predicted_peak - budget) for s in slots)
     time = _unit_time(plan.schedule, _forward_names(plan), plan.stage_layers, remat)
     return _Trial(options, remat, plan, slots, excess, time)
@@ -272,7 +280,9 @@ _PARTS = ("parameters", "batch", "accumulators", "arguments", "in_flight", "temp
 
 def _over_message(trial: _Trial, budget: int) -> str:
     worst = max(trial.over(budget), key=lambda s: s.predicted_peak)
-    parts = ", ".join(f"{name} {format_bytes(getattr(worst, name) or 0)}" for name in _PARTS)
+    parts = ", ".join(f"{name} {format_bytes(getattr(worst, name))}" for name in _PARTS)
+    if worst.temporaries is None:
+        parts += " (not compiled: the rest is over already)"
     done = []
     if trial.rematerialize:
         done.append(f"the forward stages {', '.join(sorted(trial.rematerialize))} rematerialised")
@@ -281,7 +291,8 @@ def _over_message(trial: _Trial, budget: int) -> str:
     if trial.plan.stage_layers is not None:
         done.append(f"stage_layers={trial.plan.stage_layers}")
     return (
-        f"Slot {worst.slot} ({worst.devices}) needs {format_bytes(worst.predicted_peak)}, "
+        f"Slot {worst.slot} ({worst.devices}) needs "
+        f"{'at least ' if worst.temporaries is None else ''}{format_bytes(worst.predicted_peak)}, "
         f"{format_bytes(worst.predicted_peak - budget)} over memory_budget={budget} "
         f"({format_bytes(budget)}) with {' and '.join(done)}: {parts}. Give the pipeline "
         "more devices or stages, more microbatches (fewer rows each), or a larger budget."

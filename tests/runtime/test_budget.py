@@ -4,6 +4,8 @@ every device within the budget, by the memory estimate, and computes what
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,7 @@ from pipemark import examples
 from pipemark.runtime import pipeline as pipeline_module
 from tests._devices import computing_on
 from tests._devices import devices as pick_devices
+from tests.runtime._compiles import compilations
 from tests.runtime._steps import mlp_train_step
 
 
@@ -32,6 +35,13 @@ def _pipeline(memory_budget=None, num_layers=4, width=32):
         memory_budget=memory_budget,
     )
     return pipe, ex
+
+
+def pipe_error(pipe, ex):
+    """The error ``pipe`` raises on ``ex``'s arguments."""
+    with pytest.raises(pm.PipemarkError) as caught:
+        pipe(*ex.args)
+    return caught.value
 
 
 def _peaks(pipe, ex):
@@ -131,8 +141,15 @@ def test_on_one_device_fewer_microbatches_in_flight_come_first(monkeypatch):
 
 def test_a_budget_no_plan_fits_says_which_device_and_by_how_much():
     pipe, ex = _pipeline(memory_budget=10_000)
-    with pytest.raises(pm.MemoryBudgetError, match=r"Slot \d .* over memory_budget=10000"):
+    # The parameters and gradients alone are over: refused before any stage program
+    # is compiled (nor run), whichever change the budget tried.
+    over = r"Slot \d .* over memory_budget=10000"
+    with compilations() as compiled, pytest.raises(pm.MemoryBudgetError, match=over):
         pipe(*ex.args)
+    assert "jit(run)" not in compiled, compiled
+    message = str(pipe_error(pipe, ex))
+    assert re.search(r"needs at least [\d.]+ KiB, [\d.]+ KiB over", message), message
+    assert "not compiled: the rest is over already" in message
     with pytest.raises(pm.PipemarkError, match="memory_budget"):
         pm.pipeline_value_and_grad(ex.loss_fn, num_microbatches=2, memory_budget=-1)
 
