@@ -55,7 +55,7 @@ from pipemark.caches import register_cache
 from pipemark.errors import DeviceOutOfMemory, PipemarkError
 from pipemark.runtime.compilation import Unit, result_shardings
 from pipemark.runtime.exchange import Cancelled, Exchange
-from pipemark.runtime.memory import format_bytes, plan_memory
+from pipemark.runtime.memory import describe_limit, format_bytes, plan_memory
 from pipemark.runtime.placement import device_slot, held_elsewhere
 from pipemark.runtime.plan import PipelinePlan
 from pipemark.runtime.programs import compiled_programs
@@ -498,7 +498,7 @@ def out_of_memory(
     actions = [part.action for part in step.parts] if step.fused is not None else [step.action]
     name = program_name(step, names)
     predicted = _predicted(plan, worker, name)
-    limit = _bytes_limit(slot.devices[0])
+    limit = describe_limit(slot.devices[0])
     first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
     failure = DeviceOutOfMemory(
         f"Slot {worker} ({', '.join(map(str, slot.devices))}) ran out of memory running "
@@ -527,18 +527,6 @@ def _predicted(plan: PipelinePlan, worker: int, name: str) -> str:
         f"bytes); Pipeline.memory predicts a peak of {format_bytes(peak)} ({peak} bytes) "
         "on this slot"
     )
-
-
-def _bytes_limit(device: Any) -> str:
-    """The device's memory limit in words, or that it reports none (a CPU)."""
-    try:
-        stats = device.memory_stats() or {}
-    except Exception:  # a backend without statistics may raise instead of returning None
-        stats = {}
-    limit = stats.get("bytes_limit")
-    if limit is None:
-        return f"unknown ({device.platform} reports no bytes_limit)"
-    return f"{format_bytes(limit)} ({limit} bytes)"
 
 
 def _held_elsewhere(plan: PipelinePlan, unit: Unit) -> list[Any]:

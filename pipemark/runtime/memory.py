@@ -59,6 +59,7 @@ __all__ = [
     "MemoryEstimate",
     "SlotMemory",
     "argument_bytes",
+    "describe_limit",
     "estimate_memory",
     "held_in_flight",
     "format_bytes",
@@ -445,6 +446,24 @@ def result_avals(plan: PipelinePlan) -> list[Any]:
             value = np.asarray(getattr(ref.value, "val", ref.value))
             avals.append(jax.ShapeDtypeStruct(value.shape, value.dtype))
     return avals
+
+
+def describe_limit(device: Any) -> str:
+    """``device``'s memory limit (``memory_stats()["bytes_limit"]``) in words, or that
+    it reports none.
+
+    >>> import jax
+    >>> describe_limit(jax.devices("cpu")[0])
+    'unknown (cpu reports no bytes_limit)'
+    """
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # a backend without statistics may raise instead of returning None
+        stats = {}
+    limit = stats.get("bytes_limit")
+    if limit is None:
+        return f"unknown ({device.platform} reports no bytes_limit)"
+    return f"{format_bytes(limit)} ({limit} bytes)"
 
 
 def _measured(device: Any) -> int | None:

@@ -13,7 +13,8 @@ import jax
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
 from pipemark.cost import nbytes
-from pipemark.runtime.memory import resident_bytes
+from pipemark.errors import DeviceOutOfMemory
+from pipemark.runtime.memory import describe_limit, format_bytes, resident_bytes
 from pipemark.runtime.placement import Slot, device_slot, held_elsewhere
 from pipemark.runtime.plan import PipelinePlan
 from pipemark.runtime.transport import Transport
@@ -203,7 +204,7 @@ def run_update(
                 moved[(i, part.worker)] = got[0] if got else None
             inputs.append(moved[(i, part.worker)])
         if local[part.worker]:
-            outputs = part.run(*jax.device_put(inputs, list(part.shardings)))
+            outputs = _run_part(plan, part, inputs)
         else:  # another process computes them: arrays without data here
             outputs = [held_elsewhere(a, reader.replicated) for a in part.program.out_avals]
         values.update(zip(part.outputs, outputs))
@@ -221,6 +222,38 @@ def run_update(
                 values.update(zip(positions, got or ()))
         held.update(dict.fromkeys(positions))  # every process now holds them
     return held
+
+
+def _run_part(plan: PipelinePlan, part: UpdateProgram, inputs: list[Any]) -> Any:
+    """``part`` run on its slot; running out of the device's memory raises a
+    :class:`~pipemark.DeviceOutOfMemory` naming the part and what it takes."""
+    try:
+        return part.run(*jax.device_put(inputs, list(part.shardings)))
+    except jax.errors.JaxRuntimeError as error:
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        slot = plan.placement.slots[part.worker]
+        structs = [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where)
+            for a, where in zip(part.program.in_avals, part.shardings)
+        ]
+        analysis = part.run.lower(*structs).compile().memory_analysis()
+        takes = (
+            analysis.argument_size_in_bytes
+            + analysis.output_size_in_bytes
+            + analysis.temp_size_in_bytes
+        )
+        first = str(error).strip().splitlines()[0]
+        raise DeviceOutOfMemory(
+            f"Slot {part.worker} ({', '.join(map(str, slot.devices))}) ran out of memory "
+            f"running the training step's update after the pipeline (its part on this "
+            f"slot): {first} Its arguments (parameters, optimizer state, gradients), "
+            f"results and temporaries take {format_bytes(takes)} ({takes} bytes); the "
+            f"device's limit is {describe_limit(slot.devices[0])}. Give the pipeline "
+            "more stages or devices (each updates its own parameters), a smaller model "
+            "or optimizer state, or memory_budget= to be told before it runs. The "
+            "arrays passed in are unchanged."
+        ) from error
 
 
 def _move(

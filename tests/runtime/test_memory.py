@@ -429,3 +429,27 @@ def test_a_device_runs_out_of_memory_between_programs_that_each_fit():
     predicted = int(re.search(r"predicts a peak of [^(]+\((\d+) bytes\)", str(error)).group(1))
     assert predicted > limit, str(error)
     assert f"({limit} bytes)" in str(error)
+
+
+def test_an_update_out_of_memory_raises_and_leaves_the_state():
+    """A genuine out-of-memory in the update after the pipeline: a metric the step
+    returns, 2**20 x 2**20 float32s (4 TiB), which the CPU's allocator refuses."""
+    used = pick_devices(2)
+    if used[0].platform != "cpu":
+        pytest.skip("the CPU's refusal of 4 TiB")
+    with computing_on(used):
+        ex = examples.mlp(num_layers=2, width=8, batch=8)
+        step, init = examples.train_step(ex.loss_fn, optimizer="sgd")
+        state = init(ex.params)
+
+    def huge_metric(params, opt_state, batch):
+        params, opt_state, loss = step(params, opt_state, batch)
+        return params, opt_state, loss, jnp.broadcast_to(loss, (2**20, 2**20)) + 1.0
+
+    pipe = pm.pipeline_train_step(huge_metric, num_stages=2, num_microbatches=2, devices=used)
+    before = [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves((ex.params, state))]
+    with pytest.raises(pm.DeviceOutOfMemory, match=r"running the training step's update"):
+        jax.block_until_ready(pipe(ex.params, state, ex.batch))
+    after = jax.tree_util.tree_leaves((ex.params, state))
+    for leaf, kept in zip(after, before):
+        np.testing.assert_array_equal(np.asarray(leaf), kept)
