@@ -355,7 +355,7 @@ def _memory(step, pipe, params, batch) -> dict:
         worst = max(pipe.memory(params, batch).slots, key=lambda s: s.predicted_peak)
         out["predicted_peak"] = worst.predicted_peak
         # Without the programs' temporaries: what a TPU's peak_bytes_in_use counts.
-        out["predicted_buffers"] = worst.predicted_peak - (worst.temporaries or 0)
+        out["predicted_buffers"] = worst.buffers
     if pipe is None:
         cost = programs["step"].cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # JAX < 0.4.30: a list

@@ -85,6 +85,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "StateMutationError": ("pipemark.mutation", "StateMutationError"),
     "ProcessError": ("pipemark.errors", "ProcessError"),
     "MemoryBudgetError": ("pipemark.errors", "MemoryBudgetError"),
+    "DeviceOutOfMemory": ("pipemark.errors", "DeviceOutOfMemory"),
     "runtime": ("pipemark.runtime", None),
     "summary": ("pipemark.views", "summary"),
     "topological_order": ("pipemark.graph", "topological_order"),

@@ -15,6 +15,7 @@ __all__ = [
     "StageGraphError",
     "ProcessError",
     "MemoryBudgetError",
+    "DeviceOutOfMemory",
     "ExportError",
     "check_closed_jaxpr",
     "describe_eqn",
@@ -54,6 +55,18 @@ class MemoryBudgetError(PipemarkError):
     """No plan the runtime can make keeps every device within the ``memory_budget`` a
     pipeline was given. The message names the device slot, its predicted peak and what
     makes it up, and by how much it is over."""
+
+
+class DeviceOutOfMemory(PipemarkError, MemoryError):
+    """A device ran out of memory while a pipeline ran: XLA could not allocate what an
+    action's program needs (``RESOURCE_EXHAUSTED``). The message names the stage
+    program, the action (stage, microbatch), the device, the bytes
+    :meth:`pipemark.Pipeline.memory` predicts there and the device's limit, and what
+    to change (a smaller batch, more microbatches, ``memory_budget=``). The caller's
+    arrays are left as they were; the XLA error is its ``__cause__``.
+
+    It is also a :class:`MemoryError`, so code that catches running out of memory
+    catches it."""
 
 
 class ExportError(PipemarkError):

@@ -21,6 +21,9 @@ def test_hierarchy():
     assert issubclass(pm.StageGraphError, pm.PipemarkError)
     # The original functions raised ValueError; code catching that keeps working.
     assert issubclass(pm.MarkerError, ValueError)
+    # Running out of device memory is both ours and Python's (tests/runtime/test_memory.py).
+    assert issubclass(pm.DeviceOutOfMemory, pm.PipemarkError)
+    assert issubclass(pm.DeviceOutOfMemory, MemoryError)
 
 
 @pytest.mark.parametrize("bad", ["begin", "START", "", None, 3])

@@ -26,9 +26,11 @@ time (simulated with unit action costs, a backward costing two, a rematerialised
 three, each times the stage's share of the layers), a change that fits before any that
 does not; it plans (and compiles) the changes in the order of their expected time, up to
 the first that fits. Waves on one device cost nothing, so they come first there; on
-several devices each wave fills and drains the pipeline. When no change comes closer,
-:class:`~pipemark.MemoryBudgetError` says which slot is over, by how much, and what
-its peak is made of.
+several devices each wave fills and drains the pipeline. A plan is compiled (for its
+programs' temporaries) only once the rest of its peak fits. When no change comes
+closer, :class:`~pipemark.MemoryBudgetError` says which slot is over, by how much,
+and what its peak is made of, before running anything, and before compiling anything
+where the rest is over already.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 from pipemark.errors import MemoryBudgetError, PipemarkError
-from pipemark.runtime.memory import SlotMemory, format_bytes, plan_memory
+from pipemark.runtime.memory import SlotMemory, estimate_memory, format_bytes, plan_memory
 from pipemark.runtime.options import PipelineOptions
 from pipemark.runtime.placement import Slot
 from pipemark.runtime.plan import PipelinePlan
@@ -69,11 +71,19 @@ class _Trial:
         return [s for s in self.slots if s.predicted_peak > budget]
 
 
-def plan_within_budget(make_plan: PlanMaker, options: PipelineOptions) -> PipelinePlan:
+#: ``arguments(plan)``: per slot of ``plan``, the bytes of the caller's arrays there
+#: that the plan does not count (:func:`pipemark.runtime.memory.argument_bytes`).
+Arguments = Callable[[PipelinePlan], Sequence[int]]
+
+
+def plan_within_budget(
+    make_plan: PlanMaker, options: PipelineOptions, arguments: Arguments | None = None
+) -> PipelinePlan:
     """The plan ``make_plan`` makes for ``options``, changed round by round (fewer
     microbatches in flight, forward stages rematerialised, marked layers moved
     between stages) until
-    every slot's predicted peak is within ``options.memory_budget`` bytes. Raises
+    every slot's predicted peak (with the caller's ``arguments`` where given: the arrays
+    it passes lie on the devices too) is within ``options.memory_budget`` bytes. Raises
     :class:`MemoryBudgetError` when no change brings it closer.
 
     >>> import jax, pipemark as pm
@@ -92,13 +102,15 @@ def plan_within_budget(make_plan: PlanMaker, options: PipelineOptions) -> Pipeli
             "plan_within_budget needs options.memory_budget (bytes per device); these "
             "options have none. Plan them with make_plan(options, frozenset()) instead."
         )
-    trial = _try(make_plan, options, frozenset(), budget)
+    trial = _try(make_plan, options, frozenset(), budget, arguments)
     while trial.excess:  # each round brings it closer: at most as many as bytes over
-        trial = _next_trial(make_plan, trial, budget)
+        trial = _next_trial(make_plan, trial, budget, arguments)
     return trial.plan
 
 
-def _next_trial(make_plan: PlanMaker, trial: _Trial, budget: int) -> _Trial:
+def _next_trial(
+    make_plan: PlanMaker, trial: _Trial, budget: int, arguments: Arguments | None
+) -> _Trial:
     """Of the plans one change away from ``trial`` that come closer to the budget, one
     that fits, else the one expected to take least time. The changes are planned (and
     compiled) in the order of their expected time, up to the first that fits: any later
@@ -106,7 +118,7 @@ def _next_trial(make_plan: PlanMaker, trial: _Trial, budget: int) -> _Trial:
     changes = sorted(_changes(trial, budget), key=lambda change: change.time)
     best = None
     for change in changes:
-        tried = _try(make_plan, change.options, change.rematerialize, budget)
+        tried = _try(make_plan, change.options, change.rematerialize, budget, arguments)
         if tried.excess < trial.excess and (
             best is None or (tried.excess > 0, tried.time) < (best.excess > 0, best.time)
         ):
@@ -146,10 +158,20 @@ def check_update_within(updates: Mapping[int, int], slots: Sequence[Slot], budge
 
 
 def _try(
-    make_plan: PlanMaker, options: PipelineOptions, remat: frozenset[str], budget: int
+    make_plan: PlanMaker,
+    options: PipelineOptions,
+    remat: frozenset[str],
+    budget: int,
+    arguments: Arguments | None = None,
 ) -> _Trial:
     plan = make_plan(options, remat)
-    slots = plan_memory(plan).slots
+    given = arguments(plan) if arguments else None
+    # Without the temporaries first, which need the programs compiled: a plan over the
+    # budget already is refused (or changed) before anything compiles, and a program
+    # too large for the device never reaches its compiler.
+    slots = estimate_memory(plan, None, given).slots
+    if all(s.predicted_peak <= budget for s in slots):
+        slots = plan_memory(plan, given).slots
     excess = sum(max(0, s.predicted_peak - budget) for s in slots)
     time = _unit_time(plan.schedule, _forward_names(plan), plan.stage_layers, remat)
     return _Trial(options, remat, plan, slots, excess, time)
@@ -278,12 +300,15 @@ def _forward_stages_on(plan: PipelinePlan, slots: set[int]) -> frozenset[str]:
     )
 
 
+#: What a slot's predicted peak is made of, as the refusal lists it.
+_PARTS = ("parameters", "batch", "accumulators", "arguments", "in_flight", "temporaries")
+
+
 def _over_message(trial: _Trial, budget: int) -> str:
     worst = max(trial.over(budget), key=lambda s: s.predicted_peak)
-    parts = ", ".join(
-        f"{name} {format_bytes(getattr(worst, name) or 0)}"
-        for name in ("parameters", "batch", "accumulators", "in_flight", "temporaries")
-    )
+    parts = ", ".join(f"{name} {format_bytes(getattr(worst, name))}" for name in _PARTS)
+    if worst.temporaries is None:
+        parts += " (not compiled: the rest is over already)"
     done = []
     if trial.rematerialize:
         done.append(f"the forward stages {', '.join(sorted(trial.rematerialize))} rematerialised")
@@ -294,16 +319,19 @@ def _over_message(trial: _Trial, budget: int) -> str:
     if trial.plan.stage_layers is not None:
         done.append(f"stage_layers={trial.plan.stage_layers}")
     return (
-        f"Slot {worst.slot} ({worst.devices}) needs {format_bytes(worst.predicted_peak)}, "
+        f"Slot {worst.slot} ({worst.devices}) needs "
+        f"{'at least ' if worst.temporaries is None else ''}{format_bytes(worst.predicted_peak)}, "
         f"{format_bytes(worst.predicted_peak - budget)} over memory_budget={budget} "
         f"({format_bytes(budget)}) with {' and '.join(done)}: {parts}. Give the pipeline "
         "more devices or stages, more microbatches (fewer rows each), or a larger budget."
     )
 
 
-def within_budget(make_plan: PlanMaker, options: PipelineOptions) -> PipelinePlan:
+def within_budget(
+    make_plan: PlanMaker, options: PipelineOptions, arguments: Arguments | None = None
+) -> PipelinePlan:
     """``make_plan(options, frozenset())``, or with a ``memory_budget``, the plan
     within it (:func:`pipemark.runtime.budget.plan_within_budget`)."""
     if options.memory_budget is None:
         return make_plan(options, frozenset())
-    return plan_within_budget(make_plan, options)
+    return plan_within_budget(make_plan, options, arguments)

@@ -43,6 +43,7 @@ import dataclasses
 import functools
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -51,16 +52,27 @@ import jax.numpy as jnp
 import numpy as np
 
 from pipemark.caches import register_cache
-from pipemark.errors import PipemarkError
+from pipemark.errors import DeviceOutOfMemory, PipemarkError
 from pipemark.runtime.compilation import Unit, result_shardings
 from pipemark.runtime.exchange import Cancelled, Exchange
+from pipemark.runtime.memory import describe_limit, format_bytes, plan_memory
 from pipemark.runtime.placement import device_slot, held_elsewhere, put_global
 from pipemark.runtime.plan import PipelinePlan
+from pipemark.runtime.programs import compiled_programs
 from pipemark.runtime.schedules import BACKWARD, FORWARD, WEIGHT, Action
-from pipemark.runtime.steps import PARAM, STAGE, Gather, Key, Step, step_name, value_type
+from pipemark.runtime.steps import (
+    PARAM,
+    STAGE,
+    Gather,
+    Key,
+    Step,
+    program_name,
+    step_name,
+    value_type,
+)
 from pipemark.runtime.transport import CollectiveTransport, InProcessTransport, Transport
 
-__all__ = ["STRATEGIES", "ActionRecord", "action_costs", "run_plan", "split_leaf"]
+__all__ = ["STRATEGIES", "ActionRecord", "action_costs", "out_of_memory", "run_plan", "split_leaf"]
 
 
 def split_leaf(leaf: Any, num_microbatches: int, micro: int, replicas: int = 1) -> list[Any]:
@@ -216,13 +228,19 @@ class _Call:
         begin = time.perf_counter() if measuring else 0.0
         # Named in a jax.profiler trace (a no-op without one): the programs a stage
         # runs show under the action that dispatched them.
-        with jax.profiler.TraceAnnotation(step_name(step, self.stage_names)):
-            new_accs, outs = self.dispatch(step, inputs, scale)
-        if step.sends:
-            self.publish(worker, step, outs)
+        try:
+            with jax.profiler.TraceAnnotation(step_name(step, self.stage_names)):
+                new_accs, outs = self.dispatch(step, inputs, scale)
+            if step.sends:  # copying a result a device could not hold fails too
+                self.publish(worker, step, outs)
+        except jax.errors.JaxRuntimeError as error:
+            failure = out_of_memory(self.plan, worker, step, error)
+            if failure is None:
+                raise
+            raise failure from error
         ahead = self.plan.dispatch_ahead
         if ahead is not None and not measuring:
-            _bound_dispatch(self.pending[worker], (new_accs, outs), ahead)
+            _bound_dispatch(self.plan, worker, self.pending[worker], step, (new_accs, outs))
         if measuring:
             jax.block_until_ready((new_accs, outs))
             end = time.perf_counter()
@@ -363,6 +381,19 @@ class _Call:
         self.finished.add(index)
         self.accs[index] = unit.finish(list(self.accs[index]))
 
+    def release(self, error: BaseException) -> None:
+        """Drop what this call holds on the devices (accumulators, batch slices, the
+        results of actions dispatched ahead) and the arrays that the frames of
+        ``error``'s traceback (and its cause's) hold: after running out of memory, the
+        next call (a smaller batch) needs the memory, even while the error is kept."""
+        self.accs.clear()
+        self.slices = []
+        for pending in self.pending:
+            pending.clear()
+        while error is not None:
+            traceback.clear_frames(error.__traceback__)
+            error = error.__cause__
+
     def results(self) -> list[Any]:
         """The accumulated results, in the staged program's output order."""
         plan, num_micro = self.plan, self.num_micro
@@ -437,17 +468,90 @@ def _copy_on(value: Any, device: Any) -> Any:
     return next((s.data for s in shards if s.device == device), shards[0].data)
 
 
-def _bound_dispatch(pending: collections.deque, results: Any, ahead: int) -> None:
-    """Record an action's results; while more than ``ahead`` actions' results are
-    recorded, wait for the oldest. A program's results hold device memory from its
-    dispatch, and its inputs until it has run: unbounded, the host dispatches the whole
-    schedule while the device runs the first actions, and holds the residuals of every
-    microbatch at once. Accumulators donated to a later action are gone (deleted): that
-    action's own results are waited for in their turn."""
-    pending.append(results)
-    while len(pending) > ahead:
-        oldest = [x for x in jax.tree_util.tree_leaves(pending.popleft()) if not x.is_deleted()]
-        jax.block_until_ready(oldest)
+def _bound_dispatch(
+    plan: PipelinePlan, worker: int, pending: collections.deque, step: Step, results: Any
+) -> None:
+    """Record an action's results; while more than ``plan.dispatch_ahead`` actions'
+    results are recorded, wait for the oldest. A program's results hold device memory
+    from its dispatch, and its inputs until it has run: unbounded, the host dispatches
+    the whole schedule while the device runs the first actions, and holds the residuals
+    of every microbatch at once. Accumulators donated to a later action are gone
+    (deleted): that action's own results are waited for in their turn. A device that
+    reports running out of memory only when it runs the program raises here, for that
+    action (:func:`out_of_memory`)."""
+    pending.append((step, results))
+    while len(pending) > plan.dispatch_ahead:
+        older, values = pending.popleft()
+        oldest = [x for x in jax.tree_util.tree_leaves(values) if not x.is_deleted()]
+        try:
+            jax.block_until_ready(oldest)
+        except jax.errors.JaxRuntimeError as error:
+            failure = out_of_memory(plan, worker, older, error)
+            if failure is None:
+                raise
+            raise failure from error
+
+
+def out_of_memory(
+    plan: PipelinePlan, worker: int, step: Step, error: Exception
+) -> DeviceOutOfMemory | None:
+    """A :class:`~pipemark.DeviceOutOfMemory` for ``error`` where it says that the
+    device ran out of memory (XLA's ``RESOURCE_EXHAUSTED``) while slot ``worker`` ran
+    ``step``: naming the stage program, the action, the device, the bytes
+    :func:`~pipemark.runtime.memory.plan_memory` predicts there and the device's limit
+    (``memory_stats()["bytes_limit"]``, where it reports one); ``None`` for any other
+    error. Its cause is ``error``.
+
+    >>> import jax
+    >>> from pipemark import examples
+    >>> import pipemark as pm
+    >>> ex = examples.mlp(num_layers=2, batch=4)
+    >>> pipe = pm.pipeline_value_and_grad(ex.loss_fn, num_stages=1, num_microbatches=2)
+    >>> plan = pipe.plan(*ex.args)
+    >>> step = plan.steps.columns[0][0]
+    >>> error = RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 4096 bytes.")
+    >>> print(out_of_memory(plan, 0, step, error))  # doctest: +ELLIPSIS
+    Slot 0 (cpu:0) ran out of memory running program 'stage0+stage0_backward' (F0s0, the forward of stage 0 for microbatch 0 and B0s0, ...): RESOURCE_EXHAUSTED: Out of memory allocating 4096 bytes. The program's results and temporaries take ...; Pipeline.memory predicts a peak of ... on this slot; the device's limit is unknown (cpu reports no bytes_limit). Give the pipeline ...
+    >>> out_of_memory(plan, 0, step, RuntimeError("INVALID_ARGUMENT: ...")) is None
+    True
+    """
+    text = str(error)
+    if "RESOURCE_EXHAUSTED" not in text:
+        return None
+    names = [stage.name for stage in plan.staged.stages]
+    slot = plan.placement.slots[worker]
+    actions = [part.action for part in step.parts] if step.fused is not None else [step.action]
+    name = program_name(step, names)
+    predicted = _predicted(plan, worker, name)
+    limit = describe_limit(slot.devices[0])
+    first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    failure = DeviceOutOfMemory(
+        f"Slot {worker} ({', '.join(map(str, slot.devices))}) ran out of memory running "
+        f"program {name!r} "
+        f"({' and '.join(f'{a.label()}, the {a.describe()}' for a in actions)}): {first} "
+        f"{predicted}; the device's limit is {limit}. Give the pipeline a smaller batch, "
+        "more microbatches (fewer rows each) or more stages, or memory_budget= (bytes "
+        "per device) to plan within the device's memory. The arrays passed in are "
+        "unchanged."
+    )
+    failure.__cause__ = error
+    return failure
+
+
+def _predicted(plan: PipelinePlan, worker: int, name: str) -> str:
+    """What the estimate predicts for slot ``worker`` and its program ``name``, in
+    words (:func:`plan_memory`; its compiled results and temporaries)."""
+    try:
+        peak = plan_memory(plan).slots[worker].predicted_peak
+        analysis = compiled_programs(plan)[name].memory_analysis()
+    except Exception as error:  # the message must not fail: say why there is no figure
+        return f"No prediction ({type(error).__name__} while estimating)"
+    program = analysis.output_size_in_bytes + analysis.temp_size_in_bytes
+    return (
+        f"The program's results and temporaries take {format_bytes(program)} ({program} "
+        f"bytes); Pipeline.memory predicts a peak of {format_bytes(peak)} ({peak} bytes) "
+        "on this slot"
+    )
 
 
 def _held_elsewhere(plan: PipelinePlan, unit: Unit) -> list[Any]:
@@ -617,6 +721,9 @@ def run_plan(
             STRATEGIES[_strategy(plan, parallel)](call)
             call.finish()
             values_left = len(call.exchange)
+        except DeviceOutOfMemory as error:
+            call.release(error)
+            raise
         finally:
             call.exchange.clear()  # after a failure, values nobody will read
         dispatch_s = time.perf_counter() - start

@@ -1,5 +1,6 @@
 """What a pipeline call holds on each device slot, predicted from its plan:
-:func:`estimate_memory`, behind :meth:`pipemark.Pipeline.memory`.
+:func:`estimate_memory`, behind :meth:`pipemark.Pipeline.memory`. Meant as an upper
+bound of the device's peak: a plan that ``memory_budget=`` accepts must fit.
 
 Per slot, in bytes:
 
@@ -7,32 +8,50 @@ Per slot, in bytes:
   a sub-mesh, a device's shard of each (laid out by its ``param_specs``: a parameter
   sharded over the data axis, FSDP, counts ``1/D`` of its bytes);
 * ``batch``: its stages' batch leaves, all microbatches, placed there once a call;
-* ``accumulators``: the loss and gradients its stages accumulate over microbatches;
-* ``in_flight``: the most bytes of values handed between stages (activations sent
-  forward, cotangents sent back, residuals a forward keeps for its backward) that the
-  slot holds at once, with the outputs of the action running then. Counted from the
-  schedule: the plan's actions in schedule order, a value held on each reading slot
-  from the action that makes it until its last reader there ran. This is what the
-  schedule decides: GPipe holds all ``M`` microbatches' residuals on the first
-  stage, 1F1B at most ``S``. Parameters sharded over the data axis add their
-  gathered copy: with ``fsdp_gather="once"`` every such parameter of the slot, held
-  for the whole call; with ``"per_microbatch"`` those of the slot's stage that reads
-  the most, held while one program runs;
-* ``temporaries``: the largest of XLA's temporaries (``memory_analysis()``) over the
-  programs the slot runs, when they are compiled for it.
+* ``accumulators``: the loss and gradients its stages accumulate over microbatches
+  (donated from one action to the next: one copy; on a sub-mesh a device's shard),
+  and what the plan keeps there between calls (the microbatch scale; the zeros that
+  accumulators not donated start from);
+* ``arguments``: the caller's own arrays lying on the slot's device beyond those
+  (:func:`argument_bytes`): parameters that other slots read (a model made on one
+  device holds them all there), the batch as given, and the microbatches of a batch
+  leaf split where it lies for another slot. Only where the estimate is given the
+  arrays (:meth:`pipemark.Pipeline.memory` is, and so is a budget); else 0, as when
+  each parameter lies on the slot that reads it and the batch on the host;
+* ``in_flight``: the values handed between actions (activations sent forward,
+  cotangents sent back, residuals a forward keeps for its backward) that the slot
+  holds at once, at the action where they and its temporaries are largest
+  (:func:`held_in_flight`). Each worker thread dispatches as soon as the values it
+  reads are dispatched, so another slot may run ahead as far as the schedule's
+  dependencies let it, its results copied here at once: the most any interleaving
+  holds. With ``dispatch_ahead`` the results and inputs of the last actions, which the
+  device may not have run yet, count as well. What the schedule decides: GPipe holds
+  all ``M`` microbatches' residuals on the first stage, 1F1B at most ``S``.
+  Parameters sharded over the data axis add their gathered copy: with
+  ``fsdp_gather="once"`` every such parameter of the slot, held for the whole call;
+  with ``"per_microbatch"`` those of the slot's stage that reads the most, held while
+  one program runs;
+* ``temporaries``: XLA's temporaries (``memory_analysis()``) of the program running
+  at that action, when the programs are compiled for the slot;
+* ``update`` (a training step): the update after the pipeline, each slot's part:
+  its compiled arguments (parameters, optimizer state, gradients) and results, its
+  earlier parts' results, the pipeline's results it does not read, the caller's arrays
+  there it does not read, and its temporaries.
 
-The predicted peak is their sum, taking the in-flight bytes and the temporaries at the
-action where the two together are largest. On a TPU the device's
+``predicted_peak`` is the largest of the pipeline's sum and the update; ``buffers``
+the same without temporaries, the most bytes of arrays at once. On a TPU the device's
 ``peak_bytes_in_use`` counts buffers (arrays) and not the programs' temporaries
 (``jax.jit`` of a step whose program needs 11.3 GiB of temporaries peaks at 2.0 GiB
-there): compare it with the predicted peak less ``temporaries``.
+there): compare it with ``buffers``. On the CPU the test suite compares ``buffers``
+with ``jax.live_arrays()`` sampled after every action of a call (tests/runtime/
+test_memory.py): never below, at most 1.3 × above in the runs seen.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -48,15 +67,22 @@ from pipemark.runtime.steps import STAGE, Key, program_name
 __all__ = [
     "MemoryEstimate",
     "SlotMemory",
+    "argument_bytes",
+    "describe_limit",
     "device_bytes",
     "estimate_memory",
+    "held_in_flight",
     "format_bytes",
     "plan_memory",
+    "resident_bytes",
     "result_avals",
     "with_update",
 ]
 
-_FIELDS = ("parameters", "batch", "accumulators", "in_flight", "temporaries", "update")
+_FIELDS = (
+    "parameters", "batch", "accumulators", "arguments", "in_flight", "temporaries", "update",
+    "buffers",
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +106,17 @@ class SlotMemory:
     #: gradients), results and temporaries. The slot's predicted peak is the larger of
     #: this and the rest.
     update: int | None = None
+    #: The caller's own arrays (:func:`argument_bytes`) on this slot's device beyond
+    #: ``parameters`` and ``batch``: parameters other slots read, the whole batch as
+    #: given, its microbatches where they were split here for another slot, the
+    #: optimizer state. 0 where the estimate was not given the arrays.
+    arguments: int = 0
+    #: The most bytes of arrays the slot holds at once, its programs' temporaries left
+    #: out: ``parameters + batch + accumulators + arguments`` and the most in flight,
+    #: or a training step's update phase where that is larger. On a device that
+    #: counts arrays alone (a TPU's ``peak_bytes_in_use``, JAX's ``live_arrays``),
+    #: what to compare with the measured peak.
+    buffers: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +126,11 @@ class MemoryEstimate:
     slots: tuple[SlotMemory, ...]
 
     def __str__(self) -> str:
-        fields = [f for f in _FIELDS if f != "update" or any(s.update for s in self.slots)]
+        fields = [
+            f
+            for f in _FIELDS
+            if f not in ("update", "arguments") or any(getattr(s, f) for s in self.slots)
+        ]
         head = ("slot", *fields, "predicted_peak", "measured")
         rows = [head]
         for s in self.slots:
@@ -120,60 +161,134 @@ def _key_bytes(plan: PipelinePlan, key: Key) -> int:
 
 
 def _in_flight(plan: PipelinePlan, temporaries: Mapping[str, int] | None = None) -> list[tuple]:
-    """Per slot, ``(bytes in flight, temporaries)`` at the action where their sum is
-    largest: the plan's actions walked in schedule order, each value held on each
-    slot that reads it from the action that makes it until its last read there. The
-    results of the slot's next ``plan.dispatch_ahead`` actions count too: dispatched,
-    they hold their memory before the device runs them."""
-    count = len(plan.placement.slots)
+    """Per slot, ``(most bytes in flight, (bytes in flight, temporaries) at the action
+    where their sum is largest)``, in flight as :func:`held_in_flight` bounds it."""
     names = [stage.name for stage in plan.staged.stages]
-    made_by = [[_made(plan, step) for step in column] for column in plan.steps.columns]
-    ahead = plan.dispatch_ahead or 0  # None: unbounded, counted as the schedule's walk
-    position = [0] * count
-    live, held = [0] * count, {}
-    worst: list[tuple[int, int]] = [(0, 0)] * count
-    for worker, step in plan.steps.serial:
-        n = position[worker]
-        position[worker] += 1
-        made = sum(made_by[worker][n : n + 1 + ahead])
-        temp = (temporaries or {}).get(program_name(step, names), 0)
-        if live[worker] + made + temp > sum(worst[worker]):
-            worst[worker] = (live[worker] + made, temp)
-        for _, key, readers in step.sends:
-            for reader, reads in readers:
-                held[(key, reader)] = reads
-                live[reader] += _key_bytes(plan, key)
-        for source, key in step.inputs:
-            if source == STAGE and (key, worker) in held:
-                held[(key, worker)] -= 1
-                if held[(key, worker)] == 0:
-                    del held[(key, worker)]
-                    live[worker] -= _key_bytes(plan, key)
+    worst = []
+    for worker, column in enumerate(plan.steps.columns):
+        most, peak = 0, (0, 0)
+        for step, held in zip(column, held_in_flight(plan, worker)):
+            temp = (temporaries or {}).get(program_name(step, names), 0)
+            most = max(most, held)
+            if held + temp > sum(peak):
+                peak = (held, temp)
+        worst.append((most, peak))
     return worst
 
 
-def _made(plan: PipelinePlan, step: Any) -> int:
-    """The bytes of the values an action hands to other actions."""
-    return sum(_key_bytes(plan, key) for _, key, _ in step.sends)
+def held_in_flight(plan: PipelinePlan, worker: int) -> list[int]:
+    """For each action of slot ``worker``, in its order, the most bytes of values in
+    flight the slot holds while it runs: the values other actions hand it (copied onto
+    it when they are dispatched) until its last action that reads them, and what the
+    ``plan.dispatch_ahead`` actions before it (none with ``None``) hold until the device
+    has run them: their results, even where another slot reads them or this one read
+    them already, and their inputs.
+
+    A bound however the workers' threads interleave: each walks its own column,
+    dispatching an action as soon as the values it reads are dispatched, so while this
+    slot runs its ``n``-th action another may be as far ahead as those values allow,
+    its results arriving here long before this slot reads them. The walk finds the
+    largest prefix of each other column whose inputs the prefixes make, this slot's
+    first ``n + 1`` actions among them (it only grows with ``n``).
+
+    >>> import jax, pipemark as pm
+    >>> from pipemark import examples
+    >>> ex = examples.mlp(num_layers=2, width=8, batch=8)
+    >>> pipe = pm.pipeline_value_and_grad(ex.loss_fn, num_stages=2, num_microbatches=4,
+    ...     schedule="gpipe", devices=jax.devices()[:2], dispatch_ahead=1)
+    >>> # F0..F3 keep 1..4 microbatches' residuals; by the time F3 runs, slot 1 may
+    >>> # have sent back all 4 cotangents: the most, then less with each backward.
+    >>> held = held_in_flight(pipe.plan(*ex.args), 0)
+    >>> held[:4] == sorted(held[:4]) and max(held) == held[3] > held[4] > held[7]
+    True
+    """
+    columns = plan.steps.columns
+    last_read: dict[Key, int] = {}  # per value read here, its last reader here
+    for n, step in enumerate(columns[worker]):
+        for source, key in step.inputs:
+            if source == STAGE:
+                last_read[key] = n
+    expire: dict[int, list[int]] = {}  # position -> bytes no longer held after it
+    done = [0] * len(columns)  # each column's prefix dispatched
+    made: set[Key] = set()
+    # The worker waits for its oldest results once it has dispatched the next
+    # action: while that one is dispatched, dispatch_ahead more are held.
+    window = (plan.dispatch_ahead or 0) + 1
+    live, held_at = 0, []
+
+    def dispatch(step: Any) -> None:
+        nonlocal live
+        for _, key, _ in step.sends:
+            made.add(key)
+            if key in last_read:
+                size = _key_bytes(plan, key)
+                live += size
+                expire.setdefault(last_read[key], []).append(size)
+
+    for n, step in enumerate(columns[worker]):
+        done[worker] = n + 1
+        dispatch(step)
+        _advance(columns, worker, done, made, dispatch)
+        # What the actions dispatched and perhaps not run yet hold beyond the values in
+        # flight here: their results read already or sent to other slots only, and
+        # their inputs read for the last time.
+        recent = columns[worker][max(0, n + 1 - window) : n + 1]
+        extra = {
+            key
+            for earlier in recent
+            for key in (
+                *(key for _, key, _ in earlier.sends),
+                *(key for source, key in earlier.inputs if source == STAGE),
+            )
+            if last_read.get(key, -1) < n
+        }
+        held_at.append(live + sum(_key_bytes(plan, key) for key in extra))
+        live -= sum(expire.pop(n, ()))
+    return held_at
 
 
-def plan_memory(plan: PipelinePlan) -> MemoryEstimate:
-    """:func:`estimate_memory` of ``plan`` with its programs' temporaries, compiled
-    here where they are not yet (JAX's caches give back those a call compiled; stages
-    on sub-meshes are not compiled here, and their temporaries are not counted)."""
+def _advance(
+    columns: Any, worker: int, done: list[int], made: set[Key], dispatch: Callable
+) -> None:
+    """Every column but ``worker``'s dispatched as far as the values in ``made`` allow
+    (``dispatch`` called on each action, which adds its results to ``made``)."""
+    moved = True
+    while moved:
+        moved = False
+        for other, column in enumerate(columns):
+            if other == worker:
+                continue
+            while done[other] < len(column) and all(
+                key in made for source, key in column[done[other]].inputs if source == STAGE
+            ):
+                dispatch(column[done[other]])
+                done[other] += 1
+                moved = True
+
+
+def plan_memory(plan: PipelinePlan, arguments: Sequence[int] | None = None) -> MemoryEstimate:
+    """:func:`estimate_memory` of ``plan`` (and the caller's ``arguments``, as it takes
+    them) with its programs' temporaries, compiled here where they are not yet (JAX's
+    caches give back those a call compiled; stages on sub-meshes are not compiled here,
+    and their temporaries are not counted)."""
     temporaries = None
     if not plan.placement.meshes:
         programs = compiled_programs(plan)
         temporaries = {n: p.memory_analysis().temp_size_in_bytes for n, p in programs.items()}
-    return estimate_memory(plan, temporaries)
+    return estimate_memory(plan, temporaries, arguments)
 
 
 def estimate_memory(
-    plan: PipelinePlan, temporaries: Mapping[str, int] | None = None
+    plan: PipelinePlan,
+    temporaries: Mapping[str, int] | None = None,
+    arguments: Sequence[int] | None = None,
 ) -> MemoryEstimate:
     """What a call of ``plan`` holds on each device slot (see the module's text).
     ``temporaries``: each program's temporary bytes by name (as
-    :func:`pipemark.runtime.programs.compiled_programs` names them), or ``None``.
+    :func:`pipemark.runtime.programs.compiled_programs` names them), or ``None``;
+    ``arguments``: per slot, the caller's arrays there beyond what the pipeline places
+    (:func:`argument_bytes`), or ``None`` (none: each parameter lies on the slot that
+    reads it, the batch on the host).
 
     >>> import jax, pipemark as pm
     >>> from pipemark import examples
@@ -200,8 +315,12 @@ def estimate_memory(
         accumulators = sum(
             _accumulator_bytes(plan, unit) for unit in plan.units.values() if unit.worker == worker
         )
-        flight, temp = worst[worker]
-        flight += _gathered(plan, worker)
+        accumulators += _kept_by_plan(plan, worker)
+        most, (flight, temp) = worst[worker]
+        gathered = _gathered(plan, worker)  # FSDP: held with whatever is in flight
+        flight, most = flight + gathered, most + gathered
+        given = arguments[worker] if arguments is not None else 0
+        base = parameters + batch + accumulators + given
         slots.append(
             SlotMemory(
                 slot=worker,
@@ -211,8 +330,10 @@ def estimate_memory(
                 accumulators=accumulators,
                 in_flight=flight,
                 temporaries=temp if temporaries is not None else None,
-                predicted_peak=parameters + batch + accumulators + flight + temp,
+                predicted_peak=base + flight + temp,
                 measured_peak=_measured(slot.devices[0]),
+                arguments=given,
+                buffers=base + most,
             )
         )
     return MemoryEstimate(tuple(slots))
@@ -284,24 +405,109 @@ def _gathered(plan: PipelinePlan, worker: int) -> int:
     )  # fmt: skip
 
 
-def with_update(estimate: MemoryEstimate, slot: int, update: int) -> MemoryEstimate:
+def _kept_by_plan(plan: PipelinePlan, worker: int) -> int:
+    """The bytes of the arrays ``plan`` keeps on slot ``worker`` between calls: the
+    microbatch scale its programs take, and the zeros that the accumulators of a
+    program that does not donate them start from (a second copy of those
+    accumulators)."""
+    zeros = [
+        x for index, kept in plan.zeros.items() if plan.units[index].worker == worker for x in kept
+    ]
+    scale = plan.scales.get(worker)
+    return sum(_bytes_on(x, x.devices().pop()) if isinstance(x, jax.Array) else 0
+               for x in [*zeros, scale])  # fmt: skip
+
+
+def with_update(
+    estimate: MemoryEstimate, slot: int, update: int, buffers: int | None = None
+) -> MemoryEstimate:
     """``estimate`` with a part of a training step's update holding ``update`` bytes on
-    slot ``slot``: that slot's predicted peak is the larger of the two phases. The parts
+    slot ``slot``, ``buffers`` of them arrays (``None``: all; the rest are its
+    temporaries): that slot's predicted peak is the larger of the two phases. The parts
     a slot runs run one after the other: called again for the same slot, the larger
     part counts.
 
-    >>> one = SlotMemory(0, "cpu:0", 0, 0, 0, 0, None, predicted_peak=100)
-    >>> estimate = with_update(MemoryEstimate((one,)), 0, 300)
-    >>> [(s.update, s.predicted_peak) for s in with_update(estimate, 0, 200).slots]
-    [(300, 300)]
+    >>> one = SlotMemory(0, "cpu:0", 0, 0, 0, 0, None, predicted_peak=100, buffers=100)
+    >>> estimate = with_update(MemoryEstimate((one,)), 0, 300, buffers=250)
+    >>> [(s.update, s.predicted_peak, s.buffers) for s in with_update(estimate, 0, 200).slots]
+    [(300, 300, 250)]
     """
     slots = list(estimate.slots)
     one = slots[slot]
-    update = max(update, one.update or 0)
+    update, buffers = max(update, one.update or 0), update if buffers is None else buffers
     slots[slot] = dataclasses.replace(
-        one, update=update, predicted_peak=max(one.predicted_peak, update)
+        one,
+        update=update,
+        predicted_peak=max(one.predicted_peak, update),
+        buffers=max(one.buffers, buffers),
     )
     return MemoryEstimate(tuple(slots))
+
+
+def argument_bytes(plan: PipelinePlan, params: Any, batch: Any) -> list[int]:
+    """Per slot of ``plan``, the bytes of the caller's arrays (``params``, the leaves
+    the plan calls parameters, and ``batch``) that lie on the slot's (first) device
+    and that :func:`estimate_memory` does not count already: the parameters other
+    slots read, each batch leaf as given, and its microbatches where it is split here
+    (a ``jax.Array`` is split where it lies) for another slot. NumPy arrays take no
+    device memory.
+
+    >>> import jax, numpy as np, pipemark as pm
+    >>> from pipemark import examples
+    >>> ex = examples.mlp(num_layers=2, width=8, batch=8)
+    >>> pipe = pm.pipeline_value_and_grad(ex.loss_fn, num_stages=2, num_microbatches=2,
+    ...                                   devices=jax.devices()[:2])
+    >>> params = jax.device_put(ex.params, jax.devices()[0])
+    >>> x, y = (np.asarray(leaf) for leaf in ex.batch)
+    >>> argument_bytes(pipe.plan(params, (x, y)), params, (x, y))  # the 2nd layer's
+    [288, 0]
+    """
+    steps = plan.steps
+    param_leaves = jax.tree_util.tree_leaves(params)
+    batch_leaves = jax.tree_util.tree_leaves(batch)
+    replicas = plan.placement.slots[0].replicas
+    split = plan.schedule.num_microbatches > 1 or replicas > 1  # else the leaf itself
+    sizes = []
+    for worker, slot in enumerate(plan.placement.slots):
+        device = slot.devices[0]
+        reads = set(steps.params[worker])
+        counted = {id(x) for i, x in enumerate(param_leaves) if i in reads}
+        total = resident_bytes(param_leaves, device, counted)
+        counted.update(id(x) for x in param_leaves)
+        total += resident_bytes(batch_leaves, device, counted)
+        if split:  # each occurrence of a leaf is split apart
+            reads = set(steps.batch[worker])
+            total += sum(_bytes_on(x, device) for j, x in enumerate(batch_leaves) if j not in reads)
+        sizes.append(total)
+    return sizes
+
+
+def resident_bytes(leaves: Sequence[Any], device: Any, skip: Any = frozenset()) -> int:
+    """The bytes on ``device`` of the distinct ``jax.Array`` s among ``leaves`` (each
+    array once, however often it appears), but those whose ``id`` is in ``skip``.
+
+    >>> import jax, jax.numpy as jnp
+    >>> x = jax.device_put(jnp.ones(4), jax.devices()[0])
+    >>> resident_bytes([x, x, jnp.ones(2)], jax.devices()[0], skip={id(x)})
+    8
+    """
+    seen = set(skip)
+    total = 0
+    for leaf in leaves:
+        if id(leaf) not in seen:
+            seen.add(id(leaf))
+            total += _bytes_on(leaf, device)
+    return total
+
+
+def _bytes_on(leaf: Any, device: Any) -> int:
+    """The bytes of ``leaf``'s shards on ``device`` (0 for what is not a live
+    ``jax.Array`` there)."""
+    if not isinstance(leaf, jax.Array) or leaf.is_deleted() or device not in leaf.devices():
+        return 0
+    if len(leaf.devices()) == 1:
+        return leaf.nbytes
+    return sum(s.data.nbytes for s in leaf.addressable_shards if s.device == device)
 
 
 def result_avals(plan: PipelinePlan) -> list[Any]:
@@ -317,6 +523,24 @@ def result_avals(plan: PipelinePlan) -> list[Any]:
             value = np.asarray(getattr(ref.value, "val", ref.value))
             avals.append(jax.ShapeDtypeStruct(value.shape, value.dtype))
     return avals
+
+
+def describe_limit(device: Any) -> str:
+    """``device``'s memory limit (``memory_stats()["bytes_limit"]``) in words, or that
+    it reports none.
+
+    >>> import jax
+    >>> describe_limit(jax.devices("cpu")[0])
+    'unknown (cpu reports no bytes_limit)'
+    """
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # a backend without statistics may raise instead of returning None
+        stats = {}
+    limit = stats.get("bytes_limit")
+    if limit is None:
+        return f"unknown ({device.platform} reports no bytes_limit)"
+    return f"{format_bytes(limit)} ({limit} bytes)"
 
 
 def _measured(device: Any) -> int | None:

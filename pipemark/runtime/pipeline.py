@@ -60,7 +60,7 @@ from pipemark.runtime.calls import record_holders, restore_target, shape_key, tr
 from pipemark.runtime.execution import action_costs, run_plan
 from pipemark.runtime.keeping import stage_readers
 from pipemark.runtime.losses import LOSS_REDUCTIONS, split_count
-from pipemark.runtime.memory import MemoryEstimate, plan_memory
+from pipemark.runtime.memory import MemoryEstimate, argument_bytes, plan_memory
 from pipemark.runtime.options import PipelineOptions
 from pipemark.runtime.placement import leaf_specs
 from pipemark.runtime.plan import PipelinePlan, build_plan
@@ -143,7 +143,9 @@ class Pipeline:
                 options = dataclasses.replace(options, loss_reduction="sum")
             loss = self._losses[key][0]
             plan = self._plans[full_key] = within_budget(
-                lambda chosen, remat: build_plan(loss, dynamic, batch, chosen, remat), options
+                lambda chosen, remat: build_plan(loss, dynamic, batch, chosen, remat),
+                options,
+                lambda plan: argument_bytes(plan, dynamic, batch),
             )
         return plan
 
@@ -265,7 +267,9 @@ class Pipeline:
         >>> all(s.predicted_peak >= s.parameters + s.accumulators > 0 for s in slots)
         True
         """
-        return plan_memory(self.plan(params, *batch))
+        key, dynamic, batch, _ = self._bind(params, batch)
+        plan = self._plan(key, dynamic, batch)
+        return plan_memory(plan, argument_bytes(plan, dynamic, batch))
 
     def trace(self, params: Any, *batch: Any, path: str | os.PathLike | None = None) -> dict:
         """One call with inputs like these, traced: a Chrome / Perfetto trace (JSON

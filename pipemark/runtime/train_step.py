@@ -6,6 +6,7 @@ per slot where the stages' parameters live (:mod:`pipemark.runtime.update_run`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -25,7 +26,7 @@ from pipemark.runtime.execution import action_costs, run_plan
 from pipemark.runtime.keeping import stage_readers
 from pipemark.runtime.layouts import StepLayouts, step_layouts
 from pipemark.runtime.losses import count_batch_free_terms_once
-from pipemark.runtime.memory import MemoryEstimate, plan_memory, with_update
+from pipemark.runtime.memory import MemoryEstimate, argument_bytes, plan_memory, with_update
 from pipemark.runtime.options import PipelineOptions
 from pipemark.runtime.pipeline_stages import stage_program
 from pipemark.runtime.placement import available_slots, mesh_leaf_specs
@@ -40,6 +41,7 @@ from pipemark.runtime.update_run import (
     split_step_update,
     update_bytes,
     update_holders,
+    update_phase,
     update_programs,
 )
 
@@ -144,22 +146,26 @@ class PipelinedStep:
             compute = count_batch_free_terms_once(
                 compute, num_replicated, options.num_microbatches * replicas
             )
-        num_args = len(jax.tree_util.tree_leaves(args))
+        leaves = jax.tree_util.tree_leaves(args)
+        num_args = len(leaves)
         layouts = None
         if options.mesh is not None:
             specs = mesh_leaf_specs(options, tuple(replicated), "args")
             # The optimizer state and the gradients laid out like their parameters.
             layouts = step_layouts(compute, apply, specs, num_args)
-        plan = _step_plan(compute, options, num_replicated, micro, layouts)
+        # The caller's arrays count where they lie (the first step's, as a rule on one
+        # device: the most a step holds there), against a budget too.
+        arguments = functools.partial(_argument_bytes, args)
+        plan = _step_plan(compute, options, num_replicated, micro, layouts, arguments)
         split = split_step_update(plan, apply, num_args)
         if split is None and not plan.gather_results and plan.placement.distributed:
             # The whole update reads every stage's gradients: they are gathered, as
             # with gather_results=True (every process then runs it).
             options = dataclasses.replace(options, gather_results=True)
-            plan = _step_plan(compute, options, num_replicated, micro, layouts)
+            plan = _step_plan(compute, options, num_replicated, micro, layouts, arguments)
         parts = update_programs(plan, apply, split, layouts and layouts.table)
         if options.memory_budget is not None:
-            updates = update_bytes(plan, parts)
+            updates = update_bytes(plan, parts, num_args, leaves)
             check_update_within(updates, plan.placement.slots, options.memory_budget)
         out_tree = jax.tree_util.tree_structure(out_shape)
         shared: tuple[int, ...] = ()
@@ -188,7 +194,7 @@ class PipelinedStep:
         gradients, its results and temporaries; under ``jax.distributed``, of this
         process's slots)."""
         prepared = self._prepare(args)
-        return _step_memory(prepared.plan, prepared.parts)
+        return _step_memory(prepared.plan, prepared.parts, args)
 
     def trace(self, *args: Any, path: str | os.PathLike | None = None) -> dict:
         """The gradient part of one step with these arguments, traced as
@@ -334,6 +340,7 @@ def _step_plan(
     num_param_leaves: int,
     microbatch_size: int,
     layouts: StepLayouts | None,
+    arguments: Callable[[PipelinePlan], list[int]] | None = None,
 ) -> PipelinePlan:
     """The plan of a training step's gradient part ``compute``, cut as ``options`` say
     (again for each plan a memory budget tries), scheduled and compiled; on
@@ -360,14 +367,24 @@ def _step_plan(
             stage_layers=layers,
         )
 
-    return within_budget(make_plan, options)
+    return within_budget(make_plan, options, arguments)
 
 
-def _step_memory(plan: PipelinePlan, parts: tuple[UpdateProgram, ...]) -> MemoryEstimate:
-    """``plan``'s memory with the update after it (:func:`update_bytes`)."""
-    estimate = plan_memory(plan)
-    for worker, update in update_bytes(plan, parts).items():
-        estimate = with_update(estimate, worker, update)
+def _argument_bytes(args: tuple[Any, ...], plan: PipelinePlan) -> list[int]:
+    """:func:`argument_bytes` of a step's ``args`` (the state, then the batch)."""
+    *state, batch = args
+    return argument_bytes(plan, tuple(state), batch)
+
+
+def _step_memory(
+    plan: PipelinePlan, parts: tuple[UpdateProgram, ...], args: tuple[Any, ...]
+) -> MemoryEstimate:
+    """``plan``'s memory for a step of ``args`` (the caller's arrays where they lie,
+    :func:`argument_bytes`), with the update after it (:func:`update_phase`)."""
+    estimate = plan_memory(plan, _argument_bytes(args, plan))
+    leaves = jax.tree_util.tree_leaves(args)
+    for worker, (update, arrays) in update_phase(plan, parts, len(leaves), leaves).items():
+        estimate = with_update(estimate, worker, update, arrays)
     return estimate
 
 

@@ -13,6 +13,9 @@ import jax
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from jax.sharding import NamedSharding
 
+from pipemark.cost import nbytes
+from pipemark.errors import DeviceOutOfMemory
+from pipemark.runtime.memory import describe_limit, format_bytes, resident_bytes
 from pipemark.runtime.placement import Slot, device_slot, held_elsewhere
 from pipemark.runtime.plan import PipelinePlan
 from pipemark.runtime.transport import Transport
@@ -24,6 +27,7 @@ __all__ = [
     "run_update",
     "split_step_update",
     "update_bytes",
+    "update_phase",
     "update_holders",
     "update_programs",
 ]
@@ -43,13 +47,33 @@ class UpdateProgram(NamedTuple):
     shardings: tuple[Any, ...]
 
 
-def update_bytes(plan: PipelinePlan, parts: tuple[UpdateProgram, ...]) -> dict[int, int]:
-    """Per slot of this process that runs a part of the update, what its largest part
-    holds: the compiled program's arguments (the optimizer state, the gradients),
-    results and temporaries (another process's parts are compiled, and measured,
-    there). A slot that runs several parts (values it exchanges with the other slots,
-    then its results) holds them one after the other."""
-    sizes: dict[int, int] = {}
+def update_bytes(
+    plan: PipelinePlan,
+    parts: tuple[UpdateProgram, ...],
+    num_args: int,
+    leaves: Sequence[Any] | None = None,
+) -> dict[int, int]:
+    """Per slot of this process that runs a part of the update, what it holds while
+    its largest part runs, as :func:`update_phase` counts it."""
+    return {w: total for w, (total, _) in update_phase(plan, parts, num_args, leaves).items()}
+
+
+def update_phase(
+    plan: PipelinePlan,
+    parts: tuple[UpdateProgram, ...],
+    num_args: int,
+    leaves: Sequence[Any] | None = None,
+) -> dict[int, tuple[int, int]]:
+    """Per slot of this process that runs a part of the update, ``(bytes, bytes of
+    arrays)`` it holds at most while its parts run, one after the other: each part's
+    compiled arguments (parameters, optimizer state, gradients), its results and those
+    of the slot's earlier parts, and its temporaries (not arrays); the pipeline's
+    results on the slot that the part does not read (they live until the step
+    returns); with the step's argument leaves ``leaves`` (``num_args`` of them, the
+    batch's last), those lying on the slot that the part does not read."""
+    results = _results_left(plan)
+    sizes: dict[int, tuple[int, int]] = {}
+    made: dict[int, int] = {}  # per slot, the results of its parts so far
     for part in parts:
         if not plan.placement.local[part.worker]:
             continue
@@ -59,13 +83,28 @@ def update_bytes(plan: PipelinePlan, parts: tuple[UpdateProgram, ...]) -> dict[i
         ]
         with jax.set_mesh(None):  # as the call runs it (see __call__)
             analysis = part.run.lower(*structs).compile().memory_analysis()
-        update = (
-            analysis.argument_size_in_bytes
-            + analysis.output_size_in_bytes
-            + analysis.temp_size_in_bytes
-        )
-        sizes[part.worker] = max(sizes.get(part.worker, 0), update)
+        made[part.worker] = made.get(part.worker, 0) + analysis.output_size_in_bytes
+        read = set(part.inputs)
+        left = sum(size for r, size in results.get(part.worker, ()) if num_args + r not in read)
+        if leaves is not None:
+            device = plan.placement.slots[part.worker].devices[0]
+            skip = {id(x) for i, x in enumerate(leaves) if i in read}
+            left += resident_bytes(leaves, device, skip)
+        arrays = analysis.argument_size_in_bytes + made[part.worker] + left
+        total = arrays + analysis.temp_size_in_bytes
+        before = sizes.get(part.worker, (0, 0))
+        sizes[part.worker] = (max(before[0], total), max(before[1], arrays))
     return sizes
+
+
+def _results_left(plan: PipelinePlan) -> dict[int, list[tuple[int, int]]]:
+    """Per slot, ``(result, bytes)`` of the results its stages accumulate."""
+    left: dict[int, list[tuple[int, int]]] = {}
+    for unit in plan.units.values():
+        out_avals = plan.staged.stages[unit.index].out_avals
+        for r, o in unit.accumulated:
+            left.setdefault(unit.worker, []).append((r, nbytes(out_avals[o])))
+    return left
 
 
 def split_step_update(plan: PipelinePlan, apply: ClosedJaxpr, num_args: int) -> StageUpdates | None:
@@ -178,7 +217,7 @@ def run_update(
                 moved[(i, part.worker)] = got[0] if got else None
             inputs.append(moved[(i, part.worker)])
         if local[part.worker]:
-            outputs = part.run(*jax.device_put(inputs, list(part.shardings)))
+            outputs = _run_part(plan, part, inputs)
         else:  # another process computes them: arrays without data here
             outputs = [held_elsewhere(a, reader.replicated) for a in part.program.out_avals]
         values.update(zip(part.outputs, outputs))
@@ -196,6 +235,38 @@ def run_update(
                 values.update(zip(positions, got or ()))
         held.update(dict.fromkeys(positions))  # every process now holds them
     return held
+
+
+def _run_part(plan: PipelinePlan, part: UpdateProgram, inputs: list[Any]) -> Any:
+    """``part`` run on its slot; running out of the device's memory raises a
+    :class:`~pipemark.DeviceOutOfMemory` naming the part and what it takes."""
+    try:
+        return part.run(*jax.device_put(inputs, list(part.shardings)))
+    except jax.errors.JaxRuntimeError as error:
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        slot = plan.placement.slots[part.worker]
+        structs = [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where)
+            for a, where in zip(part.program.in_avals, part.shardings)
+        ]
+        analysis = part.run.lower(*structs).compile().memory_analysis()
+        takes = (
+            analysis.argument_size_in_bytes
+            + analysis.output_size_in_bytes
+            + analysis.temp_size_in_bytes
+        )
+        first = str(error).strip().splitlines()[0]
+        raise DeviceOutOfMemory(
+            f"Slot {part.worker} ({', '.join(map(str, slot.devices))}) ran out of memory "
+            f"running the training step's update after the pipeline (its part on this "
+            f"slot): {first} Its arguments (parameters, optimizer state, gradients), "
+            f"results and temporaries take {format_bytes(takes)} ({takes} bytes); the "
+            f"device's limit is {describe_limit(slot.devices[0])}. Give the pipeline "
+            "more stages or devices (each updates its own parameters), a smaller model "
+            "or optimizer state, or memory_budget= to be told before it runs. The "
+            "arrays passed in are unchanged."
+        ) from error
 
 
 def _move(

@@ -4,6 +4,8 @@ every device within the budget, by the memory estimate, and computes what
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,15 +16,16 @@ from pipemark import examples
 from pipemark.runtime import pipeline as pipeline_module
 from tests._devices import computing_on
 from tests._devices import devices as pick_devices
+from tests.runtime._compiles import compilations
 from tests.runtime._steps import mlp_train_step
 
 
-def _pipeline(memory_budget=None):
+def _pipeline(memory_budget=None, num_layers=4, width=32):
     # GPipe holds every microbatch's residuals on the first stage: the budget bites.
     # Unmarked, cut automatically: the budget has no marked layers to move.
     used = pick_devices(2)
     with computing_on(used):
-        ex = examples.mlp(num_layers=4, width=32, batch=256, markers=None)
+        ex = examples.mlp(num_layers=num_layers, width=width, batch=256, markers=None)
     pipe = pm.pipeline_value_and_grad(
         ex.loss_fn,
         num_stages=2,
@@ -32,6 +35,13 @@ def _pipeline(memory_budget=None):
         memory_budget=memory_budget,
     )
     return pipe, ex
+
+
+def pipe_error(pipe, ex):
+    """The error ``pipe`` raises on ``ex``'s arguments."""
+    with pytest.raises(pm.PipemarkError) as caught:
+        pipe(*ex.args)
+    return caught.value
 
 
 def _peaks(pipe, ex):
@@ -75,14 +85,16 @@ def test_a_slot_over_the_budget_runs_fewer_microbatches_in_flight():
 
 
 def test_a_slot_over_the_budget_with_one_microbatch_in_flight_rematerialises():
-    pipe, ex = _pipeline()
+    # Four layers a stage: their residuals outweigh the temporaries that recomputing
+    # them adds to the backward (with one layer a stage the two are even: no gain).
+    pipe, ex = _pipeline(num_layers=8, width=64)
     one_at_a_time = pm.pipeline_value_and_grad(
         ex.loss_fn, num_stages=2, num_microbatches=8, schedule="gpipe",
         devices=pipe.options.devices, microbatches_in_flight=1,
     )  # fmt: skip
     assert one_at_a_time.plan(*ex.args).schedule.in_flight() == (1, 1)
     budget = max(_peaks(one_at_a_time, ex)) - 1
-    within, _ = _pipeline(memory_budget=budget)
+    within, _ = _pipeline(memory_budget=budget, num_layers=8, width=64)
     slots = within.memory(*ex.args).slots
     assert all(s.predicted_peak <= budget for s in slots)
     # The over slot's backward recomputes its forward: it reads the stage's inputs,
@@ -129,8 +141,15 @@ def test_on_one_device_fewer_microbatches_in_flight_come_first(monkeypatch):
 
 def test_a_budget_no_plan_fits_says_which_device_and_by_how_much():
     pipe, ex = _pipeline(memory_budget=10_000)
-    with pytest.raises(pm.MemoryBudgetError, match=r"Slot \d .* over memory_budget=10000"):
+    # The parameters and gradients alone are over: refused before any stage program
+    # is compiled (nor run), whichever change the budget tried.
+    over = r"Slot \d .* over memory_budget=10000"
+    with compilations() as compiled, pytest.raises(pm.MemoryBudgetError, match=over):
         pipe(*ex.args)
+    assert "jit(run)" not in compiled, compiled
+    message = str(pipe_error(pipe, ex))
+    assert re.search(r"needs at least [\d.]+ KiB, [\d.]+ KiB over", message), message
+    assert "not compiled: the rest is over already" in message
     with pytest.raises(pm.PipemarkError, match="memory_budget"):
         pm.pipeline_value_and_grad(ex.loss_fn, num_microbatches=2, memory_budget=-1)
 
@@ -188,6 +207,10 @@ def test_a_slot_over_the_budget_by_its_parameters_gives_a_layer_to_its_neighbour
         ]
         x = jax.random.normal(keys[4], (8, 64))
         want = jax.value_and_grad(_two_big_layers)(params, x)
+    # On the host, as a checkpoint loader gives them: arrays the caller keeps on the
+    # first device stay there whichever slot reads them (the estimate's `arguments`),
+    # and no move of a layer would take them off.
+    params = [np.asarray(p) for p in params]
     kw = dict(num_stages=2, num_microbatches=4, devices=used)
     plain = pm.pipeline_value_and_grad(_two_big_layers, **kw)
     layers = plain.plan(params, x).stage_layers

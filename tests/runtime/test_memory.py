@@ -4,7 +4,12 @@ own walk."""
 
 from __future__ import annotations
 
+import contextlib
+import re
+import threading
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
@@ -12,6 +17,7 @@ from jax.sharding import Mesh
 import pipemark as pm
 from pipemark import examples
 from pipemark.cost import nbytes
+from pipemark.runtime import execution, train_step
 from pipemark.runtime.memory import estimate_memory
 from tests._devices import computing_on
 from tests._devices import devices as pick_devices
@@ -45,40 +51,43 @@ def test_parameters_batch_and_accumulators_add_up_to_the_users_arrays():
     assert [s.parameters for s in slots] == [_tree_bytes(layer) for layer in params]
     assert sum(s.batch for s in slots) == _tree_bytes(batch)
     assert slots[1].batch == slots[2].batch == 0
-    assert sum(s.accumulators for s in slots) == _tree_bytes(params) + 4  # + the loss
+    # + the loss, and each slot's microbatch scale (a float32 the plan keeps there)
+    assert sum(s.accumulators for s in slots) == _tree_bytes(params) + 4 + 4 * len(slots)
     for s in slots:
         assert s.temporaries is not None and s.temporaries >= 0
         assert s.predicted_peak == (
-            s.parameters + s.batch + s.accumulators + s.in_flight + s.temporaries
+            s.parameters + s.batch + s.accumulators + s.arguments + s.in_flight + s.temporaries
         )
 
 
-def _residual_bytes(plan):
-    """Bytes the first stage's forward leaves for its own slot, per microbatch: its
-    outputs that its backward reads."""
+def _read_bytes(plan, producer, reader):
+    """Bytes of stage ``producer``'s outputs that stage ``reader`` reads, per
+    microbatch."""
     staged = plan.staged
-    forward, backward = plan.forward_stages[0], plan.backward_stages[0]
     read = {
         ref.index
-        for ref in staged.stages[backward].inputs
-        if ref.kind == "stage" and ref.stage == forward
+        for ref in staged.stages[reader].inputs
+        if ref.kind == "stage" and ref.stage == producer
     }
-    return sum(nbytes(staged.stages[forward].out_avals[o]) for o in read)
+    return sum(nbytes(staged.stages[producer].out_avals[o]) for o in read)
 
 
 def test_the_schedule_sets_how_many_microbatches_are_in_flight():
     # GPipe runs every forward before any backward: the first stage holds the residuals
-    # of all M microbatches, M times what one leaves. 1F1B starts backwards after S
-    # forwards: what it holds does not grow with M.
+    # of all M microbatches (what its forward leaves for its own backward), and, its
+    # threads dispatching as soon as their inputs are dispatched, the second stage may
+    # have sent back every microbatch's cotangents before the first stage's last forward
+    # runs. 1F1B starts backwards after S forwards: what it holds does not grow with M.
     held = {}
     for schedule in ("gpipe", "1f1b"):
         for m in (4, 8):
             pipe, ex = _mlp_pipeline(schedule, 2, m)
             plan = pipe.plan(*ex.args)
             held[schedule, m] = estimate_memory(plan).slots[0].in_flight
-            residual = _residual_bytes(plan)
-    assert residual > 0
-    assert held["gpipe", 8] - held["gpipe", 4] == 4 * residual
+            residual = _read_bytes(plan, plan.forward_stages[0], plan.backward_stages[0])
+            cotangent = _read_bytes(plan, plan.backward_stages[1], plan.backward_stages[0])
+    assert residual > 0 and cotangent > 0
+    assert held["gpipe", 8] - held["gpipe", 4] == 4 * (residual + cotangent)
     assert held["1f1b", 8] == held["1f1b", 4] < held["gpipe", 4]
 
 
@@ -166,3 +175,281 @@ def test_dispatch_ahead_must_be_a_positive_count_or_none():
         pm.pipeline_value_and_grad(ex.loss_fn, num_microbatches=2, dispatch_ahead=0)
     with pytest.raises(pm.PipemarkError, match="recompute_residuals"):
         pm.pipeline_value_and_grad(ex.loss_fn, num_microbatches=2, recompute_residuals="yes")
+
+
+# ------------------------------------------------- the estimate against live arrays
+
+
+def _live_bytes(devices, skip=frozenset()):
+    """Per device of ``devices``, the bytes of the live ``jax.Array`` s there whose
+    ``id`` is not in ``skip``, each buffer once (two arrays may share one: an array
+    committed where it lay, ``device_put`` onto its own device)."""
+    held = dict.fromkeys(devices, 0)
+    seen = set()
+    for array in jax.live_arrays():
+        if array.is_deleted() or id(array) in skip:
+            continue
+        for shard in array.addressable_shards:
+            buffer = (shard.device, shard.data.unsafe_buffer_pointer())
+            if shard.device in held and buffer not in seen:
+                seen.add(buffer)
+                held[shard.device] += shard.data.nbytes
+    return held
+
+
+@contextlib.contextmanager
+def _sampled(monkeypatch, devices, arguments):
+    """Within the block, the most bytes of arrays each of ``devices`` holds right after
+    an action of a pipeline call is dispatched (a list of per-device dicts, one a
+    sample), less what other tests left alive there (the arrays live at the start that
+    are not among ``arguments``, the call's own).
+
+    The samples are taken with no other action being dispatched (a lock around each
+    dispatch and its sample): inside a dispatch the accumulators it donates and the
+    ones it returns are one buffer, which JAX's live arrays would count twice. Any
+    interleaving of the worker threads can be sampled, and whatever they hold for
+    values another slot has not read yet, or that a program dispatched ahead still
+    reads, is counted. JAX's live arrays are arrays: the programs' temporaries are not
+    among them (the CPU reports no device memory of its own)."""
+    mine = {id(leaf) for leaf in jax.tree_util.tree_leaves(arguments)}
+    before = {id(a) for a in jax.live_arrays()} - mine
+    samples = []
+    lock = threading.Lock()
+    dispatch = execution._Call.dispatch
+
+    def sampling(self, step, inputs, scale):
+        with lock:
+            out = dispatch(self, step, inputs, scale)
+            samples.append(_live_bytes(devices, before))
+        return out
+
+    monkeypatch.setattr(execution._Call, "dispatch", sampling)
+    yield samples
+    monkeypatch.undo()
+
+
+def _check_bound(estimate, samples, devices):
+    """Each slot's measured peak within its predicted arrays; returns the ratios
+    predicted / measured."""
+    assert samples
+    ratios = []
+    for slot, device in zip(estimate.slots, devices):
+        measured = max(sample[device] for sample in samples)
+        assert 0 < measured <= slot.buffers, (slot, measured)
+        assert slot.buffers <= slot.predicted_peak
+        ratios.append(slot.buffers / measured)
+    return ratios
+
+
+@pytest.mark.parametrize(
+    ("schedule", "num_stages", "num_devices", "num_microbatches"),
+    [("gpipe", 2, 2, 4), ("1f1b", 4, 4, 8), ("interleaved", 4, 2, 4), ("zb-h1", 2, 2, 4)],
+)
+@pytest.mark.parametrize("ahead", [2, None])
+def test_a_call_holds_no_more_arrays_than_predicted(
+    monkeypatch, schedule, num_stages, num_devices, num_microbatches, ahead
+):
+    # The caller's parameters and batch on the first device (as a model made there
+    # has them): the other slots' parameters and the whole batch count there too.
+    used = pick_devices(num_devices)
+    with computing_on(used):
+        ex = examples.mlp(num_layers=num_stages, width=64, batch=4 * num_microbatches)
+    pipe = pm.pipeline_value_and_grad(
+        ex.loss_fn,
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        devices=used,
+        dispatch_ahead=ahead,
+    )
+    estimate = pipe.memory(*ex.args)
+    with _sampled(monkeypatch, used, ex.args) as samples:
+        got = pipe(*ex.args)
+        jax.block_until_ready(got)
+    ratios = _check_bound(estimate, samples, used)
+    # An upper bound that is not far above: what the threads hold in the worst
+    # interleaving, which a run need not reach (1.0 to 1.3 seen).
+    assert max(ratios) < 1.5, ratios
+
+
+@pytest.mark.parametrize(
+    ("schedule", "num_stages", "optimizer"), [("1f1b", 2, "adam"), ("gpipe", 4, "sgd")]
+)
+def test_a_training_step_holds_no_more_arrays_than_predicted(
+    monkeypatch, schedule, num_stages, optimizer
+):
+    # The step's first call: its parameters and optimizer state where they were made,
+    # on the first device; its update's arrays are sampled once its parts ran.
+    used = pick_devices(num_stages)
+    with computing_on(used):
+        ex = examples.mlp(num_layers=num_stages, width=64, batch=16)
+        step, init = examples.train_step(ex.loss_fn, optimizer=optimizer)
+        state = init(ex.params)
+    pipe = pm.pipeline_train_step(
+        step, num_stages=num_stages, num_microbatches=4, schedule=schedule, devices=used
+    )
+    args = (ex.params, state, ex.batch)
+    estimate = pipe.memory(*args)
+    with _sampled(monkeypatch, used, args) as samples:
+        run_update = train_step.run_update
+        others = {id(a) for a in jax.live_arrays()} - {
+            id(x) for x in jax.tree_util.tree_leaves(args)
+        }
+
+        def sampling(run):
+            def sampled(*inputs):  # while the part's inputs and results are held
+                outputs = run(*inputs)
+                samples.append(_live_bytes(used, others))
+                return outputs
+
+            return sampled
+
+        def sampled_update(plan, parts, *rest):
+            parts = [part._replace(run=sampling(part.run)) for part in parts]
+            return run_update(plan, parts, *rest)
+
+        monkeypatch.setattr(train_step, "run_update", sampled_update)
+        got = pipe(*args)
+        jax.block_until_ready(got)
+    ratios = _check_bound(estimate, samples, used)
+    assert max(ratios) < 1.5, ratios
+    assert all(s.update is not None and s.update <= s.predicted_peak for s in estimate.slots)
+
+
+# ------------------------------------------------------------ running out of memory
+
+
+def _cubic_loss(width):
+    """An MLP layer, then every triple of the microbatch's rows with ``width`` features
+    each handed to the next stage: ``rows**3 * width`` floats, which a larger batch
+    makes too many for the device, a smaller one not."""
+
+    def loss_fn(params, batch):
+        x, y = batch
+        w0, w1 = params
+        h = jnp.tanh(x @ w0)
+        c = h[:, 0]
+        triples = c[:, None, None, None] * c[None, :, None, None] * c[None, None, :, None]
+        wide = triples * jnp.ones(width, h.dtype)
+        pm.mark_pipeline_boundary()
+        return jnp.mean(wide * w1) + jnp.mean((h - y) ** 2)
+
+    return loss_fn
+
+
+def _runs_out_and_recovers(used, width, rows, small_rows, num_microbatches, schedule):
+    """A training step of :func:`_cubic_loss` whose batch of ``rows`` rows does not fit
+    on the devices ``used`` raises DeviceOutOfMemory and leaves the state it was
+    given; the same step with ``small_rows`` rows then computes what JAX computes."""
+    with computing_on(used):
+        params = (jnp.full((4, 4), 0.25), jnp.float32(0.5))
+        step, init = examples.train_step(_cubic_loss(width), optimizer="adam")
+        state = init(params)
+        params, state, _ = jax.jit(step)(params, state, _ones(8, 4))  # a state of its own
+    pipe = pm.pipeline_train_step(
+        step,
+        num_stages=2,
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        devices=used,
+    )
+    leaves = jax.tree_util.tree_leaves((params, state))
+    before = [np.asarray(leaf) for leaf in leaves]
+    big = _ones(rows, 4)
+    plan = pipe.plan(params, state, big)  # compiled: it fits, and keeps a few scalars
+    live = _buffers()
+    with pytest.raises(pm.DeviceOutOfMemory) as caught:
+        jax.block_until_ready(pipe(params, state, big))
+    error = caught.value
+    assert isinstance(error, pm.PipemarkError) and isinstance(error, MemoryError)
+    assert isinstance(error.__cause__, jax.errors.JaxRuntimeError)
+    assert "RESOURCE_EXHAUSTED" in str(error.__cause__)
+    message = str(error)
+    names = [stage.name for stage in plan.staged.stages]
+    assert re.search(r"running program '([\w+]+)' \(([FBW])\d+s\d", message), message
+    assert re.search(r"running program '([\w+]+)'", message).group(1).split("+")[0] in names
+    assert "Pipeline.memory predicts a peak of" in message
+    assert "the device's limit is" in message and "memory_budget=" in message
+    # Nothing of the call stays on the devices, though the error is kept.
+    # (The caller's frames in its traceback may hold arrays committed where they lay:
+    # the same buffers as the caller's.)
+    assert _buffers() <= live
+    for leaf, kept in zip(leaves, before):
+        assert not leaf.is_deleted()
+        np.testing.assert_array_equal(np.asarray(leaf), kept)
+    # The next call, with a batch that fits, runs and computes what JAX computes.
+    small = _ones(small_rows, 4)
+    with computing_on(used):
+        want = jax.jit(step)(params, state, small)
+    got = pipe(params, state, small)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-6)
+    return error
+
+
+def _buffers():
+    """The device buffers of the live arrays."""
+    return {
+        (shard.device, shard.data.unsafe_buffer_pointer())
+        for array in jax.live_arrays()
+        if not array.is_deleted()
+        for shard in array.addressable_shards
+    }
+
+
+def _ones(rows, features):
+    return (jnp.ones((rows, features)), jnp.full((rows, features), 0.5))
+
+
+def test_a_device_out_of_memory_raises_and_leaves_the_state():
+    """A genuine out-of-memory, nothing simulated: the first stage's output for a
+    microbatch of 1024 rows is 1024**3 * 1024 float32s (4 TiB), which the CPU's
+    allocator refuses (XLA's RESOURCE_EXHAUSTED, at run time: the program compiles);
+    8 rows need 2 MiB."""
+    used = pick_devices(2)
+    if used[0].platform != "cpu":
+        pytest.skip("the CPU's refusal; test_a_device_runs_out_of_memory is the accelerator's")
+    error = _runs_out_and_recovers(used, 1024, 2048, 16, 2, "1f1b")
+    assert "limit is unknown (cpu reports no bytes_limit)" in str(error)
+
+
+def test_a_device_runs_out_of_memory_between_programs_that_each_fit():
+    """On a device that reports its memory limit (a TPU's ``bytes_limit``): each
+    microbatch's output of the first stage takes a quarter of the device, which every
+    program fits (XLA compiles them), and GPipe holds eight of them at once (the
+    second stage's backward reads them): the device runs out while the pipeline runs,
+    as the estimate predicts."""
+    (device,) = jax.devices()[:1]
+    limit = (device.memory_stats() or {}).get("bytes_limit") if device.platform != "cpu" else None
+    if not limit:
+        pytest.skip("needs a device that reports memory_stats()['bytes_limit'] (a TPU)")
+    rows = 32
+    width = int(limit / 4 / 4 / rows**3)  # a quarter of the device per microbatch
+    error = _runs_out_and_recovers([device], width, 8 * rows, 8, 8, "gpipe")
+    predicted = int(re.search(r"predicts a peak of [^(]+\((\d+) bytes\)", str(error)).group(1))
+    assert predicted > limit, str(error)
+    assert f"({limit} bytes)" in str(error)
+
+
+def test_an_update_out_of_memory_raises_and_leaves_the_state():
+    """A genuine out-of-memory in the update after the pipeline: a metric the step
+    returns, 2**20 x 2**20 float32s (4 TiB), which the CPU's allocator refuses."""
+    used = pick_devices(2)
+    if used[0].platform != "cpu":
+        pytest.skip("the CPU's refusal of 4 TiB")
+    with computing_on(used):
+        ex = examples.mlp(num_layers=2, width=8, batch=8)
+        step, init = examples.train_step(ex.loss_fn, optimizer="sgd")
+        state = init(ex.params)
+
+    def huge_metric(params, opt_state, batch):
+        params, opt_state, loss = step(params, opt_state, batch)
+        return params, opt_state, loss, jnp.broadcast_to(loss, (2**20, 2**20)) + 1.0
+
+    pipe = pm.pipeline_train_step(huge_metric, num_stages=2, num_microbatches=2, devices=used)
+    before = [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves((ex.params, state))]
+    with pytest.raises(pm.DeviceOutOfMemory, match=r"running the training step's update"):
+        jax.block_until_ready(pipe(ex.params, state, ex.batch))
+    after = jax.tree_util.tree_leaves((ex.params, state))
+    for leaf, kept in zip(after, before):
+        np.testing.assert_array_equal(np.asarray(leaf), kept)
