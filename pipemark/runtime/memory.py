@@ -414,8 +414,8 @@ def _kept_by_plan(plan: PipelinePlan, worker: int) -> int:
         x for index, kept in plan.zeros.items() if plan.units[index].worker == worker for x in kept
     ]
     scale = plan.scales.get(worker)
-    return sum(_bytes_on(x, x.devices().pop()) if isinstance(x, jax.Array) else 0
-               for x in [*zeros, scale])  # fmt: skip
+    device = plan.placement.slots[worker].devices[0]  # on a sub-mesh, one device's shard
+    return sum(_bytes_on(x, device) for x in [*zeros, scale])
 
 
 def with_update(
