@@ -70,18 +70,20 @@ XLA_ISA ?=
 ISA_ENV  = $(if $(XLA_ISA),XLA_FLAGS=--xla_cpu_max_isa=$(XLA_ISA))
 
 # pytest exits 5 when it collects no test, which fails this target like any failure.
-# The fuzzer runs half its examples here and the other half's worth, with another seed,
-# in `make test-newest`: together one full profile, and CI within its time.
+# The fuzzer runs a third of its examples here and another third's worth, with another
+# seed, in `make test-newest`: CI within its time.
 test: lint docs
-	$(ISA_ENV) PIPEMARK_FUZZ=$${PIPEMARK_FUZZ:-half} $(BIN)/python -m pytest -n 2 --durations=15
+	$(ISA_ENV) PIPEMARK_FUZZ=$${PIPEMARK_FUZZ:-third} $(BIN)/python -m pytest -n 2 --durations=15
 
 # The whole suite again on the newest JAX. Lint and the docs build do not depend on the
 # JAX version; the generated docs (equation counts...) are made on the developer's JAX
-# by `make docs-assets` and checked by `make test` (marker docs_assets). The fuzzer runs
-# half its examples here, with another seed than `make test`'s.
+# by `make docs-assets` and checked by `make test` (marker docs_assets). The benchmark
+# scripts' own tests (marker benchmark_script: what a script prints) run in `make test`
+# only; the runtime they measure is tested here too. The fuzzer runs a third of its
+# examples here, with another seed than `make test`'s.
 test-newest: $(NEWEST_STAMP)
 	$(NEWEST_BIN)/python -c 'import jax, sys; print("JAX", jax.__version__, "on Python", sys.version.split()[0])'
-	$(ISA_ENV) PIPEMARK_FUZZ=half PIPEMARK_FUZZ_SEED=1 $(NEWEST_BIN)/python -m pytest -n 2 -m 'not docs_assets' --durations=15
+	$(ISA_ENV) PIPEMARK_FUZZ=third PIPEMARK_FUZZ_SEED=1 $(NEWEST_BIN)/python -m pytest -n 2 -m 'not docs_assets and not benchmark_script' --durations=15
 
 # The two environments alone (.ci/run builds them while `make test` runs).
 newest-env: $(NEWEST_STAMP)

@@ -32,6 +32,7 @@ def _output_lines(script: str, *options: str) -> list[str]:
     return run.stdout.splitlines()
 
 
+@pytest.mark.benchmark_script
 def test_passes_benchmark_prints_its_table_and_verdict():
     lines = _output_lines("passes.py", "--sizes", "300", "--repeat", "1", "--kinds", "mlp")
     header = next(line for line in lines if line.startswith("| model |"))
@@ -49,6 +50,7 @@ def test_passes_benchmark_prints_its_table_and_verdict():
     assert "a stage per layer" in splits[0] and "auto_layers into 8" in splits[1]
 
 
+@pytest.mark.benchmark_script
 def test_runtime_benchmark_prints_its_tables():
     # The benchmark's own check ($CC, cc or gcc, and the source compiles), not a twin.
     if str(REPO / "benchmarks") not in sys.path:
@@ -76,6 +78,7 @@ def test_runtime_benchmark_prints_its_tables():
     assert len(overhead) == 4
 
 
+@pytest.mark.benchmark_script
 def test_overhead_benchmark_prints_its_table_and_verdict():
     lines = _output_lines("overhead.py", "--quick")
     header = next(line for line in lines if line.startswith("| run |"))
@@ -103,6 +106,7 @@ def test_overhead_benchmark_prints_its_table_and_verdict():
     assert parts[-1] == "`jax.jit(jax.value_and_grad(loss))`, its call"
 
 
+@pytest.mark.benchmark_script
 def test_scan_benchmark_prints_balance_and_time():
     lines = _output_lines("scan.py", "--quick", "--repeat", "1")
     header = next(line for line in lines if line.startswith("| blocks |"))
@@ -113,6 +117,7 @@ def test_scan_benchmark_prints_balance_and_time():
     assert any(line.startswith("- balance when the trip count divides") for line in lines)
 
 
+@pytest.mark.benchmark_script
 @pytest.mark.slow
 def test_distributed_benchmark_prints_its_table():
     lines = _output_lines("distributed.py", "--processes", "2", "--quick")
@@ -135,6 +140,7 @@ def test_distributed_benchmark_prints_its_table():
     assert moved == transfers[0][titles.index("boundary bytes per step")] and moved != "0"
 
 
+@pytest.mark.benchmark_script
 def test_zero_bubble_benchmark_prints_its_table():
     if str(REPO / "benchmarks") not in sys.path:
         sys.path.insert(0, str(REPO / "benchmarks"))
@@ -161,6 +167,7 @@ def test_zero_bubble_benchmark_prints_its_table():
     assert all(row.count("|") == header.count("|") for row in rows)
 
 
+@pytest.mark.benchmark_script
 def test_blocks_benchmark_prints_what_cuts_between_blocks_cost():
     pytest.importorskip("penzai")
     lines = _output_lines("blocks.py", "--quick")
@@ -172,6 +179,7 @@ def test_blocks_benchmark_prints_what_cuts_between_blocks_cost():
     assert any(line.startswith("- cuts between blocks cost at most") for line in lines)
 
 
+@pytest.mark.benchmark_script
 @pytest.mark.slow
 def test_submesh_benchmark_prints_its_table():
     lines = _output_lines("submesh.py", "--quick")
@@ -188,6 +196,7 @@ def test_submesh_benchmark_prints_its_table():
     assert "- bytes moved = boundary bytes in 9 of 9 rows" in lines
 
 
+@pytest.mark.benchmark_script
 @pytest.mark.slow
 def test_tpu_marker_benchmark_prints_its_tables(tmp_path):
     # Slow (10-30 s): a process that imports JAX, runs the Pallas copies in interpret
@@ -224,6 +233,7 @@ def _accelerator():
     return accelerator
 
 
+@pytest.mark.benchmark_script
 @pytest.mark.slow  # two processes, each compiling a bfloat16 GPT's step on CPU (~10 s)
 def test_accelerator_benchmark_measures_each_row_in_its_own_process(tmp_path):
     out = tmp_path / "table.md"
@@ -258,6 +268,7 @@ def test_accelerator_benchmark_measures_each_row_in_its_own_process(tmp_path):
     assert any(line.startswith("- s2: predicted peak (`Pipeline.memory`) ") for line in lines)
 
 
+@pytest.mark.benchmark_script
 @pytest.mark.slow  # a process compiling a bfloat16 GPT's scan and pipeline on CPU (~15 s)
 def test_training_curve_benchmark_prints_both_curves(tmp_path):
     out = tmp_path / "curve.md"

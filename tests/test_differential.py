@@ -7,9 +7,9 @@ JAX's own evaluation of the original function (eager ``fn`` and
 schedules are fuzzed in ``tests/runtime/test_differential.py``.
 
 Profiles: ``PIPEMARK_FUZZ=ci`` (default; the example counts below, seeded),
-``PIPEMARK_FUZZ=half`` (half as many: ``make test`` runs it with seed 0 and
-``make test-newest`` with seed 1, so the two JAX environments try different programs and
-together as many as one ``ci`` run) and ``PIPEMARK_FUZZ=long`` (ten times
+``PIPEMARK_FUZZ=half`` and ``third`` (half and a third as many: ``make test`` runs a
+third with seed 0 and ``make test-newest`` with seed 1, so the two JAX environments try
+different programs, together two thirds of a ``ci`` run, for CI's time) and ``PIPEMARK_FUZZ=long`` (ten times
 as many); ``PIPEMARK_FUZZ_SEED`` picks another seed than 0. Measured (2026-12-04, one core, jax 0.10.2 CPU): an example with control flow
 (scan, cond, while, checkpoint) costs about 0.45 s when its gradient is checked too,
 mostly compiling the bodies JAX's transposition makes afresh for each program (the
@@ -42,7 +42,7 @@ from tests._programs import (
 )
 
 PROFILE = os.environ.get("PIPEMARK_FUZZ", "ci")
-_SCALES = {"ci": 1.0, "half": 0.5, "long": 10.0}
+_SCALES = {"ci": 1.0, "half": 0.5, "third": 1 / 3, "long": 10.0}
 if PROFILE not in _SCALES:
     raise ValueError(f"PIPEMARK_FUZZ must be one of {sorted(_SCALES)}, got {PROFILE!r}")
 SCALE = _SCALES[PROFILE]
