@@ -306,6 +306,11 @@ def train(
             if manager is not None and (done % args.checkpoint_every == 0 or done == args.steps):
                 saved = {"params": params, "opt_state": opt_state}
                 manager.save(done, args=ocp.args.StandardSave(saved))  # written in the background
+                if jax.process_count() > 1:
+                    # In several processes, one save at a time: with orbax's background
+                    # saves, two processes once stopped at different orbax barriers (one
+                    # in a save's commit, the other in a save's finalize) and never went on.
+                    manager.wait_until_finished()
                 if jax.process_index() == 0:
                     progress.console.print(
                         f"step {done}: loss {losses[-1]:.3f}, saving a checkpoint"
