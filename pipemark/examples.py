@@ -669,6 +669,18 @@ def _gpt_init(
     return jax.jit(init)
 
 
+def _decoder_batch(markers, num_layers, d_model, num_heads, seq, batch, vocab, d_ff, seed):
+    """A decoder's sizes checked (:func:`gpt`, :func:`llama`) and its batch: ``(tokens,
+    targets)`` drawn from ``seed``, the targets the tokens shifted by one."""
+    _check_markers(markers)
+    _check_positive(num_layers=num_layers, d_model=d_model, num_heads=num_heads, seq=seq)
+    _check_positive(batch=batch, vocab=vocab, d_ff=d_ff)
+    if d_model % num_heads:
+        raise PipemarkError(f"d_model ({d_model}) must be a multiple of num_heads ({num_heads}).")
+    stream = np.random.default_rng(seed).integers(0, vocab, size=(batch, seq + 1))
+    return tuple(jnp.asarray(t, jnp.int32) for t in (stream[:, :-1], stream[:, 1:]))
+
+
 def gpt(
     num_layers: int = 4,
     d_model: int = 32,
@@ -710,16 +722,10 @@ def gpt(
     >>> loss.dtype, bool(3.0 < float(loss) < 5.0)  # about log(32) = 3.47 at first
     (dtype('float32'), True)
     """
-    _check_markers(markers)
     d_ff = 4 * d_model if d_ff is None else d_ff
-    _check_positive(num_layers=num_layers, d_model=d_model, num_heads=num_heads, seq=seq)
-    _check_positive(batch=batch, vocab=vocab, d_ff=d_ff)
-    if d_model % num_heads:
-        raise PipemarkError(f"d_model ({d_model}) must be a multiple of num_heads ({num_heads}).")
+    sizes = (num_layers, d_model, num_heads, seq, batch, vocab, d_ff, seed)
+    tokens, targets = _decoder_batch(markers, *sizes)
     params = _gpt_init(num_layers, vocab, d_model, d_ff, seq)(jax.random.key(seed))
-    stream = np.random.default_rng(seed).integers(0, vocab, size=(batch, seq + 1))
-    tokens = jnp.asarray(stream[:, :-1], jnp.int32)
-    targets = jnp.asarray(stream[:, 1:], jnp.int32)
     dtype = jnp.dtype(compute_dtype)
 
     def block(x, p):
@@ -860,17 +866,12 @@ def llama(
     >>> bool(3.0 < float(ex.loss_fn(*ex.args)) < 4.5)  # about log(32) = 3.47 at first
     True
     """
-    _check_markers(markers)
     d_ff = 8 * d_model // 3 if d_ff is None else d_ff
-    _check_positive(num_layers=num_layers, d_model=d_model, num_heads=num_heads, seq=seq)
-    _check_positive(batch=batch, vocab=vocab, d_ff=d_ff)
-    if d_model % num_heads:
-        raise PipemarkError(f"d_model ({d_model}) must be a multiple of num_heads ({num_heads}).")
+    sizes = (num_layers, d_model, num_heads, seq, batch, vocab, d_ff, seed)
+    tokens, targets = _decoder_batch(markers, *sizes)
     attend = _llama_attention(attention)
     dtype = jnp.dtype(compute_dtype)
     params = _llama_params(num_layers, vocab, d_model, d_ff, tied, seed)
-    stream = np.random.default_rng(seed).integers(0, vocab, size=(batch, seq + 1))
-    tokens, targets = (jnp.asarray(t, jnp.int32) for t in (stream[:, :-1], stream[:, 1:]))
 
     def loss_fn(params, batch):
         tokens, targets = batch
