@@ -48,6 +48,11 @@ of S 16 within 1.5 x the scan's; and for each pipeline row, the peak
 The table goes to stdout and to ``--out`` (with the results as JSON beside it). Each
 row runs under ``--timeout-s``, and no row starts once ``--budget-s`` is spent (it is
 marked skipped): the S 16 compilation alone took 104 s on a TPU v5e.
+
+``--ballast`` (a device that reports ``bytes_limit``) checks each pipeline row's
+predicted peak, temporaries included, the way it matters: it fills the device with a
+ballast leaving the predicted peak free and runs the step, then leaves less room until
+the step runs out of memory (``benchmarks/_ballast.py``); a verdict line gives both.
 """
 
 from __future__ import annotations
@@ -180,11 +185,7 @@ def model_example(model: str, sizes: dict, rows: int, markers: str | None):
     if model == "gpt":
         return gpt_example(sizes, rows, markers)
     if model == "nnx":  # benchmarks/nnx_model.py, beside this script
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location("nnx_model", REPO / "benchmarks/nnx_model.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = _beside("nnx_model")
         names = ("layers", "d_model", "heads", "vocab", "seq")
         return module.nnx_lm(
             **{k: sizes[k] for k in names}, d_ff=sizes["d_ff"] * 2 // 3, rows=rows,
@@ -201,6 +202,16 @@ def model_example(model: str, sizes: dict, rows: int, markers: str | None):
         attention=attention.get(model, "dot_product"), tied=model != "llama-untied",
         markers=markers,
     )  # fmt: skip
+
+
+def _beside(name: str):
+    """The module ``benchmarks/{name}.py`` beside this script, however it was imported."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def gpt_example(sizes: dict, rows: int, markers: str | None):
@@ -382,10 +393,18 @@ def _peak(device) -> dict:
 
 
 def measure(
-    config: str, sizes: dict, microbatches: int, repeat: int, device, counter, model: str = "gpt"
+    config: str,
+    sizes: dict,
+    microbatches: int,
+    repeat: int,
+    device,
+    counter,
+    model: str = "gpt",
+    ballast: bool = False,
 ) -> dict:
     """Time one configuration's first call and steps, count its compilations, read its
-    compiled programs' memory."""
+    compiled programs' memory; with ``ballast``, check a pipeline's predicted peak
+    against a ballast that fills the device (``benchmarks/_ballast.py``)."""
     import jax
 
     import pipemark as pm
@@ -412,6 +431,10 @@ def measure(
     result["steady_compiles"] = len(counter.take())
     result["memory"] = _memory(step, pipe, params, batch)
     result["memory_compiles"] = len(counter.take())  # 0: the programs the calls compiled
+    if ballast and pipe is not None:
+        predicted = result["memory"]["predicted_peak"]
+        check = _beside("_ballast").ballast_check
+        result["ballast"] = check(step, params, batch, device, predicted, is_out_of_memory)
     return result
 
 
@@ -450,6 +473,7 @@ def child(args: argparse.Namespace) -> None:
                     device,
                     counter,
                     args.model,
+                    args.ballast,
                 )
             )
             result["status"] = "ok"
@@ -469,6 +493,7 @@ def _child_command(args: argparse.Namespace, config: str, result: str) -> list[s
     command = [sys.executable, "-u", __file__, "--child", config, "--result", result]
     command += ["--size", args.size, "--repeat", str(args.repeat), "--model", args.model]
     command += ["--microbatches", str(args.microbatches)]
+    command += ["--ballast"] if args.ballast else []
     for key in ("layers", "d_model", "heads", "d_ff", "vocab", "seq", "batch"):
         if getattr(args, key) is not None:
             command += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
@@ -695,6 +720,8 @@ def verdicts(results: list[dict]) -> list[str]:
                 f"measured {_bytes(r['peak'])} ({r['peak_kind']}): "
                 f"{predicted / r['peak']:.2f} x (target within 10 % on an accelerator)"
             )
+    verdict = _beside("_ballast").verdict
+    lines += [verdict(r["config"], r["ballast"]) for r in results if r.get("ballast")]
     late = {r["config"]: r["steady_compiles"] for r in results if r.get("steady_compiles")}
     queried = {r["config"]: r["memory_compiles"] for r in results if r.get("memory_compiles")}
     lines.append(f"- compilations in the timed calls after the first: {late or 'none'}")
@@ -768,6 +795,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--budget-s", type=float, default=480.0)
     parser.add_argument("--timeout-s", type=float, default=300.0)
+    parser.add_argument(
+        "--ballast", action="store_true",
+        help="check each pipeline row's predicted peak with a ballast (a device with bytes_limit)",
+    )  # fmt: skip
     parser.add_argument("--out", help="write the table here, and the results as JSON beside it")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)

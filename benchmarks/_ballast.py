@@ -1,0 +1,107 @@
+"""The ballast check of a predicted peak (issue #40, item 3), for
+``benchmarks/accelerator.py --ballast``.
+
+A TPU's ``memory_stats()["peak_bytes_in_use"]`` counts arrays, not the programs' XLA
+temporaries, so it cannot say whether a predicted peak covers the whole peak. What can:
+fill the device with one array (the ballast) that leaves ``fraction`` x the predicted
+peak free, and run the step. With the room the prediction asks for (``fraction`` 1, less
+a small margin) the step must run; a prediction that is at most 7 % over what the step
+needs makes it run out of memory once the room is below ``1 / 1.07`` x the prediction.
+The tries go down the fractions and stop at the first that runs out of memory.
+
+The check runs where a device reports ``bytes_limit``; on CPU it is not made.
+"""
+
+from __future__ import annotations
+
+import gc
+
+#: The free room tried, as fractions of the predicted peak, largest first.
+FRACTIONS = (1.0, 0.97, 0.95, 0.935, 0.9, 0.8)
+#: What the first try leaves free beyond the predicted peak (allocator rounding).
+MARGIN = 64 * 2**20
+
+
+def _fill(size: int, device):
+    """An array of about ``size`` bytes made on ``device`` (float32 rows of 1024: the
+    TPU's tiles, no padding), without a host copy."""
+    import jax
+    import jax.numpy as jnp
+
+    rows = max(size // 4096, 1)
+    make = jax.jit(lambda: jnp.zeros((rows, 1024), jnp.float32))
+    with jax.default_device(device):
+        return jax.block_until_ready(make())
+
+
+def _in_use(device) -> int:
+    return int((device.memory_stats() or {}).get("bytes_in_use", 0))
+
+
+def ballast_check(step, params, batch, device, predicted_peak: int, out_of_memory) -> dict:
+    """Run ``step(params, batch)`` on ``device`` beside ballasts that leave each of
+    :data:`FRACTIONS` x ``predicted_peak`` free; ``out_of_memory(message)`` says whether
+    an error is the device running out of memory (anything else is raised).
+
+    Returns the device's limit, its bytes in use before the ballast (the step's own
+    arguments and programs), and per try the fraction, the ballast's bytes and
+    ``"ran"``, ``"out of memory"`` or ``"ballast did not fit"``.
+    """
+    import jax
+
+    limit = int((device.memory_stats() or {}).get("bytes_limit", 0))
+    if not limit:
+        return {"status": "no bytes_limit on this device"}
+    gc.collect()
+    out = {"limit": limit, "predicted": predicted_peak, "in_use": _in_use(device), "tries": []}
+    for fraction in FRACTIONS:
+        size = limit - int(fraction * predicted_peak) - (MARGIN if fraction >= 1 else 0)
+        try:
+            ballast = _fill(size, device)
+        except Exception as error:  # sorted into "did not fit", or raised
+            if not out_of_memory(f"{type(error).__name__}: {error}"):
+                raise
+            out["tries"].append(
+                {"fraction": fraction, "ballast": size, "result": "ballast did not fit"}
+            )
+            continue
+        try:
+            jax.block_until_ready(step(params, batch))
+            result = "ran"
+        except Exception as error:  # sorted into out of memory, or raised
+            if not (isinstance(error, MemoryError) or out_of_memory(f"{error}")):
+                raise
+            result = "out of memory"
+        finally:
+            del ballast
+            gc.collect()
+        out["tries"].append({"fraction": fraction, "ballast": size, "result": result})
+        if result == "out of memory":
+            break
+    return out
+
+
+def verdict(config: str, check: dict) -> str:
+    """One line: the smallest room the step ran in and the largest it ran out of memory
+    in, as fractions of the prediction, and the issue's two conditions.
+
+    >>> verdict("s4", {"limit": 16, "predicted": 8, "in_use": 1, "tries": [
+    ...     {"fraction": 1.0, "ballast": 7, "result": "ran"},
+    ...     {"fraction": 0.93, "ballast": 8, "result": "out of memory"}]})
+    '- s4, ballast: ran with 1.0 x the predicted peak free (less 64 MiB); out of memory with 0.93 x: the prediction covers the step (met), and is at most 1/0.93 = 1.08 x what it needs'
+    """
+    if "tries" not in check:
+        return f"- {config}, ballast: not checked ({check.get('status')})"
+    ran = [t["fraction"] for t in check["tries"] if t["result"] == "ran"]
+    short = [t["fraction"] for t in check["tries"] if t["result"] == "out of memory"]
+    covered = "met" if 1.0 in ran else "NOT met: ran out of memory with the room predicted"
+    line = f"- {config}, ballast: "
+    line += f"ran with {min(ran)} x the predicted peak free" if ran else "never ran"
+    line += " (less 64 MiB)" if ran and min(ran) >= 1 else ""
+    if short:
+        line += f"; out of memory with {max(short)} x: the prediction covers the step ({covered})"
+        line += f", and is at most 1/{max(short)} = {1 / max(short):.2f} x what it needs"
+    else:
+        line += f"; ran in every room tried: the prediction covers the step ({covered}), and"
+        line += f" is more than 1/{min(ran)} = {1 / min(ran):.2f} x what it needs" if ran else ""
+    return line
