@@ -403,13 +403,14 @@ def _ones(rows, features):
 
 def test_a_device_out_of_memory_raises_and_leaves_the_state():
     """A genuine out-of-memory, nothing simulated: the first stage's output for a
-    microbatch of 1024 rows is 1024**3 * 1024 float32s (4 TiB), which the CPU's
-    allocator refuses (XLA's RESOURCE_EXHAUSTED, at run time: the program compiles);
+    microbatch of 4096 rows is 4096**3 * 1024 float32s (256 TiB: more than an x86-64
+    process can address, so the CPU's allocator refuses it whatever the system's
+    overcommit policy; XLA's RESOURCE_EXHAUSTED, at run time: the program compiles);
     8 rows need 2 MiB."""
     used = pick_devices(2)
     if used[0].platform != "cpu":
         pytest.skip("the CPU's refusal; test_a_device_runs_out_of_memory is the accelerator's")
-    error = _runs_out_and_recovers(used, 1024, 2048, 16, 2, "1f1b")
+    error = _runs_out_and_recovers(used, 1024, 8192, 16, 2, "1f1b")
     assert "limit is unknown (cpu reports no bytes_limit)" in str(error)
 
 
@@ -433,10 +434,12 @@ def test_a_device_runs_out_of_memory_between_programs_that_each_fit():
 
 def test_an_update_out_of_memory_raises_and_leaves_the_state():
     """A genuine out-of-memory in the update after the pipeline: a metric the step
-    returns, 2**20 x 2**20 float32s (4 TiB), which the CPU's allocator refuses."""
+    returns, 2**23 x 2**23 float32s (256 TiB, beyond what an x86-64 process can
+    address), which the CPU's allocator refuses whatever the overcommit policy (at
+    4 TiB, a machine that overcommits memory grants it and fills its RAM)."""
     used = pick_devices(2)
     if used[0].platform != "cpu":
-        pytest.skip("the CPU's refusal of 4 TiB")
+        pytest.skip("the CPU's refusal of 256 TiB")
     with computing_on(used):
         ex = examples.mlp(num_layers=2, width=8, batch=8)
         step, init = examples.train_step(ex.loss_fn, optimizer="sgd")
@@ -444,7 +447,7 @@ def test_an_update_out_of_memory_raises_and_leaves_the_state():
 
     def huge_metric(params, opt_state, batch):
         params, opt_state, loss = step(params, opt_state, batch)
-        return params, opt_state, loss, jnp.broadcast_to(loss, (2**20, 2**20)) + 1.0
+        return params, opt_state, loss, jnp.broadcast_to(loss, (2**23, 2**23)) + 1.0
 
     pipe = pm.pipeline_train_step(huge_metric, num_stages=2, num_microbatches=2, devices=used)
     before = [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves((ex.params, state))]
