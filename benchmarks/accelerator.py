@@ -432,6 +432,7 @@ def measure(
     result["memory"] = _memory(step, pipe, params, batch)
     result["memory_compiles"] = len(counter.take())  # 0: the programs the calls compiled
     if ballast and pipe is not None:
+        result.update(_peak(device))  # the step's own peak, before the ballast's
         predicted = result["memory"]["predicted_peak"]
         check = _beside("_ballast").ballast_check
         result["ballast"] = check(step, params, batch, device, predicted, is_out_of_memory)
@@ -482,7 +483,8 @@ def child(args: argparse.Namespace) -> None:
         result["status"] = "oom" if is_out_of_memory(message) else "error"
         result["message"] = short_error(message)
         _log(f"{args.child}: {result['status']}: {result['message']}")
-    result.update(_peak(device))
+    for key, value in _peak(device).items():  # unless measured before a ballast
+        result.setdefault(key, value)
     Path(args.result).write_text(json.dumps(result))
 
 

@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 import pipemark as pm
 from pipemark import examples
 from pipemark.cost import nbytes
-from pipemark.runtime import execution, train_step
+from pipemark.runtime import BACKWARD, FORWARD, Action, execution, train_step
 from pipemark.runtime.memory import estimate_memory
 from tests._devices import computing_on
 from tests._devices import devices as pick_devices
@@ -180,13 +180,20 @@ def test_dispatch_ahead_must_be_a_positive_count_or_none():
 # ------------------------------------------------- the estimate against live arrays
 
 
+def _live_arrays():
+    """The live arrays of the default backend and of the host CPU: ``jax.live_arrays()``
+    lists the default backend's alone, and on an accelerator these tests' pipelines run
+    on the host CPU's devices (``tests._devices``)."""
+    return [a for platform in {jax.default_backend(), "cpu"} for a in jax.live_arrays(platform)]
+
+
 def _live_bytes(devices, skip=frozenset()):
     """Per device of ``devices``, the bytes of the live ``jax.Array`` s there whose
     ``id`` is not in ``skip``, each buffer once (two arrays may share one: an array
     committed where it lay, ``device_put`` onto its own device)."""
     held = dict.fromkeys(devices, 0)
     seen = set()
-    for array in jax.live_arrays():
+    for array in _live_arrays():
         if array.is_deleted() or id(array) in skip:
             continue
         for shard in array.addressable_shards:
@@ -212,7 +219,7 @@ def _sampled(monkeypatch, devices, arguments):
     reads, is counted. JAX's live arrays are arrays: the programs' temporaries are not
     among them (the CPU reports no device memory of its own)."""
     mine = {id(leaf) for leaf in jax.tree_util.tree_leaves(arguments)}
-    before = {id(a) for a in jax.live_arrays()} - mine
+    before = {id(a) for a in _live_arrays()} - mine
     samples = []
     lock = threading.Lock()
     dispatch = execution._Call.dispatch
@@ -292,9 +299,7 @@ def test_a_training_step_holds_no_more_arrays_than_predicted(
     estimate = pipe.memory(*args)
     with _sampled(monkeypatch, used, args) as samples:
         run_update = train_step.run_update
-        others = {id(a) for a in jax.live_arrays()} - {
-            id(x) for x in jax.tree_util.tree_leaves(args)
-        }
+        others = {id(a) for a in _live_arrays()} - {id(x) for x in jax.tree_util.tree_leaves(args)}
 
         def sampling(run):
             def sampled(*inputs):  # while the part's inputs and results are held
@@ -391,7 +396,7 @@ def _buffers():
     """The device buffers of the live arrays."""
     return {
         (shard.device, shard.data.unsafe_buffer_pointer())
-        for array in jax.live_arrays()
+        for array in _live_arrays()
         if not array.is_deleted()
         for shard in array.addressable_shards
     }
@@ -417,16 +422,22 @@ def test_a_device_out_of_memory_raises_and_leaves_the_state():
 def test_a_device_runs_out_of_memory_between_programs_that_each_fit():
     """On a device that reports its memory limit (a TPU's ``bytes_limit``): each
     microbatch's output of the first stage takes a quarter of the device, which every
-    program fits (XLA compiles them), and GPipe holds eight of them at once (the
-    second stage's backward reads them): the device runs out while the pipeline runs,
-    as the estimate predicts."""
+    program fits (XLA compiles them), and GPipe's order on the one device (every
+    forward, then every backward) holds eight of them at once (the second stage's
+    backward reads them): the device runs out while the pipeline runs, as the estimate
+    predicts."""
     (device,) = jax.devices()[:1]
     limit = (device.memory_stats() or {}).get("bytes_limit") if device.platform != "cpu" else None
     if not limit:
         pytest.skip("needs a device that reports memory_stats()['bytes_limit'] (a TPU)")
     rows = 32
     width = int(limit / 4 / 4 / rows**3)  # a quarter of the device per microbatch
-    error = _runs_out_and_recovers([device], width, 8 * rows, 8, 8, "gpipe")
+    forwards = [Action(stage, m, FORWARD) for stage in (0, 1) for m in range(8)]
+    backwards = [Action(stage, m, BACKWARD) for stage in (1, 0) for m in range(8)]
+    gpipe = pm.schedule_from_orders(
+        [forwards + backwards], stage_devices=(0, 0), num_microbatches=8
+    )
+    error = _runs_out_and_recovers([device], width, 8 * rows, 8, 8, gpipe)
     predicted = int(re.search(r"predicts a peak of [^(]+\((\d+) bytes\)", str(error)).group(1))
     assert predicted > limit, str(error)
     assert f"({limit} bytes)" in str(error)
