@@ -701,7 +701,8 @@ def verdicts(results: list[dict]) -> list[str]:
     if "s4" in by_config:
         ratio = _ratio(by_config["s4"], by_config.get("scan"))
         lines.append(
-            f"- s4 (S 4, M 8): {_verdict(ratio, 1.10, 'step / scan', failed('s4', 'scan'))}"
+            f"- s4 (S 4, M {by_config['s4'].get('microbatches', 8)}): "
+            f"{_verdict(ratio, 1.10, 'step / scan', failed('s4', 'scan'))}"
         )
     if "s16" in by_config:
         ratio = _ratio(by_config["s16"], by_config.get("scan"), "first_s")

@@ -28,6 +28,13 @@ from pipemark.caches import register_cache
 
 LOWERING_MODES = ("barrier", "identity", "custom_call")
 
+#: What a device running out of memory raises from a program's call: XLA's
+#: ``RESOURCE_EXHAUSTED`` is a ``JaxRuntimeError`` where the program runs out, and a
+#: ``ValueError`` where its result buffers cannot be allocated at dispatch (a TPU v5e on
+#: JAX 0.10.2: "RESOURCE_EXHAUSTED: ... RuntimeBufferAllocationFailure"). Callers check
+#: the message for ``RESOURCE_EXHAUSTED`` and raise anything else again.
+DEVICE_ERRORS: tuple[type[Exception], ...] = (_jax.errors.JaxRuntimeError, ValueError)
+
 
 # ======================================================================================
 # What differs between JAX versions: the one table.

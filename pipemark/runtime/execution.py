@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pipemark._compat import DEVICE_ERRORS
 from pipemark.caches import register_cache
 from pipemark.errors import DeviceOutOfMemory, PipemarkError
 from pipemark.runtime.compilation import Unit, result_shardings
@@ -233,7 +234,7 @@ class _Call:
                 new_accs, outs = self.dispatch(step, inputs, scale)
             if step.sends:  # copying a result a device could not hold fails too
                 self.publish(worker, step, outs)
-        except jax.errors.JaxRuntimeError as error:
+        except DEVICE_ERRORS as error:
             failure = out_of_memory(self.plan, worker, step, error)
             if failure is None:
                 raise
@@ -485,7 +486,7 @@ def _bound_dispatch(
         oldest = [x for x in jax.tree_util.tree_leaves(values) if not x.is_deleted()]
         try:
             jax.block_until_ready(oldest)
-        except jax.errors.JaxRuntimeError as error:
+        except DEVICE_ERRORS as error:
             failure = out_of_memory(plan, worker, older, error)
             if failure is None:
                 raise

@@ -13,6 +13,7 @@ import jax
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from jax.sharding import NamedSharding
 
+from pipemark._compat import DEVICE_ERRORS
 from pipemark.cost import nbytes
 from pipemark.errors import DeviceOutOfMemory
 from pipemark.runtime.memory import describe_limit, format_bytes, resident_bytes
@@ -242,7 +243,7 @@ def _run_part(plan: PipelinePlan, part: UpdateProgram, inputs: list[Any]) -> Any
     :class:`~pipemark.DeviceOutOfMemory` naming the part and what it takes."""
     try:
         return part.run(*jax.device_put(inputs, list(part.shardings)))
-    except jax.errors.JaxRuntimeError as error:
+    except DEVICE_ERRORS as error:
         if "RESOURCE_EXHAUSTED" not in str(error):
             raise
         slot = plan.placement.slots[part.worker]

@@ -367,7 +367,9 @@ def _runs_out_and_recovers(used, width, rows, small_rows, num_microbatches, sche
         jax.block_until_ready(pipe(params, state, big))
     error = caught.value
     assert isinstance(error, pm.PipemarkError) and isinstance(error, MemoryError)
-    assert isinstance(error.__cause__, jax.errors.JaxRuntimeError)
+    assert isinstance(
+        error.__cause__, (jax.errors.JaxRuntimeError, ValueError)
+    )  # a TPU's: a ValueError
     assert "RESOURCE_EXHAUSTED" in str(error.__cause__)
     message = str(error)
     names = [stage.name for stage in plan.staged.stages]
