@@ -35,11 +35,13 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
 from jax.extend.mlir.dialects import stablehlo as hlo
 from jax.interpreters import batching, mlir
 
 from pipemark import mark
+from pipemark._compat import lower_with_devices
 from pipemark.examples import Example
 
 __all__ = [
@@ -202,6 +204,52 @@ def _lowering(ctx, x, *, microseconds: int):
     return op.results
 
 
+# The custom call itself, on the operand as one device holds it.
+local_sleep_p = Primitive("native_sleep_local")
+local_sleep_p.def_abstract_eval(_abstract_eval)
+mlir.register_lowering(local_sleep_p, _lowering, platform="cpu")
+
+
+def _on_shards(microseconds: int, mesh, arg_shapes, result_shape):
+    # Each device sleeps once on its own shard, in the operand's layout: the call is
+    # elementwise (a copy), so any layout is one.
+    del result_shape
+    sharding = arg_shapes[0].sharding
+    return (
+        mesh,
+        functools.partial(local_sleep_p.bind, microseconds=microseconds),
+        sharding,
+        (sharding,),
+    )
+
+
+def _operand_sharding(microseconds: int, mesh, arg_shapes, result_shape):
+    del microseconds, mesh, result_shape
+    return arg_shapes[0].sharding
+
+
+# XLA's SPMD partitioner refuses a side-effecting custom call without a sharding
+# ("Side-effect HLO must have sharding"), and the byte count in the opaque bytes must be
+# a device's, not the whole array's. custom_partitioning gives the call both: on a
+# sharded operand it is lowered again for one shard (the rule: elementwise, as Shardy
+# reads it; the callbacks for the older partitioner), and on one device it is the custom
+# call as it is.
+_partitioned = custom_partitioning(
+    lambda x, microseconds: local_sleep_p.bind(x, microseconds=microseconds),
+    static_argnums=(1,),
+)
+_partitioned.def_partition(
+    partition=_on_shards,
+    infer_sharding_from_operands=_operand_sharding,
+    propagate_user_sharding=lambda microseconds, mesh, user_shape: user_shape.sharding,
+    sharding_rule="... -> ...",
+)
+
+
+def _partitioned_lowering(ctx, x, *, microseconds: int):
+    return mlir.lower_fun(lambda x: [_partitioned(x, microseconds)], multiple_results=True)(ctx, x)
+
+
 def _batch(args, dims, *, microseconds: int):
     # One sleep for the whole batch: the copy does not care about the shape.
     return native_sleep_p.bind(args[0], microseconds=microseconds), dims[0]
@@ -214,7 +262,8 @@ native_sleep_p.def_impl(
         functools.partial(native_sleep_p.bind, microseconds=microseconds)
     )(x)
 )
-mlir.register_lowering(native_sleep_p, _lowering, platform="cpu")
+mlir.register_lowering(native_sleep_p, _partitioned_lowering, platform="cpu")
+lower_with_devices(native_sleep_p)
 batching.primitive_batchers[native_sleep_p] = _batch
 
 

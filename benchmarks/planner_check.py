@@ -1,23 +1,35 @@
-"""The layout planner's predictions (``pipemark.predict_layout``) against the TPU v5e
-runs recorded in ``benchmarks/results``: each S-stage pipeline on one chip, predicted
-from a microbatched one-program step of the same model.
+"""The layout planner's predictions (``pipemark.predict_layout``) against runs: the TPU
+v5e runs recorded in ``benchmarks/results`` (each S-stage pipeline on one chip,
+predicted from a microbatched one-program step of the same model), and native-sleep
+pipelines on CPU in 4 processes (``tests/runtime/_planner_processes.py``), predicted
+from their action costs measured in one process.
 
-    python benchmarks/planner_check.py   # prints the table docs/scale.md shows
+    python benchmarks/planner_check.py               # prints the TPU table docs/scale.md shows
+    python benchmarks/planner_check.py --record-cpu  # runs the CPU check, records it
 
-Imported by ``tests/runtime/test_planner.py`` (which asserts the errors) and
-``docs/scale.md`` (which prints them).
+Imported by ``tests/runtime/test_planner.py`` (which asserts the errors of fresh runs)
+and ``docs/scale.md`` (which prints the recorded ones).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
-from pipemark.runtime.cluster import tpu_v5e
+from pipemark.runtime.cluster import Cluster, tpu_v5e
 from pipemark.runtime.planner import predict_layout
 from pipemark.runtime.workload import Layout, MeasuredPipeline
 
 RESULTS = Path(__file__).resolve().parent / "results"
+#: The CPU check as last recorded (``--record-cpu``).
+CPU_RECORD = RESULTS / "planner-cpu-processes.json"
+_REPO = Path(__file__).resolve().parents[1]
+_LAUNCHED = _REPO / "tests" / "runtime" / "_planner_processes.py"
+PROCESSES = 4
 
 
 def tpu_s_stage_checks() -> list[dict]:
@@ -73,5 +85,159 @@ def report(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------ CPU, in 4 processes
+
+
+def _launched():
+    """``tests/runtime/_planner_processes.py`` as a module: its sizes and mesh."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_planner_processes", _LAUNCHED)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _costs(example, mesh=None, devices=None) -> dict:
+    """The action costs of ``example``'s 4-microbatch ZB-H1 pipeline (B and W apart)."""
+    import pipemark as pm
+
+    pipe = pm.pipeline_value_and_grad(
+        example.loss_fn, num_microbatches=4, schedule="zb-h1", mesh=mesh, devices=devices
+    )
+    return pipe.action_costs(*example.args, repeat=2)
+
+
+def measure_cpu_costs(full: bool = True) -> dict:
+    """The action costs of the launched pipelines, measured here, in one process (it
+    needs ``PROCESSES`` CPU devices): ``"pp"`` one stage a device, ``"pp-dp"`` and
+    ``"reduce"`` on the 2-stage data-parallel mesh. Each action runs alone, so that
+    the one-process CPU client's one-multi-device-program-at-a-time rule does not
+    matter here (see docs/scale.md). Not ``full``: without ``"reduce"``."""
+    import _native_sleep as ns
+    import jax
+
+    launched = _launched()
+    devices = jax.devices()[:PROCESSES]
+    mesh = launched.dp_mesh(devices)
+    narrow = ns.sleeping_split(2, launched.SECONDS, batch=8, width=launched.NARROW)
+    wide = ns.sleeping_split(2, launched.SECONDS, batch=8, width=launched.WIDE)
+    costs = {
+        "pp": _costs(ns.sleeping_split(PROCESSES, launched.SECONDS, batch=8), devices=devices),
+        "pp-dp": _costs(narrow, mesh=mesh),
+    }
+    if full:
+        costs["reduce"] = _costs(wide, mesh=mesh)
+    return costs
+
+
+def run_processes(environ: dict | None = None, full: bool = True, timeout: float = 300) -> dict:
+    """Run ``tests/runtime/_planner_processes.py`` under ``python -m pipemark.launch -n
+    PROCESSES`` (not ``full``: ``--check``); its timings."""
+    env = dict(os.environ if environ is None else environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), env.get("PYTHONPATH")]))
+    with tempfile.TemporaryDirectory() as work:
+        out = Path(work) / "seconds.json"
+        command = [sys.executable, "-m", "pipemark.launch", "-n", str(PROCESSES)]
+        launched = subprocess.run(
+            [*command, str(_LAUNCHED), str(out), *([] if full else ["--check"])],
+            env=env, capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+        if launched.returncode:
+            raise RuntimeError(f"the launched check failed:\n{launched.stderr[-3000:]}")
+        return json.loads(out.read_text())
+
+
+def cpu_cluster(collectives: dict, nbytes: float, latency: str = "latency") -> Cluster:
+    """``PROCESSES`` CPU devices as the launched check measured them
+    (``collectives``): each collective step or transfer between processes costs the
+    measured ``latency`` (``"latency"``: of a collective of a few bytes between two
+    processes; ``"latency_all"``: between all), and a two-device ring all-reduce of
+    ``nbytes`` (``nbytes / (2 × port bandwidth)`` and two steps) takes the measured
+    ``"all_reduce"``."""
+    step = collectives["latency"]
+    port = nbytes / (2 * max(collectives["all_reduce"] - 2 * step, 1e-6))
+    latency = collectives[latency]
+    n = PROCESSES
+    return Cluster(f"CPU, {n} processes", n, n, n, 2**40, 1e15, 1e15, port, 2, latency, 1e15, 0.0)
+
+
+def cpu_process_checks(record: dict) -> list[dict]:
+    """Predicted against measured for each launched pipeline of ``record`` (``{"costs":
+    measure_cpu_costs(), "measured": run_processes()}``), on :func:`cpu_cluster`; a
+    reduction every microbatch, which the runtime does not do, predicted only
+    (``measured`` ``None``)."""
+    launched = _launched()
+    costs, measured = record["costs"], record["measured"]
+    dp = PROCESSES // 2
+    layouts = {"pp": {"pp": PROCESSES}, "pp-dp": {"pp": 2, "dp": dp}, "reduce": {"pp": 2, "dp": dp}}
+    layouts = {case: shape for case, shape in layouts.items() if case in costs}
+    widths = {"pp": launched.NARROW, "pp-dp": launched.NARROW, "reduce": launched.WIDE}
+    rows = []
+    for case, shape in layouts.items():
+        # Between stages of sub-meshes a transfer is a collective over all 4 processes.
+        where = "latency" if case == "pp" else "latency_all"
+        cluster = cpu_cluster(measured["collectives"], 4 * launched.WIDE**2, where)
+        # 8 rows in 4 microbatches: 2 a microbatch, over dp replicas; float32.
+        width = widths[case]
+        model = MeasuredPipeline(
+            costs[case], Layout(**shape, schedule="zb-h1", microbatches=4), global_batch=8,
+            parameters=width**2 if case == "reduce" else 0,
+            boundary_bytes=2 // shape.get("dp", 1) * width * 4,
+        )  # fmt: skip
+        variants = [(s, "step", t) for s, t in measured[case].items()]
+        if case == "reduce":
+            variants.append(("1f1b", "microbatch", None))
+        for schedule, reduce, seconds in variants:
+            layout = Layout(**shape, schedule=schedule, microbatches=4, reduce=reduce)
+            # The runtime reduces a stage's gradients after its last action (no overlap).
+            predicted = predict_layout(
+                model, layout, cluster, global_batch=8, overlap=False, update=False
+            )
+            rows.append({
+                "case": case, "layout": str(layout), "measured": seconds,
+                "predicted": predicted.step_seconds, "reduction": predicted.reduction_seconds,
+                "error": None if seconds is None else predicted.step_seconds / seconds - 1,
+            })  # fmt: skip
+    return rows
+
+
+def report_cpu(rows: list[dict]) -> str:
+    """The rows of :func:`cpu_process_checks` as a markdown table."""
+    lines = [
+        "| case | layout | measured (ms) | predicted (ms) | exposed reduction (ms) | error |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        measured = "not run" if r["measured"] is None else f"{r['measured'] * 1e3:.1f}"
+        error = "" if r["error"] is None else f"{r['error']:+.1%}"
+        lines.append(
+            f"| {r['case']} | {r['layout']} | {measured} | "
+            f"{r['predicted'] * 1e3:.1f} | {r['reduction'] * 1e3:.1f} | {error} |"
+        )
+    return "\n".join(lines)
+
+
+def record_cpu(path: Path = CPU_RECORD) -> dict:
+    """Measure the CPU check (the costs here, the runs in ``PROCESSES`` processes) and
+    write it to ``path``."""
+    import datetime
+
+    record = {
+        "date": datetime.date.today().isoformat(),
+        "costs": measure_cpu_costs(),
+        "measured": run_processes(),
+    }
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
 if __name__ == "__main__":
-    print(report(tpu_s_stage_checks()))
+    if sys.argv[1:] == ["--record-cpu"]:
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", PROCESSES)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        print(report_cpu(cpu_process_checks(record_cpu())))
+    else:
+        print(report(tpu_s_stage_checks()))

@@ -112,6 +112,12 @@ VERSION_TABLE: dict[str, dict[str, str]] = {
     # pipemark registers no partial-eval rule: jax.checkpoint and linearize derive one
     # for the marker from its jvp and transpose rules (DESIGN.md).
     "partial-eval rule": {"none registered": "0.10.2, 0.11.2, 0.12.0.1"},
+    # A primitive whose lowering binds custom_partitioning (the benchmarks' native
+    # sleep) must say so for jit to lower it with the devices it compiles for.
+    "devices during lowering": {
+        "prim_requires_devices_during_lowering": "0.10.2, 0.12.1 (measured): "
+        "jax._src.dispatch.prim_requires_devices_during_lowering, a set of primitives",
+    },
 }
 
 #: Where each known higher-order primitive keeps its bodies (a ``cond``'s ``branches``
@@ -523,6 +529,26 @@ def shard_map(f: Any, *, mesh: Any, in_specs: Any, out_specs: Any) -> Any:
     except ImportError:  # pragma: no cover - older JAX
         from jax.experimental.shard_map import shard_map as _shard_map
     return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+def lower_with_devices(primitive: Any) -> None:
+    """Have ``jax.jit`` lower ``primitive`` knowing the devices it compiles for, as it
+    does for ``jax.experimental.custom_partitioning`` (whose lowering needs them): for
+    a primitive whose lowering rule binds one. JAX has no public way to say so; the
+    "devices during lowering" row of :data:`VERSION_TABLE`.
+
+    >>> from jax.extend.core import Primitive
+    >>> lower_with_devices(Primitive("needs_devices"))
+    """
+    try:
+        from jax._src.dispatch import prim_requires_devices_during_lowering
+    except ImportError as error:  # pragma: no cover - a JAX that moved it
+        raise JaxVersionError(
+            "devices during lowering: jax._src.dispatch has no "
+            "prim_requires_devices_during_lowering; update pipemark._compat.VERSION_TABLE "
+            "and lower_with_devices."
+        ) from error
+    prim_requires_devices_during_lowering.add(primitive)
 
 
 def coordination_client() -> Any:

@@ -96,6 +96,25 @@ def test_vmap_sleeps_once_for_the_batch():
     assert "native_sleep" in str(jax.make_jaxpr(jax.vmap(lambda r: ns.native_sleep(r, 0.0)))(x))
 
 
+def test_on_a_sharded_operand_each_device_sleeps_once_on_its_shard():
+    # XLA's partitioner refuses a side-effecting custom call without a sharding; the
+    # sleep is partitioned as an elementwise call (custom_partitioning), each device
+    # copying its own shard's bytes.
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    sharding = NamedSharding(mesh, P("data"))
+    x = jax.device_put(jnp.arange(32.0).reshape(4, 8), sharding)
+    f = jax.jit(lambda x: ns.native_sleep(x * 2, 0.05), out_shardings=sharding)
+    np.testing.assert_array_equal(np.asarray(f(x)), 2 * np.asarray(x))
+    compiled = f.lower(x).compile().as_text()
+    assert compiled.count("pipemark_bench_native_sleep") == 1
+    assert 'backend_config="64 50000"' in compiled  # 2 x 8 float32 a device, 50 ms
+    # The two devices sleep at once: one duration, not two.
+    assert 0.05 <= _elapsed(f, x) < 0.09
+
+
 @pytest.mark.parametrize("seconds", [-1e-3, float("nan")])
 def test_a_negative_duration_is_rejected(seconds):
     with pytest.raises(ValueError, match="seconds must be >= 0"):
