@@ -449,11 +449,19 @@ class _Call:
             source = device_slot(slot.device)
             values = None
             if self.local[unit.worker]:
-                values = jax.device_put([self.accs[index][k] for _, k in scalars], slot.device)
+                values = [self.accs[index][k] for _, k in scalars]
+                if len(slot.processes) > 1:
+                    # Whole on each device of a sub-mesh that spans processes: each of
+                    # them keeps its own copy, and the process of its first device sends.
+                    values = [_copy_on(v, slot.device) for v in values]
+                    for (r, _), value in zip(scalars, values):
+                        results[r] = value
+                mine = slot.process == plan.placement.process
+                values = jax.device_put(values, slot.device) if mine else None
             types = tuple(value_type(out_avals[unit.accumulated[k][1]]) for _, k in scalars)
             what = f"the scalar results of stage {plan.staged.stages[index].name!r}"
             for process, device in receivers.items():
-                if process == slot.process:
+                if process in slot.processes:
                     continue
                 moved = transport.move(values, types, source, device_slot(device), what)
                 for (r, _), value in zip(scalars, moved or ()):

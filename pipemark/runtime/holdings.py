@@ -98,6 +98,10 @@ def record_results(
     for holder in holders:
         if holder is None:
             holdings.append(Holding(COPIES, devices))
+        elif len(placement.slots[holder].processes) > 1:
+            # Held by the processes of a sub-mesh that spans several: an array of the
+            # global program with a shard in each, which orbax saves as it is.
+            holdings.append(None)
         else:  # held alone here, or by another process (no data here: nothing to say)
             holdings.append(Holding(ALONE) if placement.local[holder] else None)
     record(arrays, holdings)

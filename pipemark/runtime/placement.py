@@ -102,7 +102,10 @@ def put_global(values: Sequence[Any], shardings: Sequence[Any]) -> list[Any]:
     """``values`` laid out by ``shardings``. A sharding over devices of several
     processes (a sub-mesh that spans processes) takes from each value, which every
     such process holds whole (the pipeline's arguments), the shards of this process's
-    devices: ``jax.device_put`` refuses an array committed to one device there.
+    devices: ``jax.device_put`` refuses an array committed to one device there. A value
+    that is an array of the global program already (parameters kept sharded over those
+    processes, FSDP) is used as it is where it lies so, else resharded by
+    ``jax.device_put``, a collective of the processes owning it.
 
     >>> import jax, numpy as np
     >>> sharding = jax.sharding.SingleDeviceSharding(jax.devices()[1])
@@ -112,10 +115,15 @@ def put_global(values: Sequence[Any], shardings: Sequence[Any]) -> list[Any]:
     values = list(values)
     if all(s.is_fully_addressable for s in shardings):
         return jax.device_put(values, list(shardings)) if values else []
-    return [
-        jax.make_array_from_callback(np.shape(v), s, lambda index, v=v: v[index])
-        for v, s in zip(values, shardings)
-    ]
+    return [_put_one(v, s) for v, s in zip(values, shardings)]
+
+
+def _put_one(value: Any, sharding: Any) -> Any:
+    """``value`` laid out by ``sharding``, a sharding over devices of several processes
+    (:func:`put_global`)."""
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        return value if value.sharding == sharding else jax.device_put(value, sharding)
+    return jax.make_array_from_callback(np.shape(value), sharding, lambda index: value[index])
 
 
 def _not_on(values: list[Any], sharding: Any) -> list[int]:

@@ -276,6 +276,26 @@ def build_plan(
     )
 
 
+def _refuse_gathers_across_processes(
+    placement: Placement, options: PipelineOptions, param_specs: Sequence[Any] | None
+) -> None:
+    """Refuse parameters sharded over the data axis and gathered in each stage program
+    (``fsdp_gather="per_microbatch"``) on a stage whose sub-mesh spans processes: those
+    programs gather and reduce-scatter between the processes while the transfers into
+    and out of the sub-mesh run, and the processes were seen to hang (CPU, gloo)."""
+    if not placement.spanning or options.gathering != "per_microbatch" or param_specs is None:
+        return
+    data = options.data_axis
+    if all(spec is None or gathered_spec(spec, data) == spec for spec in param_specs):
+        return  # nothing sharded over the data axis: nothing gathered
+    raise PipemarkError(
+        'fsdp_gather="per_microbatch" with a stage whose sub-mesh spans processes is not '
+        "supported yet (each stage program would gather and reduce-scatter between the "
+        'processes): use fsdp_gather="once" (the default), or lay the mesh out so that '
+        "each stage's devices belong to one process."
+    )
+
+
 def plan_from_staged(
     staged: StagedJaxpr,
     out_tree: Any,
@@ -303,12 +323,7 @@ def plan_from_staged(
     stages = pipeline_stages(staged, options.splits_backward)
     problem, schedule = plan_schedule(stages, options)
     placement = place_stages(problem.slots, schedule.stage_devices)
-    if placement.spanning and not options.gather_results:
-        raise PipemarkError(
-            "gather_results=False with a stage whose sub-mesh spans processes is not "
-            "supported yet: keep gather_results=True (every process gets every result), "
-            "or lay the mesh out so that each stage's devices belong to one process."
-        )
+    _refuse_gathers_across_processes(placement, options, param_specs)
     units = compile_units(
         stages.staged,
         {index: placement.stage_slots[k] for index, k in stages.pipeline_stage().items()},

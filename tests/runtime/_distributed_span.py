@@ -7,7 +7,8 @@ process of 2 x P devices, the same mesh (``reference``). An MLP's loss and gradi
 under 1F1B (and, with 2 processes, interleaved: two stages per slot), saved per
 process with ``jax.jit`` of ``jax.value_and_grad`` in the same process; each process
 writes its process id first (``pid-MODE-P``), for a test to check none is left. With
-2 processes, also the messages of what is refused while a stage spans processes.
+2 processes, also the message of what is refused while a stage spans processes. In
+``run``, the same processes also run FSDP in the stages (:func:`fsdp_checks`).
 
     python -m pipemark.launch -n 2 tests/runtime/_distributed_span.py OUT_DIR run
     python tests/runtime/_distributed_span.py OUT_DIR reference 2   # 4 devices, one process
@@ -37,7 +38,9 @@ if __name__ == "__main__":
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import pipemark as pm
 from pipemark import examples
@@ -57,9 +60,18 @@ def span_mesh(processes: int) -> Mesh:
     return Mesh(grid, ("stage", "data"))
 
 
+def refusal(call, *args) -> str:
+    """The message of the ``PipemarkError`` that ``call(*args)`` raises ('' if none)."""
+    try:
+        call(*args)
+    except pm.PipemarkError as error:
+        return str(error)
+    return ""
+
+
 def refusals(mesh: Mesh, mlp) -> dict[str, str]:
-    """What is refused while a stage spans processes, by name: each process's results
-    kept where computed (``held``) and a training step (``train``); the messages."""
+    """What is refused while a stage spans processes, by name: a training step
+    (``train``); the message."""
 
     def train_step(params, batch):
         loss, grads = jax.value_and_grad(mlp.loss_fn)(params, batch)
@@ -67,17 +79,91 @@ def refusals(mesh: Mesh, mlp) -> dict[str, str]:
         return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), loss
 
     options = dict(num_stages=2, num_microbatches=4, mesh=mesh, timeout_s=60)
-    calls = {
-        "held": pm.pipeline_value_and_grad(mlp.loss_fn, **options, gather_results=False),
-        "train": pm.pipeline_train_step(train_step, **options),
-    }
-    messages = {}
-    for name, call in calls.items():
-        try:
-            call(mlp.params, mlp.batch)
-        except pm.PipemarkError as error:
-            messages[f"refused-{name}"] = str(error)
-    return messages
+    train = pm.pipeline_train_step(train_step, **options)
+    return {"refused-train": refusal(train, mlp.params, mlp.batch)}
+
+
+#: The tensor-parallel MLP's 4 layers of two 16 x 16 matrices, each sharded by rows
+#: over its stage's data axis (FSDP).
+FSDP = [(P("data", None), P("data", None))] * 4
+
+
+def _sharded(params: list, mesh: Mesh) -> list:
+    """``params`` (two layers per stage) as arrays of the global program laid out as
+    ``FSDP`` says on their stage's sub-mesh: each device keeps its rows alone (what a
+    job keeps between steps that never holds a whole parameter)."""
+    sharded = []
+    for layer, pair in enumerate(params):
+        where = NamedSharding(Mesh(mesh.devices[layer // 2], ("data",)), P("data", None))
+        sharded.append(
+            tuple(
+                jax.make_array_from_callback(
+                    w.shape, where, np.asarray(w).__getitem__, dtype=w.dtype
+                )
+                for w in pair
+            )
+        )
+    return sharded
+
+
+def _local_view(leaf: jax.Array) -> np.ndarray:
+    """``leaf`` as far as this process holds it: its shards in place, NaN elsewhere."""
+    view = np.full(leaf.shape, np.nan, leaf.dtype)
+    for shard in leaf.addressable_shards:
+        view[shard.index] = np.asarray(shard.data)
+    return view
+
+
+def _device_bytes(tree) -> np.ndarray:
+    """Per device of this process, the bytes of ``tree``'s shards it holds."""
+    held = dict.fromkeys(jax.local_devices(), 0)
+    for leaf in jax.tree_util.tree_leaves(tree):
+        for shard in leaf.addressable_shards:
+            held[shard.device] += shard.data.nbytes
+    return np.array(list(held.values()))
+
+
+def fsdp_checks(mesh: Mesh, processes: int) -> dict[str, np.ndarray]:
+    """FSDP in stages that span processes: the tensor-parallel MLP (two stages of two
+    layers), its parameters sharded over each stage's data axis (``FSDP``), loss and
+    gradients of ``pipeline_value_and_grad`` with ``fsdp_gather="once"``, with
+    ``jax.jit`` of ``jax.value_and_grad`` in this process (``fsdp-want-I``). The
+    parameters kept sharded (``_sharded``) and the gradients kept where computed
+    (``gather_results=False``: ``fsdp-held-I``, this process's shards, NaN elsewhere),
+    with the bytes each device of this process holds of them (``fsdp-param-bytes``,
+    ``fsdp-grad-bytes``); with 2 processes, also the parameters whole and every
+    result gathered (``fsdp-once-I``). The messages refusing ``"per_microbatch"`` and
+    an ``optax.adamw`` training step in this layout."""
+    ex = examples.tensor_parallel_mlp(4, 16, 32, num_stages=2)
+    saved = {}
+    want = jax.jit(jax.value_and_grad(ex.loss_fn))(ex.params, ex.batch)
+    for i, leaf in enumerate(jax.tree_util.tree_leaves(want)):
+        saved[f"fsdp-want-{i}"] = np.asarray(leaf)
+    options = dict(num_microbatches=2, mesh=mesh, param_specs=FSDP, timeout_s=60)
+    if processes == 2:
+        whole = pm.pipeline_value_and_grad(ex.loss_fn, **options)
+        for i, leaf in enumerate(jax.tree_util.tree_leaves(whole(ex.params, ex.batch))):
+            assert leaf.is_fully_addressable, (i, leaf.sharding)  # whole here
+            saved[f"fsdp-once-{i}"] = np.asarray(leaf)
+    params = _sharded(ex.params, mesh)
+    held = pm.pipeline_value_and_grad(ex.loss_fn, **options, gather_results=False)
+    loss, grads = held(params, ex.batch)
+    for i, leaf in enumerate([loss, *jax.tree_util.tree_leaves(grads)]):
+        saved[f"fsdp-held-{i}"] = _local_view(leaf)
+    saved["fsdp-param-bytes"] = _device_bytes(params)
+    saved["fsdp-grad-bytes"] = _device_bytes(grads)
+    per_microbatch = pm.pipeline_value_and_grad(ex.loss_fn, **options, fsdp_gather="per_microbatch")
+    saved["refused-fsdp-per-microbatch"] = refusal(per_microbatch, ex.params, ex.batch)
+    tx = optax.adamw(1e-2, weight_decay=0.1)
+
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(ex.loss_fn)(params, batch)
+        updates, opt_state = tx.update(pm.mark_gradient(grads), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    train = pm.pipeline_train_step(step, **{**options, "param_specs": (FSDP, None)})
+    saved["refused-fsdp-train"] = refusal(train, ex.params, tx.init(ex.params), ex.batch)
+    return saved
 
 
 def main() -> None:
@@ -109,6 +195,8 @@ def main() -> None:
             saved[f"{schedule}-{i}"] = np.asarray(leaf)
     if MODE == "run" and PROCESSES == 2:
         saved.update(refusals(mesh, mlp))
+    if MODE == "run":
+        saved.update(fsdp_checks(mesh, PROCESSES))
     np.savez(os.path.join(OUT, f"{MODE}-{me}.npz"), **saved)
     print(f"process {me}: done", flush=True)
 

@@ -41,6 +41,19 @@ def _run(args: list[str], timeout: float = 300, **env: str) -> subprocess.Comple
     )
 
 
+def _launch_and_reference(script: Path, tmp_path, num_processes: int, *reference_args: str):
+    """Run ``script`` in ``num_processes`` processes (mode ``run``) and in one
+    (``reference``, with ``reference_args``); each must succeed. Returns the reference's
+    saved results and each process's."""
+    n = str(num_processes)
+    launched = _run(["-m", "pipemark.launch", "-n", n, str(script), str(tmp_path), "run"])
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    reference = _run([str(script), str(tmp_path), "reference", *reference_args])
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    runs = [np.load(tmp_path / f"run-{p}.npz") for p in range(num_processes)]
+    return np.load(tmp_path / "reference-0.npz"), runs
+
+
 def _check_held(want, runs: list, schedules: tuple[str, ...], reference: str = "mlp-") -> None:
     """The calls made with ``gather_results=False``: each result leaf is held by exactly
     one process, equal bit for bit to one process's result; the others have an array
@@ -71,12 +84,7 @@ def _check_held(want, runs: list, schedules: tuple[str, ...], reference: str = "
 
 @pytest.mark.parametrize("num_processes", [2, 4])
 def test_stages_in_processes_equal_the_single_process_pipeline(tmp_path, num_processes):
-    n = str(num_processes)
-    launched = _run(["-m", "pipemark.launch", "-n", n, str(SCRIPT), str(tmp_path), "run"])
-    assert launched.returncode == 0, launched.stderr[-3000:]
-    reference = _run([str(SCRIPT), str(tmp_path), "reference", n])
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    want = np.load(tmp_path / "reference-0.npz")
+    want, runs = _launch_and_reference(SCRIPT, tmp_path, num_processes, str(num_processes))
     results = [k for k in want.files if not k.endswith(("received", "expected"))]
     results = [k for k in results if not k.startswith("held-")]
     assert {k.split("-")[0] for k in results} == {"mlp", "lm"}
@@ -87,8 +95,7 @@ def test_stages_in_processes_equal_the_single_process_pipeline(tmp_path, num_pro
         "zb-h1",
         "zb-v",
     }
-    for process in range(num_processes):
-        got = np.load(tmp_path / f"run-{process}.npz")
+    for got in runs:
         # Every process gets the whole result, equal bit for bit to one process's.
         for key in results:
             assert got[key].dtype == want[key].dtype
@@ -99,7 +106,6 @@ def test_stages_in_processes_equal_the_single_process_pipeline(tmp_path, num_pro
             if key.endswith("received"):
                 expected = key.replace("received", "expected")
                 assert int(got[key]) == int(got[expected]) > 0, key
-    runs = [np.load(tmp_path / f"run-{p}.npz") for p in range(num_processes)]
     _check_held(want, runs, ("1f1b", "zb-v"))
     _check_training_step(runs)
 
@@ -142,12 +148,9 @@ def _check_training_step(runs: list) -> None:
 def test_sub_mesh_stages_in_two_processes_equal_one_process(tmp_path):
     # Two processes of 4 devices, each holding one stage's 2 x 2 (data x model)
     # sub-mesh: values cross as one collective over both sub-meshes.
-    script = str(Path(__file__).parent / "_distributed_mesh.py")
-    launched = _run(["-m", "pipemark.launch", "-n", "2", script, str(tmp_path), "run"])
-    assert launched.returncode == 0, launched.stderr[-3000:]
-    reference = _run([script, str(tmp_path), "reference"])
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    want = np.load(tmp_path / "reference-0.npz")
+    want, runs = _launch_and_reference(
+        Path(__file__).with_name("_distributed_mesh.py"), tmp_path, 2
+    )
     results = [k for k in want.files if not k.endswith(("received", "expected"))]
     results = [k for k in results if not k.startswith("held-")]
     assert {k.rsplit("-", 1)[0] for k in results} == {
@@ -157,15 +160,13 @@ def test_sub_mesh_stages_in_two_processes_equal_one_process(tmp_path):
         "zb-h1",
         "zb-v",
     }
-    for process in range(2):
-        got = np.load(tmp_path / f"run-{process}.npz")
+    for got in runs:
         for key in results:  # the whole result in every process, bit for bit
             assert got[key].dtype == want[key].dtype
             np.testing.assert_array_equal(got[key], want[key], err_msg=key)
         for key in got.files:  # bytes moved between stages = the stage graph's
             if key.endswith("received"):
                 assert int(got[key]) == int(got[key.replace("received", "expected")]) > 0, key
-    runs = [np.load(tmp_path / f"run-{p}.npz") for p in range(2)]
     _check_held(want, runs, ("1f1b",), reference="")
 
 
@@ -198,25 +199,15 @@ def test_stages_spanning_processes_equal_jax_and_one_process(tmp_path, num_proce
     # each stage spans both, with 4 each spans two. Every process gets every result
     # whole, within float rounding of jax.jit(jax.value_and_grad) and of the same
     # pipeline in one process (the data-parallel sums add in another order there).
-    n = str(num_processes)
-    launched = _run(["-m", "pipemark.launch", "-n", n, str(SPAN), str(tmp_path), "run"])
-    assert launched.returncode == 0, launched.stderr[-3000:]
-    reference = _run([str(SPAN), str(tmp_path), "reference", n])
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    one = np.load(tmp_path / "reference-0.npz")
+    one, runs = _launch_and_reference(SPAN, tmp_path, num_processes, str(num_processes))
     schedules = {k.rsplit("-", 1)[0] for k in one.files} - {"want"}
     if num_processes == 2:  # what is not supported yet says so, in every process
-        for process in range(2):
-            got = np.load(tmp_path / f"run-{process}.npz")
-            assert "gather_results=False with a stage whose sub-mesh spans processes" in str(
-                got["refused-held"]
-            )
+        for got in runs:
             assert "pipeline_train_step with a stage whose sub-mesh spans" in str(
                 got["refused-train"]
             )
     assert schedules == ({"1f1b", "interleaved"} if num_processes == 2 else {"1f1b"})
-    for process in range(num_processes):
-        got = np.load(tmp_path / f"run-{process}.npz")
+    for got in runs:
         count = sum(k.startswith("want-") for k in got.files)
         want = [got[f"want-{i}"] for i in range(count)]
         assert count > 2
@@ -224,6 +215,38 @@ def test_stages_spanning_processes_equal_jax_and_one_process(tmp_path, num_proce
             leaves = [got[f"{schedule}-{i}"] for i in range(count)]
             assert_trees_within_ulps(leaves, want)
             assert_trees_within_ulps(leaves, [one[f"{schedule}-{i}"] for i in range(count)])
+    _check_fsdp(runs)
+
+
+def _check_fsdp(runs: list) -> None:
+    """FSDP in those stages (``_distributed_span.fsdp_checks``): the tensor-parallel
+    MLP's parameters sharded over each stage's data axis of ``D`` devices (``D`` the
+    number of processes), ``fsdp_gather="once"``. Every device holds ``1/D`` of its
+    stage's parameters and gradients (4 KiB each stage: 2 layers of two 16 x 16
+    float32 matrices); each gradient element is held by one process alone, and the
+    shards together, and the loss that every process holds, are within a few ulps of
+    ``jax.jit(jax.value_and_grad)``; so are the results gathered whole (2 processes).
+    ``"per_microbatch"`` and a training step are refused, saying what to do instead."""
+    data = len(runs)
+    want = [runs[0][f"fsdp-want-{i}"] for i in range(9)]  # the loss, 8 matrices
+    for got in runs:
+        assert list(got["fsdp-param-bytes"]) == list(got["fsdp-grad-bytes"]) == [4096 // data] * 2
+        message = str(got["refused-fsdp-per-microbatch"])
+        assert 'fsdp_gather="per_microbatch" with a stage whose sub-mesh spans' in message
+        assert 'use fsdp_gather="once"' in message
+        assert "pipeline_train_step with a stage whose sub-mesh spans processes" in str(
+            got["refused-fsdp-train"]
+        )
+        if data == 2:
+            assert_trees_within_ulps([got[f"fsdp-once-{i}"] for i in range(9)], want, ulps=8)
+    held = [np.stack([got[f"fsdp-held-{i}"] for got in runs]) for i in range(9)]
+    assert (held[0] == held[0][0]).all()  # the loss, the same in every process
+    merged = [held[0][0]]
+    for leaf in held[1:]:
+        holders = np.isfinite(leaf).sum(axis=0)
+        assert (holders == 1).all(), holders  # each element in one process alone
+        merged.append(np.nansum(leaf, axis=0, dtype=leaf.dtype))
+    assert_trees_within_ulps(merged, want, ulps=8)
 
 
 def test_a_process_that_dies_stops_the_others_when_stages_span_processes(tmp_path):
