@@ -469,7 +469,8 @@ def _probe_line(search: dict, unit: int) -> str:
         size = int(n) * (unit if search["axis"] == "batch" else 1)
         if probe["fits"]:
             need = f", {_bytes(probe['bytes'])}" if probe.get("bytes") else ""
-            words.append(f"{size} fits{need}")
+            how = probe["why"].removeprefix("trained")  # what the budget chose
+            words.append(f"{size} fits{need}{how}")
         else:
             words.append(f"{size} does not ({probe['why']})")
     return (
