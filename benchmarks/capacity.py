@@ -35,7 +35,8 @@ sizes that fitted, at most ``x 16`` a probe but to the cap, else doubling) until
 does not fit or ``--max-microbatches`` / ``--max-blocks`` is reached, then narrows the
 gap (interpolating, every other probe halving it), at most ``--max-probes`` probes a
 search; the searches share ``--budget-s`` seconds (each gets an equal share of what is
-left; the batch searches go first), and a probe made for one search (the same method,
+left, and starts no probe that, as long as its longest, would end past it; the batch
+searches go first), and a probe made for one search (the same method,
 blocks and microbatches) answers the other. A search cut short reports the range it
 narrowed to. The table goes to stdout, the results as JSON to ``--out`` (``report``
 renders them: docs/performance.md, "More than fits").
@@ -93,8 +94,9 @@ def largest(
     extrapolates from it to ``limit``). Returns ``largest`` (``None``: not even
     ``start``), ``upper`` (the smallest size seen not to fit, ``None`` if none),
     ``exact`` (``upper == largest + 1``), ``capped`` (``cap`` fits) and the sizes
-    ``tried``, in order. It stops early after ``max_probes`` calls or past
-    ``deadline`` (``time.perf_counter()``).
+    ``tried``, in order. It stops early after ``max_probes`` calls, or where a call as
+    long as the longest so far (its ``"seconds"``) would end past ``deadline``
+    (``time.perf_counter()``).
 
     >>> search = largest(lambda n: {"fits": 10 * n <= 95, "bytes": 10 * n}, 1, 64, 95)
     >>> search["largest"], search["exact"], search["tried"]
@@ -106,8 +108,9 @@ def largest(
         seen[n] = fits(n)
         return seen[n]["fits"]
 
-    def more() -> bool:
-        return len(seen) < max_probes and time.perf_counter() < deadline
+    def more() -> bool:  # a probe as long as the longest so far still ends in time
+        longest = max((r.get("seconds", 0.0) for r in seen.values()), default=0.0)
+        return len(seen) < max_probes and time.perf_counter() + longest < deadline
 
     low, high, n = None, None, start
     while more():  # grow

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -453,6 +454,9 @@ def test_capacity_search_finds_the_boundary_within_its_probes():
     cut = largest(lambda n: {"fits": n <= 37, "bytes": None}, 1, 1000, 0, max_probes=8)
     assert cut["largest"] < 37 < cut["upper"] and not cut["exact"]
     assert _capacity().cell(cut) == f"{cut['largest']}–{cut['upper'] - 1} (stopped)"
+    # No probe starts that would end past the deadline, as long as the longest so far.
+    slow = largest(lambda n: {"fits": True, "seconds": 60.0}, 1, 64, 0, 8, time.perf_counter() + 30)
+    assert (slow["tried"], _capacity().cell(slow)) == ([1], "≥ 1 (stopped)")
     none = largest(lambda n: {"fits": False, "bytes": None}, 1, 64, 0)
     assert (none["largest"], none["exact"], none["tried"]) == (None, True, [1])
 
