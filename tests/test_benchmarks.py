@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
 import pytest
 
 import pipemark as pm
+from pipemark import examples
 from tests._trees import assert_trees_close
 
 REPO = Path(__file__).resolve().parents[1]
@@ -420,3 +422,122 @@ def test_accelerator_models_pipelined_equal_jax_value_and_grad(model):
     want = jax.jit(jax.value_and_grad(plain.loss_fn))(plain.params, plain.batch)
     # Two microbatches' means averaged against one mean; matmuls in bfloat16.
     assert_trees_close(pipe(*ex.args), want, rtol=2e-2, atol=2e-3)
+
+
+def _capacity():
+    if str(REPO / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+    import capacity
+
+    return capacity
+
+
+def test_capacity_search_finds_the_boundary_within_its_probes():
+    largest = _capacity().largest
+    calls = []
+
+    def fits(n, need=lambda n: 1000 + 300 * n + n * n):  # bytes grow, a little faster
+        calls.append(n)
+        return {"fits": need(n) <= 20_000, "bytes": need(n)}
+
+    found = largest(fits, 1, 1000, 20_000)
+    boundary = max(n for n in range(1, 1000) if 1000 + 300 * n + n * n <= 20_000)
+    assert (found["largest"], found["upper"], found["exact"]) == (boundary, boundary + 1, True)
+    assert found["tried"] == calls and len(calls) <= 8 and len(set(calls)) == len(calls)
+    # Without bytes the search doubles, then halves the gap.
+    blind = largest(lambda n: {"fits": n <= 37, "bytes": None}, 1, 1000, 0, max_probes=20)
+    assert (blind["largest"], blind["exact"]) == (37, True)
+    assert blind["tried"][:7] == [1, 2, 4, 8, 16, 32, 64]
+    # A cap that fits; a search stopped early; a start that does not fit.
+    capped = largest(lambda n: {"fits": True, "bytes": 10 + n}, 1, 64, 10**6)
+    assert (capped["largest"], capped["capped"], capped["tried"]) == (64, True, [1, 2, 64])
+    cut = largest(lambda n: {"fits": n <= 37, "bytes": None}, 1, 1000, 0, max_probes=8)
+    assert cut["largest"] < 37 < cut["upper"] and not cut["exact"]
+    assert _capacity().cell(cut) == f"{cut['largest']}–{cut['upper'] - 1} (stopped)"
+    # No probe starts that would end past the deadline, as long as the longest so far.
+    slow = largest(lambda n: {"fits": True, "seconds": 60.0}, 1, 64, 0, 8, time.perf_counter() + 30)
+    assert (slow["tried"], _capacity().cell(slow)) == ([1], "≥ 1 (stopped)")
+    none = largest(lambda n: {"fits": False, "bytes": None}, 1, 64, 0)
+    assert (none["largest"], none["exact"], none["tried"]) == (None, True, [1])
+
+
+def test_capacity_ratios_say_what_the_searches_bound():
+    ratio = _capacity().ratio
+    exact = {"largest": 4, "upper": 5}
+    assert ratio({"largest": 12, "upper": 13}, exact) == "3.00 ×"
+    assert ratio({"largest": 64, "upper": None}, exact) == "≥ 16.00 ×"  # the cap
+    assert ratio({"largest": 12, "upper": 16}, exact) == "3.00–3.75 ×"  # stopped early
+    assert ratio({"largest": 64, "upper": None}, {"largest": 64, "upper": None}) == "—"
+    assert ratio({"largest": 8, "upper": 9}, {"largest": 64, "upper": None}) == "≤ 0.12 ×"
+
+
+def _compiled_bytes(method: str, blocks: int, microbatches: int, rows: int = 8) -> int:
+    """What ``jax.jit`` (or the scan over ``microbatches`` microbatches of ``rows`` rows)
+    of the 16-wide MLP needs by its compiled ``memory_analysis()``, as the capacity
+    script judges it."""
+    loss_fn, params, batch = examples.mlp(blocks, 16, microbatches * rows, markers=None)
+    if method == "jit":
+        step = jax.value_and_grad(loss_fn)
+    else:
+        step = _accelerator().scan_accumulation(loss_fn, microbatches)
+    analysis = jax.jit(step).lower(params, batch).compile().memory_analysis()
+    return (
+        analysis.argument_size_in_bytes
+        + analysis.output_size_in_bytes
+        + analysis.temp_size_in_bytes
+        - analysis.alias_size_in_bytes
+    )
+
+
+@pytest.mark.benchmark_script
+@pytest.mark.slow  # a process making about 30 probes, each compiling an MLP step (~12 s)
+def test_capacity_benchmark_finds_what_fits_a_pretend_limit(tmp_path):
+    # The MLP (its programs compile in a tenth of the GPT's time) against 40,000 bytes:
+    # all six searches in about 10 s.
+    limit, out = 40_000, tmp_path / "capacity.json"
+    options = ["--model", "mlp", "--layers", "2", "--d-model", "16", "--microbatch-rows", "8"]
+    options += ["--microbatches", "4", "--max-microbatches", "16", "--max-blocks", "16"]
+    options += ["--max-probes", "12"]  # JAX 0.12: the budget's plans take 10 probes
+    lines = _output_lines("capacity.py", *options, "--memory-bytes", str(limit), "--out", str(out))
+    results = json.loads(out.read_text())
+    assert _capacity().report(results).splitlines() == lines  # the docs render the JSON
+    assert lines[0].startswith(f"{results['date']}; cpu (cpu); JAX {jax.__version__}")
+    assert "memory: a pretend limit of 39.06 KiB (`--memory-bytes`)" in lines
+    header = lines.index("| method | largest batch (rows) | largest blocks | criterion |")
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in lines[header + 2 :][:3]}
+    by = {(s["method"], s["axis"]): s for s in results["searches"]}
+    for (method, axis), search in by.items():  # each search ended: exact, or at its cap
+        assert search["exact"] or search["capped"], search
+        for n, probe in search["probes"].items():  # each probe as its criterion says
+            if method != "pipeline":
+                assert probe["fits"] == (probe["bytes"] <= limit), (method, axis, n, probe)
+    for method, name in _capacity().NAMES.items():
+        cells = [c.strip() for c in rows[name]]
+        wanted = "`memory_budget` accepts" if method == "pipeline" else "`memory_analysis()` within"
+        assert cells[2].startswith(wanted)
+        batch, blocks = by[(method, "batch")], by[(method, "blocks")]
+        assert cells[:2] == [_capacity().cell(batch, 8), _capacity().cell(blocks)]
+    # Measured at these sizes (microbatches of 8 rows; blocks at 4 microbatches): jax.jit
+    # fits 13 microbatches and 7 blocks, the scan reaches the batch cap (its batch costs
+    # only the inputs) and 11 blocks; the pipeline 15 microbatches and 10 blocks (the
+    # MLP keeps little a rematerialisation saves).
+    largest = {key: search["largest"] for key, search in by.items()}
+    assert [largest[("jit", a)] for a in ("batch", "blocks")] == [13, 7]
+    assert by[("scan", "batch")]["capped"] and largest[("scan", "blocks")] == 11
+    assert [largest[("pipeline", a)] for a in ("batch", "blocks")] == [15, 10]
+    assert "- pipeline ÷ jit: batch 1.15 ×, blocks 1.43 ×" in lines
+    # Checked apart from the script: jax.jit's batch and the scan's blocks at the edge,
+    # and memory_budget's verdict on the pipeline's.
+    assert _compiled_bytes("jit", 2, 13) <= limit < _compiled_bytes("jit", 2, 14)
+    assert _compiled_bytes("scan", 11, 4) <= limit < _compiled_bytes("scan", 12, 4)
+    for blocks in (10, 11):
+        loss_fn, params, batch = examples.mlp(blocks, 16, 32, markers="boundary")
+        pipe = pm.pipeline_value_and_grad(
+            loss_fn, num_stages=blocks, num_microbatches=4, schedule="interleaved",
+            devices=jax.devices()[:1], memory_budget=limit,
+        )  # fmt: skip
+        if blocks == 10:
+            pipe.plan(params, batch)
+        else:
+            with pytest.raises(pm.MemoryBudgetError):
+                pipe.plan(params, batch)
