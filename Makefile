@@ -80,10 +80,12 @@ test: lint docs
 # by `make docs-assets` and checked by `make test` (marker docs_assets). The benchmark
 # scripts' own tests (marker benchmark_script: what a script prints) run in `make test`
 # only; the runtime they measure is tested here too. The fuzzer runs a third of its
-# examples here, with another seed than `make test`'s.
+# examples here, with another seed than `make test`'s. Of a test function with 4 or
+# more parametrized cases, the cases that run every parameter value once
+# (PIPEMARK_CASES=cover, conftest.py); `make test` runs every combination.
 test-newest: $(NEWEST_STAMP)
 	$(NEWEST_BIN)/python -c 'import jax, sys; print("JAX", jax.__version__, "on Python", sys.version.split()[0])'
-	$(ISA_ENV) PIPEMARK_FUZZ=third PIPEMARK_FUZZ_SEED=1 $(NEWEST_BIN)/python -m pytest -n 2 -m 'not docs_assets and not benchmark_script' --durations=15
+	$(ISA_ENV) PIPEMARK_FUZZ=third PIPEMARK_FUZZ_SEED=1 PIPEMARK_CASES=cover $(NEWEST_BIN)/python -m pytest -n 2 -m 'not docs_assets and not benchmark_script' --durations=15
 
 # The two environments alone (.ci/run builds them while `make test` runs).
 newest-env: $(NEWEST_STAMP)

@@ -71,9 +71,44 @@ def pytest_report_header(config):
     )
 
 
+def _covering(cases: list) -> list:
+    """Of one test function's parametrized ``cases``, in their collected order: each
+    case that has a parameter value no case kept before it had. Every value of every
+    parameter runs once, not every combination."""
+    seen: set = set()
+    kept = []
+    for item in cases:
+        values = {(name, repr(value)) for name, value in item.callspec.params.items()}
+        if not values <= seen:
+            kept.append(item)
+            seen |= values
+    return kept
+
+
+def _cover_cases(config, items) -> None:
+    """With ``PIPEMARK_CASES=cover`` (``make test-newest``: CI time), a test function
+    with 4 or more parametrized cases runs :func:`_covering`'s; ``make test`` runs them
+    all."""
+    groups: dict = {}
+    for item in items:
+        if getattr(item, "callspec", None) is not None:
+            groups.setdefault((item.path, item.originalname), []).append(item)
+    dropped = set()
+    for cases in groups.values():
+        if len(cases) >= 4:
+            dropped.update(id(item) for item in cases if item not in _covering(cases))
+    if dropped:
+        config.hook.pytest_deselected(items=[i for i in items if id(i) in dropped])
+        items[:] = [i for i in items if id(i) not in dropped]
+
+
 def pytest_collection_modifyitems(config, items):
     """The ``slow`` tests first, those marked ``slow(first=True)`` (a script whose
-    output other tests read) before the others; each group in its collected order."""
+    output other tests read) before the others; each group in its collected order.
+    ``PIPEMARK_CASES=cover``: of each large parametrized matrix, the cases that run
+    every parameter value once (:func:`_cover_cases`)."""
+    if os.environ.get("PIPEMARK_CASES") == "cover":
+        _cover_cases(config, items)
 
     def rank(item):
         slow = item.get_closest_marker("slow")

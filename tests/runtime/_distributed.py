@@ -55,24 +55,29 @@ TIMEOUT = float(os.environ.get("PIPEMARK_TEST_TIMEOUT", "60"))
 OVERLAP_WAIT_S = 3.0
 
 
+#: The (model, schedule) pairs each process count runs (CI time: the two launches
+#: share the work). Two processes: every schedule on the MLP. Four: the schedules with
+#: two stages per device (interleaved, ZB-V) and 1F1B on the MLP, GPipe and 1F1B on the
+#: language model.
+PLANNED = {
+    2: tuple(("mlp", s) for s in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")),
+    4: (("mlp", "1f1b"), ("mlp", "interleaved"), ("mlp", "zb-v"), ("lm", "gpipe"), ("lm", "1f1b")),
+}
+
+
 def runs():
-    """(name, loss, params, batch, schedule, stages): every schedule on the MLP (two
-    stages per device when interleaved or ZB-V), GPipe and 1F1B on the language model."""
-    mlp = examples.mlp(num_layers=2 * STAGES, width=16, batch=8)
-    runs = (
-        ("gpipe", STAGES),
-        ("1f1b", STAGES),
-        ("interleaved", 2 * STAGES),
-        ("zb-h1", STAGES),
-        ("zb-v", 2 * STAGES),  # two stages per device (so per process), in a V
-    )
-    for schedule, stages in runs:
-        yield "mlp", mlp.loss_fn, mlp.params, mlp.batch, schedule, stages
-    lm = examples.language_model(
-        num_layers=4, vocab=32, d_model=16, num_heads=2, seq=8, batch=8, markers="boundary"
-    )
-    for schedule in ("gpipe", "1f1b"):
-        yield "lm", lm.loss_fn, lm.params, lm.batch, schedule, STAGES
+    """(name, loss, params, batch, schedule, stages) of :data:`PLANNED` for this process
+    count: the MLP with two stages per device when interleaved or ZB-V."""
+    models = {
+        "mlp": examples.mlp(num_layers=2 * STAGES, width=16, batch=8),
+        "lm": examples.language_model(
+            num_layers=4, vocab=32, d_model=16, num_heads=2, seq=8, batch=8, markers="boundary"
+        ),
+    }
+    for name, schedule in PLANNED[STAGES]:
+        model = models[name]
+        stages = 2 * STAGES if name == "mlp" and schedule in ("interleaved", "zb-v") else STAGES
+        yield name, model.loss_fn, model.params, model.batch, schedule, stages
 
 
 def _watchdog_threads() -> int:
