@@ -35,8 +35,10 @@ from pipemark.runtime.plan_export import export_train_step, leaf_names
 from pipemark.runtime.schedules import Schedule
 from pipemark.runtime.tracing import replica_batch
 from pipemark.runtime.transport import CollectiveTransport
+from pipemark.runtime.update import StageUpdates
 from pipemark.runtime.update_run import (
     UpdateProgram,
+    crossing_reads,
     run_update,
     split_step_update,
     update_bytes,
@@ -49,14 +51,54 @@ __all__ = ["PipelinedStep", "pipeline_train_step"]
 
 
 def _refuse_spanning_stages(options: PipelineOptions) -> None:
-    """A training step's update runs on each process's own slots: a stage whose
-    sub-mesh spans processes (``pipeline_value_and_grad`` runs one) is refused."""
-    if options.mesh is None or not any(len(s.processes) > 1 for s in available_slots(options)):
+    """A stage whose sub-mesh spans processes updates its parameters where they lie, on
+    its processes (results kept there): with results gathered, each process would hold
+    and update every stage's parameters alone. Refused then."""
+    if not options.gather_results or options.mesh is None:
+        return
+    if not any(len(s.processes) > 1 for s in available_slots(options)):
         return
     raise PipemarkError(
-        "pipeline_train_step with a stage whose sub-mesh spans processes is not supported "
-        "yet: lay the mesh out so that each stage's devices belong to one process, or "
-        "use pipeline_value_and_grad (which runs it) and update the parameters outside."
+        "pipeline_train_step with a stage whose sub-mesh spans processes needs "
+        "gather_results=False: each stage's processes then update its parameters and "
+        "optimizer state where they lie (arrays of the global program over the stage's "
+        "sub-mesh). Pass gather_results=False, or lay the mesh out so that each stage's "
+        "devices belong to one process."
+    )
+
+
+def _refuse_spanning_update(
+    plan: PipelinePlan,
+    split: StageUpdates | None,
+    parts: tuple[UpdateProgram, ...],
+    holders: tuple[int | None, ...],
+) -> None:
+    """Where a stage's sub-mesh spans processes, each part of the update runs on its
+    stage's processes from values they hold: a part that reads a value another stage's
+    slot holds (an update that does not split per stage reads every stage's
+    gradients) is refused."""
+    if not plan.placement.spanning:
+        return
+    crossing = crossing_reads(parts, holders)
+    if not crossing:
+        return
+    advice = "or lay the mesh out so that each stage's devices belong to one process."
+    if split is None:
+        raise PipemarkError(
+            "pipeline_train_step with a stage whose sub-mesh spans processes: the update "
+            "after pm.mark_gradient does not split per stage (a big value couples two "
+            "stages' parameters, or it has effects such as a debug print), and it would "
+            "run whole in one place. Make each parameter's update read only its own "
+            f"stage's values, {advice}"
+        )
+    slot, position, source = crossing[0]
+    raise PipemarkError(
+        "pipeline_train_step with a stage whose sub-mesh spans processes: the update's "
+        f"part on slot {slot} reads value {position} of the update, which slot {source} "
+        "computes (a value coupling the stages, such as the partial sums of a global "
+        "norm); moving it between the processes of two sub-meshes is not supported yet. "
+        "Update each stage from its own values (e.g. optax.clip_by_block_rms, per leaf, "
+        f"instead of optax.clip_by_global_norm), {advice}"
     )
 
 
@@ -158,12 +200,16 @@ class PipelinedStep:
         arguments = functools.partial(_argument_bytes, args)
         plan = _step_plan(compute, options, num_replicated, micro, layouts, arguments)
         split = split_step_update(plan, apply, num_args)
-        if split is None and not plan.gather_results and plan.placement.distributed:
+        distributed = plan.placement.distributed and not plan.placement.spanning
+        if split is None and not plan.gather_results and distributed:
             # The whole update reads every stage's gradients: they are gathered, as
-            # with gather_results=True (every process then runs it).
+            # with gather_results=True (every process then runs it; refused below
+            # where a stage spans processes).
             options = dataclasses.replace(options, gather_results=True)
             plan = _step_plan(compute, options, num_replicated, micro, layouts, arguments)
         parts = update_programs(plan, apply, split, layouts and layouts.table)
+        holders = update_holders(plan, num_args)
+        _refuse_spanning_update(plan, split, parts, holders)
         if options.memory_budget is not None:
             updates = update_bytes(plan, parts, num_args, leaves)
             check_update_within(updates, plan.placement.slots, options.memory_budget)
@@ -174,7 +220,7 @@ class PipelinedStep:
             first = num_args + len(plan.staged.outputs)
             scalars = [first + k for k, v in enumerate(apply.jaxpr.outvars) if not v.aval.shape]
             shared = tuple(sorted({*split.unowned, *scalars}))
-        prepared = _Prepared(plan, out_tree, parts, update_holders(plan, num_args), shared)
+        prepared = _Prepared(plan, out_tree, parts, holders, shared)
         self._prepared[key] = prepared
         return prepared
 
@@ -437,8 +483,11 @@ def pipeline_train_step(
     step count or a global norm returned as a metric, goes to every process). With
     ``gather_results=True`` (the default), and where the update does not split, every
     process receives every gradient and runs the whole update on its first slot, so
-    every process gets the whole new state. The other options are those of
-    :func:`pipeline_value_and_grad`.
+    every process gets the whole new state. A stage whose sub-mesh spans processes
+    needs ``gather_results=False``: its part of the update runs as a global program
+    over the sub-mesh in each of its processes, its new parameters and optimizer state
+    staying there as arrays of the global program; an update whose part on one stage
+    reads a value another stage computes (global-norm clipping) is refused there. The other options are those of :func:`pipeline_value_and_grad`.
 
     >>> import jax, numpy as np, pipemark as pm
     >>> from pipemark import examples

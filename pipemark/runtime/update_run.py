@@ -17,13 +17,14 @@ from pipemark._compat import DEVICE_ERRORS
 from pipemark.cost import nbytes
 from pipemark.errors import DeviceOutOfMemory
 from pipemark.runtime.memory import describe_limit, format_bytes, resident_bytes
-from pipemark.runtime.placement import Slot, device_slot, held_elsewhere
+from pipemark.runtime.placement import Slot, device_slot, held_elsewhere, put_global
 from pipemark.runtime.plan import PipelinePlan
 from pipemark.runtime.transport import Transport
 from pipemark.runtime.update import StageUpdates, UpdatePart, input_owners, split_update
 
 __all__ = [
     "UpdateProgram",
+    "crossing_reads",
     "first_update_slot",
     "run_update",
     "split_step_update",
@@ -38,7 +39,8 @@ class UpdateProgram(NamedTuple):
     """One program of a training step's update (``program``, jitted as ``run``): its
     slot (worker), the positions it reads in the table of the update's values (see
     :class:`~pipemark.runtime.update.StageUpdates`), each laid out by ``shardings``, and
-    those it computes."""
+    those it computes, each laid out by ``out_shardings`` where it gives one (``None``:
+    as ``jax.jit`` chooses)."""
 
     worker: int
     program: ClosedJaxpr
@@ -46,6 +48,7 @@ class UpdateProgram(NamedTuple):
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     shardings: tuple[Any, ...]
+    out_shardings: tuple[Any, ...] = ()
 
 
 def update_bytes(
@@ -143,7 +146,9 @@ def update_programs(
     On sub-meshes, ``layouts`` gives the ``PartitionSpec`` of positions of the update's
     value table (:func:`pipemark.runtime.layouts.step_layouts`): the inputs there are
     read, and the results written, in that layout (gradients and optimizer state
-    sharded like their parameters)."""
+    sharded like their parameters). On a sub-mesh that spans processes a result with
+    no layout is replicated over the sub-mesh, so that each of its processes holds it
+    whole (a result sent to every process is taken from there, :func:`run_update`)."""
     if split is None:
         count = len(apply.jaxpr.invars)
         results = tuple(range(count, count + len(apply.jaxpr.outvars)))
@@ -164,10 +169,42 @@ def update_programs(
         shardings = tuple(
             laid_out(i, p.worker) or plan.update_sharding(i, p.worker) for i in p.inputs
         )
-        outs = [laid_out(k, p.worker) for k in p.outputs]
+        slot = plan.placement.slots[p.worker]
+        whole = slot.replicated if len(slot.processes) > 1 else None
+        outs = [laid_out(k, p.worker) or whole for k in p.outputs]
         run = jax.jit(jaxpr_as_fun(p.program), out_shardings=outs if any(outs) else None)
-        programs.append(UpdateProgram(p.worker, p.program, run, p.inputs, p.outputs, shardings))
+        programs.append(
+            UpdateProgram(p.worker, p.program, run, p.inputs, p.outputs, shardings, tuple(outs))
+        )
     return tuple(programs)
+
+
+def crossing_reads(
+    parts: Sequence[UpdateProgram], holders: Sequence[int | None]
+) -> list[tuple[int, int, int]]:
+    """``(slot, position, source)`` for each input of a part on ``slot`` that another
+    slot, ``source``, holds alone (``holders`` as :func:`update_holders` gives them, then
+    each part's results held by its slot), in the order the parts run: the values
+    :func:`run_update` moves between slots (a global norm's partial sums).
+
+    >>> import jax, jax.numpy as jnp
+    >>> from pipemark.runtime.update import split_update
+    >>> def clipped(w0, w1, g0, g1):
+    ...     scale = jnp.minimum(1.0, 0.1 / jnp.sqrt(jnp.sum(g0**2) + jnp.sum(g1**2)))
+    ...     return w0 - scale * g0, w1 - scale * g1
+    >>> split = split_update(jax.make_jaxpr(clipped)(*[jnp.ones(2)] * 4), [0, 1, 0, 1], 0)
+    >>> crossing_reads(split.parts, [None, None, 0, 1])
+    [(0, 7, 1), (1, 6, 0)]
+    """
+    held = dict(enumerate(holders))
+    crossing = []
+    for part in parts:
+        for i in part.inputs:
+            source = held.get(i)
+            if source is not None and source != part.worker:
+                crossing.append((part.worker, i, source))
+        held.update((k, part.worker) for k in part.outputs)
+    return crossing
 
 
 def update_holders(plan: PipelinePlan, num_args: int) -> tuple[int | None, ...]:
@@ -220,17 +257,29 @@ def run_update(
         if local[part.worker]:
             outputs = _run_part(plan, part, inputs)
         else:  # another process computes them: arrays without data here
-            outputs = [held_elsewhere(a, reader.replicated) for a in part.program.out_avals]
+            where = part.out_shardings or [None] * len(part.outputs)
+            outputs = [
+                held_elsewhere(a, w or reader.replicated)
+                for a, w in zip(part.program.out_avals, where)
+            ]
         values.update(zip(part.outputs, outputs))
         held.update((k, part.worker) for k in part.outputs)
         avals.update(zip(part.outputs, part.program.out_avals))
     by_source: dict[int, list[int]] = {}
     for k in shared:  # grouped by the slot that computed them, in slot order
         by_source.setdefault(held[k], []).append(k)
+    receivers = plan.placement.receivers()
     for source, positions in sorted(by_source.items()):
         types = [avals[k] for k in positions]
-        for process, device in plan.placement.receivers().items():
-            if process != slots[source].process:
+        if local[source] and len(slots[source].processes) > 1:
+            # Each process of a sub-mesh that spans processes holds them whole (the
+            # part's results are replicated there): its own copy, on its receiver.
+            mine = receivers[plan.placement.process]
+            values.update(
+                (k, jax.device_put(values[k].addressable_data(0), mine)) for k in positions
+            )
+        for process, device in receivers.items():
+            if process not in slots[source].processes:
                 ends = device_slot(slots[source].device), device_slot(device)
                 got = _move(plan, positions, values, source, ends, types, transport)
                 values.update(zip(positions, got or ()))
@@ -242,7 +291,8 @@ def _run_part(plan: PipelinePlan, part: UpdateProgram, inputs: list[Any]) -> Any
     """``part`` run on its slot; running out of the device's memory raises a
     :class:`~pipemark.DeviceOutOfMemory` naming the part and what it takes."""
     try:
-        return part.run(*jax.device_put(inputs, list(part.shardings)))
+        # A sub-mesh that spans processes takes this process's shards (put_global).
+        return part.run(*put_global(inputs, part.shardings))
     except DEVICE_ERRORS as error:
         if "RESOURCE_EXHAUSTED" not in str(error):
             raise
@@ -286,7 +336,7 @@ def _move(
     # Only under jax.distributed does a part read a value of another process's slot.
     assert transport is not None
     sent = None
-    if plan.placement.local[source]:
+    if ends[0].process == plan.placement.process:  # of a sub-mesh, its first device's
         sent = jax.device_put([values[i] for i in positions], ends[0].device)
     types = tuple((a.shape, a.dtype) for a in avals)
     what = f"values {list(positions)} of the update"

@@ -7,8 +7,9 @@ process of 2 x P devices, the same mesh (``reference``). An MLP's loss and gradi
 under 1F1B (and, with 2 processes, interleaved: two stages per slot), saved per
 process with ``jax.jit`` of ``jax.value_and_grad`` in the same process; each process
 writes its process id first (``pid-MODE-P``), for a test to check none is left. With
-2 processes, also the message of what is refused while a stage spans processes. In
-``run``, the same processes also run FSDP in the stages (:func:`fsdp_checks`).
+2 processes, also an ``optax.adamw`` training step of the MLP and what is refused
+there (:func:`train_checks`). In ``run``, the same processes also run FSDP in the
+stages, and an ``optax.adamw`` step of it (:func:`fsdp_checks`).
 
     python -m pipemark.launch -n 2 tests/runtime/_distributed_span.py OUT_DIR run
     python tests/runtime/_distributed_span.py OUT_DIR reference 2   # 4 devices, one process
@@ -69,18 +70,53 @@ def refusal(call, *args) -> str:
     return ""
 
 
-def refusals(mesh: Mesh, mlp) -> dict[str, str]:
-    """What is refused while a stage spans processes, by name: a training step
-    (``train``); the message."""
+def adamw_step(loss_fn, tx):
+    """A training step of ``loss_fn`` with the optax optimizer ``tx``."""
 
-    def train_step(params, batch):
-        loss, grads = jax.value_and_grad(mlp.loss_fn)(params, batch)
-        grads = pm.mark_gradient(grads)
-        return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), loss
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(pm.mark_gradient(grads), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
 
+    return step
+
+
+def train_twice(prefix: str, step, pipelined, params, pipelined_params, opt_state, batch):
+    """Two steps of ``pipelined`` (from ``pipelined_params``) and of ``jax.jit(step)`` in
+    this process (from ``params``): each result leaf of jit's (``PREFIX-want-I``) and as
+    far as this process holds the pipeline's (``PREFIX-held-I``, :func:`_local_view`),
+    with how many of its leaves are arrays of the global program
+    (``PREFIX-global``), and the result tree's new state for more checks."""
+    jitted = jax.jit(step)
+    want = jitted(*jitted(params, opt_state, batch)[:2], batch)
+    got = pipelined(*pipelined(pipelined_params, opt_state, batch)[:2], batch)
+    saved = {}
+    leaves = jax.tree_util.tree_leaves(got)
+    for i, (w, g) in enumerate(zip(jax.tree_util.tree_leaves(want), leaves)):
+        saved[f"{prefix}-want-{i}"] = np.asarray(w)
+        saved[f"{prefix}-held-{i}"] = _local_view(g)
+    saved[f"{prefix}-global"] = np.array(sum(not x.is_fully_addressable for x in leaves))
+    return saved, got
+
+
+def train_checks(mesh: Mesh, mlp) -> dict[str, np.ndarray]:
+    """A training step while a stage spans processes (``gather_results=False``): the
+    MLP's ``optax.adamw`` step, its parameters replicated over each stage's sub-mesh, two
+    steps (:func:`train_twice`, prefix ``train``); the messages refusing it with
+    results gathered (``refused-gathered``) and with global-norm clipping
+    (``refused-clip``)."""
+    tx = optax.adamw(1e-2, weight_decay=0.1)
+    step = adamw_step(mlp.loss_fn, tx)
     options = dict(num_stages=2, num_microbatches=4, mesh=mesh, timeout_s=60)
-    train = pm.pipeline_train_step(train_step, **options)
-    return {"refused-train": refusal(train, mlp.params, mlp.batch)}
+    pipelined = pm.pipeline_train_step(step, **options, gather_results=False)
+    state = tx.init(mlp.params)
+    saved, _ = train_twice("train", step, pipelined, mlp.params, mlp.params, state, mlp.batch)
+    gathered = pm.pipeline_train_step(step, **options)
+    saved["refused-gathered"] = refusal(gathered, mlp.params, state, mlp.batch)
+    clip = optax.chain(optax.clip_by_global_norm(1.0), tx)
+    clipped = pm.pipeline_train_step(adamw_step(mlp.loss_fn, clip), **options, gather_results=False)
+    saved["refused-clip"] = refusal(clipped, mlp.params, clip.init(mlp.params), mlp.batch)
+    return saved
 
 
 #: The tensor-parallel MLP's 4 layers of two 16 x 16 matrices, each sharded by rows
@@ -107,7 +143,10 @@ def _sharded(params: list, mesh: Mesh) -> list:
 
 
 def _local_view(leaf: jax.Array) -> np.ndarray:
-    """``leaf`` as far as this process holds it: its shards in place, NaN elsewhere."""
+    """``leaf`` as far as this process holds it: its shards in place, NaN elsewhere
+    (whole where it is this process's own array: a scalar, Adam's integer count)."""
+    if leaf.is_fully_addressable:
+        return np.asarray(leaf)
     view = np.full(leaf.shape, np.nan, leaf.dtype)
     for shard in leaf.addressable_shards:
         view[shard.index] = np.asarray(shard.data)
@@ -132,8 +171,11 @@ def fsdp_checks(mesh: Mesh, processes: int) -> dict[str, np.ndarray]:
     (``gather_results=False``: ``fsdp-held-I``, this process's shards, NaN elsewhere),
     with the bytes each device of this process holds of them (``fsdp-param-bytes``,
     ``fsdp-grad-bytes``); with 2 processes, also the parameters whole and every
-    result gathered (``fsdp-once-I``). The messages refusing ``"per_microbatch"`` and
-    an ``optax.adamw`` training step in this layout."""
+    result gathered (``fsdp-once-I``). The message refusing ``"per_microbatch"``. Two
+    ``optax.adamw`` training steps from the sharded parameters (:func:`train_twice`,
+    prefix ``fsdp-train``), with the bytes each device of this process holds of the
+    new parameters and of Adam's first moments (``fsdp-train-param-bytes``,
+    ``fsdp-train-mu-bytes``)."""
     ex = examples.tensor_parallel_mlp(4, 16, 32, num_stages=2)
     saved = {}
     want = jax.jit(jax.value_and_grad(ex.loss_fn))(ex.params, ex.batch)
@@ -155,14 +197,16 @@ def fsdp_checks(mesh: Mesh, processes: int) -> dict[str, np.ndarray]:
     per_microbatch = pm.pipeline_value_and_grad(ex.loss_fn, **options, fsdp_gather="per_microbatch")
     saved["refused-fsdp-per-microbatch"] = refusal(per_microbatch, ex.params, ex.batch)
     tx = optax.adamw(1e-2, weight_decay=0.1)
-
-    def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(ex.loss_fn)(params, batch)
-        updates, opt_state = tx.update(pm.mark_gradient(grads), opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    train = pm.pipeline_train_step(step, **{**options, "param_specs": (FSDP, None)})
-    saved["refused-fsdp-train"] = refusal(train, ex.params, tx.init(ex.params), ex.batch)
+    step = adamw_step(ex.loss_fn, tx)
+    train = pm.pipeline_train_step(
+        step, **{**options, "param_specs": (FSDP, None)}, gather_results=False
+    )
+    trained, (params, opt_state, _) = train_twice(
+        "fsdp-train", step, train, ex.params, params, tx.init(ex.params), ex.batch
+    )
+    saved.update(trained)
+    saved["fsdp-train-param-bytes"] = _device_bytes(params)
+    saved["fsdp-train-mu-bytes"] = _device_bytes(opt_state[0].mu)
     return saved
 
 
@@ -194,7 +238,7 @@ def main() -> None:
             assert leaf.is_fully_addressable, (schedule, i, leaf.sharding)  # whole here
             saved[f"{schedule}-{i}"] = np.asarray(leaf)
     if MODE == "run" and PROCESSES == 2:
-        saved.update(refusals(mesh, mlp))
+        saved.update(train_checks(mesh, mlp))
     if MODE == "run":
         saved.update(fsdp_checks(mesh, PROCESSES))
     np.savez(os.path.join(OUT, f"{MODE}-{me}.npz"), **saved)
