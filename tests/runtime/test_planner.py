@@ -296,12 +296,19 @@ def test_predictions_are_within_10_percent_of_runs_in_four_processes():
     # span processes (gradients reduced once a call, across processes), predicted from
     # costs measured here and the latency of a collective the launched processes
     # measured. Up to two tries, as above: a loaded machine slows the costs measured
-    # here as well as the runs. The rows docs/scale.md shows off by more than 10 %
-    # (1F1B in four processes, the wide stages' reduction) are not run here.
+    # here as well as the runs. 1F1B over four processes was 19-28 % slower than
+    # predicted while the transfers between processes followed a fused last-stage step
+    # at its backward's tick and each stage's results were gathered right after its
+    # last action (docs/scale.md). The wide stages' reduction is not run here.
     tries = [_four_process_errors()]
     if not all(abs(e) <= 0.10 for e in tries[-1].values()):
         tries.append(_four_process_errors())
-    assert set(tries[-1]) == {("pp", "zb-h1"), ("pp-dp", "1f1b"), ("pp-dp", "zb-h1")}
+    assert set(tries[-1]) == {
+        ("pp", "1f1b"),
+        ("pp", "zb-h1"),
+        ("pp-dp", "1f1b"),
+        ("pp-dp", "zb-h1"),
+    }
     assert all(abs(e) <= 0.10 for e in tries[-1].values()), tries
 
 
