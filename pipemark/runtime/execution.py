@@ -642,8 +642,8 @@ def _run_processes(call: _Call) -> None:
     order, and nothing waits on a process that waits on it). A transfer blocks only the
     transfer thread, which keeps the watchdog armed while it waits: a worker dispatches
     its next action while the values of its last one are still on their way. Each
-    stage's accumulated results go to every other process as soon as its last action is
-    dispatched (in the same order), while other stages still compute."""
+    stage's accumulated results go to every other process after the transfers between
+    stages (in the same order), while the last stages still compute."""
     process = call.plan.placement.process
     call.transport = transport = CollectiveTransport(call.plan.watchdog, process)
     workers = [w for w, mine in enumerate(call.local) if mine]
@@ -664,8 +664,8 @@ def _run_processes(call: _Call) -> None:
 
 def _walk_transfers(call: _Call) -> None:
     """The transfers this process is an end of, one after another in the global order:
-    values between stages, and each stage's results once they are final (while other
-    stages still compute)."""
+    values between stages, then each stage's results (while the last stages still
+    compute)."""
     for transfer in call.steps.transfers:
         if isinstance(transfer, Gather):
             call.gather(transfer)

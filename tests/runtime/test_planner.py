@@ -300,13 +300,18 @@ def test_predictions_are_close_to_runs_in_four_processes():
     # --record-cpu`, the machine otherwise idle). Here four processes share two cores
     # with the other pytest worker, and in CI the runs came out 9-15 % slower than
     # predicted, twice in a row (JAX 0.12.1): the bound here is 20 %, which a planner
-    # that forgot a transfer, a reduction or the schedule's bubble still fails. Up to
-    # two tries, as above. The rows docs/scale.md shows off by more than 10 % (1F1B in
-    # four processes, the wide stages' reduction) are not run here.
+    # that forgot a transfer, a reduction or the schedule's bubble still fails, and so
+    # does 1F1B's order of transfers before its fix (19-28 % slower: docs/scale.md).
+    # Up to two tries, as above. The wide stages' reduction is not run here.
     tries = [_four_process_errors()]
     if not all(abs(e) <= 0.20 for e in tries[-1].values()):
         tries.append(_four_process_errors())
-    assert set(tries[-1]) == {("pp", "zb-h1"), ("pp-dp", "1f1b"), ("pp-dp", "zb-h1")}
+    assert set(tries[-1]) == {
+        ("pp", "1f1b"),
+        ("pp", "zb-h1"),
+        ("pp-dp", "1f1b"),
+        ("pp-dp", "zb-h1"),
+    }
     assert all(abs(e) <= 0.20 for e in tries[-1].values()), tries
 
 
