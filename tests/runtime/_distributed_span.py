@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 import pipemark as pm
 from pipemark import examples
+from tests.runtime._steps import optax_step
 
 #: (schedule, stages): interleaved puts two stages on each slot; with 4 processes (a
 #: longer run) 1F1B alone.
@@ -68,17 +69,6 @@ def refusal(call, *args) -> str:
     except pm.PipemarkError as error:
         return str(error)
     return ""
-
-
-def adamw_step(loss_fn, tx):
-    """A training step of ``loss_fn`` with the optax optimizer ``tx``."""
-
-    def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        updates, opt_state = tx.update(pm.mark_gradient(grads), opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return step
 
 
 def train_twice(prefix: str, step, pipelined, params, pipelined_params, opt_state, batch):
@@ -106,7 +96,7 @@ def train_checks(mesh: Mesh, mlp) -> dict[str, np.ndarray]:
     results gathered (``refused-gathered``) and with global-norm clipping
     (``refused-clip``)."""
     tx = optax.adamw(1e-2, weight_decay=0.1)
-    step = adamw_step(mlp.loss_fn, tx)
+    step = optax_step(mlp.loss_fn, tx)
     options = dict(num_stages=2, num_microbatches=4, mesh=mesh, timeout_s=60)
     pipelined = pm.pipeline_train_step(step, **options, gather_results=False)
     state = tx.init(mlp.params)
@@ -114,7 +104,7 @@ def train_checks(mesh: Mesh, mlp) -> dict[str, np.ndarray]:
     gathered = pm.pipeline_train_step(step, **options)
     saved["refused-gathered"] = refusal(gathered, mlp.params, state, mlp.batch)
     clip = optax.chain(optax.clip_by_global_norm(1.0), tx)
-    clipped = pm.pipeline_train_step(adamw_step(mlp.loss_fn, clip), **options, gather_results=False)
+    clipped = pm.pipeline_train_step(optax_step(mlp.loss_fn, clip), **options, gather_results=False)
     saved["refused-clip"] = refusal(clipped, mlp.params, clip.init(mlp.params), mlp.batch)
     return saved
 
@@ -197,7 +187,7 @@ def fsdp_checks(mesh: Mesh, processes: int) -> dict[str, np.ndarray]:
     per_microbatch = pm.pipeline_value_and_grad(ex.loss_fn, **options, fsdp_gather="per_microbatch")
     saved["refused-fsdp-per-microbatch"] = refusal(per_microbatch, ex.params, ex.batch)
     tx = optax.adamw(1e-2, weight_decay=0.1)
-    step = adamw_step(ex.loss_fn, tx)
+    step = optax_step(ex.loss_fn, tx)
     train = pm.pipeline_train_step(
         step, **{**options, "param_specs": (FSDP, None)}, gather_results=False
     )

@@ -27,3 +27,19 @@ def mlp_train_step(optimizer: str, **mlp: int) -> TrainCase:
         step, init = examples.train_step(ex.loss_fn, optimizer=optimizer)
         state = init(ex.params)
     return TrainCase(used, ex, step, state)
+
+
+def optax_step(loss_fn, tx):
+    """The training step as a user writes it with the optax optimizer ``tx``, its
+    gradients marked for the pipeline (``pm.mark_gradient``)."""
+    import jax
+    import optax
+
+    import pipemark as pm
+
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(pm.mark_gradient(grads), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -19,6 +18,7 @@ from pipemark.runtime.cluster import Cluster, Group, axis_group, collective_seco
 from pipemark.runtime.planner import predict_layout, rank_layouts, search_layouts
 from pipemark.runtime.workload import Layout, MeasuredPipeline, Transformer
 from tests._xla import child_environ
+from tests.runtime._planner_processes import fastest
 
 _REPO = Path(__file__).resolve().parents[2]
 # A cluster whose transfers and collectives take no time: the measured pipelines run
@@ -225,18 +225,6 @@ import _native_sleep as ns  # noqa: E402
 import planner_check  # noqa: E402
 
 
-def _fastest_call(pipe, args, calls: int = 5) -> float:
-    """The fastest of ``calls`` calls after a first: other work on a shared machine only
-    slows a call down."""
-    jax.block_until_ready(pipe(*args))
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        jax.block_until_ready(pipe(*args))
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def _measured_sleeps():
     """Stages that wait 10 ms in C each for F, B and W (the machine's two cores stay
     free), two stages on two CPU devices, 4 microbatches; their costs measured with
@@ -264,7 +252,7 @@ def _one_process_errors() -> dict[str, float]:
         pipe = pm.pipeline_value_and_grad(
             example.loss_fn, num_microbatches=4, schedule=schedule, devices=devices
         )
-        measured = _fastest_call(pipe, example.args)
+        measured = fastest(pipe, *example.args, calls=5)  # other work only slows a call
         errors[schedule] = _predicted(model, schedule) / measured - 1
     return errors
 

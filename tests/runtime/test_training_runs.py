@@ -29,6 +29,7 @@ from pipemark import examples
 from tests._devices import computing_on
 from tests._devices import devices as pick_devices
 from tests._trees import assert_trees_within_ulps
+from tests.runtime._steps import optax_step
 
 optax = pytest.importorskip("optax")
 
@@ -85,17 +86,6 @@ def _optimizer():
     )
 
 
-def _user_step(loss_fn, tx):
-    """The training step as a user writes it, its gradients marked for the pipeline."""
-
-    def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        updates, opt_state = tx.update(pm.mark_gradient(grads), opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return step
-
-
 def _accumulating_step(loss_fn, tx):
     """The same step with the loss and gradients summed over the MICROBATCHES
     microbatches of the batch in a ``lax.scan``, then averaged: the gradient
@@ -150,8 +140,8 @@ def _reference_run(dtype: str, how: str) -> tuple[np.ndarray, Any]:
     under ``jax.jit`` (``"accumulated"``)."""
     loss_fn, tx = _loss(jnp.dtype(dtype)), _optimizer()
     step = {
-        "jit": lambda: jax.jit(_user_step(loss_fn, tx)),
-        "eager": lambda: _user_step(loss_fn, tx),
+        "jit": lambda: jax.jit(optax_step(loss_fn, tx)),
+        "eager": lambda: optax_step(loss_fn, tx),
         "accumulated": lambda: jax.jit(_accumulating_step(loss_fn, tx)),
     }[how]()
     # conftest.py's jax_enable_checks re-checks each operation eager dispatches, every
@@ -162,7 +152,7 @@ def _reference_run(dtype: str, how: str) -> tuple[np.ndarray, Any]:
 
 def _pipelined_run(dtype: str, layout: str) -> tuple[np.ndarray, Any]:
     count, options = LAYOUTS[layout]
-    step = _user_step(_loss(jnp.dtype(dtype)), _optimizer())
+    step = optax_step(_loss(jnp.dtype(dtype)), _optimizer())
     pipe = pm.pipeline_train_step(
         step, num_microbatches=MICROBATCHES, timeout_s=60, **options(pick_devices(count))
     )
