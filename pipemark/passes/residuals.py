@@ -12,8 +12,9 @@ TPU v5e the forward stage of four GPT blocks (one 1024-token row) returned 961 M
 :func:`recompute_residuals` chooses, per forward stage, the set of values to hand over
 with the fewest bytes from which the backward can recompute every residual by cheap
 equations (elementwise arithmetic, casts, comparisons, ``select_n``, broadcasts,
-reshapes, transposes, ``iota``; never a ``dot_general``, a reduction or an equation with
-effects): a minimum cut, as PyTorch's AOTAutograd partitioner cuts between its forward
+reshapes, transposes, ``iota``; never a reduction or an equation with effects; a
+``dot_general`` only when its result is at least :data:`EXPANSION` times the bytes of its
+operands, as attention scores are): a minimum cut, as PyTorch's AOTAutograd partitioner cuts between its forward
 and backward graphs. A program input (a parameter, the batch) costs nothing to hand
 over: the backward reads it where it lies. The backward stage then starts with copies
 of the cheap equations, on variables of its own, and the forward drops the cheap
@@ -23,7 +24,8 @@ equations nothing reads any more. The staged program computes the same values
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import functools
+from collections.abc import Callable, Collection
 
 import jax
 import networkx as nx
@@ -43,8 +45,9 @@ from pipemark.staged import (
     stage_debug_info,
     substitute_operands,
 )
+from pipemark.walk import bodies, iter_eqns
 
-__all__ = ["RECOMPUTABLE", "recompute_residuals"]
+__all__ = ["EXPANSION", "RECOMPUTABLE", "recompute_residuals"]
 
 #: Primitives a backward stage may recompute: elementwise, shape and index operations
 #: that read each operand element about once (no contraction, no reduction).
@@ -57,9 +60,25 @@ _LOGIC = {"and", "eq", "ge", "gt", "is_finite", "le", "lt", "ne", "not", "or", "
 _CASTS = {"convert_element_type", "copy", "copy_p", "reduce_precision"}
 _SHAPES = {"broadcast_in_dim", "concatenate", "expand_dims", "iota", "pad", "reshape", "rev"}
 _MORE_SHAPES = {"slice", "squeeze", "transpose"}
+# Calls (a function with a custom derivative, a jitted helper) are recomputable when
+# their bodies are: of these primitives, and reductions.
+_CALLS = {"custom_jvp_call", "jit", "pjit", "closed_call"}
+_CALL_REDUCTIONS = {"reduce_max", "reduce_min", "reduce_sum"}
 RECOMPUTABLE: frozenset[str] = frozenset().union(
-    _ARITHMETIC, _FUNCTIONS, _MORE_FUNCTIONS, _ROUNDING, _LOGIC, _CASTS, _SHAPES, _MORE_SHAPES
+    _ARITHMETIC,
+    _FUNCTIONS,
+    _MORE_FUNCTIONS,
+    _ROUNDING,
+    _LOGIC,
+    _CASTS,
+    _SHAPES,
+    _MORE_SHAPES,
+    {"custom_jvp_call"},
 )
+
+#: A matrix product whose result holds at least this many times the bytes of its
+#: operands is recomputed by the backward rather than handed over (``expanding_products``).
+EXPANSION = 4
 
 _SOURCE, _SINK = "source", "sink"
 
@@ -68,10 +87,13 @@ def recompute_residuals(
     staged: StagedJaxpr,
     recomputable: frozenset[str] = RECOMPUTABLE,
     rematerialize: Collection[str] = (),
+    expanding_products: bool = True,
 ) -> StagedJaxpr:
     """``staged`` with each backward stage reading the fewest residual bytes from its
     forward stage, recomputing the rest by equations of ``recomputable`` primitives
-    (see the module docstring). The forward stages named in ``rematerialize`` have
+    and, with ``expanding_products``, by the matrix products whose result holds at
+    least :data:`EXPANSION` times the bytes of their operands (see the module
+    docstring). The forward stages named in ``rematerialize`` have
     every equation without effects recomputable, matrix products included: their
     backward recomputes the forward from what costs least to hand over (its inputs,
     usually), as ``jax.checkpoint`` of the whole stage would. Stages without a
@@ -116,17 +138,18 @@ def recompute_residuals(
     with paused_collector():
         result = staged
         forward, backward, _ = pair_stages(staged)
+        cheap = functools.partial(_cheap, recomputable=recomputable, expand=expanding_products)
         for f, b in zip(forward, backward):
             if b is not None:
                 everything = staged.stages[f].name in rematerialize
-                result = _recompute_pair(result, f, b, None if everything else recomputable)
+                result = _recompute_pair(result, f, b, _pure if everything else cheap)
     if jax.config.jax_enable_checks:
         check_result(result)
     return result
 
 
 def _recompute_pair(
-    staged: StagedJaxpr, f: int, b: int, recomputable: frozenset[str] | None
+    staged: StagedJaxpr, f: int, b: int, cheap: Callable[[JaxprEqn], bool]
 ) -> StagedJaxpr:
     """``staged`` with backward stage ``b`` recomputing what it can of forward stage
     ``f``'s residuals, or ``staged`` itself where the cut saves nothing."""
@@ -138,7 +161,7 @@ def _recompute_pair(
         for ref in backward.inputs
         if ref.kind == "stage" and ref.stage == f and type(outvars[ref.index]) is not Literal
     }
-    cut = _cut(forward, residuals, recomputable, resolve) if residuals else None
+    cut = _cut(forward, residuals, cheap, resolve) if residuals else None
     if cut is None:
         return staged
     saved, recompute = cut
@@ -172,7 +195,7 @@ class _Aliases:
 
 
 def _cut(
-    stage: Stage, residuals: set[Var], recomputable: frozenset[str] | None, resolve: _Aliases
+    stage: Stage, residuals: set[Var], cheap: Callable[[JaxprEqn], bool], resolve: _Aliases
 ) -> tuple[list[Var], list[JaxprEqn]] | None:
     """The values to hand over (in program order) and the equations that recompute the
     residuals from them, by a minimum cut over the cheap equations that lead to the
@@ -184,7 +207,7 @@ def _cut(
     input. A value no cheap equation makes hangs from the source; each cheap
     equation's operands lead into its results; the residuals lead to the sink."""
     jaxpr = stage.jaxpr
-    producer = {v: e for e in jaxpr.eqns if _cheap(e, recomputable) for v in e.outvars}
+    producer = {v: e for e in jaxpr.eqns if cheap(e) for v in e.outvars}
     free = {v for v, ref in zip(jaxpr.invars, stage.inputs) if ref.kind == "input"}
     graph = nx.DiGraph()
     seen: set[Var] = set()
@@ -218,12 +241,47 @@ def _cut(
     return sorted(saved & (read | residuals), key=order.get), recompute
 
 
-def _cheap(eqn: JaxprEqn, recomputable: frozenset[str] | None) -> bool:
-    """Whether the backward may recompute ``eqn`` (``recomputable`` ``None``: any
-    equation without effects)."""
-    if eqn.effects or eqn.primitive is pipeline_p:  # markers are seen through instead
+def _pure(eqn: JaxprEqn) -> bool:
+    """Whether ``eqn`` has no effects and is no marker (markers are seen through)."""
+    return not eqn.effects and eqn.primitive is not pipeline_p
+
+
+def _cheap(eqn: JaxprEqn, recomputable: frozenset[str], expand: bool) -> bool:
+    """Whether the backward may recompute ``eqn``: a pure equation of a
+    ``recomputable`` primitive (a call: with a cheap body) or, with ``expand``, an
+    expanding matrix product."""
+    if not _pure(eqn):
         return False
-    return recomputable is None or eqn.primitive.name in recomputable
+    if eqn.primitive.name in _CALLS:
+        return eqn.primitive.name in recomputable and _cheap_body(eqn, recomputable)
+    return eqn.primitive.name in recomputable or (expand and _expanding(eqn))
+
+
+def _cheap_body(eqn: JaxprEqn, recomputable: frozenset[str]) -> bool:
+    """Whether every equation in ``eqn``'s bodies, nested calls' included, is pure and
+    of a ``recomputable`` primitive or a reduction: ``jax.nn.softmax`` (a function with
+    a custom derivative, left as a call by JAX 0.12: its max and sum read each element
+    once, as the elementwise equations around them do)."""
+    allowed = recomputable | _CALLS | _CALL_REDUCTIONS
+    return all(
+        not e.effects and e.primitive.name in allowed
+        for _, body in bodies(eqn)
+        for e in iter_eqns(body)
+    )
+
+
+def _expanding(eqn: JaxprEqn) -> bool:
+    """Whether ``eqn`` is a ``dot_general`` whose result holds at least
+    :data:`EXPANSION` times its operands' bytes: attention scores (sequence x sequence
+    per head) from queries and keys over a head dimension of 64. Recomputing one reads
+    its operands and does 2 x (contraction) multiply-adds per result element, about
+    500 for that dimension against the 8 bytes per float32 element a hand-over writes
+    and reads: on an accelerator (a TPU v5e does 240 per byte of memory bandwidth) the
+    product is cheaper to redo than to store, as flash attention's backward does."""
+    if eqn.primitive.name != "dot_general":
+        return False
+    operands = sum(nbytes(v.aval) for v in eqn.invars)
+    return nbytes(eqn.outvars[0].aval) >= EXPANSION * max(operands, 1)
 
 
 def _recomputation(

@@ -319,7 +319,9 @@ def plan_from_staged(
         # The forward stages named in rematerialize are recomputed whole by their
         # backward (memory_budget asks for them: pipemark.runtime.budget).
         recomputable = RECOMPUTABLE if options.recompute_residuals else frozenset()
-        staged = recompute_residuals(staged, recomputable, rematerialize)
+        staged = recompute_residuals(
+            staged, recomputable, rematerialize, expanding_products=options.recompute_residuals
+        )
     stages = pipeline_stages(staged, options.splits_backward)
     problem, schedule = plan_schedule(stages, options)
     placement = place_stages(problem.slots, schedule.stage_devices)
