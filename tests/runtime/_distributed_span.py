@@ -197,6 +197,64 @@ def fsdp_checks(mesh: Mesh, processes: int) -> dict[str, np.ndarray]:
     saved.update(trained)
     saved["fsdp-train-param-bytes"] = _device_bytes(params)
     saved["fsdp-train-mu-bytes"] = _device_bytes(opt_state[0].mu)
+    sharded = _sharded(ex.params, mesh)
+    saved.update(memory_checks(held.memory(sharded, ex.batch), sharded, ex.batch, mesh))
+    saved.update(budget_checks(ex, sharded, options, processes))
+    return saved
+
+
+def memory_checks(estimate, params: list, batch, mesh: Mesh) -> dict[str, np.ndarray]:
+    """``Pipeline.memory`` of the FSDP pipeline (``estimate``, for ``params`` sharded
+    as ``_sharded`` lays them out): per slot, its ``parameters``, ``batch``,
+    ``accumulators``, ``arguments`` and ``in_flight`` bytes (``memory-slots``), next to
+    what JAX's arrays hold on this process's first device of the slot (``memory-held``:
+    the shards of the slot's two layers, the batch as made here; -1 where this process
+    holds no device of the slot)."""
+    me = jax.process_index()
+    rows, held = [], []
+    for k, slot in enumerate(estimate.slots):
+        fields = ("parameters", "batch", "accumulators", "arguments", "in_flight")
+        rows.append([getattr(slot, name) for name in fields])
+        mine = [d for d in mesh.devices[k].flat if d.process_index == me]
+        trees = (params[2 * k : 2 * k + 2], batch)
+        held.append([_device_bytes_on(tree, mine[0]) if mine else -1 for tree in trees])
+    return {"memory-slots": np.array(rows), "memory-held": np.array(held)}
+
+
+def _device_bytes_on(tree, device) -> int:
+    """The bytes of ``tree``'s shards on ``device``, as JAX's arrays hold them."""
+    shards = [s for x in jax.tree_util.tree_leaves(tree) for s in x.addressable_shards]
+    return sum(s.data.nbytes for s in shards if s.device == device)
+
+
+#: Per number of processes, a memory budget (bytes per device) that the FSDP
+#: pipeline's first plan exceeds on a slot, as the processes holding the batch there
+#: see it (the others do not), and that rematerialising a forward stage meets.
+BUDGET = {2: 20 * 1024, 4: 17 * 1024 + 512}
+#: A budget that no change meets.
+TOO_SMALL = 12 * 1024
+
+
+def budget_checks(ex, params: list, options: dict, processes: int) -> dict[str, np.ndarray]:
+    """``memory_budget`` with stages that span processes: the plan the budget makes
+    (``budget-plan``: schedule and forward stages rematerialised), its slots'
+    predicted peaks here (``budget-peaks``), its loss and gradients (``budget-held-I``,
+    as ``fsdp-held-I``); the message refusing ``TOO_SMALL`` (``refused-budget``)."""
+    budgeted = pm.pipeline_value_and_grad(
+        ex.loss_fn, **options, gather_results=False, memory_budget=BUDGET[processes]
+    )
+    plan = budgeted.plan(params, ex.batch)
+    saved = {"budget-plan": f"{plan.schedule.name}; {sorted(plan.rematerialized)}"}
+    saved["budget-peaks"] = np.array(
+        [s.predicted_peak for s in budgeted.memory(params, ex.batch).slots]
+    )
+    loss, grads = budgeted(params, ex.batch)
+    for i, leaf in enumerate([loss, *jax.tree_util.tree_leaves(grads)]):
+        saved[f"budget-held-{i}"] = _local_view(leaf)
+    small = pm.pipeline_value_and_grad(
+        ex.loss_fn, **options, gather_results=False, memory_budget=TOO_SMALL
+    )
+    saved["refused-budget"] = refusal(small.plan, params, ex.batch)
     return saved
 
 
