@@ -5,6 +5,7 @@ the others with a clear error within the timeout."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -238,6 +239,7 @@ def _check_fsdp(runs: list) -> None:
     _check_trained(runs, "fsdp-train", alone=True)
     assert_trees_within_ulps(_merged_held(runs, "fsdp-held", 9), want, ulps=8)
     _check_memory(runs, want)
+    _check_checkpoint(runs)
 
 
 def _merged_held(runs: list, prefix: str, count: int) -> list:
@@ -281,6 +283,31 @@ def _check_memory(runs: list, want: list) -> None:
         assert f"over memory_budget={TOO_SMALL}" in str(got["refused-budget"])
     assert any(got["memory-held"][:, 1].max() > 0 for got in runs)  # a batch was seen
     assert_trees_within_ulps(_merged_held(runs, "budget-held", 9), want, ulps=8)
+
+
+def _check_checkpoint(runs: list) -> None:
+    """orbax while stages span processes (``_distributed_span.checkpoint_checks``):
+    the FSDP step's new parameters and optimizer state and the gradients kept where
+    computed, saved by every process and restored onto ``abstract_state`` /
+    ``abstract_params``, lie where the target says and hold in every process the same
+    bits as it saved; export is refused, naming sub-meshes and saying what to do."""
+    for got in runs:
+        for key in ("refused-export", "refused-export-step"):
+            message = str(got[key])
+            assert "sub-meshes (mesh=)" in message and "devices= in one process" in message
+    if importlib.util.find_spec("orbax.checkpoint") is None:
+        return
+    count = sum(k.startswith("orbax-saved-") for k in runs[0].files)
+    assert count == 8 + 17 + 8  # parameters; Adam's count, mu, nu; gradients
+    for i in range(count):
+        saved = np.stack([got[f"orbax-saved-{i}"] for got in runs])
+        back = np.stack([got[f"orbax-restored-{i}"] for got in runs])
+        assert saved.dtype == back.dtype and saved.shape == back.shape, i
+        assert saved.tobytes() == back.tobytes(), i  # bit for bit, NaN where not held
+        if saved.dtype.kind == "f":  # every element held by some process
+            assert np.isfinite(saved).any(axis=0).all(), i
+    for got in runs:
+        assert int(got["orbax-as-target"]) == count
 
 
 def _check_trained(runs: list, prefix: str, *, alone: bool) -> None:
