@@ -23,11 +23,14 @@ import jax
 from pipemark._compat import coordination_client
 from pipemark.errors import ProcessError
 
-__all__ = ["call_summary", "check_agreement"]
+__all__ = ["call_summary", "check_agreement", "from_every_process"]
 
 # The n-th plan this process runs across processes; processes call the pipeline in the
 # same order, so their n-th plans must describe the same call.
 _sequence = itertools.count()
+# The n-th exchange of :func:`from_every_process`, counted apart: every process makes
+# the same exchanges in the same order (a budget's planning, before any call).
+_exchanges = itertools.count()
 
 
 def call_summary(plan: Any) -> dict[str, str]:
@@ -81,3 +84,40 @@ def check_agreement(plan: Any, timeout_s: float | None) -> None:
                     "Every process must make the same pipeline calls, with the same "
                     "shapes and options."
                 )
+
+
+def from_every_process(what: str, value: Any, timeout_s: float | None) -> list[Any]:
+    """``value`` (anything ``json`` writes) as every process passed it, in process
+    order: one round trip to the coordinator. Every process must make the same calls
+    in the same order (``what`` says what is exchanged, for the error naming a process
+    that did not). Outside ``jax.distributed``: ``[value]``.
+
+    A pipeline whose plan depends on what only this process sees (a
+    ``memory_budget``, which counts the arrays lying on this process's devices) makes
+    the same plan in every process from what all of them saw.
+
+    >>> from_every_process("the answer", 42, timeout_s=1)
+    [42]
+    """
+    client = coordination_client()
+    if client is None or jax.process_count() == 1:
+        return [value]
+    number, me = next(_exchanges), jax.process_index()
+    client.key_value_set(f"pipemark/exchange/{number}/{me}", json.dumps(value))
+    wait_ms = int(1000 * (timeout_s if timeout_s is not None else 3600))
+    values = []
+    for other in range(jax.process_count()):
+        if other == me:
+            values.append(json.loads(json.dumps(value)))  # as the others read it
+            continue
+        try:
+            text = client.blocking_key_value_get(f"pipemark/exchange/{number}/{other}", wait_ms)
+        except Exception as error:  # the client's own error type differs by jaxlib
+            raise ProcessError(
+                f"process {me}: process {other} did not send {what} (exchange {number}) "
+                f"within {wait_ms / 1000:g} s: it died, hangs, or plans another pipeline "
+                "(every process must plan and call the same pipelines in the same order). "
+                f"({type(error).__name__})"
+            ) from None
+        values.append(json.loads(text))
+    return values

@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 from pipemark.errors import MemoryBudgetError, PipemarkError
+from pipemark.runtime.agreement import from_every_process
 from pipemark.runtime.memory import SlotMemory, estimate_memory, format_bytes, plan_memory
 from pipemark.runtime.options import PipelineOptions
 from pipemark.runtime.placement import Slot
@@ -130,12 +131,21 @@ def _next_trial(
     return best
 
 
-def check_update_within(updates: Mapping[int, int], slots: Sequence[Slot], budget: int) -> None:
+def check_update_within(
+    updates: Mapping[int, int],
+    slots: Sequence[Slot],
+    budget: int,
+    *,
+    distributed: bool = False,
+    timeout_s: float | None = None,
+) -> None:
     """A :class:`MemoryBudgetError` where a training step's update needs more than
     ``budget`` bytes on a slot (``updates``: per slot index, what its part holds, as
     ``SlotMemory.update`` counts it: the parameters, gradients and optimizer state it
     reads, its results and temporaries): none of the budget's changes to the pipeline
-    lowers it.
+    lowers it. ``distributed``: ``updates`` are this process's slots' (under
+    ``jax.distributed``); each slot is judged by the most any process saw there, so
+    that every process refuses, or none.
 
     >>> import jax
     >>> from pipemark.runtime.placement import device_slot
@@ -144,7 +154,13 @@ def check_update_within(updates: Mapping[int, int], slots: Sequence[Slot], budge
     ...
     pipemark.errors.MemoryBudgetError: The training step's update needs 64 B on slot 0 ...
     """
-    for worker, update in updates.items():
+    if distributed:
+        seen = from_every_process("its update's memory", sorted(updates.items()), timeout_s)
+        most: dict[int, int] = {}
+        for worker, update in (pair for view in seen for pair in view):
+            most[worker] = max(most.get(worker, 0), update)
+        updates = most
+    for worker, update in sorted(updates.items()):
         if update > budget:
             raise MemoryBudgetError(
                 f"The training step's update needs {format_bytes(update)} on slot "
@@ -169,12 +185,30 @@ def _try(
     # Without the temporaries first, which need the programs compiled: a plan over the
     # budget already is refused (or changed) before anything compiles, and a program
     # too large for the device never reaches its compiler.
-    slots = estimate_memory(plan, None, given).slots
+    slots = _agreed(plan, estimate_memory(plan, None, given).slots, options.timeout_s)
     if all(s.predicted_peak <= budget for s in slots):
-        slots = plan_memory(plan, given).slots
+        slots = _agreed(plan, plan_memory(plan, given).slots, options.timeout_s)
     excess = sum(max(0, s.predicted_peak - budget) for s in slots)
     time = _unit_time(plan.schedule, _forward_names(plan), plan.stage_layers, remat)
     return _Trial(options, remat, plan, slots, excess, time)
+
+
+def _agreed(
+    plan: PipelinePlan, slots: tuple[SlotMemory, ...], timeout_s: float | None
+) -> tuple[SlotMemory, ...]:
+    """``slots`` as every process will judge them: under ``jax.distributed`` each
+    process sees the caller's arrays on its own devices alone (and compiles its own
+    slots' programs), so each slot's estimate is the one of the process that predicts
+    the most there (the first such). Every process then makes the same changes, and
+    refuses the same plan with the same message."""
+    if not plan.placement.distributed:
+        return slots
+    views = [dataclasses.asdict(s) for s in slots]
+    seen = from_every_process("its memory estimate", views, timeout_s)
+    return tuple(
+        SlotMemory(**max((view[k] for view in seen), key=lambda s: s["predicted_peak"]))
+        for k in range(len(slots))
+    )
 
 
 class _Change(NamedTuple):

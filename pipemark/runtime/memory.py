@@ -73,6 +73,7 @@ __all__ = [
     "estimate_memory",
     "held_in_flight",
     "format_bytes",
+    "local_device",
     "plan_memory",
     "resident_bytes",
     "result_avals",
@@ -331,7 +332,7 @@ def estimate_memory(
                 in_flight=flight,
                 temporaries=temp if temporaries is not None else None,
                 predicted_peak=base + flight + temp,
-                measured_peak=_measured(slot.devices[0]),
+                measured_peak=_measured(local_device(slot)),
                 arguments=given,
                 buffers=base + most,
             )
@@ -406,16 +407,25 @@ def _gathered(plan: PipelinePlan, worker: int) -> int:
 
 
 def _kept_by_plan(plan: PipelinePlan, worker: int) -> int:
-    """The bytes of the arrays ``plan`` keeps on slot ``worker`` between calls: the
-    microbatch scale its programs take, and the zeros that the accumulators of a
-    program that does not donate them start from (a second copy of those
-    accumulators)."""
-    zeros = [
-        x for index, kept in plan.zeros.items() if plan.units[index].worker == worker for x in kept
-    ]
-    scale = plan.scales.get(worker)
-    device = plan.placement.slots[worker].devices[0]  # on a sub-mesh, one device's shard
-    return sum(_bytes_on(x, device) for x in [*zeros, scale])
+    """The bytes a device of slot ``worker`` holds of the arrays ``plan`` keeps there
+    between calls: the microbatch scale its programs take (a float32, whole on each
+    device), and the zeros that the accumulators of a program that does not donate
+    them start from (a second copy of those accumulators). Counted from their types,
+    the same in every process (a process makes them for its own slots alone)."""
+    zeros = sum(
+        _accumulator_bytes(plan, unit)
+        for unit in plan.units.values()
+        if unit.worker == worker and unit.zeros is not None and not unit.donates
+    )
+    return zeros + np.dtype(np.float32).itemsize
+
+
+def local_device(slot: Any) -> Any:
+    """The slot's first device that this process holds (a sub-mesh may span
+    processes), else its first device: where this process sees the caller's arrays."""
+    me = jax.process_index()
+    mine = (d for d in slot.devices if getattr(d, "process_index", me) == me)
+    return next(mine, slot.devices[0])
 
 
 def with_update(
@@ -446,11 +456,14 @@ def with_update(
 
 def argument_bytes(plan: PipelinePlan, params: Any, batch: Any) -> list[int]:
     """Per slot of ``plan``, the bytes of the caller's arrays (``params``, the leaves
-    the plan calls parameters, and ``batch``) that lie on the slot's (first) device
-    and that :func:`estimate_memory` does not count already: the parameters other
-    slots read, each batch leaf as given, and its microbatches where it is split here
-    (a ``jax.Array`` is split where it lies) for another slot. NumPy arrays take no
-    device memory.
+    the plan calls parameters, and ``batch``) that lie on the slot's first device
+    that this process holds (:func:`local_device`) and that :func:`estimate_memory`
+    does not count already: the parameters other slots read, each batch leaf as given,
+    and its microbatches where it is split here (a ``jax.Array`` is split where it
+    lies) for another slot. NumPy arrays take no device memory. Under
+    ``jax.distributed``, what this process sees: another process's arrays on a slot
+    it holds no device of are not counted (a ``memory_budget`` takes the most over the
+    processes, :func:`pipemark.runtime.agreement.agreed_maxima`).
 
     >>> import jax, numpy as np, pipemark as pm
     >>> from pipemark import examples
@@ -469,7 +482,7 @@ def argument_bytes(plan: PipelinePlan, params: Any, batch: Any) -> list[int]:
     split = plan.schedule.num_microbatches > 1 or replicas > 1  # else the leaf itself
     sizes = []
     for worker, slot in enumerate(plan.placement.slots):
-        device = slot.devices[0]
+        device = local_device(slot)  # where this process's arrays lie
         reads = set(steps.params[worker])
         counted = {id(x) for i, x in enumerate(param_leaves) if i in reads}
         total = resident_bytes(param_leaves, device, counted)

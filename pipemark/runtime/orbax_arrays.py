@@ -20,6 +20,11 @@ pipeline's results only:
   replicated over one device per process, which orbax writes as it writes any
   replicated array.
 
+For any array of the global program that the primary host (process 0, which orbax
+has write every array's metadata) holds no shard of (a stage whose sub-mesh spans
+processes 2 and 3 of 4), the array's first process writes its metadata: orbax's own
+handler would leave it unwritten, and the checkpoint unfinished.
+
 It restores an array whose target sharding has no device in this process as an array
 held elsewhere (orbax's reader needs a shard to read into), and everything else through
 the wrapped handler, so a checkpoint restores onto any layout: each process reads what
@@ -48,6 +53,8 @@ __all__ = ["available", "install", "view_for_saving"]
 
 # A mesh axis of the views below: the replicas of an array held alone or in copies.
 _HOLDERS = "pipemark_holders"
+# The process orbax's default handler writes every array's metadata from.
+_PRIMARY = 0
 
 
 def available() -> bool:
@@ -103,6 +110,12 @@ def _copies_view(array: jax.Array, devices: Sequence[Any]) -> jax.Array:
     return jax.make_array_from_single_device_arrays(array.shape, view, [array])
 
 
+def first_process(array: Any) -> int:
+    """The first process holding a shard of ``array`` (an array of the global
+    program): where its metadata is written when the primary host holds none."""
+    return min(getattr(d, "process_index", 0) for d in array.sharding.device_set)
+
+
 def view_for_saving(array: Any) -> tuple[str, Any]:
     """How :func:`install`'s handler saves ``array``: ``("skip", None)`` for an array
     with no shard in this process, ``("alone", view)`` or ``("copies", view)`` for a pipeline's result
@@ -133,6 +146,22 @@ def install() -> None:
     ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
 
 
+def _restored_elsewhere(arg: Any) -> Any:
+    """For restore arguments ``arg`` whose target sharding has no device in this
+    process, the array held elsewhere that stands for the leaf here; else ``None``."""
+    sharding = getattr(arg, "sharding", None)
+    shape = getattr(arg, "global_shape", None)
+    dtype = getattr(arg, "dtype", None)
+    if (
+        isinstance(sharding, jax.sharding.Sharding)
+        and not sharding.addressable_devices
+        and shape is not None
+        and dtype is not None
+    ):
+        return held_elsewhere(jax.ShapeDtypeStruct(tuple(shape), dtype), sharding)
+    return None
+
+
 def _handler_class(ocp: Any) -> type:
     class PipelineArrayHandler(ocp.type_handlers.ArrayHandler):
         """orbax's ``jax.Array`` handler for a pipeline's results (see the module)."""
@@ -147,6 +176,8 @@ def _handler_class(ocp: Any) -> type:
                 use_replica_parallel=False,
                 enable_write_sharding_file=False,
             )
+            # Per process, the handler for arrays whose first process it is.
+            self._primaries: dict[int, Any] = {}
 
         def typestr(self) -> str:
             return self._wrapped.typestr()
@@ -164,14 +195,28 @@ def _handler_class(ocp: Any) -> type:
                 kind, view = view_for_saving(value)
                 if kind == "skip":
                     continue
-                group = groups.setdefault("alone" if kind == ALONE else "wrapped", ([], [], []))
+                name = "alone" if kind == ALONE else "wrapped"
+                if name == "wrapped" and view.is_fully_addressable is False:
+                    primary = first_process(view)
+                    name = "wrapped" if primary == _PRIMARY else primary
+                group = groups.setdefault(name, ([], [], []))
                 for items, item in zip(group, (view, info, arg)):
                     items.append(item)
             futures = []
-            for name, handler in (("wrapped", self._wrapped), ("alone", self._alone)):
-                if name in groups:
-                    futures.extend(await handler.serialize(*groups[name]))
+            for name, group in groups.items():
+                futures.extend(await self._handler(name).serialize(*group))
             return futures
+
+        def _handler(self, name: str | int) -> Any:
+            """The handler writing the group ``name``: the wrapped one, the one for
+            arrays held alone, or the one whose primary host is process ``name``."""
+            if name == "wrapped":
+                return self._wrapped
+            if name == "alone":
+                return self._alone
+            if name not in self._primaries:
+                self._primaries[name] = ocp.type_handlers.ArrayHandler(primary_host=name)
+            return self._primaries[name]
 
         async def deserialize(self, infos: Sequence[Any], args=None):
             if args is None:
@@ -179,18 +224,8 @@ def _handler_class(ocp: Any) -> type:
             results: list[Any] = [None] * len(infos)
             here = []
             for k, arg in enumerate(args):
-                sharding = getattr(arg, "sharding", None)
-                shape = getattr(arg, "global_shape", None)
-                dtype = getattr(arg, "dtype", None)
-                elsewhere = (
-                    isinstance(sharding, jax.sharding.Sharding)
-                    and not sharding.addressable_devices
-                    and shape is not None
-                    and dtype is not None
-                )
-                if elsewhere:
-                    results[k] = held_elsewhere(jax.ShapeDtypeStruct(tuple(shape), dtype), sharding)
-                else:
+                results[k] = _restored_elsewhere(arg)
+                if results[k] is None:
                     here.append(k)
             if here:
                 got = await self._wrapped.deserialize(

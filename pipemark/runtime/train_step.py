@@ -212,7 +212,13 @@ class PipelinedStep:
         _refuse_spanning_update(plan, split, parts, holders)
         if options.memory_budget is not None:
             updates = update_bytes(plan, parts, num_args, leaves)
-            check_update_within(updates, plan.placement.slots, options.memory_budget)
+            check_update_within(
+                updates,
+                plan.placement.slots,
+                options.memory_budget,
+                distributed=plan.placement.distributed,
+                timeout_s=options.timeout_s,
+            )
         out_tree = jax.tree_util.tree_structure(out_shape)
         shared: tuple[int, ...] = ()
         if split is not None and plan.placement.distributed:

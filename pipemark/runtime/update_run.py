@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from pipemark._compat import DEVICE_ERRORS
 from pipemark.cost import nbytes
 from pipemark.errors import DeviceOutOfMemory
-from pipemark.runtime.memory import describe_limit, format_bytes, resident_bytes
+from pipemark.runtime.memory import describe_limit, format_bytes, local_device, resident_bytes
 from pipemark.runtime.placement import Slot, device_slot, held_elsewhere, put_global
 from pipemark.runtime.plan import PipelinePlan
 from pipemark.runtime.transport import Transport
@@ -91,7 +91,7 @@ def update_phase(
         read = set(part.inputs)
         left = sum(size for r, size in results.get(part.worker, ()) if num_args + r not in read)
         if leaves is not None:
-            device = plan.placement.slots[part.worker].devices[0]
+            device = local_device(plan.placement.slots[part.worker])
             skip = {id(x) for i, x in enumerate(leaves) if i in read}
             left += resident_bytes(leaves, device, skip)
         arrays = analysis.argument_size_in_bytes + made[part.worker] + left

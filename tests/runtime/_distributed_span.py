@@ -9,7 +9,9 @@ process with ``jax.jit`` of ``jax.value_and_grad`` in the same process; each pro
 writes its process id first (``pid-MODE-P``), for a test to check none is left. With
 2 processes, also an ``optax.adamw`` training step of the MLP and what is refused
 there (:func:`train_checks`). In ``run``, the same processes also run FSDP in the
-stages, and an ``optax.adamw`` step of it (:func:`fsdp_checks`).
+stages, and an ``optax.adamw`` step of it (:func:`fsdp_checks`), with its memory
+(:func:`memory_checks`), a memory budget (:func:`budget_checks`), orbax checkpoints of
+its state and export's refusal (:func:`checkpoint_checks`).
 
     python -m pipemark.launch -n 2 tests/runtime/_distributed_span.py OUT_DIR run
     python tests/runtime/_distributed_span.py OUT_DIR reference 2   # 4 devices, one process
@@ -18,6 +20,7 @@ stages, and an ``optax.adamw`` step of it (:func:`fsdp_checks`).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -137,6 +140,8 @@ def _local_view(leaf: jax.Array) -> np.ndarray:
     (whole where it is this process's own array: a scalar, Adam's integer count)."""
     if leaf.is_fully_addressable:
         return np.asarray(leaf)
+    if not leaf.shape and leaf.addressable_shards:  # Adam's count, whole on each device
+        return np.asarray(leaf.addressable_shards[0].data)
     view = np.full(leaf.shape, np.nan, leaf.dtype)
     for shard in leaf.addressable_shards:
         view[shard.index] = np.asarray(shard.data)
@@ -197,6 +202,97 @@ def fsdp_checks(mesh: Mesh, processes: int) -> dict[str, np.ndarray]:
     saved.update(trained)
     saved["fsdp-train-param-bytes"] = _device_bytes(params)
     saved["fsdp-train-mu-bytes"] = _device_bytes(opt_state[0].mu)
+    sharded = _sharded(ex.params, mesh)
+    saved.update(memory_checks(held.memory(sharded, ex.batch), sharded, ex.batch, mesh))
+    saved.update(budget_checks(ex, sharded, options, processes))
+    state = {"params": params, "opt_state": opt_state, "grads": grads}
+    saved.update(checkpoint_checks(held, train, (sharded, tx.init(ex.params), ex.batch), state))
+    return saved
+
+
+def memory_checks(estimate, params: list, batch, mesh: Mesh) -> dict[str, np.ndarray]:
+    """``Pipeline.memory`` of the FSDP pipeline (``estimate``, for ``params`` sharded
+    as ``_sharded`` lays them out): per slot, its ``parameters``, ``batch``,
+    ``accumulators``, ``arguments`` and ``in_flight`` bytes (``memory-slots``), next to
+    what JAX's arrays hold on this process's first device of the slot (``memory-held``:
+    the shards of the slot's two layers, the batch as made here; -1 where this process
+    holds no device of the slot)."""
+    me = jax.process_index()
+    rows, held = [], []
+    for k, slot in enumerate(estimate.slots):
+        fields = ("parameters", "batch", "accumulators", "arguments", "in_flight")
+        rows.append([getattr(slot, name) for name in fields])
+        mine = [d for d in mesh.devices[k].flat if d.process_index == me]
+        trees = (params[2 * k : 2 * k + 2], batch)
+        held.append([_device_bytes_on(tree, mine[0]) if mine else -1 for tree in trees])
+    return {"memory-slots": np.array(rows), "memory-held": np.array(held)}
+
+
+def _device_bytes_on(tree, device) -> int:
+    """The bytes of ``tree``'s shards on ``device``, as JAX's arrays hold them."""
+    shards = [s for x in jax.tree_util.tree_leaves(tree) for s in x.addressable_shards]
+    return sum(s.data.nbytes for s in shards if s.device == device)
+
+
+#: Per number of processes, a memory budget (bytes per device) that the FSDP
+#: pipeline's first plan exceeds on a slot, as the processes holding the batch there
+#: see it (the others do not), and that rematerialising a forward stage meets.
+BUDGET = {2: 20 * 1024, 4: 17 * 1024 + 512}
+#: A budget that no change meets.
+TOO_SMALL = 12 * 1024
+
+
+def budget_checks(ex, params: list, options: dict, processes: int) -> dict[str, np.ndarray]:
+    """``memory_budget`` with stages that span processes: the plan the budget makes
+    (``budget-plan``: schedule and forward stages rematerialised), its slots'
+    predicted peaks here (``budget-peaks``), its loss and gradients (``budget-held-I``,
+    as ``fsdp-held-I``); the message refusing ``TOO_SMALL`` (``refused-budget``)."""
+    budgeted = pm.pipeline_value_and_grad(
+        ex.loss_fn, **options, gather_results=False, memory_budget=BUDGET[processes]
+    )
+    plan = budgeted.plan(params, ex.batch)
+    saved = {"budget-plan": f"{plan.schedule.name}; {sorted(plan.rematerialized)}"}
+    saved["budget-peaks"] = np.array(
+        [s.predicted_peak for s in budgeted.memory(params, ex.batch).slots]
+    )
+    loss, grads = budgeted(params, ex.batch)
+    for i, leaf in enumerate([loss, *jax.tree_util.tree_leaves(grads)]):
+        saved[f"budget-held-{i}"] = _local_view(leaf)
+    small = pm.pipeline_value_and_grad(
+        ex.loss_fn, **options, gather_results=False, memory_budget=TOO_SMALL
+    )
+    saved["refused-budget"] = refusal(small.plan, params, ex.batch)
+    return saved
+
+
+def checkpoint_checks(held, train, args: tuple, state: dict) -> dict[str, np.ndarray]:
+    """``state`` (the FSDP step's new parameters and optimizer state, and the
+    gradients ``held`` kept where computed) saved by every process with orbax's
+    ``StandardCheckpointer`` and restored onto ``train.abstract_state(*args)`` and
+    ``held.abstract_params``: each leaf as saved and as restored, as far as this
+    process holds it (``orbax-saved-I``, ``orbax-restored-I``), and how many restored
+    leaves lie as the target says (``orbax-as-target``). Without orbax, nothing.
+    Export refused, with its message (``refused-export``, ``refused-export-step``)."""
+    saved = {
+        "refused-export": refusal(held.export, os.path.join(OUT, "export"), *args[::2]),
+        "refused-export-step": refusal(train.export, os.path.join(OUT, "export-step"), *args),
+    }
+    if importlib.util.find_spec("orbax.checkpoint") is None:
+        return saved
+    import orbax.checkpoint as ocp
+
+    params, opt_state = train.abstract_state(*args)
+    target = {"params": params, "opt_state": opt_state}
+    target["grads"] = held.abstract_params(*args[::2])
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(os.path.join(OUT, "checkpoint"), state)
+    checkpointer.wait_until_finished()
+    back = checkpointer.restore(os.path.join(OUT, "checkpoint"), target)
+    leaves = [jax.tree_util.tree_leaves(tree) for tree in (state, back, target)]
+    for i, (was, got, _) in enumerate(zip(*leaves)):
+        saved[f"orbax-saved-{i}"] = _local_view(was)
+        saved[f"orbax-restored-{i}"] = _local_view(got)
+    saved["orbax-as-target"] = np.array(sum(g.sharding == t.sharding for _, g, t in zip(*leaves)))
     return saved
 
 

@@ -5,6 +5,7 @@ the others with a clear error within the timeout."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -18,6 +19,7 @@ import pytest
 from tests._trees import assert_trees_within_ulps
 from tests._xla import child_environ
 from tests.runtime._distributed import PLANNED, bare_values
+from tests.runtime._distributed_span import BUDGET, TOO_SMALL
 
 SCRIPT = Path(__file__).with_name("_distributed.py")
 ROOT = Path(__file__).parents[2]
@@ -235,14 +237,77 @@ def _check_fsdp(runs: list) -> None:
         if data == 2:
             assert_trees_within_ulps([got[f"fsdp-once-{i}"] for i in range(9)], want, ulps=8)
     _check_trained(runs, "fsdp-train", alone=True)
-    held = [np.stack([got[f"fsdp-held-{i}"] for got in runs]) for i in range(9)]
+    assert_trees_within_ulps(_merged_held(runs, "fsdp-held", 9), want, ulps=8)
+    _check_memory(runs, want)
+    _check_checkpoint(runs)
+
+
+def _merged_held(runs: list, prefix: str, count: int) -> list:
+    """The loss and gradients kept where computed (``PREFIX-I``: each process's shards,
+    NaN elsewhere) put together: the loss the same in every process, each gradient
+    element held by one process alone."""
+    held = [np.stack([got[f"{prefix}-{i}"] for got in runs]) for i in range(count)]
     assert (held[0] == held[0][0]).all()  # the loss, the same in every process
     merged = [held[0][0]]
     for leaf in held[1:]:
         holders = np.isfinite(leaf).sum(axis=0)
         assert (holders == 1).all(), holders  # each element in one process alone
         merged.append(np.nansum(leaf, axis=0, dtype=leaf.dtype))
-    assert_trees_within_ulps(merged, want, ulps=8)
+    return merged
+
+
+def _check_memory(runs: list, want: list) -> None:
+    """``Pipeline.memory`` and ``memory_budget`` while stages span processes
+    (``_distributed_span.memory_checks``, ``budget_checks``). Each slot's
+    ``parameters`` are the bytes of the shards JAX's arrays hold on this process's
+    device of it (``1/D`` of the stage's 4 KiB); ``arguments`` count at least the batch
+    lying there (its microbatches split there count too), 0 on a slot where this
+    process has no device; what the plan decides (parameters, batch, accumulators, in
+    flight) is the same in every process. A budget that only the processes holding
+    the batch on a slot would see exceeded makes the same plan in every process (a
+    forward stage rematerialised), each slot's predicted peak within it, and its
+    gradients equal ``jax.jit``'s within a few ulps; a budget no change meets is
+    refused in every process with the same message."""
+    data = len(runs)
+    for got in runs:
+        slots, held = got["memory-slots"], got["memory-held"]
+        here = held[:, 0] >= 0
+        assert here.any()
+        assert list(slots[here, 0]) == list(held[here, 0]) == [4096 // data] * int(here.sum())
+        assert (slots[here, 3] >= held[here, 1]).all() and (slots[~here, 3] == 0).all()
+        assert (slots[:, [0, 1, 2, 4]] == runs[0]["memory-slots"][:, [0, 1, 2, 4]]).all()
+        assert str(got["budget-plan"]) == str(runs[0]["budget-plan"])
+        assert "'layer0'" in str(got["budget-plan"]), str(got["budget-plan"])
+        assert max(got["budget-peaks"]) <= BUDGET[data]
+        assert str(got["refused-budget"]) == str(runs[0]["refused-budget"])
+        assert f"over memory_budget={TOO_SMALL}" in str(got["refused-budget"])
+    assert any(got["memory-held"][:, 1].max() > 0 for got in runs)  # a batch was seen
+    assert_trees_within_ulps(_merged_held(runs, "budget-held", 9), want, ulps=8)
+
+
+def _check_checkpoint(runs: list) -> None:
+    """orbax while stages span processes (``_distributed_span.checkpoint_checks``):
+    the FSDP step's new parameters and optimizer state and the gradients kept where
+    computed, saved by every process and restored onto ``abstract_state`` /
+    ``abstract_params``, lie where the target says and hold in every process the same
+    bits as it saved; export is refused, naming sub-meshes and saying what to do."""
+    for got in runs:
+        for key in ("refused-export", "refused-export-step"):
+            message = str(got[key])
+            assert "sub-meshes (mesh=)" in message and "devices= in one process" in message
+    if importlib.util.find_spec("orbax.checkpoint") is None:
+        return
+    count = sum(k.startswith("orbax-saved-") for k in runs[0].files)
+    assert count == 8 + 17 + 8  # parameters; Adam's count, mu, nu; gradients
+    for i in range(count):
+        saved = np.stack([got[f"orbax-saved-{i}"] for got in runs])
+        back = np.stack([got[f"orbax-restored-{i}"] for got in runs])
+        assert saved.dtype == back.dtype and saved.shape == back.shape, i
+        assert saved.tobytes() == back.tobytes(), i  # bit for bit, NaN where not held
+        if saved.dtype.kind == "f":  # every element held by some process
+            assert np.isfinite(saved).any(axis=0).all(), i
+    for got in runs:
+        assert int(got["orbax-as-target"]) == count
 
 
 def _check_trained(runs: list, prefix: str, *, alone: bool) -> None:
