@@ -80,6 +80,13 @@ class Cluster:
         Bytes per second a host sends (and receives) over DCN, shared by its chips.
     dcn_latency:
         Seconds per step of a ring collective, or per transfer, over DCN.
+    dispatch_seconds:
+        The host's time to dispatch one action (a compiled program call: the
+        runtime's placing of its inputs, the call, handing its results over); a device
+        starts no action before the host has dispatched it (0: never late).
+    wake_seconds:
+        How long a host that waited for the device (a bounded ``dispatch_ahead``)
+        takes, after the awaited action ends, to dispatch again.
 
     >>> Cluster("two chips", 2, 2, 2, 2**30, 1e11, 1e12, 1e10, 2, 1e-6, 1e9, 1e-5).num_slices
     1
@@ -97,6 +104,8 @@ class Cluster:
     ici_latency: float
     dcn_bandwidth: float
     dcn_latency: float
+    dispatch_seconds: float = 0.0
+    wake_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("num_chips", "chips_per_host", "chips_per_slice", "hbm_bytes", "ici_ports"):
@@ -109,7 +118,7 @@ class Cluster:
                 raise PipemarkError(
                     f"Cluster {self.name!r}: {name} = {value!r}; give a number > 0."
                 )
-        for name in ("ici_latency", "dcn_latency"):
+        for name in ("ici_latency", "dcn_latency", "dispatch_seconds", "wake_seconds"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
                 raise PipemarkError(

@@ -6,6 +6,7 @@ TPU v5e S-stage runs recorded in benchmarks/results.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -203,6 +204,49 @@ def test_layouts_that_do_not_fit_are_refused_and_the_winner_explained():
     assert "| 1 | PP 4 × DP 1 × FSDP 64 × TP 1, zb-h1" in ranking.table()
 
 
+def test_a_host_slower_than_the_actions_sets_the_pace():
+    # One device, 8 microbatches of F = 1 and B = 2: 24 s of device time, 16 programs.
+    model, layout = _unit((1.0, 2.0, 0.0), stages=1, microbatches=8)
+    slow = predict_layout(
+        model, layout, dataclasses.replace(FREE, dispatch_seconds=3.0), global_batch=8,
+        update=False,
+    )  # fmt: skip
+    assert slow.step_seconds == 16 * 3.0 + 2.0  # every dispatch, then the last backward
+    assert slow.host_seconds == slow.step_seconds - 24.0 and slow.idle_seconds == 0.0
+    assert "waiting for the host's dispatch +" in rank_layouts(
+        model, dataclasses.replace(FREE, dispatch_seconds=3.0), global_batch=8,
+        layouts=[layout, Layout(pp=1, microbatches=4)],
+    ).explain()  # fmt: skip
+    fast = dataclasses.replace(FREE, dispatch_seconds=0.5, wake_seconds=2.0)
+    # The host runs ahead: only the first dispatch shows. With dispatch_ahead=1 it
+    # waits for each program but one and wakes 2 s after it: the device waits too.
+    ahead = [
+        predict_layout(model, layout, fast, global_batch=8, update=False, dispatch_ahead=k)
+        for k in (None, 2, 1)
+    ]
+    assert ahead[0].step_seconds == 24.5 and ahead[0].host_seconds == 0.5
+    assert ahead[0].step_seconds <= ahead[1].step_seconds < ahead[2].step_seconds
+    with pytest.raises(pm.PipemarkError, match="dispatch_seconds = -1"):
+        dataclasses.replace(FREE, dispatch_seconds=-1)
+
+
+def test_a_layout_that_eats_into_the_hbm_margin_is_refused():
+    # 1F1B over 2 stages holds 2 microbatches' activations on the first: 950 of the
+    # chip's 1000 bytes. It fits without a margin, not with the default 10 % kept free.
+    small = Cluster("small HBM", 2, 2, 2, 1000, 1e12, 1e15, 1e15, 2, 0.0, 1e15, 0.0)
+    model, layout = _unit(stages=2, microbatches=4, activation_bytes=475)
+    p = predict_layout(model, layout, small, global_batch=4)
+    assert p.peak_bytes == 950 and p.usable_bytes == pytest.approx(900) and not p.fits
+    assert predict_layout(model, layout, small, global_batch=4, hbm_margin=0.0).fits
+    refused = rank_layouts(model, small, global_batch=4, layouts=[layout])
+    assert not refused.ranked and [r.layout for r in refused.refused] == [layout]
+    kept = rank_layouts(model, small, global_batch=4, layouts=[layout], hbm_margin=0.04)
+    assert [p.layout for p in kept.ranked] == [layout]
+    assert "headroom 0.0 GiB beyond the margin of 0.0 GiB kept free" in kept.explain()
+    with pytest.raises(pm.PipemarkError, match=r"hbm_margin = 1\.0"):
+        rank_layouts(model, small, global_batch=4, layouts=[layout], hbm_margin=1.0)
+
+
 def test_the_search_space_uses_every_chip_and_splits_the_batch():
     model = Transformer.llama2_7b()
     layouts = search_layouts(model, tpu_v5e(256), global_batch=256)
@@ -269,7 +313,10 @@ def test_predictions_from_measured_action_costs_are_within_10_percent_of_the_run
 
 
 def _four_process_errors() -> dict[tuple[str, str], float]:
-    record = {"costs": planner_check.measure_cpu_costs(full=False)}
+    record = {
+        "costs": planner_check.measure_cpu_costs(full=False),
+        "dispatch_s": planner_check.measure_dispatch(),
+    }
     env = child_environ({k: v for k, v in os.environ.items() if not k.startswith("PIPEMARK_")})
     record["measured"] = planner_check.run_processes(env, full=False)
     rows = planner_check.cpu_process_checks(record)
