@@ -168,6 +168,12 @@ def tpu_v5e(num_chips: int = 256) -> Cluster:
       its chips.
     * Latencies are not published: 1 µs per ICI step, 25 µs per DCN message
       (assumptions).
+    * The host: 0.46 ms to dispatch an action (the runtime's host time per program of
+      a 16-stage GPT pipeline on one v5e chip, ``Pipeline.timed_call``'s ``host_s``
+      over its programs without ``dispatch_ahead``) and 0.40 ms to resume after
+      waiting for the chip (a jitted program of 0.76 ms dispatched and waited for took
+      1.29 ms, 0.13 ms of it its dispatch), measured on 2026-12-06
+      (``benchmarks/results/dispatch-tpu-v5e.json``, ``benchmarks/dispatch_cost.py``).
 
     >>> cluster = tpu_v5e(1024)
     >>> cluster.num_slices, cluster.dcn_bandwidth / cluster.chips_per_host / 1e9
@@ -186,6 +192,8 @@ def tpu_v5e(num_chips: int = 256) -> Cluster:
         ici_latency=1e-6,
         dcn_bandwidth=25e9,
         dcn_latency=25e-6,
+        dispatch_seconds=0.46e-3,
+        wake_seconds=0.40e-3,
     )
 
 

@@ -399,8 +399,10 @@ def predict_layout(
     ...                             Layout(pp=2, microbatches=4), global_batch=4)
     >>> p = predict_layout(measured, Layout(pp=2, microbatches=4), tpu_v5e(2),
     ...                    global_batch=4, update=False)
-    >>> p.step_seconds, round(p.bubble_fraction, 3)  # (M + S - 1)(F + B); a fifth idle
+    >>> round(p.step_seconds, 3), round(p.bubble_fraction, 3)  # (M + S - 1)(F + B)
     (15.0, 0.2)
+    >>> p.host_seconds  # the first action's dispatch: 0.46 ms on a v5e host
+    0.00046
     """
     if layout.chips > cluster.num_chips:
         raise PipemarkError(
