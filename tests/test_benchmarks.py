@@ -541,3 +541,18 @@ def test_capacity_benchmark_finds_what_fits_a_pretend_limit(tmp_path):
         else:
             with pytest.raises(pm.MemoryBudgetError):
                 pipe.plan(params, batch)
+
+
+@pytest.mark.benchmark_script
+def test_dispatch_cost_takes_a_programs_device_time_and_dispatch_from_its_round_trip():
+    # benchmarks/dispatch_cost.py's wake measurement (its pipeline part compiles a
+    # GPT: run on a TPU, benchmarks/results/dispatch-tpu-v5e.json).
+    if str(REPO / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+    import dispatch_cost
+
+    cost = dispatch_cost.wake_cost(1)
+    assert 0 < cost["program_dispatch_s"] < cost["program_round_trip_s"]
+    assert cost["program_device_s"] > 0
+    left = cost["program_round_trip_s"] - cost["program_device_s"] - cost["program_dispatch_s"]
+    assert cost["wake_s"] == max(0.0, left)

@@ -80,6 +80,13 @@ class Cluster:
         Bytes per second a host sends (and receives) over DCN, shared by its chips.
     dcn_latency:
         Seconds per step of a ring collective, or per transfer, over DCN.
+    dispatch_seconds:
+        The host's time to dispatch one action (a compiled program call: the
+        runtime's placing of its inputs, the call, handing its results over); a device
+        starts no action before the host has dispatched it (0: never late).
+    wake_seconds:
+        How long a host that waited for the device (a bounded ``dispatch_ahead``)
+        takes, after the awaited action ends, to dispatch again.
 
     >>> Cluster("two chips", 2, 2, 2, 2**30, 1e11, 1e12, 1e10, 2, 1e-6, 1e9, 1e-5).num_slices
     1
@@ -97,6 +104,8 @@ class Cluster:
     ici_latency: float
     dcn_bandwidth: float
     dcn_latency: float
+    dispatch_seconds: float = 0.0
+    wake_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("num_chips", "chips_per_host", "chips_per_slice", "hbm_bytes", "ici_ports"):
@@ -109,7 +118,7 @@ class Cluster:
                 raise PipemarkError(
                     f"Cluster {self.name!r}: {name} = {value!r}; give a number > 0."
                 )
-        for name in ("ici_latency", "dcn_latency"):
+        for name in ("ici_latency", "dcn_latency", "dispatch_seconds", "wake_seconds"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
                 raise PipemarkError(
@@ -159,6 +168,12 @@ def tpu_v5e(num_chips: int = 256) -> Cluster:
       its chips.
     * Latencies are not published: 1 µs per ICI step, 25 µs per DCN message
       (assumptions).
+    * The host: 0.46 ms to dispatch an action (the runtime's host time per program of
+      a 16-stage GPT pipeline on one v5e chip, ``Pipeline.timed_call``'s ``host_s``
+      over its programs without ``dispatch_ahead``) and 0.40 ms to resume after
+      waiting for the chip (a jitted program of 0.76 ms dispatched and waited for took
+      1.29 ms, 0.13 ms of it its dispatch), measured on 2026-12-06
+      (``benchmarks/results/dispatch-tpu-v5e.json``, ``benchmarks/dispatch_cost.py``).
 
     >>> cluster = tpu_v5e(1024)
     >>> cluster.num_slices, cluster.dcn_bandwidth / cluster.chips_per_host / 1e9
@@ -177,6 +192,8 @@ def tpu_v5e(num_chips: int = 256) -> Cluster:
         ici_latency=1e-6,
         dcn_bandwidth=25e9,
         dcn_latency=25e-6,
+        dispatch_seconds=0.46e-3,
+        wake_seconds=0.40e-3,
     )
 
 

@@ -62,6 +62,7 @@ from pipemark.runtime.simulation import Simulation, simulate_schedule
 from pipemark.runtime.workload import Layout, StageWork
 
 __all__ = [
+    "HBM_MARGIN",
     "LayoutPrediction",
     "Ranking",
     "Refusal",
@@ -70,6 +71,14 @@ __all__ = [
     "search_layouts",
 ]
 _GIB = 2**30
+#: The fraction of each chip's HBM a layout must leave free (:func:`rank_layouts`): the
+#: memory model counts weights, gradients, optimizer state, activations and the logits,
+#: not XLA's other temporaries, its copies or the allocator's fragmentation. 10 %: the
+#: runtime's own memory prediction, which reads the compiled programs' temporaries,
+#: came within 0.88-1.15 x of the peaks measured on v5e (docs/performance.md), and a
+#: layout predicted closer than that to the limit cannot be told from one that does
+#: not fit.
+HBM_MARGIN = 0.10
 _UPDATE_BYTES = 30  # AdamW: read and write master, moments, gradient; write bf16 weights
 
 
@@ -80,9 +89,11 @@ class LayoutPrediction:
     ``step_seconds`` is the busiest device's end: its compute (``compute_seconds``,
     of which ``tp_seconds`` are exposed tensor-parallel collectives), the FSDP gather
     its first forwards wait for (``gather_seconds``), its idle time inside the
-    pipeline (``idle_seconds``: bubble and transfer waits), the gradient reduction
-    left after its last action (``reduction_seconds``) and the update
-    (``update_seconds``). ``memory`` breaks the worst chip's peak down."""
+    pipeline (``idle_seconds``: bubble and transfer waits), its waits for the host to
+    dispatch its next action (``host_seconds``), the gradient reduction left after its
+    last action (``reduction_seconds``) and the update (``update_seconds``).
+    ``memory`` breaks the worst chip's peak down; ``usable_bytes`` is the HBM a layout
+    may fill (``hbm_bytes`` less the margin kept free)."""
 
     layout: Layout
     cluster: str
@@ -91,18 +102,20 @@ class LayoutPrediction:
     tp_seconds: float
     gather_seconds: float
     idle_seconds: float
+    host_seconds: float
     reduction_seconds: float
     update_seconds: float
     bubble_fraction: float
     peak_bytes: float
     hbm_bytes: int
+    usable_bytes: float
     memory: dict[str, float]
     mfu: float
 
     @property
     def fits(self) -> bool:
-        """Whether the peak fits in the chip's HBM."""
-        return self.peak_bytes <= self.hbm_bytes
+        """Whether the peak fits in the chip's HBM with the margin left free."""
+        return self.peak_bytes <= self.usable_bytes
 
     @property
     def exposed_communication(self) -> float:
@@ -114,7 +127,8 @@ class LayoutPrediction:
         return (
             f"{self.layout}: {self.step_seconds:.3f} s/step, MFU {self.mfu:.0%}, bubble "
             f"{self.bubble_fraction:.0%}, exposed communication {self.exposed_communication:.3f} s, "
-            f"peak {self.peak_bytes / _GIB:.1f} of {self.hbm_bytes / _GIB:.1f} GiB"
+            f"peak {self.peak_bytes / _GIB:.1f} of {self.usable_bytes / _GIB:.1f} GiB usable "
+            f"({self.hbm_bytes / _GIB:.1f} GiB less the margin)"
         )
 
 
@@ -367,12 +381,17 @@ def predict_layout(
     global_batch: int,
     overlap: bool = True,
     update: bool = True,
+    dispatch_ahead: int | None = 2,
+    hbm_margin: float = HBM_MARGIN,
 ) -> LayoutPrediction:
     """Predict one step of ``model`` (a :class:`~pipemark.runtime.workload.Transformer`
     or :class:`~pipemark.runtime.workload.MeasuredPipeline`) laid out as ``layout`` on
     ``cluster``, ``global_batch`` sequences (rows) a step (see the module's text).
     ``overlap``: whether a gradient reduction starts during the backward that makes
-    its gradients; ``update``: whether the step ends with the optimizer update.
+    its gradients; ``update``: whether the step ends with the optimizer update;
+    ``dispatch_ahead``: the runtime's option of that name (its default, 2), how far
+    the host may dispatch ahead of a device; ``hbm_margin``: the fraction of HBM a
+    layout must leave free to fit (:data:`HBM_MARGIN`).
 
     >>> from pipemark.runtime.workload import MeasuredPipeline
     >>> from pipemark.runtime.cluster import tpu_v5e
@@ -380,13 +399,16 @@ def predict_layout(
     ...                             Layout(pp=2, microbatches=4), global_batch=4)
     >>> p = predict_layout(measured, Layout(pp=2, microbatches=4), tpu_v5e(2),
     ...                    global_batch=4, update=False)
-    >>> p.step_seconds, round(p.bubble_fraction, 3)  # (M + S - 1)(F + B); a fifth idle
+    >>> round(p.step_seconds, 3), round(p.bubble_fraction, 3)  # (M + S - 1)(F + B)
     (15.0, 0.2)
+    >>> p.host_seconds  # the first action's dispatch: 0.46 ms on a v5e host
+    0.00046
     """
     if layout.chips > cluster.num_chips:
         raise PipemarkError(
             f"{layout} needs {layout.chips} chips but {cluster.name} has {cluster.num_chips}."
         )
+    usable = _usable_bytes(cluster, hbm_margin)
     work = model.stage_work(
         layout, global_batch=global_batch, peak_flops=cluster.peak_flops,
         tp_seconds=_tp_seconds(cluster, layout),
@@ -405,14 +427,27 @@ def predict_layout(
     # A backward that a splitting schedule runs whole (DualPipeV) pays B + W: the
     # simulator asks this cost for its weight half.
     delay = _transfer(cluster, layout, work, schedule)
-    simulation = simulate_schedule(schedule, cost, transfer=delay)
+    simulation = simulate_schedule(
+        schedule, cost, transfer=delay, dispatch=cluster.dispatch_seconds,
+        dispatch_ahead=dispatch_ahead, wake=cluster.wake_seconds,
+    )  # fmt: skip
     chunks = _reduction_chunks(cluster, layout, work, schedule, simulation, overlap)
     ends = _device_ends(simulation, schedule, chunks)
     waits = [0.0] * schedule.num_devices
     for order in _orders(schedule)[0]:
         for action in order:
             waits[schedule.stage_devices[action.stage]] += gather(action)
-    return _prediction(layout, cluster, work, schedule, simulation, ends, waits, update)
+    prediction = _prediction(layout, cluster, work, schedule, simulation, ends, waits, update)
+    return dataclasses.replace(prediction, usable_bytes=usable)
+
+
+def _usable_bytes(cluster: Cluster, margin: Any) -> float:
+    """The HBM a layout may fill: ``cluster.hbm_bytes`` less ``margin`` of it."""
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise PipemarkError(
+            f"hbm_margin = {margin!r}; give the fraction of HBM to keep free, in [0, 1)."
+        )
+    return cluster.hbm_bytes * (1 - margin)
 
 
 def _prediction(
@@ -447,12 +482,14 @@ def _prediction(
         compute_seconds=busy - tp[d] - waits[d],
         tp_seconds=tp[d],
         gather_seconds=waits[d],
-        idle_seconds=makespan - busy,
+        idle_seconds=makespan - busy - simulation.host_wait[d],
+        host_seconds=simulation.host_wait[d],
         reduction_seconds=ends[d] - makespan,
         update_seconds=updates[d],
         bubble_fraction=simulation.bubble_fraction,
         peak_bytes=peak,
         hbm_bytes=cluster.hbm_bytes,
+        usable_bytes=float(cluster.hbm_bytes),
         memory=parts,
         mfu=flops / (layout.chips * cluster.peak_flops * step) if flops and step else 0.0,
     )
@@ -583,10 +620,12 @@ class Ranking:
             f"{self.skipped} skipped (their compute alone is slower than the ranking's last).",
             f"Best: {best.summary()}.",
             f"  step = compute {best.compute_seconds:.3f} s + pipeline idle "
-            f"{best.idle_seconds:.3f} s + exposed TP {best.tp_seconds:.3f} s + FSDP gather "
-            f"{best.gather_seconds:.3f} s + gradient reduction {best.reduction_seconds:.3f} s "
-            f"+ update {best.update_seconds:.3f} s; headroom "
-            f"{(best.hbm_bytes - best.peak_bytes) / _GIB:.1f} GiB.",
+            f"{best.idle_seconds:.3f} s + waiting for the host {best.host_seconds:.3f} s + "
+            f"exposed TP {best.tp_seconds:.3f} s + FSDP gather {best.gather_seconds:.3f} s + "
+            f"gradient reduction {best.reduction_seconds:.3f} s + update "
+            f"{best.update_seconds:.3f} s; headroom "
+            f"{(best.usable_bytes - best.peak_bytes) / _GIB:.1f} GiB beyond the margin of "
+            f"{(best.hbm_bytes - best.usable_bytes) / _GIB:.1f} GiB kept free.",
         ]
         if len(self.ranked) > 1:
             lines.append(_versus(best, self.ranked[1], "runner-up"))
@@ -611,6 +650,7 @@ def _shape(layout: Layout) -> tuple[int, ...]:
 _PARTS = {
     "compute_seconds": "compute",
     "idle_seconds": "pipeline bubble and transfer waits",
+    "host_seconds": "waiting for the host's dispatch",
     "tp_seconds": "exposed TP collectives",
     "gather_seconds": "FSDP gather",
     "reduction_seconds": "exposed gradient reduction",
@@ -642,12 +682,16 @@ def rank_layouts(
     layouts: Iterable[Layout] | None = None,
     overlap: bool = True,
     top: int = 10,
+    hbm_margin: float = HBM_MARGIN,
+    dispatch_ahead: int | None = 2,
 ) -> Ranking:
     """Predict ``layouts`` (:func:`search_layouts` by default) of ``model`` on
     ``cluster``; rank those that fit by step time (ties: the smaller peak memory).
 
-    A layout whose weights, gradients, optimizer state and one microbatch's
-    activations alone exceed HBM is refused unsimulated. The others are simulated
+    A layout fits if its predicted peak leaves ``hbm_margin`` of the chip's HBM free
+    (:data:`HBM_MARGIN`: for what the memory model leaves out). A layout whose
+    weights, gradients, optimizer state and one microbatch's activations alone do not
+    fit is refused unsimulated. The others are simulated
     fastest-first by a lower bound of their step (their compute spread evenly over the
     pipeline's devices); once ``top`` layouts fit and the next bound is slower than the
     ``top``-th, the rest are skipped (``Ranking.skipped``): none of them could enter
@@ -661,6 +705,7 @@ def rank_layouts(
     >>> [str(p.layout) for p in ranking.ranked], len(ranking.refused)
     (['PP 4 × DP 1 × FSDP 64 × TP 1, 1f1b, M 16, remat'], 1)
     """
+    usable = _usable_bytes(cluster, hbm_margin)
     if layouts is None:
         layouts = search_layouts(model, cluster, global_batch=global_batch)
     refused: list[Refusal] = []
@@ -668,7 +713,7 @@ def rank_layouts(
     for layout in layouts:
         work = model.stage_work(layout, global_batch=global_batch, peak_flops=cluster.peak_flops)
         least, parts = _state_bytes(layout, work)
-        if least > cluster.hbm_bytes:
+        if least > usable:
             refused.append(Refusal(layout, least, _least_seconds(layout, work), parts))
         else:
             candidates.append((_least_seconds(layout, work), str(layout), layout))
@@ -681,11 +726,19 @@ def rank_layouts(
             break
         work = model.stage_work(layout, global_batch=global_batch, peak_flops=cluster.peak_flops)
         peak, parts = _memory(layout, work, _build(layout, work))
-        if peak > cluster.hbm_bytes:  # refused before it is simulated
+        if peak > usable:  # refused before it is simulated
             refused.append(Refusal(layout, peak, bound, parts))
             continue
         fitting.append(
-            predict_layout(model, layout, cluster, global_batch=global_batch, overlap=overlap)
+            predict_layout(
+                model,
+                layout,
+                cluster,
+                global_batch=global_batch,
+                overlap=overlap,
+                dispatch_ahead=dispatch_ahead,
+                hbm_margin=hbm_margin,
+            )
         )
     return Ranking(
         model=getattr(model, "name", type(model).__name__),

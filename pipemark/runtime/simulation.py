@@ -35,7 +35,7 @@ from __future__ import annotations
 import graphlib
 import math
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from pipemark.errors import PipemarkError, StageGraphError
 from pipemark.runtime.problem import Costs, cost_function
@@ -52,7 +52,11 @@ class Simulation(NamedTuple):
     the idle time per device (the *bubble*, in cost units, averaged over devices), and
     ``bound``: no order of the same actions on the same devices has a shorter makespan
     (the longer of the critical path and, per device, its busy time plus the least time
-    before its first action can start and after its last one must end)."""
+    before its first action can start and after its last one must end; the host's
+    dispatching left out). With a host that dispatches (``dispatch``), ``dispatched``:
+    when the host has dispatched each action, and ``host_wait``: per device, the time
+    it idled with everything its next action reads there, waiting for the host to
+    dispatch it."""
 
     start: dict[Action, float]
     finish: dict[Action, float]
@@ -61,6 +65,8 @@ class Simulation(NamedTuple):
     bubble_fraction: float
     bubble: float
     bound: float
+    dispatched: dict[Action, float]
+    host_wait: tuple[float, ...]
 
 
 def _delay_function(
@@ -70,15 +76,7 @@ def _delay_function(
     device."""
     seconds = 0.0
     if not callable(transfer):
-        if isinstance(transfer, bool) or not isinstance(transfer, (int, float)):
-            raise PipemarkError(
-                f"transfer is {type(transfer).__name__}; give a number (the latency of a "
-                "transfer between devices, in the costs' unit) or a function of "
-                "(producer, reader) actions."
-            )
-        if not (transfer >= 0 and math.isfinite(transfer)):
-            raise PipemarkError(f"transfer = {transfer!r}: give a non-negative, finite number.")
-        seconds = float(transfer)
+        seconds = _non_negative("transfer", transfer, "the latency of a transfer between devices")
 
     def delay(producer: Action, reader: Action) -> float:
         if stage_devices[producer.stage] == stage_devices[reader.stage]:
@@ -88,8 +86,53 @@ def _delay_function(
     return delay
 
 
+def _non_negative(name: str, value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise PipemarkError(
+            f"{name} is {type(value).__name__}; give a number ({what}, in the costs' unit)"
+            + (" or a function of (producer, reader) actions." if name == "transfer" else ".")
+        )
+    if not (value >= 0 and math.isfinite(value)):
+        raise PipemarkError(f"{name} = {value!r}: give a non-negative, finite number.")
+    return float(value)
+
+
+class _Host:
+    """The host's dispatching of each device's programs (:func:`simulate_schedule`):
+    one dispatcher a device, as the runtime's worker a device slot, taking ``cost`` a
+    program; with ``ahead`` (``dispatch_ahead``), after dispatching a device's program
+    ``j`` it waits until program ``j - ahead`` has run, and resumes ``wake`` after."""
+
+    def __init__(self, devices: int, cost: float, ahead: int | None, wake: float) -> None:
+        self.cost, self.ahead, self.wake = cost, ahead, wake
+        self.free = [0.0] * devices
+        self.ends: list[list[float]] = [[] for _ in range(devices)]  # each program's end
+        self.dispatched: dict[Action, float] = {}
+
+    def dispatch(self, device: int, unit: tuple[Action, ...], producers: list[Action]) -> float:
+        """When the host has dispatched ``unit`` on ``device`` (one program): after its
+        previous one, after the programs that make what it reads (a worker waits for a
+        value until its producer is dispatched), and within ``ahead`` of the device."""
+        begin = max([self.free[device], *(self.dispatched[n] for n in producers)])
+        ends = self.ends[device]
+        if self.ahead is not None and len(ends) > self.ahead:
+            awaited = ends[len(ends) - 1 - self.ahead]
+            if awaited > begin:  # the host blocked on the device, then wakes up
+                begin = awaited + self.wake
+        self.free[device] = begin + self.cost
+        for action in unit:
+            self.dispatched[action] = self.free[device]
+        return self.free[device]
+
+
 def simulate_schedule(
-    schedule: Schedule, costs: Costs = None, *, transfer: Latency = 0.0
+    schedule: Schedule,
+    costs: Costs = None,
+    *,
+    transfer: Latency = 0.0,
+    dispatch: float = 0.0,
+    dispatch_ahead: int | None = None,
+    wake: float = 0.0,
 ) -> Simulation:
     """Run ``schedule`` on paper: each device runs its actions in the schedule's order,
     each as soon as the device is free and everything it needs has finished (and, for
@@ -112,16 +155,53 @@ def simulate_schedule(
         ``(producer, reader)`` actions. Values read on their own device arrive at once.
         With it, the simulation shows how much of a schedule's time is spent waiting
         for transfers on its critical path (:mod:`pipemark.runtime.simulation`).
+    dispatch:
+        The host's time to dispatch one program (an action, or an overlapped pair),
+        in the costs' unit (0 by default: the host is never late). Each device's
+        programs are dispatched one after another in the schedule's order, each once
+        the programs that make what it reads are dispatched, and a device starts a
+        program no sooner than it is dispatched: actions shorter than their dispatch
+        leave the device waiting for the host (``Simulation.host_wait``).
+    dispatch_ahead:
+        As the runtime's option (:class:`~pipemark.PipelineOptions`): after
+        dispatching a device's program ``j`` the host waits until program
+        ``j - dispatch_ahead`` has run (``None``: it never waits).
+    wake:
+        When the host waited for the device (``dispatch_ahead``), how long after that
+        program ends it dispatches again (0 by default).
+
+    >>> from pipemark.runtime.schedules import one_f_one_b_schedule
+    >>> one = one_f_one_b_schedule(1, 8)  # one device, 16 actions of 1
+    >>> unit = {"forward": 1.0, "backward": 1.0, "weight": 0.0}
+    >>> simulate_schedule(one, unit, dispatch=0.5).makespan  # the device is the bottleneck
+    16.5
+    >>> simulate_schedule(one, unit, dispatch=2.0).makespan  # the host is: 16 dispatches
+    33.0
+    >>> sim = simulate_schedule(one, unit, dispatch=0.5, dispatch_ahead=1, wake=1.0)
+    >>> sim.makespan, sim.host_wait  # every other program waits for a wake-up
+    (20.0, (4.0,))
     """
     cost = _schedule_cost(schedule, costs)
-    preds = schedule.predecessors
-    succ = schedule.successors
+    preds, succ = schedule.predecessors, schedule.successors
     orders = schedule.device_orders()
     needs = {a: dependencies(a, preds, succ) for order in orders for a in order}
     delay = _delay_function(transfer, schedule.stage_devices)
+    host = _host(len(orders), dispatch, dispatch_ahead, wake)
+    start, finish, busy, waits = _run(schedule, orders, cost, needs, delay, host)
+    makespan = max(finish.values(), default=0.0)
+    idle = 1.0 - sum(busy) / (len(orders) * makespan) if makespan else 0.0
+    bubble = makespan - sum(busy) / len(orders)
+    bound = _makespan_bound(orders, cost, needs, delay)
+    return Simulation(
+        start, finish, makespan, tuple(busy), idle, bubble, bound, host.dispatched, tuple(waits)
+    )
+
+
+def _run(schedule: Schedule, orders, cost, needs, delay, host: _Host):
+    """Each device's actions in order (see :func:`simulate_schedule`): when each starts
+    and ends, and per device its busy time and its waits for the host."""
     position = [0] * len(orders)
-    free = [0.0] * len(orders)
-    busy = [0.0] * len(orders)
+    free, busy, waits = [0.0] * len(orders), [0.0] * len(orders), [0.0] * len(orders)
     start: dict[Action, float] = {}
     finish: dict[Action, float] = {}
     remaining = sum(len(o) for o in orders)
@@ -135,26 +215,35 @@ def simulate_schedule(
                 reads = [(n, a) for a in unit for n in needs[a] if n not in unit]
                 if any(n not in finish for n, _ in reads):
                     break
-                # A unit starts once everything its actions read has arrived, and its
-                # results leave together when it ends (an overlapped pair is one program).
-                begin = max([free[d], *(finish[n] + delay(n, a) for n, a in reads)])
+                # A unit starts once everything its actions read has arrived and the
+                # host has dispatched it, and its results leave together when it ends
+                # (an overlapped pair is one program).
+                ready = max([free[d], *(finish[n] + delay(n, a) for n, a in reads)])
+                begin = max(ready, host.dispatch(d, unit, [n for n, _ in reads]))
+                waits[d] += begin - ready
                 length = sum(map(cost, unit))
                 offset = begin
                 for action in unit:
                     start[action], finish[action] = offset, begin + length
                     offset += cost(action)
                 free[d] = begin + length
+                host.ends[d].append(free[d])
                 busy[d] += length
                 position[d] += len(unit)
                 remaining -= len(unit)
                 progressed = True
         if not progressed:  # a valid schedule never deadlocks
             raise StageGraphError("The schedule's device orders deadlock.")
-    makespan = max(finish.values(), default=0.0)
-    idle = 1.0 - sum(busy) / (len(orders) * makespan) if makespan else 0.0
-    bubble = makespan - sum(busy) / len(orders)
-    bound = _makespan_bound(orders, cost, needs, delay)
-    return Simulation(start, finish, makespan, tuple(busy), idle, bubble, bound)
+    return start, finish, busy, waits
+
+
+def _host(devices: int, dispatch: Any, ahead: Any, wake: Any) -> _Host:
+    """The host of :func:`simulate_schedule`'s arguments, checked."""
+    cost = _non_negative("dispatch", dispatch, "the host's time to dispatch a program")
+    wake = _non_negative("wake", wake, "how long the host takes to resume after a wait")
+    if ahead is not None and (isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1):
+        raise PipemarkError(f"dispatch_ahead = {ahead!r}: give an int >= 1, or None (no bound).")
+    return _Host(devices, cost, ahead, wake)
 
 
 def _schedule_cost(schedule: Schedule, costs: Costs) -> Callable[[Action], float]:

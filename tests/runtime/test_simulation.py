@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -164,6 +166,70 @@ def test_transfer_as_a_function_and_on_one_device():
     )
     assert forward_free.start[Action(1, 0, FORWARD)] == 1.0
     assert forward_free.start[Action(0, 1, BACKWARD)] > forward_free.finish[Action(1, 1, BACKWARD)]
+
+
+UNSPLIT = {"forward": 1.0, "backward": 2.0, "weight": 0.0}
+
+
+def test_actions_shorter_than_their_dispatch_leave_the_device_waiting_for_the_host():
+    # One device, 8 microbatches: 16 actions, 24 of device time. Dispatching each takes
+    # the host 3: longer than any action, so the host sets the pace: 16 dispatches,
+    # then the last action (a backward, 2).
+    one = one_f_one_b_schedule(1, 8)
+    bound = simulate_schedule(one, UNSPLIT, dispatch=3.0)
+    assert bound.makespan == 16 * 3.0 + 2.0
+    assert bound.host_wait == (bound.makespan - 24.0,)
+    assert bound.dispatched[Action(0, 0, FORWARD)] == 3.0 == bound.start[Action(0, 0, FORWARD)]
+    # Dispatching takes 0.5: the host runs ahead and the device never waits after the
+    # first dispatch; the makespan is the device's work and that first dispatch.
+    free = simulate_schedule(one, UNSPLIT, dispatch=0.5)
+    assert free.makespan == 24.5 and free.host_wait == (0.5,)
+    assert free.bound == free.busy[0] == 24.0  # the bound is the devices' work alone
+
+
+def test_a_bounded_dispatch_ahead_makes_the_host_wait_for_the_device():
+    one = one_f_one_b_schedule(1, 8)
+    # Without a wake-up the host keeps 2 programs queued while it dispatches: no wait.
+    assert simulate_schedule(one, UNSPLIT, dispatch=0.5, dispatch_ahead=2).makespan == 24.5
+    # Waking 1 after the awaited program ends, it dispatches the next 1.5 later, while
+    # the device has 2 queued programs (2 to 4 of work) to run: still in time.
+    ahead2 = simulate_schedule(one, UNSPLIT, dispatch=0.5, dispatch_ahead=2, wake=1.0)
+    assert ahead2.makespan == 24.5
+    # With one program queued, a forward (1) is shorter than the wake and the
+    # dispatch: the device waits for the host each time it has run a forward only.
+    ahead1 = simulate_schedule(one, UNSPLIT, dispatch=0.5, dispatch_ahead=1, wake=1.0)
+    unbounded = simulate_schedule(one, UNSPLIT, dispatch=0.5, wake=1.0)
+    assert unbounded.makespan == 24.5  # None: the host never waits, wake is moot
+    assert ahead1.makespan > ahead2.makespan
+    assert ahead1.host_wait[0] == pytest.approx(ahead1.makespan - 24.0)
+    # Each action still starts after its dispatch and after the device is free.
+    order = one.device_orders()[0]
+    for before, after in itertools.pairwise(order):
+        assert ahead1.start[after] >= max(ahead1.finish[before], ahead1.dispatched[after])
+
+
+def test_a_reader_is_dispatched_after_its_producer_on_another_device():
+    # Two devices: stage 1's first forward is dispatched (on its own host thread) only
+    # once stage 0's is, as the runtime's worker waits for the value to be published.
+    sim = simulate_schedule(gpipe_schedule(2, 2), UNSPLIT, dispatch=0.25)
+    assert sim.dispatched[Action(1, 0, FORWARD)] == 0.5
+    assert sim.start[Action(1, 0, FORWARD)] == 1.25  # after stage 0's forward ends
+    assert sim.makespan == simulate_schedule(gpipe_schedule(2, 2), UNSPLIT).makespan + 0.25
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ({"dispatch": -1.0}, "dispatch = -1.0"),
+        ({"dispatch": "1"}, "dispatch is str"),
+        ({"wake": float("nan")}, "wake = nan"),
+        ({"dispatch_ahead": 0}, "dispatch_ahead = 0"),
+        ({"dispatch_ahead": True}, "dispatch_ahead = True"),
+    ],
+)
+def test_bad_host_arguments_are_named(arguments, message):
+    with pytest.raises(pm.PipemarkError, match=message):
+        simulate_schedule(gpipe_schedule(2, 2), EQUAL, **arguments)
 
 
 @pytest.mark.parametrize("transfer", [-1.0, float("nan"), float("inf"), "1", True])
