@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -61,21 +62,18 @@ def check_agreement(plan: Any, timeout_s: float | None) -> None:
         return
     number, me = next(_sequence), jax.process_index()
     mine = call_summary(plan)
-    client.key_value_set(f"pipemark/agree/{number}/{me}", json.dumps(mine))
-    wait_ms = int(1000 * (timeout_s if timeout_s is not None else 3600))
-    for other in range(jax.process_count()):
+
+    def missing(other: int, seconds: float) -> str:
+        return (
+            f"process {me}: process {other} did not start pipeline call {number} within "
+            f"{seconds:g} s: it died, hangs, or reused an earlier input shape where this "
+            "process has a new one (the processes' calls differ)."
+        )
+
+    everyone = _every_process(client, f"pipemark/agree/{number}", mine, timeout_s, missing)
+    for other, theirs in enumerate(everyone):
         if other == me:
             continue
-        try:
-            text = client.blocking_key_value_get(f"pipemark/agree/{number}/{other}", wait_ms)
-        except Exception as error:  # the client's own error type differs by jaxlib
-            raise ProcessError(
-                f"process {me}: process {other} did not start pipeline call {number} within "
-                f"{wait_ms / 1000:g} s: it died, hangs, or reused an earlier input shape "
-                "where this process has a new one (the processes' calls differ). "
-                f"({type(error).__name__})"
-            ) from None
-        theirs = json.loads(text)
         for what, value in mine.items():
             if theirs.get(what) != value:
                 raise ProcessError(
@@ -103,21 +101,41 @@ def from_every_process(what: str, value: Any, timeout_s: float | None) -> list[A
     if client is None or jax.process_count() == 1:
         return [value]
     number, me = next(_exchanges), jax.process_index()
-    client.key_value_set(f"pipemark/exchange/{number}/{me}", json.dumps(value))
+
+    def missing(other: int, seconds: float) -> str:
+        return (
+            f"process {me}: process {other} did not send {what} (exchange {number}) "
+            f"within {seconds:g} s: it died, hangs, or plans another pipeline "
+            "(every process must plan and call the same pipelines in the same order)."
+        )
+
+    return _every_process(client, f"pipemark/exchange/{number}", value, timeout_s, missing)
+
+
+def _every_process(
+    client: Any,
+    prefix: str,
+    value: Any,
+    timeout_s: float | None,
+    missing: Callable[[int, float], str],
+) -> list[Any]:
+    """Publish ``value`` under ``prefix`` and read every process's, in process order
+    (this process's as the others read it); a process that did not publish within
+    ``timeout_s`` (``None``: an hour) raises :class:`ProcessError` with
+    ``missing(process, seconds)``."""
+    me = jax.process_index()
+    client.key_value_set(f"{prefix}/{me}", json.dumps(value))
     wait_ms = int(1000 * (timeout_s if timeout_s is not None else 3600))
     values = []
     for other in range(jax.process_count()):
         if other == me:
-            values.append(json.loads(json.dumps(value)))  # as the others read it
+            values.append(json.loads(json.dumps(value)))
             continue
         try:
-            text = client.blocking_key_value_get(f"pipemark/exchange/{number}/{other}", wait_ms)
+            text = client.blocking_key_value_get(f"{prefix}/{other}", wait_ms)
         except Exception as error:  # the client's own error type differs by jaxlib
             raise ProcessError(
-                f"process {me}: process {other} did not send {what} (exchange {number}) "
-                f"within {wait_ms / 1000:g} s: it died, hangs, or plans another pipeline "
-                "(every process must plan and call the same pipelines in the same order). "
-                f"({type(error).__name__})"
+                f"{missing(other, wait_ms / 1000)} ({type(error).__name__})"
             ) from None
         values.append(json.loads(text))
     return values
