@@ -109,6 +109,17 @@ VERSION_TABLE: dict[str, dict[str, str]] = {
         "configs named by jax._src.config.jaxpr_eqn_ctx_names(), the mesh as "
         "abstract_mesh_context_manager",
     },
+    # A stage program of the one microbatch of a call (pipemark.runtime.compilation)
+    # can make its accumulators itself instead of adding to zeros it is given.
+    "one microbatch's accumulators": {
+        "zeros first": "0.10.2 (measured): a program whose arguments arrive in layouts "
+        "XLA chose (Layout.AUTO) gives the outputs it makes layouts of its own, whatever "
+        "out_shardings asks, and a later program mixing such an array with "
+        "default-layout ones (an optimizer update) computed wrong values; donated zeros "
+        "fix an accumulator's layout",
+        "made in the program": "0.12.1 (measured): the same pipelines equal "
+        "jax.value_and_grad with the accumulators made in the program",
+    },
     # pipemark registers no partial-eval rule: jax.checkpoint and linearize derive one
     # for the marker from its jvp and transpose rules (DESIGN.md).
     "partial-eval rule": {"none registered": "0.10.2, 0.11.2, 0.12.0.1"},
@@ -184,6 +195,8 @@ def jax_form(row: str) -> str:
         from jax.extend.core.primitives import closed_call_p
 
         return closed_call_p.name
+    if row == "one microbatch's accumulators":
+        return "made in the program" if ACCUMULATORS_MADE_IN_PROGRAM else "zeros first"
     if row not in VERSION_TABLE:
         raise KeyError(f"{row!r} is no row of VERSION_TABLE: {sorted(VERSION_TABLE)}")
     (form,) = VERSION_TABLE[row]
@@ -400,6 +413,13 @@ def input_paths(jaxpr) -> tuple[str | None, ...]:
 # is named "Jaxpr". `ClosedJaxpr(jaxpr, consts)` and `jaxpr.replace(...)` still work, but
 # an open Jaxpr can no longer be told from a closed one.
 CLOSED_JAXPR_IS_JAXPR: bool = _ClosedJaxpr is _Jaxpr
+
+#: Whether a one-microbatch stage program may make its accumulators itself (the
+#: VERSION_TABLE row "one microbatch's accumulators"): measured right on JAX 0.12.1 and
+#: wrong on 0.10.2; versions between are given zeros, as 0.10 is.
+ACCUMULATORS_MADE_IN_PROGRAM: bool = tuple(
+    int(part) for part in _jax.__version__.split(".")[:2]
+) >= (0, 12)
 
 
 def jaxpr_type_name(value: object) -> str:

@@ -31,6 +31,7 @@ from jax.experimental.layout import Format, Layout
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from jax.sharding import PartitionSpec as P
 
+from pipemark._compat import ACCUMULATORS_MADE_IN_PROGRAM
 from pipemark.caches import register_cache
 from pipemark.lowering import get_lowering
 from pipemark.passes.rewrite import remove_markers
@@ -178,10 +179,12 @@ def compile_units(
     over ``data_axis`` are gathered as ``fsdp_gather`` says
     (:func:`pipemark.runtime.sharding.compile_stage`). With
     ``num_microbatches`` 1, single-device units keep no accumulators
-    (:attr:`Unit.starts`)."""
+    (:attr:`Unit.starts`) on a JAX that lays them out right
+    (:data:`pipemark._compat.ACCUMULATORS_MADE_IN_PROGRAM`)."""
     readers = stage_readers(staged)
     if not placement.meshes:
-        starts = num_microbatches == 1
+        # One microbatch: a program makes its accumulators, where JAX lays them out right.
+        starts = num_microbatches == 1 and ACCUMULATORS_MADE_IN_PROGRAM
         kept = kept_on_slot(staged, workers)
         return {
             index: _compile_unit(staged, index, w, placement.slots[w], readers, starts, kept[index])
