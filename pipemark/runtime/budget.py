@@ -226,7 +226,8 @@ def _changes(trial: _Trial, budget: int) -> Iterator[_Change]:
     marked layer off a stage of a slot over."""
     plan, remat, names = trial.plan, trial.rematerialize, _forward_names(trial.plan)
     if trial.options.fsdp_gather is None and _gathers_once(plan) and not plan.placement.spanning:
-        # (Not on a stage that spans processes: refused there, see plan.py.)
+        # (Not on a stage that spans processes: its stage programs run one at a time
+        # there, PipelinePlan.ordered, which the unit costs do not count.)
         # Parameters sharded over the data axis gathered in each program instead of
         # once per call: no whole copy held, the gradients accumulated in shards. The
         # schedule is the same (its collectives are not in the unit costs): tried first.

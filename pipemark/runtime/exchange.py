@@ -23,7 +23,14 @@ class Exchange:
     each reader's device; a reader takes its copy, waiting on its worker's condition if
     the producer has not dispatched yet. A copy is dropped once the last reader on its
     device has taken it (the runtime keeps the buffer alive while a program that reads
-    it is pending)."""
+    it is pending).
+
+    It also hands out turns (:meth:`wait_turn`, :meth:`pass_turn`): the threads of a
+    call that must dispatch their programs in one order take turn 0, 1, ... in it.
+
+    >>> exchange = Exchange(1)
+    >>> exchange.wait_turn(0); exchange.pass_turn(); exchange.wait_turn(1)
+    """
 
     def __init__(self, num_workers: int) -> None:
         self._lock = threading.Lock()
@@ -31,6 +38,8 @@ class Exchange:
         self._values: dict[tuple[tuple[int, int, int], int], list[Any]] = {}
         self.peak = 0
         self.error: BaseException | None = None
+        self._turn = 0
+        self._turned = threading.Condition(self._lock)
 
     def publish(self, entries: list[tuple[tuple[int, int, int], int, Any, int]]) -> None:
         with self._lock:
@@ -59,6 +68,20 @@ class Exchange:
                 del self._values[(key, worker)]
         return slot[0], waited
 
+    def wait_turn(self, turn: int) -> None:
+        """Wait until the turns before ``turn`` are passed (:meth:`pass_turn`)."""
+        with self._lock:
+            while self._turn != turn and self.error is None:
+                self._turned.wait()
+            if self.error is not None:
+                raise Cancelled
+
+    def pass_turn(self) -> None:
+        """End the current turn: the thread waiting for the next one goes on."""
+        with self._lock:
+            self._turn += 1
+            self._turned.notify_all()
+
     def fail(self, error: BaseException) -> None:
         """Record the first error and wake every waiting worker so that it stops."""
         with self._lock:
@@ -66,6 +89,7 @@ class Exchange:
                 self.error = error
             for arrived in self._arrived:
                 arrived.notify_all()
+            self._turned.notify_all()
 
     def __len__(self) -> int:
         with self._lock:

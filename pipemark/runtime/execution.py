@@ -33,7 +33,13 @@ How a call runs (the plan was traced, sliced and compiled by
    publishes what it receives for the reading worker. On CPU, XLA runs a collective on
    the thread that dispatches it until the other process arrives, so transfers run on
    a thread of their own: a worker dispatches its next actions while a transfer waits
-   for its peer.
+   for its peer. Where stage programs have collectives between processes
+   (:attr:`~pipemark.runtime.plan.PipelinePlan.ordered`), the workers and the transfer
+   thread take turns in the global order of steps and transfers
+   (:attr:`~pipemark.runtime.steps.Steps.order`), each step computed before the next
+   turn: XLA launches a process's collectives in the order they were dispatched, and
+   two processes that dispatched them in different orders (or had two in flight at
+   once) waited for each other.
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ from pipemark.runtime.schedules import BACKWARD, FORWARD, WEIGHT, Action
 from pipemark.runtime.steps import (
     PARAM,
     STAGE,
+    TRANSFER,
     Gather,
     Key,
     Step,
@@ -181,6 +188,9 @@ class _Call:
         # Per worker, the results of its actions dispatched and perhaps not computed
         # yet: at most plan.dispatch_ahead (see _bound_dispatch).
         self.pending: list[collections.deque] = [collections.deque() for _ in self.local]
+        # Where stage programs have collectives between processes (PipelinePlan.ordered):
+        # the turn of each of this process's steps and transfers in the global order.
+        self.turns: dict[tuple[int, int], int] = {}
 
     def place(self, worker: int) -> Placed:
         """This worker's parameters, batch slices and scale, on its slot, in one
@@ -239,6 +249,10 @@ class _Call:
             if failure is None:
                 raise
             raise failure from error
+        if self.turns:
+            # Computed before the next turn: two programs with collectives between the
+            # same processes in flight at once were seen to hang too (CPU, gloo).
+            jax.block_until_ready((new_accs, outs))
         ahead = self.plan.dispatch_ahead
         if ahead is not None and not measuring:
             _bound_dispatch(self.plan, worker, self.pending[worker], step, (new_accs, outs))
@@ -302,7 +316,11 @@ class _Call:
         waited = 0.0
         finals = self.steps.finals[worker]  # empty in one process
         reductions = self.steps.reductions[worker] if self.steps.reductions else {}
+        turns = self.turns
         for n, step in enumerate(self.steps.columns[worker]):
+            turn = turns.get((worker, n))
+            if turn is not None:  # its collectives (and the finals') in the global order
+                self.exchange.wait_turn(turn)
             waited += self.run_step(worker, step, placed)
             for index in reductions.get(n, ()):  # the schedule's REDUCE_GRAD
                 self.finish_stage(index)
@@ -316,6 +334,8 @@ class _Call:
                     accs = jax.device_put(list(accs), [slot.replicated] * len(accs))
                 key = (-1, index, 0)
                 self.exchange.publish([(key, len(self.local), accs, 1)])
+            if turn is not None:
+                self.exchange.pass_turn()
         self.host_times.append(time.perf_counter() - start - waited)
         self.cpu_times.append(time.thread_time() - cpu)
 
@@ -646,6 +666,9 @@ def _run_processes(call: _Call) -> None:
     stages (in the same order), while the last stages still compute."""
     process = call.plan.placement.process
     call.transport = transport = CollectiveTransport(call.plan.watchdog, process)
+    if call.plan.ordered:
+        mine = [(w, n) for w, n in call.steps.order if w == TRANSFER or call.local[w]]
+        call.turns = {entry: turn for turn, entry in enumerate(mine)}
     workers = [w for w, mine in enumerate(call.local) if mine]
     threads = [
         threading.Thread(target=_guard, args=(call, call.walk, w), name=f"pipemark-device{w}")
@@ -665,12 +688,24 @@ def _run_processes(call: _Call) -> None:
 def _walk_transfers(call: _Call) -> None:
     """The transfers this process is an end of, one after another in the global order:
     values between stages, then each stage's results (while the last stages still
-    compute)."""
-    for transfer in call.steps.transfers:
+    compute). Where the plan orders its programs (:attr:`PipelinePlan.ordered`), each
+    waits for its turn, with the watchdog armed: a worker ahead of it may wait in a
+    collective for a process that is gone."""
+    watchdog, exchange = call.plan.watchdog, call.exchange
+    for i, transfer in enumerate(call.steps.transfers):
+        turn = call.turns.get((TRANSFER, i))
+        if turn is not None:
+            watchdog.arm("for its turn, behind a stage program waiting for another process")
+            try:
+                exchange.wait_turn(turn)
+            finally:
+                watchdog.disarm()
         if isinstance(transfer, Gather):
             call.gather(transfer)
         else:
             call.transfer(*transfer)
+        if turn is not None:
+            exchange.pass_turn()
 
 
 def _guard(call: _Call, walk: Callable[..., None], *args: Any) -> None:

@@ -18,7 +18,6 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from pipemark.errors import PipemarkError
 from pipemark.passes.residuals import RECOMPUTABLE, recompute_residuals
 from pipemark.runtime.agreement import check_agreement
 from pipemark.runtime.compilation import Unit, compile_fused, compile_units
@@ -139,6 +138,11 @@ class PipelinePlan:
     #: The schedule's actions resolved with every action its own program (no fusion),
     #: as :func:`~pipemark.runtime.execution.action_costs` times them.
     unfused_steps: Steps | None = dataclasses.field(default=None, repr=False, compare=False)
+    #: Under jax.distributed, whether stage programs have collectives between processes
+    #: (FSDP gathered per microbatch on a sub-mesh that spans processes): then every
+    #: process dispatches its steps and transfers one at a time in the one global order
+    #: (:attr:`~pipemark.runtime.steps.Steps.order`), as XLA needs of collectives.
+    ordered: bool = False
 
     @property
     def num_stages(self) -> int:
@@ -276,24 +280,22 @@ def build_plan(
     )
 
 
-def _refuse_gathers_across_processes(
+def _gathers_across_processes(
     placement: Placement, options: PipelineOptions, param_specs: Sequence[Any] | None
-) -> None:
-    """Refuse parameters sharded over the data axis and gathered in each stage program
-    (``fsdp_gather="per_microbatch"``) on a stage whose sub-mesh spans processes: those
-    programs gather and reduce-scatter between the processes while the transfers into
-    and out of the sub-mesh run, and the processes were seen to hang (CPU, gloo)."""
+) -> bool:
+    """Whether stage programs gather parameters sharded over the data axis and
+    reduce-scatter their gradients (``fsdp_gather="per_microbatch"``) on a stage whose
+    sub-mesh spans processes: collectives between processes inside stage programs.
+    XLA's CPU client launches a process's programs with collectives one after another
+    in the order they were dispatched, and a collective waits for every process: with
+    each worker thread and the transfer thread dispatching as they go, two processes
+    dispatched one stage's backward and a transfer in opposite orders and each waited
+    for the other (CPU, gloo). Such a plan dispatches its steps and transfers in the one
+    global order (:attr:`PipelinePlan.ordered`)."""
     if not placement.spanning or options.gathering != "per_microbatch" or param_specs is None:
-        return
+        return False
     data = options.data_axis
-    if all(spec is None or gathered_spec(spec, data) == spec for spec in param_specs):
-        return  # nothing sharded over the data axis: nothing gathered
-    raise PipemarkError(
-        'fsdp_gather="per_microbatch" with a stage whose sub-mesh spans processes is not '
-        "supported yet (each stage program would gather and reduce-scatter between the "
-        'processes): use fsdp_gather="once" (the default), or lay the mesh out so that '
-        "each stage's devices belong to one process."
-    )
+    return any(spec is not None and gathered_spec(spec, data) != spec for spec in param_specs)
 
 
 def plan_from_staged(
@@ -325,7 +327,6 @@ def plan_from_staged(
     stages = pipeline_stages(staged, options.splits_backward)
     problem, schedule = plan_schedule(stages, options)
     placement = place_stages(problem.slots, schedule.stage_devices)
-    _refuse_gathers_across_processes(placement, options, param_specs)
     units = compile_units(
         stages.staged,
         {index: placement.stage_slots[k] for index, k in stages.pipeline_stage().items()},
@@ -360,6 +361,7 @@ def plan_from_staged(
         problem=problem,
         rematerialized=frozenset(rematerialize),
         stage_layers=stage_layers,
+        ordered=_gathers_across_processes(placement, options, param_specs),
     )
     return _ready(plan)
 

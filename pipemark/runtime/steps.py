@@ -5,7 +5,7 @@ for which microbatch, where each input comes from (a parameter leaf, a batch lea
 microbatch, or an output of another stage for the same microbatch) and which workers
 read each of its outputs. Under ``jax.distributed`` also the transfers between this
 process and the others, in the one global order every process walks
-(:attr:`Steps.transfers`).
+(:attr:`Steps.transfers`), and that order with the steps in it (:attr:`Steps.order`).
 
 Some steps run several stage programs as one (a *fused* step, one program:
 :func:`pipemark.runtime.compilation.compile_fused`): the schedule's overlapped pairs
@@ -33,6 +33,7 @@ __all__ = [
     "BATCH",
     "PARAM",
     "STAGE",
+    "TRANSFER",
     "Gather",
     "Step",
     "Steps",
@@ -48,6 +49,9 @@ __all__ = [
 #: Where a step's input comes from (the first item of each entry of :attr:`Step.inputs`):
 #: ``(PARAM, leaf)``, ``(BATCH, (leaf, microbatch))``, ``(STAGE, key)``.
 PARAM, BATCH, STAGE = 0, 1, 2
+
+#: The worker of a transfer's entries in :attr:`Steps.order`.
+TRANSFER = -1
 
 #: A value handed between stages: ``(microbatch, stage index, output index)``.
 Key = tuple[int, int, int]
@@ -109,6 +113,11 @@ class Steps(NamedTuple):
     # Per worker, {position in its column: stage indices} reduced over their
     # data-parallel replicas after that step (the schedule's REDUCE_GRAD).
     reductions: tuple[dict[int, tuple[int, ...]], ...] = ()
+    # Under jax.distributed: the steps of every worker, as (worker, position in its
+    # column), and this process's transfers, as (TRANSFER, index in transfers), in
+    # the one global order (where a stage program has collectives between processes,
+    # every process dispatches its share of them in this order: execution.py).
+    order: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_programs(self) -> int:
@@ -159,6 +168,7 @@ def resolve_steps(
                     batch[w].add(where[0])
             columns[w].append(step)
             serial.append((w, step))
+    transfers, order = _transfers(serial, units, placement, staged)
     return Steps(
         columns=tuple(tuple(c) for c in columns),
         serial=tuple(serial),
@@ -166,9 +176,10 @@ def resolve_steps(
         batch=tuple(tuple(sorted(b)) for b in batch),
         num_actions=num_actions,
         readers=readers,
-        transfers=_transfers(serial, units, placement, staged),
+        transfers=transfers,
         finals=_finals(columns, units, placement),
         reductions=_reductions(columns, schedule, roles, units),
+        order=order,
     )
 
 
@@ -341,11 +352,15 @@ def fuse_steps(
         for column in steps.columns
     )
     serial = tuple((w, fused_steps.get(id(s), s)) for w, s in steps.serial if id(s) not in folded)
-    order = [(w, at_forward.get(id(s), s)) for w, s in steps.serial if id(s) not in fused_steps]
+    # Each fused step in the forward's place: its worker's steps in column order still
+    # (the two were next to each other there).
+    walk = [(w, at_forward.get(id(s), s)) for w, s in steps.serial if id(s) not in fused_steps]
+    transfers, order = _transfers(walk, units, placement, staged)
     return steps._replace(
         columns=columns,
         serial=serial,
-        transfers=_transfers(order, units, placement, staged),
+        transfers=transfers,
+        order=order,
         finals=_finals([list(c) for c in columns], units, placement),
         reductions=(
             steps.reductions
@@ -397,10 +412,10 @@ def without_gathers(steps: Steps) -> Steps:
     """``steps`` without sending each stage's results to the other processes once final
     (:class:`Gather`): each process keeps its own stages' results
     (``PipelineOptions(gather_results=False)``)."""
-    return steps._replace(
-        transfers=tuple(t for t in steps.transfers if not isinstance(t, Gather)),
-        finals=tuple({} for _ in steps.finals),
-    )
+    transfers = tuple(t for t in steps.transfers if not isinstance(t, Gather))
+    # The gathers come last in both (see _transfers).
+    order = tuple((w, i) for w, i in steps.order if w != TRANSFER or i < len(transfers))
+    return steps._replace(transfers=transfers, finals=tuple({} for _ in steps.finals), order=order)
 
 
 def _transfers(
@@ -408,7 +423,7 @@ def _transfers(
     units: Mapping[int, Unit],
     placement: Placement,
     staged: StagedJaxpr,
-) -> tuple[Transfer | Gather, ...]:
+) -> tuple[tuple[Transfer | Gather, ...], tuple[tuple[int, int], ...]]:
     """The transfers this process is an end of, in the global order: before each action
     (in the schedule's order), the values it reads from workers of other processes that
     no earlier action on its worker received, one transfer per producer; then each
@@ -421,9 +436,13 @@ def _transfers(
     processes' transfers whose values were ready (in a traced 1F1B call over four
     processes, the third stage's next-to-last cotangent waited 17 ms for the last
     stage's results). At the end, the early stages' results still cross while the last
-    stages compute."""
+    stages compute.
+
+    Also that order with the steps in it (:attr:`Steps.order`): each step after the
+    transfers into it, as ``(worker, position in its column)``, each transfer as
+    ``(TRANSFER, index)``."""
     if not placement.distributed:
-        return ()
+        return (), ()
     process = [slot.processes for slot in placement.slots]
     last = {
         index: n
@@ -435,6 +454,8 @@ def _transfers(
     moved: set[tuple[Key, int]] = set()
     transfers: list[Transfer] = []
     gathers: list[Gather] = []
+    order: list[tuple[int, int]] = []
+    positions = [0] * len(placement.slots)  # per worker, its steps so far
     for n, (worker, step) in enumerate(serial):
         per_producer: dict[int, list[Key]] = {}
         for source, key in step.inputs:
@@ -448,7 +469,10 @@ def _transfers(
             if placement.process not in process[p] | process[worker]:
                 continue  # between other processes
             types = tuple(_passed_type(staged, placement, p, i, o) for _, i, o in keys)
+            order.append((TRANSFER, len(transfers)))
             transfers.append((p, worker, tuple(keys), types))
+        order.append((worker, positions[worker]))
+        positions[worker] += 1
         for index in _stages_of(step):
             if last.get(index) != n:
                 continue
@@ -457,7 +481,8 @@ def _transfers(
             # A process owning part of the slot keeps its own copy of the results.
             others = tuple((q, d) for q, d in receivers.items() if q not in process[worker])
             gathers.append(Gather(worker, index, types, others))
-    return (*transfers, *gathers)
+    order += [(TRANSFER, len(transfers) + g) for g in range(len(gathers))]
+    return (*transfers, *gathers), tuple(order)
 
 
 def _finals(

@@ -166,7 +166,11 @@ def fsdp_checks(mesh: Mesh, processes: int) -> dict[str, np.ndarray]:
     (``gather_results=False``: ``fsdp-held-I``, this process's shards, NaN elsewhere),
     with the bytes each device of this process holds of them (``fsdp-param-bytes``,
     ``fsdp-grad-bytes``); with 2 processes, also the parameters whole and every
-    result gathered (``fsdp-once-I``). The message refusing ``"per_microbatch"``. Two
+    result gathered (``fsdp-once-I``). The same with ``fsdp_gather="per_microbatch"``
+    (each stage program gathers its parameters between the processes:
+    ``fsdp-per-microbatch-I``, as ``fsdp-held-I``), whether each of the two plans
+    orders its programs (``fsdp-ordered``), and whether that order walks each
+    worker's steps and the transfers each in turn (``fsdp-order-walks``). Two
     ``optax.adamw`` training steps from the sharded parameters (:func:`train_twice`,
     prefix ``fsdp-train``), with the bytes each device of this process holds of the
     new parameters and of Adam's first moments (``fsdp-train-param-bytes``,
@@ -189,8 +193,22 @@ def fsdp_checks(mesh: Mesh, processes: int) -> dict[str, np.ndarray]:
         saved[f"fsdp-held-{i}"] = _local_view(leaf)
     saved["fsdp-param-bytes"] = _device_bytes(params)
     saved["fsdp-grad-bytes"] = _device_bytes(grads)
-    per_microbatch = pm.pipeline_value_and_grad(ex.loss_fn, **options, fsdp_gather="per_microbatch")
-    saved["refused-fsdp-per-microbatch"] = refusal(per_microbatch, ex.params, ex.batch)
+    per_microbatch = pm.pipeline_value_and_grad(
+        ex.loss_fn, **options, gather_results=False, fsdp_gather="per_microbatch"
+    )
+    loss_pm, grads_pm = per_microbatch(params, ex.batch)
+    plans = [pipe.plan(params, ex.batch) for pipe in (held, per_microbatch)]
+    saved["fsdp-ordered"] = np.array([plan.ordered for plan in plans])
+    order = plans[1].steps.order  # each worker's steps, each transfer once, in order
+    saved["fsdp-order-walks"] = np.array(
+        [
+            [n for v, n in order if v == w] == list(range(len(c)))
+            for w, c in enumerate(plans[1].steps.columns)
+        ]
+        + [[n for v, n in order if v == -1] == list(range(len(plans[1].steps.transfers)))]
+    )
+    for i, leaf in enumerate([loss_pm, *jax.tree_util.tree_leaves(grads_pm)]):
+        saved[f"fsdp-per-microbatch-{i}"] = _local_view(leaf)
     tx = optax.adamw(1e-2, weight_decay=0.1)
     step = optax_step(ex.loss_fn, tx)
     train = pm.pipeline_train_step(

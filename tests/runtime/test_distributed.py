@@ -222,7 +222,8 @@ def _check_fsdp(runs: list) -> None:
     float32 matrices); each gradient element is held by one process alone, and the
     shards together, and the loss that every process holds, are within a few ulps of
     ``jax.jit(jax.value_and_grad)``; so are the results gathered whole (2 processes).
-    ``"per_microbatch"`` is refused, saying what to do instead. Two ``optax.adamw``
+    So with ``"per_microbatch"`` (each stage program gathers and reduce-scatters between
+    the processes; they dispatch their programs in one global order). Two ``optax.adamw``
     steps keep the parameters and Adam's moments sharded so (``1/D`` on each device),
     each element in one process, and equal ``jax.jit`` of the step within a few ulps."""
     data = len(runs)
@@ -231,13 +232,14 @@ def _check_fsdp(runs: list) -> None:
         assert list(got["fsdp-param-bytes"]) == list(got["fsdp-grad-bytes"]) == [4096 // data] * 2
         assert list(got["fsdp-train-param-bytes"]) == [4096 // data] * 2
         assert list(got["fsdp-train-mu-bytes"]) == [4096 // data] * 2
-        message = str(got["refused-fsdp-per-microbatch"])
-        assert 'fsdp_gather="per_microbatch" with a stage whose sub-mesh spans' in message
-        assert 'use fsdp_gather="once"' in message
+        assert list(got["fsdp-ordered"]) == [False, True]  # "once", "per_microbatch"
+        assert got["fsdp-order-walks"].all()
         if data == 2:
             assert_trees_within_ulps([got[f"fsdp-once-{i}"] for i in range(9)], want, ulps=8)
     _check_trained(runs, "fsdp-train", alone=True)
     assert_trees_within_ulps(_merged_held(runs, "fsdp-held", 9), want, ulps=8)
+    # Gathered and reduce-scattered in each stage program, between the processes.
+    assert_trees_within_ulps(_merged_held(runs, "fsdp-per-microbatch", 9), want, ulps=8)
     _check_memory(runs, want)
     _check_checkpoint(runs)
 
