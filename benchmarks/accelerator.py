@@ -58,6 +58,7 @@ the step runs out of memory (``benchmarks/_ballast.py``); a verdict line gives b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -170,8 +171,68 @@ def resolve_sizes(args: argparse.Namespace, platform: str) -> dict:
 
 #: The models ``--model`` chooses: the GPT, and a Llama-style model
 #: (``pipemark.examples.llama``: RMSNorm, rotary, SwiGLU) with each attention it offers,
-#: tied or untied embeddings (issue #40).
-MODELS = ("gpt", "llama", "llama-mask", "llama-einsum", "llama-untied", "nnx")
+#: tied or untied embeddings, or Pallas's TPU flash attention kernel (issue #40).
+MODELS = ("gpt", "llama", "llama-mask", "llama-einsum", "llama-untied", "nnx", "llama-flash")
+
+#: The sequence lengths the flash attention kernel takes: a multiple of its 128-long
+#: blocks (at 16 its block specs do not tile the arrays).
+FLASH_BLOCK = 128
+
+
+def flash_attention(q, k, v):
+    """Causal attention by Pallas's TPU flash attention kernel
+    (``jax.experimental.pallas.ops.tpu.flash_attention``), as a user hands it to
+    ``examples.llama``: over ``(batch, seq, heads, head_dim)``, transposed to the
+    kernel's ``(batch, heads, seq, head_dim)`` and back. Every block is 512 long, or
+    256 or 128 where the sequence is no multiple of 512. Off a TPU the kernel runs only
+    in Pallas's TPU interpret mode (:func:`kernel_mode`).
+
+    >>> import jax, jax.numpy as jnp
+    >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 128, 2, 8), jnp.bfloat16)
+    >>> # jax_enable_checks refuses the interpret mode's callbacks in a custom_vjp
+    >>> with kernel_mode("llama-flash", "cpu"), jax.enable_checks(False):
+    ...     out = flash_attention(q, k, v)
+    >>> want = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    >>> out.shape, bool(jnp.allclose(out, want, atol=2e-2))
+    ((1, 128, 2, 8), True)
+    """
+    import math
+
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash
+
+    seq, head_dim = q.shape[1], q.shape[3]
+    if seq % FLASH_BLOCK:
+        raise ValueError(
+            f"llama-flash: the flash attention kernel needs a sequence that is a multiple "
+            f"of {FLASH_BLOCK}, got {seq}; pass --seq {FLASH_BLOCK} (or a multiple of it)."
+        )
+    block = math.gcd(seq, 512)
+    names = ("block_q", "block_k_major", "block_k", "block_q_major_dkv", "block_k_major_dkv")
+    names += ("block_k_dkv", "block_q_dkv", "block_k_major_dq", "block_k_dq", "block_q_dq")
+    sizes = pallas_flash.BlockSizes(block_b=1, **dict.fromkeys(names, block))
+    out = pallas_flash.flash_attention(
+        *(jnp.swapaxes(x, 1, 2) for x in (q, k, v)),
+        causal=True, sm_scale=1.0 / math.sqrt(head_dim), block_sizes=sizes,
+    )  # fmt: skip
+    return jnp.swapaxes(out, 1, 2)
+
+
+def kernel_mode(model: str, platform: str) -> contextlib.AbstractContextManager:
+    """The context to trace ``model`` on ``platform`` in: on CPU, ``llama-flash``'s TPU
+    kernel in Pallas's TPU interpret mode. The mode is read when a ``pallas_call`` is
+    traced, and the kernel's backward is traced when the gradient is, outside the
+    attention function, so the whole step (the first call of ``jax.jit`` or the
+    pipeline, and reading its compiled programs) is traced in it.
+
+    >>> with kernel_mode("llama", "cpu"):  # nothing to change
+    ...     pass
+    """
+    if model != "llama-flash" or platform != "cpu":
+        return contextlib.nullcontext()
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.force_tpu_interpret_mode()
 
 
 def model_example(model: str, sizes: dict, rows: int, markers: str | None):
@@ -196,6 +257,7 @@ def model_example(model: str, sizes: dict, rows: int, markers: str | None):
     from pipemark import examples
 
     attention = {"llama-mask": "dot_product_mask", "llama-einsum": "einsum"}
+    attention["llama-flash"] = flash_attention
     return examples.llama(
         sizes["layers"], sizes["d_model"], sizes["heads"], seq=sizes["seq"], batch=rows,
         vocab=sizes["vocab"], d_ff=sizes["d_ff"] * 2 // 3, compute_dtype=jnp.bfloat16,
@@ -465,18 +527,9 @@ def child(args: argparse.Namespace) -> None:
             result["status"] = "skipped"
             result["message"] = f"{stages} stages > {sizes['layers']} blocks"
         else:
-            result.update(
-                measure(
-                    args.child,
-                    sizes,
-                    args.microbatches,
-                    args.repeat,
-                    device,
-                    counter,
-                    args.model,
-                    args.ballast,
-                )
-            )
+            options = (args.microbatches, args.repeat, device, counter, args.model, args.ballast)
+            with kernel_mode(args.model, device.platform):
+                result.update(measure(args.child, sizes, *options))
             result["status"] = "ok"
     except Exception as error:  # reported in the table, not raised
         message = f"{type(error).__name__}: {error}"
@@ -739,6 +792,7 @@ def _model_name(model: str) -> str:
         return "flax nnx (benchmarks/nnx_model.py: MultiHeadAttention, SwiGLU, tied)"
     what = {"llama-mask": "dot_product_attention(mask=causal)", "llama-einsum": "einsum attention"}
     what["llama-untied"] = "dot_product_attention(is_causal=True), untied embeddings"
+    what["llama-flash"] = "Pallas TPU flash_attention(causal=True)"
     attention = what.get(model, "dot_product_attention(is_causal=True)")
     return f"examples.llama (SwiGLU d_ff * 2 // 3 wide), {attention}"
 
