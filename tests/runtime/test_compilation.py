@@ -52,6 +52,7 @@ def test_custom_call_lowering_keeps_the_markers():
         assert runtime_program(cj) is cj
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_microbatches", [1, 2])
 def test_accumulators_are_donated_and_each_call_starts_from_zero(num_microbatches):
     """With several microbatches the accumulators are donated (added to in place);
@@ -117,6 +118,7 @@ def _runs(plan):
     }
 
 
+@pytest.mark.slow
 def test_stages_of_identical_blocks_share_one_compiled_program():
     """Issue #33: stages 1 and 2 of a 4-stage GPT hold one identical block each; their
     markers have other names, which the compiled program leaves out, so they are one
