@@ -32,8 +32,9 @@ def run_script_once(
     *,
     xla_flags: str | None = None,
     timeout: float = 600,
+    args: list[str] | None = None,
 ) -> str:
-    """The standard output of ``python script``, run once per session (the first
+    """The standard output of ``python script *args``, run once per session (the first
     worker to ask runs it, under a file lock, and the others read its output) with this
     checkout on ``PYTHONPATH`` and ``XLA_FLAGS=xla_flags`` (none for ``None``: the
     script sets its own), with the inherited flags of tests/_xla.py. Fails the asking
@@ -46,7 +47,7 @@ def run_script_once(
             env = child_environ(dict(os.environ), *([] if xla_flags is None else [xla_flags]))
             env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
             proc = subprocess.run(
-                [sys.executable, str(script)],
+                [sys.executable, str(script), *(args or [])],
                 env=env,
                 capture_output=True,
                 text=True,

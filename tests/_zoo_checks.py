@@ -11,6 +11,12 @@ jitted ``value_and_grad`` over the whole batch:
 One process builds each model and compiles its reference once for all of these (the
 zoo's time is mostly XLA compiling). Prints one JSON line per check; a check that
 raises prints its traceback instead.
+
+    python tests/_zoo_checks.py                     # every check of every model
+    python tests/_zoo_checks.py nnx equinox:zb-h1   # nnx's checks, one of equinox's
+
+tests/test_model_zoo.py asks for the checks its selected tests read: with
+``PIPEMARK_CASES=cover`` (conftest.py) fewer than all.
 """
 
 from __future__ import annotations
@@ -110,36 +116,56 @@ def _report(case: str, check: str, run: Callable[..., dict], *args) -> None:
     print(json.dumps(line), flush=True)
 
 
-def _check_model(name: str) -> None:
+def _check_model(name: str, checks: set[str]) -> None:
     model = _zoo.BUILDERS[name]()
     reference = model.value_and_grad(model.params, *model.batch)
-    _report(name, "split", _split, model, reference)
+    if "split" in checks:
+        _report(name, "split", _split, model, reference)
     for schedule in SCHEDULES:
-        _report(name, schedule, _pipeline, model, reference, schedule)
+        if schedule in checks:
+            _report(name, schedule, _pipeline, model, reference, schedule)
 
 
-def _check_linen_step() -> None:
+def _check_linen_step(checks: set[str]) -> None:
     model = _zoo.BUILDERS["linen-scan-remat"]()
     step, state = _zoo.linen_train_step(model)
     args = (model.params, state, model.batch)
     reference = jax.jit(step)(*args)
-    _report(STEP, "split", _split_step, step, args, reference)
+    if "split" in checks:
+        _report(STEP, "split", _split_step, step, args, reference)
     for schedule in SCHEDULES:
-        _report(STEP, schedule, _pipeline_step, step, args, reference, schedule)
+        if schedule in checks:
+            _report(STEP, schedule, _pipeline_step, step, args, reference, schedule)
 
 
 def _installed(*modules: str) -> bool:
     return all(importlib.util.find_spec(m.split(".")[0]) is not None for m in modules)
 
 
-def main(names: list[str]) -> None:
+def wanted(args: list[str]) -> dict[str, set[str]]:
+    """The checks to run, by case, from the arguments ``CASE`` (all its checks) or
+    ``CASE:CHECK``; none: every check of every case.
+
+    >>> wanted(["nnx:zb-h1", "equinox"])["equinox"] == {"split", *SCHEDULES}
+    True
+    """
+    checks: dict[str, set[str]] = {}
+    for arg in args or [*_zoo.BUILDERS, STEP]:
+        case, _, check = arg.partition(":")
+        if case not in _zoo.BUILDERS and case != STEP:
+            raise SystemExit(f"_zoo_checks.py: no case {case!r}: {[*_zoo.BUILDERS, STEP]}")
+        checks.setdefault(case, set()).update([check] if check else ["split", *SCHEDULES])
+    return checks
+
+
+def main(args: list[str]) -> None:
     print(json.dumps({"case": "devices", "count": jax.device_count()}), flush=True)
-    for name in names or [*_zoo.BUILDERS, STEP]:
-        if name == STEP:
+    for case, checks in wanted(args).items():
+        if case == STEP:
             if _installed("flax", "optax"):
-                _check_linen_step()
-        elif _installed(_zoo.LIBRARIES[name]):  # else the test skips it
-            _check_model(name)
+                _check_linen_step(checks)
+        elif _installed(_zoo.LIBRARIES[case]):  # else the test skips it
+            _check_model(case, checks)
 
 
 if __name__ == "__main__":

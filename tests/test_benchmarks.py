@@ -408,6 +408,7 @@ def test_accelerator_shortens_what_did_not_fit(message, short):
     assert bench.is_out_of_memory(message) == ("RESOURCE_EXHAUSTED" in message)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["llama-mask", "nnx"])
 def test_accelerator_models_pipelined_equal_jax_value_and_grad(model):
     """Issue #40: the benchmark's models as users write them (``jax.nn.dot_product_attention``

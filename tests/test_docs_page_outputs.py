@@ -22,6 +22,7 @@ def test_the_marked_pages_exist():
 
 
 @pytest.mark.docs_assets
+@pytest.mark.slow
 def test_page_outputs_are_up_to_date():
     for page in page_outputs.pages():
         text = page.read_text(encoding="utf-8")

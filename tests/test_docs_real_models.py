@@ -15,6 +15,7 @@ def _generator():
     return docs_generator("real_models")
 
 
+@pytest.mark.slow
 def test_real_models_page_is_up_to_date():
     gen = _generator()
     page = gen.PAGE.read_text(encoding="utf-8")

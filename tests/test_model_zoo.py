@@ -26,9 +26,26 @@ from tests._zoo_checks import SCHEDULES, STEP
 _SCRIPT = Path(__file__).with_name("_zoo_checks.py")
 
 
+def _check_of(item: pytest.Item) -> str | None:
+    """The ``CASE:CHECK`` of ``_zoo_checks.py`` whose result a test of this module
+    reads; None for one that reads none."""
+    params = getattr(item, "callspec", None)
+    params = params.params if params is not None else {}
+    case = params.get("name", STEP)
+    check = params.get("schedule", "split")
+    if item.originalname in _READS_A_CHECK:
+        return f"{case}:{check}"
+    return None
+
+
 @pytest.fixture(scope="session")
-def zoo(tmp_path_factory) -> dict[tuple[str, str | None], dict]:
-    out = run_script_once(tmp_path_factory, _SCRIPT, "pipemark-model-zoo")
+def zoo(request, tmp_path_factory) -> dict[tuple[str, str | None], dict]:
+    # Only the checks that the session's tests read: PIPEMARK_CASES=cover (conftest.py)
+    # deselects some of the cases, whose checks would cost CI time for nothing. Every
+    # pytest-xdist worker collects the same tests, so the first to ask asks for these.
+    mine = [i for i in request.session.items if i.path == Path(__file__)]
+    checks = sorted({c for c in map(_check_of, mine) if c is not None})
+    out = run_script_once(tmp_path_factory, _SCRIPT, "pipemark-model-zoo", args=checks)
     lines = [json.loads(line) for line in out.splitlines() if line.strip()]
     return {(line["case"], line.get("check")): line for line in lines}
 
@@ -88,3 +105,14 @@ def test_pipeline_train_step_equals_the_linen_optax_step(zoo, schedule):
     pytest.importorskip("flax.linen")
     pytest.importorskip("optax")
     assert _result(zoo, STEP, schedule)["step_worst"] < 1
+
+
+_READS_A_CHECK = {
+    test.__name__
+    for test in (
+        test_split_into_two_stages_equals_jax_and_verifies,
+        test_pipeline_value_and_grad_equals_value_and_grad,
+        test_linen_optax_step_splits_with_the_update_after_the_gradients,
+        test_pipeline_train_step_equals_the_linen_optax_step,
+    )
+}

@@ -102,6 +102,7 @@ def _losses(path: Path) -> tuple[int, list[float]]:
     return seen["first_step"], seen["losses"]
 
 
+@pytest.mark.slow
 def test_trains_saves_and_resumes_bit_for_bit_in_one_process(tmp_path, compiled):
     saving = ["--steps", "6", "--checkpoint-every", "3"]
     first = _run(tmp_path, compiled, *saving, "--checkpoint-dir", "run", "--losses", "run.json")
@@ -126,6 +127,7 @@ def test_trains_saves_and_resumes_bit_for_bit_in_one_process(tmp_path, compiled)
         example.open_checkpoints(args, stack)
 
 
+@pytest.mark.slow
 def test_two_processes_under_the_launcher_each_keeping_its_stages_state(tmp_path, compiled):
     done = _run(
         tmp_path, compiled, "--steps", "4", "--checkpoint-every", "2", "--checkpoint-dir", "run",

@@ -20,6 +20,7 @@ def _generator():
     return docs_generator("tutorial")
 
 
+@pytest.mark.slow
 def test_tutorial_executes_and_its_stored_outputs_are_current():
     # One test, so that the notebook runs once even when pytest-xdist spreads tests.
     gen = _generator()

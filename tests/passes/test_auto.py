@@ -550,6 +550,7 @@ def _eqx_transformer(eqx, num_blocks):
     return Model(jax.random.PRNGKey(0))
 
 
+@pytest.mark.slow
 def test_equinox_transformer_with_dropout_is_cut_between_blocks():
     eqx = pytest.importorskip("equinox")
     model, x = _eqx_transformer(eqx, 8), jnp.ones((2, 8, 32))

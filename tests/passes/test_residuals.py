@@ -48,6 +48,7 @@ def _gpt(dtype=jnp.bfloat16):
     return examples.gpt(3, 16, 2, seq=8, batch=2, vocab=32, d_ff=32, compute_dtype=dtype)
 
 
+@pytest.mark.slow
 def test_a_mixed_precision_gpt_hands_over_far_fewer_bytes_and_computes_the_same():
     ex = _gpt()
     fn = jax.value_and_grad(ex.loss_fn)
@@ -128,6 +129,7 @@ def test_attention_scores_are_recomputed_from_queries_and_keys(attention):
     assert report.passed, report
 
 
+@pytest.mark.slow
 def test_the_input_is_not_changed_and_other_stages_follow_the_new_outputs():
     ex = _gpt(jnp.float32)
     fn = jax.value_and_grad(ex.loss_fn)

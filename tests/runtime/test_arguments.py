@@ -116,6 +116,7 @@ def _masked_lm():
     return params, tokens, mask, token_losses
 
 
+@pytest.mark.slow
 def test_masked_mean_with_sum_over_count_equals_the_unsplit_mean():
     params, tokens, mask, token_losses = _masked_lm()
 

@@ -35,6 +35,7 @@ def _pipeline(loss_fn, schedule):
     return pm.pipeline_value_and_grad(loss_fn, num_stages=4, num_microbatches=4, schedule=schedule)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("model", ["mlp", "lm"])
 def test_pipeline_equals_value_and_grad_and_measures_its_actions(model, schedule):
