@@ -693,8 +693,7 @@ def test_an_nnx_jit_step_that_updates_in_place_is_refused():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("microbatches", [1, 2])
-def test_gradients_of_one_device_feed_a_jitted_update_as_jaxs_do(microbatches):
+def test_gradients_of_one_device_feed_a_jitted_update_as_jaxs_do():
     # Two stages interleaved on one device, one microbatch: on JAX 0.10 the program that
     # made its accumulators itself handed back gradients in layouts XLA chose, and a
     # jitted program mixing them with the parameters (an optimizer update) read them
@@ -704,7 +703,7 @@ def test_gradients_of_one_device_feed_a_jitted_update_as_jaxs_do(microbatches):
     ex = examples.gpt(2, 32, 2, **sizes)
     unmarked = examples.gpt(2, 32, 2, **sizes, markers=None)
     pipe = pm.pipeline_value_and_grad(
-        ex.loss_fn, num_stages=2, num_microbatches=microbatches, schedule="interleaved",
+        ex.loss_fn, num_stages=2, num_microbatches=1, schedule="interleaved",
         devices=devices(1),
     )  # fmt: skip
     mixed = jax.jit(lambda p, g: jax.tree.map(lambda w, d: d + 0 * w, p, g))
