@@ -116,7 +116,8 @@ VERSION_TABLE: dict[str, dict[str, str]] = {
         "XLA chose (Layout.AUTO) gives the outputs it makes layouts of its own, whatever "
         "out_shardings asks, and a later program mixing such an array with "
         "default-layout ones (an optimizer update) computed wrong values; donated zeros "
-        "fix an accumulator's layout",
+        "fix an accumulator's layout (a program whose arguments are all in the default "
+        "layout, a one-stage pipeline's, makes them right)",
         "made in the program": "0.12.1 (measured): the same pipelines equal "
         "jax.value_and_grad with the accumulators made in the program",
     },
@@ -414,9 +415,10 @@ def input_paths(jaxpr) -> tuple[str | None, ...]:
 # an open Jaxpr can no longer be told from a closed one.
 CLOSED_JAXPR_IS_JAXPR: bool = _ClosedJaxpr is _Jaxpr
 
-#: Whether a one-microbatch stage program may make its accumulators itself (the
-#: VERSION_TABLE row "one microbatch's accumulators"): measured right on JAX 0.12.1 and
-#: wrong on 0.10.2; versions between are given zeros, as 0.10 is.
+#: Whether a one-microbatch stage program may make its accumulators itself whatever
+#: layouts its arguments arrive in (the VERSION_TABLE row "one microbatch's
+#: accumulators"): measured right on JAX 0.12.1 and wrong on 0.10.2; versions between
+#: are treated as 0.10 is.
 ACCUMULATORS_MADE_IN_PROGRAM: bool = tuple(
     int(part) for part in _jax.__version__.split(".")[:2]
 ) >= (0, 12)

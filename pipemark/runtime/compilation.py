@@ -35,6 +35,7 @@ from pipemark._compat import ACCUMULATORS_MADE_IN_PROGRAM
 from pipemark.caches import register_cache
 from pipemark.lowering import get_lowering
 from pipemark.passes.rewrite import remove_markers
+from pipemark.roles import FORWARD
 from pipemark.runtime.losses import microbatch_share
 from pipemark.runtime.placement import Placement, Slot
 from pipemark.runtime.sharding import compile_stage
@@ -179,12 +180,10 @@ def compile_units(
     over ``data_axis`` are gathered as ``fsdp_gather`` says
     (:func:`pipemark.runtime.sharding.compile_stage`). With
     ``num_microbatches`` 1, single-device units keep no accumulators
-    (:attr:`Unit.starts`) on a JAX that lays them out right
-    (:data:`pipemark._compat.ACCUMULATORS_MADE_IN_PROGRAM`)."""
+    (:attr:`Unit.starts`) where :func:`_may_start` allows it."""
     readers = stage_readers(staged)
     if not placement.meshes:
-        # One microbatch: a program makes its accumulators, where JAX lays them out right.
-        starts = num_microbatches == 1 and ACCUMULATORS_MADE_IN_PROGRAM
+        starts = num_microbatches == 1 and _may_start(staged)
         kept = kept_on_slot(staged, workers)
         return {
             index: _compile_unit(staged, index, w, placement.slots[w], readers, starts, kept[index])
@@ -195,6 +194,19 @@ def compile_units(
         index: _mesh_unit(staged, index, w, placement.slots[w], readers, specs)
         for index, w in workers.items()
     }
+
+
+def _may_start(staged: StagedJaxpr) -> bool:
+    """Whether stage programs run for the one microbatch of a call may make their
+    accumulators themselves rather than add to zeros they are given: on a JAX that lays
+    them out right (:data:`pipemark._compat.ACCUMULATORS_MADE_IN_PROGRAM`), or with one
+    forward stage, whose forward and backward the runtime fuses into one program reading
+    only the caller's arrays. On JAX 0.10 a program reading values in layouts XLA chose
+    (:func:`kept_on_slot`) handed back accumulators in layouts of XLA's choosing, which
+    a later program mixing them with default-layout arrays read wrong."""
+    if ACCUMULATORS_MADE_IN_PROGRAM:
+        return True
+    return sum(stage.role.kind == FORWARD for stage in staged.stages) == 1
 
 
 class _MeshSpecs(NamedTuple):
