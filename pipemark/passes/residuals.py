@@ -13,9 +13,9 @@ TPU v5e the forward stage of four GPT blocks (one 1024-token row) returned 961 M
 with the fewest bytes from which the backward can recompute every residual by cheap
 equations (elementwise arithmetic, casts, comparisons, ``select_n``, broadcasts,
 reshapes, transposes, ``iota``; never a reduction or an equation with effects; a
-``dot_general`` only when its result is at least :data:`EXPANSION` times the bytes of its
-operands, as attention scores are): a minimum cut, as PyTorch's AOTAutograd partitioner cuts between its forward
-and backward graphs. A program input (a parameter, the batch) costs nothing to hand
+``dot_general`` only when its result is at least :data:`EXPANSION` times the bytes of
+its operands, as attention scores are): a minimum cut, as PyTorch's AOTAutograd
+partitioner cuts between its forward and backward graphs. A program input (a parameter, the batch) costs nothing to hand
 over: the backward reads it where it lies. The backward stage then starts with copies
 of the cheap equations, on variables of its own, and the forward drops the cheap
 equations nothing reads any more. The staged program computes the same values

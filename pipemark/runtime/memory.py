@@ -462,8 +462,8 @@ def argument_bytes(plan: PipelinePlan, params: Any, batch: Any) -> list[int]:
     and its microbatches where it is split here (a ``jax.Array`` is split where it
     lies) for another slot. NumPy arrays take no device memory. Under
     ``jax.distributed``, what this process sees: another process's arrays on a slot
-    it holds no device of are not counted (a ``memory_budget`` takes the most over the
-    processes, :func:`pipemark.runtime.agreement.agreed_maxima`).
+    it holds no device of are not counted (a ``memory_budget`` judges each slot by the
+    process that predicts the most there, :mod:`pipemark.runtime.budget`).
 
     >>> import jax, numpy as np, pipemark as pm
     >>> from pipemark import examples
