@@ -368,17 +368,28 @@ def test_accelerator_table_and_verdicts_from_results():
         {"config": "s1", "status": "oom", "message": "HLO temporaries 2G exceeds available HBM 1G"},
         dict(ok, config="s4", first_s=40.0, step_s=0.085, memory=dict(memory, programs=8)),
         dict(ok, config="s16", first_s=31.0, step_s=0.2, memory=dict(memory, programs=32)),
+        dict(ok, config="s16-d4", first_s=30.0, step_s=0.0836, memory=dict(memory, programs=32)),
     ]
-    results[3]["peak"] = results[4]["peak"] = 1200
+    results[3]["peak"] = results[4]["peak"] = results[5]["peak"] = 1200
     lines = bench.table(results, sizes, 8).splitlines()
     assert len({line.count("|") for line in lines}) == 1
     assert "| out of memory: HLO temporaries 2G exceeds available HBM 1G |" in lines[4]
-    assert "| 1.062 × scan, ≤ 1.1: met |" in lines[5] and "(8 programs)" in lines[5]
+    assert "| 1.062 × scan, ≤ 1.05: not met |" in lines[5] and "(8 programs)" in lines[5]
     assert "| 31.0 (1.55 × scan, ≤ 1.5: not met) |" in lines[6]
+    # A dispatch bound keeps the row's target (issue #40: S 4 and S 16 within 1.05 x).
+    assert "| 30.0 (1.50 × scan, ≤ 1.5: met) |" in lines[7]
+    assert "| 1.045 × scan, ≤ 1.05: met |" in lines[7]
     verdicts = bench.verdicts(results)
     assert verdicts[0].startswith("- s1 (S 1, M 1): step / jit: not measured (s1: oom; target")
-    assert verdicts[1] == "- s4 (S 4, M 8): step / scan 1.062 (target ≤ 1.1: met)"
-    assert verdicts[2] == "- s16: first call / the scan's 1.550 (target ≤ 1.5: not met)"
+    assert verdicts[1:6] == [
+        "- s4 (S 4, M 8): step / scan 1.062 (target ≤ 1.05: not met)",
+        "- s16 (S 16, M 8): step / scan 2.500 (target ≤ 1.05: not met)",
+        "- s16: first call / the scan's 1.550 (target ≤ 1.5: not met)",
+        "- s16-d4 (S 16, M 8): step / scan 1.045 (target ≤ 1.05: met)",
+        "- s16-d4: first call / the scan's 1.500 (target ≤ 1.5: met)",
+    ]
+    # A run without a scan row (dispatch bounds alone) gives no verdict against one.
+    assert not any("scan" in line for line in bench.verdicts(results[3:]))
 
 
 @pytest.mark.parametrize(
