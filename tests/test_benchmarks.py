@@ -171,6 +171,33 @@ def test_zero_bubble_benchmark_prints_its_table():
 
 
 @pytest.mark.benchmark_script
+def test_reduction_overlap_benchmark_prints_both_modes_measured_and_simulated():
+    # Both reduce_gradients modes side by side, measured and simulated, per schedule;
+    # the simulator never predicts the reduction after each stage slower than at the
+    # end of the call (its reductions can only start earlier).
+    if str(REPO / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+    import _native_sleep
+
+    if not _native_sleep.available():
+        pytest.skip("no C compiler for the native sleep stage")
+    for options in (["--quick"], ["--report"]):  # a fresh run; the recorded one
+        lines = _output_lines("reduction_overlap.py", *options)
+        header = next(line for line in lines if line.startswith("| schedule |"))
+        titles = [c.strip() for c in header.split("|")[1:-1]]
+        rows = [[c.strip() for c in line.split("|")[1:-1]] for line in lines]
+        rows = [row for row in rows if row and row[0] in ("1f1b", "interleaved")]
+        assert [row[0] for row in rows] == ["1f1b", "interleaved"]
+        for row in rows:
+            assert len(row) == len(titles)
+            values = dict(zip(titles, row))
+            end, after = (float(values[f"simulated, {m}"]) for m in ("end of call", "after stage"))
+            assert 0 < after <= end
+            measured = [float(values[f"measured, {m}"]) for m in ("end of call", "after stage")]
+            assert min(measured) > 0 and float(values["sum of programs"]) > 0
+
+
+@pytest.mark.benchmark_script
 def test_blocks_benchmark_prints_what_cuts_between_blocks_cost():
     pytest.importorskip("penzai")
     lines = _output_lines("blocks.py", "--quick")

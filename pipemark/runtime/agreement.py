@@ -50,6 +50,9 @@ def call_summary(plan: Any) -> dict[str, str]:
         "loss_reduction": plan.loss_reduction,
         # Gathering results adds transfers at the end of a call.
         "gather_results": str(plan.gather_results),
+        # Where a stage spans processes, its reduction is a collective between them
+        # at a place in the global order that this option decides.
+        "reduce_gradients": plan.reduce_gradients,
     }
 
 

@@ -75,7 +75,8 @@ class Unit:
         The stage outputs other stages read.
     finish:
         On a sub-mesh with data-parallel replicas, the one cross-replica reduction of
-        the accumulators at the end of a call; else ``None``.
+        the accumulators a call, where the plan's steps place it (after the stage's
+        last action, or at the end of the call: ``reduce_gradients``); else ``None``.
     donates:
         Whether ``run`` consumes the accumulators it is given.
     program:

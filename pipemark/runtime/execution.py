@@ -17,7 +17,11 @@ How a call runs (the plan was traced, sliced and compiled by
    runs a small program (and one that calls back into Python) on the dispatching thread
    when its inputs are ready, so one dispatching thread would serialise the devices;
    one thread per device lets them overlap. A value is dropped once its last reader on
-   each device has taken it. The first error of any worker wakes the others, which
+   each device has taken it. With data-parallel replicas, a worker dispatches each of
+   its stages' reductions over them right after the stage's last action
+   (``PipelineOptions.reduce_gradients="after_stage"``), while other workers still
+   compute; with ``"end_of_call"`` the caller dispatches them all once every action
+   is. The first error of any worker wakes the others, which
    stop, and is raised in the caller; an error inside a program that ran asynchronously
    is raised when the caller waits for the accumulators, before returning. With one
    device the schedule is walked on the caller's thread (``run_plan(...,
@@ -39,7 +43,10 @@ How a call runs (the plan was traced, sliced and compiled by
    (:attr:`~pipemark.runtime.steps.Steps.order`), each step computed before the next
    turn: XLA launches a process's collectives in the order they were dispatched, and
    two processes that dispatched them in different orders (or had two in flight at
-   once) waited for each other.
+   once) waited for each other. For the same reason the reduction of a stage whose
+   sub-mesh spans processes (a collective between them) runs on the transfer thread,
+   at its place in the global order (:class:`~pipemark.runtime.steps.Reduce`): its
+   worker hands the accumulators over after the stage's last action.
 """
 
 from __future__ import annotations
@@ -73,6 +80,7 @@ from pipemark.runtime.steps import (
     TRANSFER,
     Gather,
     Key,
+    Reduce,
     Step,
     program_name,
     step_name,
@@ -314,26 +322,26 @@ class _Call:
         cpu = time.thread_time()
         placed = self.place(worker)
         waited = 0.0
-        finals = self.steps.finals[worker]  # empty in one process
-        reductions = self.steps.reductions[worker] if self.steps.reductions else {}
+        steps = self.steps
+        finals = steps.finals[worker]  # empty in one process
+        reductions = steps.reductions[worker] if steps.reductions else {}
+        handed = steps.handed[worker] if steps.handed else {}
         turns = self.turns
-        for n, step in enumerate(self.steps.columns[worker]):
+        mailbox = len(self.local)  # the transfer thread's
+        for n, step in enumerate(steps.columns[worker]):
             turn = turns.get((worker, n))
             if turn is not None:  # its collectives (and the finals') in the global order
                 self.exchange.wait_turn(turn)
             waited += self.run_step(worker, step, placed)
-            for index in reductions.get(n, ()):  # the schedule's REDUCE_GRAD
+            for index in reductions.get(n, ()):  # after the stage, or its REDUCE_GRAD
                 self.finish_stage(index)
+                if turn is not None:  # computed before the next turn, as run_step's
+                    jax.block_until_ready(self.accs[index])
+            for index in handed.get(n, ()):  # reduced between processes, in the order
+                self.exchange.publish([((-2, index, 0), mailbox, self.accs[index], 1)])
             for index in finals.get(n, ()):  # results final: other processes get them
                 self.finish_stage(index)
-                accs = self.accs[index]
-                slot = self.plan.placement.slots[worker]
-                if len(slot.processes) > 1:
-                    # Whole on each device of the slot (gathered over its processes) on
-                    # this thread, which alone runs collectives over the slot's devices.
-                    accs = jax.device_put(list(accs), [slot.replicated] * len(accs))
-                key = (-1, index, 0)
-                self.exchange.publish([(key, len(self.local), accs, 1)])
+                self.exchange.publish([((-1, index, 0), mailbox, self.accs[index], 1)])
             if turn is not None:
                 self.exchange.pass_turn()
         self.host_times.append(time.perf_counter() - start - waited)
@@ -363,7 +371,7 @@ class _Call:
         stage ``gather.index``: one transport move to each receiving device in turn,
         which the worker's process sends and that device's process receives (the
         others pass it by). A stage whose sub-mesh spans processes has its results whole
-        on each of its devices already (:meth:`walk`): each of its processes keeps its
+        on each of its devices already (:meth:`reduce`): each of its processes keeps its
         own copy, and the process of its first device sends to the processes outside."""
         transport, index = self.transport, gather.index
         slot = self.plan.placement.slots[gather.worker]
@@ -371,14 +379,16 @@ class _Call:
         what = f"the results of stage {self.plan.staged.stages[index].name!r}"
         accs = None
         if self.local[gather.worker]:
-            accs = self.exchange.take((-1, index, 0), len(self.local))[0]
             if len(slot.processes) > 1:
-                # Whole on each of the slot's devices already: each of its processes
-                # keeps its own copy, and the one of the slot's first device sends it.
-                accs = [_copy_on(v, slot.device) for v in accs]
+                # Whole on each of the slot's devices already (reduced on this thread:
+                # :meth:`reduce`): each of its processes keeps its own copy, and the one
+                # of the slot's first device sends it.
+                accs = [_copy_on(v, slot.device) for v in self.accs[index]]
                 self.accs[index] = accs
-            elif self.plan.placement.meshes:  # a sub-mesh's results go whole, from one device
-                accs = [jax.device_put(v, source.device) for v in accs]
+            else:
+                accs = self.exchange.take((-1, index, 0), len(self.local))[0]
+                if self.plan.placement.meshes:  # a sub-mesh's results go whole, from one device
+                    accs = [jax.device_put(v, source.device) for v in accs]
         sent, received = transport.bytes_sent, transport.bytes_received
         for _, receiver in gather.receivers:
             moved = transport.move(accs, gather.types, source, device_slot(receiver), what)
@@ -386,6 +396,28 @@ class _Call:
                 self.accs[index] = moved
         self.gathered[0] += transport.bytes_sent - sent
         self.gathered[1] += transport.bytes_received - received
+
+    def reduce(self, entry: Reduce, ordered: bool) -> None:
+        """Stage ``entry.index``'s accumulators, handed over by its worker, reduced over
+        its replicas: a collective between the processes its sub-mesh spans, which each
+        of them dispatches here, at its place in the global order. Results to gather
+        end whole on each of the slot's devices, as :meth:`gather` sends them.
+        ``ordered``: computed before the next turn."""
+        index = entry.index
+        self.accs[index] = self.exchange.take((-2, index, 0), len(self.local))[0]
+        name = self.plan.staged.stages[index].name
+        watchdog = self.plan.watchdog
+        watchdog.arm(f"for the other processes of stage {name!r} to reduce its replicas")
+        try:
+            self.finish_stage(index)
+            if entry.gathered:
+                slot = self.plan.placement.slots[entry.worker]
+                accs = list(self.accs[index])
+                self.accs[index] = jax.device_put(accs, [slot.replicated] * len(accs))
+            if ordered:
+                jax.block_until_ready(self.accs[index])
+        finally:
+            watchdog.disarm()
 
     def finish(self) -> None:
         """Reduce this process's accumulators over their data-parallel replicas: the
@@ -702,6 +734,8 @@ def _walk_transfers(call: _Call) -> None:
                 watchdog.disarm()
         if isinstance(transfer, Gather):
             call.gather(transfer)
+        elif isinstance(transfer, Reduce):
+            call.reduce(transfer, turn is not None)
         else:
             call.transfer(*transfer)
         if turn is not None:

@@ -11,7 +11,10 @@ Per slot, in bytes:
 * ``accumulators``: the loss and gradients its stages accumulate over microbatches
   (donated from one action to the next: one copy; on a sub-mesh a device's shard),
   and what the plan keeps there between calls (the microbatch scale; the zeros that
-  accumulators not donated start from);
+  accumulators not donated start from). Not the result of a stage's reduction over
+  its data-parallel replicas, which replaces them: with ``reduce_gradients=
+  "after_stage"`` on a slot with several stages it is made while the others still
+  hold their values in flight;
 * ``arguments``: the caller's own arrays lying on the slot's device beyond those
   (:func:`argument_bytes`): parameters that other slots read (a model made on one
   device holds them all there), the batch as given, and the microbatches of a batch

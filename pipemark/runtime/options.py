@@ -24,7 +24,13 @@ from pipemark.runtime.registry import schedule_entry
 from pipemark.runtime.schedules import Schedule
 from pipemark.runtime.sharding import FSDP_GATHERS
 
-__all__ = ["PipelineOptions", "check_positive"]
+__all__ = ["GRADIENT_REDUCTIONS", "PipelineOptions", "check_positive"]
+
+#: When a call reduces each stage's accumulated results (gradients, loss) over its
+#: data-parallel replicas (``PipelineOptions.reduce_gradients``): right after the
+#: stage's last action, on its slot, while other stages still compute; or once every
+#: action is dispatched, at the end of the call.
+GRADIENT_REDUCTIONS = ("after_stage", "end_of_call")
 
 
 def check_positive(value: Any, what: str) -> int:
@@ -97,6 +103,18 @@ class PipelineOptions:
         a program, for an all-gather and a reduce-scatter per program). ``None``
         (default): ``"once"``, or with a ``memory_budget`` that the once-gathered
         copy does not fit, ``"per_microbatch"``.
+    reduce_gradients:
+        With data-parallel replicas (a data axis on the stages' sub-meshes): when
+        each stage's accumulated gradients (and loss) are reduced over them, once per
+        call (an all-reduce; a reduce-scatter for FSDP ``param_specs``).
+        ``"after_stage"`` (default): right after the stage's last action, dispatched
+        by its slot's worker, so the reduction of a stage that finished early runs
+        while the others still compute their last backwards (what a pipeline on
+        accelerators hides it behind). ``"end_of_call"``: every stage's after the
+        call's last action is dispatched. A schedule's own ``reduce_grad``
+        (``REDUCE_GRAD``) places its stages' reductions either way; under
+        ``jax.distributed`` with ``gather_results=True`` each stage's results are
+        reduced after its last action either way, to be sent on from there.
     loss_reduction:
         One of :data:`~pipemark.runtime.losses.LOSS_REDUCTIONS`.
     timeout_s:
@@ -155,6 +173,7 @@ class PipelineOptions:
     microbatches_in_flight: int | None = None
     stage_layers: tuple[int, ...] | None = None
     fsdp_gather: str | None = None
+    reduce_gradients: str = "after_stage"
 
     def __post_init__(self) -> None:
         if self.timeout_s is not None and (
@@ -213,6 +232,12 @@ class PipelineOptions:
                 "data-sharded parameters once per call), 'per_microbatch' (in every "
                 "stage program, to hold less) or None (once, unless a memory_budget "
                 "needs per_microbatch)."
+            )
+        if self.reduce_gradients not in GRADIENT_REDUCTIONS:
+            raise PipemarkError(
+                f"reduce_gradients is {self.reduce_gradients!r}; use 'after_stage' (each "
+                "stage's gradients reduced over its data-parallel replicas right after its "
+                "last action) or 'end_of_call' (every stage's after the call's last action)."
             )
         if self.mesh is None:
             if self.param_specs is not None:

@@ -345,6 +345,7 @@ def pipeline_value_and_grad(
     microbatches_in_flight: int | None = None,
     stage_layers: Sequence[int] | None = None,
     fsdp_gather: str | None = None,
+    reduce_gradients: str = "after_stage",
 ) -> Pipeline:
     """``jax.value_and_grad(loss_fn)`` computed as a pipeline over several devices.
 
@@ -420,6 +421,11 @@ def pipeline_value_and_grad(
         ``"per_microbatch"``, inside each stage program, which also reduce-scatters its
         microbatch's gradients (less memory, more collectives). ``None`` (default):
         ``"once"``, unless a ``memory_budget`` is not met with it.
+    reduce_gradients:
+        With data-parallel replicas: ``"after_stage"`` (default) reduces each stage's
+        gradients over them right after the stage's last action, while the other
+        stages still compute; ``"end_of_call"`` reduces every stage's after the
+        call's last action (see :class:`~pipemark.runtime.PipelineOptions`).
     gather_results:
         Under ``jax.distributed``: ``False`` leaves each result with the process whose
         stage computed it (the others get arrays of the global program they do not
@@ -503,5 +509,6 @@ def pipeline_value_and_grad(
         microbatches_in_flight=microbatches_in_flight,
         stage_layers=stage_layers,
         fsdp_gather=fsdp_gather,
+        reduce_gradients=reduce_gradients,
     )
     return Pipeline(loss_fn, options)

@@ -35,7 +35,13 @@ from pipemark.runtime.problem import ScheduleProblem
 from pipemark.runtime.schedules import BACKWARD, FORWARD, WEIGHT, Schedule
 from pipemark.runtime.scheduling import plan_schedule
 from pipemark.runtime.sharding import gathered_spec
-from pipemark.runtime.steps import Steps, fuse_steps, resolve_steps, without_gathers
+from pipemark.runtime.steps import (
+    Steps,
+    fuse_steps,
+    place_reductions,
+    resolve_steps,
+    without_gathers,
+)
 from pipemark.runtime.tracing import (
     loss_over_microbatches,
     replica_batch,
@@ -143,6 +149,10 @@ class PipelinePlan:
     #: process dispatches its steps and transfers one at a time in the one global order
     #: (:attr:`~pipemark.runtime.steps.Steps.order`), as XLA needs of collectives.
     ordered: bool = False
+    #: When each stage's accumulators are reduced over their data-parallel replicas
+    #: (:class:`~pipemark.runtime.PipelineOptions` ``reduce_gradients``): the plan's
+    #: steps say where (:func:`~pipemark.runtime.steps.place_reductions`).
+    reduce_gradients: str = "after_stage"
 
     @property
     def num_stages(self) -> int:
@@ -362,6 +372,7 @@ def plan_from_staged(
         rematerialized=frozenset(rematerialize),
         stage_layers=stage_layers,
         ordered=_gathers_across_processes(placement, options, param_specs),
+        reduce_gradients=options.reduce_gradients,
     )
     return _ready(plan)
 
@@ -380,6 +391,9 @@ def _ready(plan: PipelinePlan) -> PipelinePlan:
         steps = fuse_steps(steps, plan.staged, plan.roles(), plan.units, placement, plan.schedule)
     if not plan.gather_results:
         steps = without_gathers(steps)
+    # After the gathers are settled: a stage whose results go to other processes is
+    # reduced where they leave (its last action), whatever the option.
+    steps = place_reductions(steps, plan.units, placement, plan.reduce_gradients == "after_stage")
     units = plan.units
     fused = {
         step.fused: compile_fused(

@@ -24,8 +24,9 @@ How a step is predicted:
    DP all-reduce once, or both every microbatch. A device's reductions queue on its
    network one after another; with ``overlap=True`` each starts layer by layer during
    the action that makes its gradients (the last layers' gradients are final first),
-   otherwise when that action ends. Whatever runs past the device's last action is
-   *exposed*.
+   otherwise when that action ends; with ``reduce_gradients="end_of_call"`` (the
+   runtime's option) the reduction once a step waits for the pipeline's last action.
+   Whatever runs past the device's last action is *exposed*.
 4. **Update**: AdamW reads and writes about 30 bytes per parameter of the chip's FSDP
    shard (float32 master, two moments, gradient; bfloat16 weights) at HBM bandwidth.
 
@@ -55,6 +56,7 @@ from typing import Any, NamedTuple
 from pipemark.errors import PipemarkError
 from pipemark.roles import BACKWARD, FORWARD, WEIGHT
 from pipemark.runtime.cluster import Cluster, axis_group, collective_seconds, transfer_seconds
+from pipemark.runtime.options import GRADIENT_REDUCTIONS
 from pipemark.runtime.problem import ScheduleProblem
 from pipemark.runtime.registry import build_schedule, schedule_entry
 from pipemark.runtime.schedules import Action, Schedule
@@ -254,35 +256,43 @@ def _reduction_chunks(
     schedule: Schedule,
     simulation: Simulation,
     overlap: bool,
+    at_end: bool = False,
 ) -> list[list[tuple[float, float]]]:
     """Per device, ``(ready, seconds)`` of each piece of gradient reduction: a
     collective after a gradient action, in one piece ready when the action ends, or
-    (``overlap``) one a layer, ready as the action goes."""
+    (``overlap``) one a layer, ready as the action goes; with ``at_end``, the
+    reduction once a step ready when the pipeline's last action ends."""
     made = _orders(schedule)[1]
     last = {}
     for action in made.values():
         old = last.get(action.stage)
         if old is None or simulation.finish[action] > simulation.finish[old]:
             last[action.stage] = action
+    end_of_step = max(simulation.finish.values(), default=0.0)
     seconds = [_reductions(cluster, layout, p) for p in work.parameters]
     chunks: list[list[tuple[float, float]]] = [[] for _ in range(schedule.num_devices)]
     for action in made.values():
         j = action.stage
+        device = schedule.stage_devices[j]
         scatter, allreduce = seconds[j]
-        final = action == last[j]
-        if layout.reduce == "step":
-            total = scatter + allreduce if final else 0.0
-        elif layout.reduce == "scatter":
-            total = scatter + (allreduce if final else 0.0)
-        else:
-            total = scatter + allreduce
+        # What each gradient action reduces, and what the stage's reduces once a step.
+        each, once = {
+            "step": (0.0, scatter + allreduce),
+            "scatter": (scatter, allreduce),
+        }.get(layout.reduce, (scatter + allreduce, 0.0))
+        if action != last[j]:
+            once = 0.0
+        elif at_end and once:
+            chunks[device].append((end_of_step, once))
+            once = 0.0
+        total = each + once
         if not total:
             continue
         begin, end = simulation.start[action], simulation.finish[action]
         parts = work.layers[j] if overlap else 1
         for i in range(parts):
             ready = begin + (end - begin) * (i + 1) / parts if overlap else end
-            chunks[schedule.stage_devices[j]].append((ready, total / parts))
+            chunks[device].append((ready, total / parts))
     return chunks
 
 
@@ -383,12 +393,17 @@ def predict_layout(
     update: bool = True,
     dispatch_ahead: int | None = 2,
     hbm_margin: float = HBM_MARGIN,
+    reduce_gradients: str = "after_stage",
 ) -> LayoutPrediction:
     """Predict one step of ``model`` (a :class:`~pipemark.runtime.workload.Transformer`
     or :class:`~pipemark.runtime.workload.MeasuredPipeline`) laid out as ``layout`` on
     ``cluster``, ``global_batch`` sequences (rows) a step (see the module's text).
     ``overlap``: whether a gradient reduction starts during the backward that makes
-    its gradients; ``update``: whether the step ends with the optimizer update;
+    its gradients (else when it ends); ``reduce_gradients``: the runtime's option of
+    that name, ``"after_stage"`` (as ``overlap`` says) or ``"end_of_call"`` (a
+    stage's reduction once a step starts when the pipeline's last action ends, the
+    reductions every microbatch as ``overlap`` says); ``update``: whether the step
+    ends with the optimizer update;
     ``dispatch_ahead``: the runtime's option of that name (its default, 2), how far
     the host may dispatch ahead of a device; ``hbm_margin``: the fraction of HBM a
     layout must leave free to fit (:data:`HBM_MARGIN`).
@@ -407,6 +422,11 @@ def predict_layout(
     if layout.chips > cluster.num_chips:
         raise PipemarkError(
             f"{layout} needs {layout.chips} chips but {cluster.name} has {cluster.num_chips}."
+        )
+    if reduce_gradients not in GRADIENT_REDUCTIONS:
+        raise PipemarkError(
+            f"reduce_gradients is {reduce_gradients!r}; use one of {GRADIENT_REDUCTIONS} "
+            "(the runtime's option of that name)."
         )
     usable = _usable_bytes(cluster, hbm_margin)
     work = model.stage_work(
@@ -431,7 +451,8 @@ def predict_layout(
         schedule, cost, transfer=delay, dispatch=cluster.dispatch_seconds,
         dispatch_ahead=dispatch_ahead, wake=cluster.wake_seconds,
     )  # fmt: skip
-    chunks = _reduction_chunks(cluster, layout, work, schedule, simulation, overlap)
+    at_end = reduce_gradients == "end_of_call"
+    chunks = _reduction_chunks(cluster, layout, work, schedule, simulation, overlap, at_end)
     ends = _device_ends(simulation, schedule, chunks)
     waits = [0.0] * schedule.num_devices
     for order in _orders(schedule)[0]:

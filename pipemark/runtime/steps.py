@@ -35,11 +35,13 @@ __all__ = [
     "STAGE",
     "TRANSFER",
     "Gather",
+    "Reduce",
     "Step",
     "Steps",
     "Transfer",
     "fuse_group",
     "fuse_steps",
+    "place_reductions",
     "program_name",
     "resolve_steps",
     "step_name",
@@ -69,6 +71,18 @@ class Gather(NamedTuple):
     index: int
     types: tuple  # the results' (shape, dtype)
     receivers: tuple[tuple[int, Any], ...]  # (process, receiving device), the others
+
+
+class Reduce(NamedTuple):
+    """The accumulators of stage ``index``, whose sub-mesh spans processes, reduced over
+    its data-parallel replicas by the transfer thread at this place in the global
+    order (the reduction is a collective between those processes); handed over by its
+    worker after the step named in :attr:`Steps.handed`. ``gathered``: its results
+    then go to the other processes (:class:`Gather`), whole on each of its devices."""
+
+    worker: int
+    index: int
+    gathered: bool
 
 
 class Step(NamedTuple):
@@ -106,7 +120,7 @@ class Steps(NamedTuple):
     # order, as (producer worker, reader worker, the keys it sends, their (shape,
     # dtype)), then each stage's results gathered to the other processes; empty in one
     # process.
-    transfers: tuple[Transfer | Gather, ...]
+    transfers: tuple[Transfer | Gather | Reduce, ...]
     # Under jax.distributed, per worker: {position in its column: stage index} of the
     # actions after which a stage's results are final; empty in one process.
     finals: tuple[dict[int, tuple[int, ...]], ...]
@@ -118,6 +132,10 @@ class Steps(NamedTuple):
     # the one global order (where a stage program has collectives between processes,
     # every process dispatches its share of them in this order: execution.py).
     order: tuple[tuple[int, int], ...] = ()
+    # Per worker, {position in its column: stage indices} whose accumulators it hands
+    # to the transfer thread after that step, to be reduced there (Reduce): stages
+    # whose sub-mesh spans processes; empty otherwise.
+    handed: tuple[dict[int, tuple[int, ...]], ...] = ()
 
     @property
     def num_programs(self) -> int:
@@ -406,6 +424,133 @@ def _reductions(
         if n is not None:
             per[w][n] = per[w].get(n, ()) + tuple(indices)
     return tuple(per)
+
+
+def place_reductions(
+    steps: Steps, units: Mapping[int, Unit], placement: Placement, after_stage: bool
+) -> Steps:
+    """``steps`` with the reduction of each accumulating stage over its data-parallel
+    replicas placed (``PipelineOptions.reduce_gradients``): with ``after_stage``,
+    right after the stage's last step in its worker's column, where the schedule's
+    ``reduce_grad`` does not place it (:attr:`Steps.reductions`); else where the
+    schedule places it, the rest at the end of the call.
+
+    A stage whose sub-mesh spans processes is reduced by a collective between them,
+    which every process must dispatch in the same order as the transfers: its
+    reduction, and with its results gathered its last step's (:attr:`Steps.finals`),
+    become a :class:`Reduce` in the global order after the step and the transfers of
+    its outputs, its worker handing its accumulators over (:attr:`Steps.handed`).
+
+    >>> import jax, pipemark as pm
+    >>> from pipemark import examples
+    >>> ex = examples.mlp(num_layers=2, batch=4)
+    >>> pipe = pm.pipeline_value_and_grad(ex.loss_fn, num_stages=2, num_microbatches=2,
+    ...                                   schedule="gpipe", devices=jax.devices()[:2])
+    >>> plan = pipe.plan(*ex.args)
+    >>> [[step.action.label() for step in column] for column in plan.steps.columns]
+    [['F0s0', 'F1s0', 'B0s0', 'B1s0'], ['F0s1', 'F1s1', 'B0s1', 'B1s1']]
+    >>> plan.forward_stages, plan.backward_stages
+    ((0, 1), (3, 2))
+
+    Per worker, ``{position in its column: stage indices}``: the loss (stage 1's
+    forward) after its last forward, each backward's gradients after its last
+    backward:
+
+    >>> [sorted(per.items()) for per in plan.steps.reductions]
+    [[(3, (3,))], [(1, (1,)), (3, (2,))]]
+    """
+    columns = steps.columns
+    reductions = [dict(per) for per in steps.reductions or [{} for _ in columns]]
+    placed = {i for per in reductions for indices in per.values() for i in indices}
+    for w, column in enumerate(columns if after_stage else ()):
+        last = {
+            index: n
+            for n, step in enumerate(column)
+            for index in _stages_of(step)
+            if units[index].accumulated
+        }
+        for index, n in sorted(last.items()):
+            if index not in placed:
+                reductions[w][n] = (*reductions[w].get(n, ()), index)
+    steps = steps._replace(reductions=tuple(reductions))
+    spanning = {i for i, unit in units.items() if len(placement.slots[unit.worker].processes) > 1}
+    return _handed_over(steps, spanning, placement) if spanning else steps
+
+
+def _handed_over(steps: Steps, spanning: set[int], placement: Placement) -> Steps:
+    """``steps`` with the reductions of the stages ``spanning`` (and their last steps'
+    :attr:`Steps.finals`) handed over to the transfer thread, each at its first
+    place (:class:`Reduce`)."""
+    reductions = [dict(per) for per in steps.reductions]
+    finals = [dict(per) for per in steps.finals]
+    gathered = {i for per in finals for indices in per.values() for i in indices}
+    handed: list[dict[int, tuple[int, ...]]] = [{} for _ in steps.columns]
+    for w in range(len(steps.columns)):
+        at: dict[int, int] = {}  # each stage handed over once, at its first place
+        for per in (reductions[w], finals[w]):
+            for n, indices in list(per.items()):
+                for i in indices:
+                    if i in spanning:
+                        at[i] = min(at.get(i, n), n)
+                per[n] = tuple(i for i in indices if i not in spanning)
+                if not per[n]:
+                    del per[n]
+        for index, n in sorted(at.items()):
+            handed[w][n] = (*handed[w].get(n, ()), index)
+    transfers, order = _with_reduces(steps, handed, gathered, placement)
+    return steps._replace(
+        reductions=tuple(reductions),
+        finals=tuple(finals),
+        handed=tuple(handed),
+        transfers=transfers,
+        order=order,
+    )
+
+
+def _with_reduces(
+    steps: Steps,
+    handed: Sequence[dict[int, tuple[int, ...]]],
+    gathered: set[int],
+    placement: Placement,
+) -> tuple[tuple[Transfer | Gather | Reduce, ...], tuple[tuple[int, int], ...]]:
+    """:attr:`Steps.transfers` and :attr:`Steps.order` with a :class:`Reduce` for each
+    stage this process's workers hand over, after the step that hands it over and
+    after the transfers of that step's outputs to other processes (every process of
+    its slot is an end of each): the transfer thread runs one collective at a time,
+    and a reduction before them would hold up the stages waiting for those values."""
+    handing: dict[tuple[int, int], tuple[int, int]] = {}  # (microbatch, stage): its step
+    for w, per in enumerate(handed):
+        if placement.process in placement.slots[w].processes:
+            for n in per:
+                step = steps.columns[w][n]
+                for part in step.parts or (step,):
+                    handing[(part.microbatch, part.index)] = (w, n)
+    handing_steps = set(handing.values())
+    last: dict[tuple[int, int], int] = {}  # handing step -> its last entry in the order
+    for p, (w, n) in enumerate(steps.order):
+        if w != TRANSFER:
+            if (w, n) in handing_steps:
+                last[(w, n)] = p
+        elif not isinstance(entry := steps.transfers[n], Gather):  # values between stages
+            for key in entry[2]:
+                if key[:2] in handing:
+                    last[handing[key[:2]]] = p
+    due: dict[int, list[tuple[int, int]]] = {}
+    for step_at, p in sorted(last.items()):
+        due.setdefault(p, []).append(step_at)
+    transfers: list[Transfer | Gather | Reduce] = []
+    order: list[tuple[int, int]] = []
+    for p, (w, n) in enumerate(steps.order):
+        if w == TRANSFER:
+            order.append((TRANSFER, len(transfers)))
+            transfers.append(steps.transfers[n])
+        else:
+            order.append((w, n))
+        for worker, position in due.get(p, ()):
+            for index in handed[worker][position]:
+                order.append((TRANSFER, len(transfers)))
+                transfers.append(Reduce(worker, index, index in gathered))
+    return tuple(transfers), tuple(order)
 
 
 def without_gathers(steps: Steps) -> Steps:

@@ -461,6 +461,7 @@ def pipeline_train_step(
     microbatches_in_flight: int | None = None,
     stage_layers: Sequence[int] | None = None,
     fsdp_gather: str | None = None,
+    reduce_gradients: str = "after_stage",
 ) -> PipelinedStep:
     """A training step ``step_fn(*state, batch)`` whose gradients are computed as a
     pipeline and then applied once.
@@ -528,5 +529,6 @@ def pipeline_train_step(
         microbatches_in_flight=microbatches_in_flight,
         stage_layers=stage_layers,
         fsdp_gather=fsdp_gather,
+        reduce_gradients=reduce_gradients,
     )
     return PipelinedStep(step_fn, options)

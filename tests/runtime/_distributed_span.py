@@ -48,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 import pipemark as pm
 from pipemark import examples
+from pipemark.runtime.steps import Gather, Reduce
 from tests.runtime._steps import optax_step
 
 #: (schedule, stages): interleaved puts two stages on each slot; with 4 processes (a
@@ -170,7 +171,11 @@ def fsdp_checks(mesh: Mesh, processes: int) -> dict[str, np.ndarray]:
     (each stage program gathers its parameters between the processes:
     ``fsdp-per-microbatch-I``, as ``fsdp-held-I``), whether each of the two plans
     orders its programs (``fsdp-ordered``), and whether that order walks each
-    worker's steps and the transfers each in turn (``fsdp-order-walks``). Two
+    worker's steps and the transfers each in turn (``fsdp-order-walks``). With
+    ``fsdp_gather="once"`` and ``reduce_gradients="end_of_call"`` too
+    (``fsdp-end-of-call-I``); whether each of the three plans places its reductions
+    between the processes in the global order (``fsdp-reduces-placed``,
+    :func:`reduces_placed`). Two
     ``optax.adamw`` training steps from the sharded parameters (:func:`train_twice`,
     prefix ``fsdp-train``), with the bytes each device of this process holds of the
     new parameters and of Adam's first moments (``fsdp-train-param-bytes``,
@@ -197,8 +202,16 @@ def fsdp_checks(mesh: Mesh, processes: int) -> dict[str, np.ndarray]:
         ex.loss_fn, **options, gather_results=False, fsdp_gather="per_microbatch"
     )
     loss_pm, grads_pm = per_microbatch(params, ex.batch)
-    plans = [pipe.plan(params, ex.batch) for pipe in (held, per_microbatch)]
-    saved["fsdp-ordered"] = np.array([plan.ordered for plan in plans])
+    # Each stage's gradients reduce-scattered after the call's last action instead.
+    at_end = pm.pipeline_value_and_grad(
+        ex.loss_fn, **options, gather_results=False, reduce_gradients="end_of_call"
+    )
+    loss_end, grads_end = at_end(params, ex.batch)
+    for i, leaf in enumerate([loss_end, *jax.tree_util.tree_leaves(grads_end)]):
+        saved[f"fsdp-end-of-call-{i}"] = _local_view(leaf)
+    plans = [pipe.plan(params, ex.batch) for pipe in (held, per_microbatch, at_end)]
+    saved["fsdp-reduces-placed"] = np.array([reduces_placed(plan) for plan in plans])
+    saved["fsdp-ordered"] = np.array([plan.ordered for plan in plans[:2]])
     order = plans[1].steps.order  # each worker's steps, each transfer once, in order
     saved["fsdp-order-walks"] = np.array(
         [
@@ -226,6 +239,37 @@ def fsdp_checks(mesh: Mesh, processes: int) -> dict[str, np.ndarray]:
     state = {"params": params, "opt_state": opt_state, "grads": grads}
     saved.update(checkpoint_checks(held, train, (sharded, tx.init(ex.params), ex.batch), state))
     return saved
+
+
+def reduces_placed(plan) -> bool:
+    """Whether ``plan`` reduces each accumulating stage of this process (all span
+    processes here) between the processes in the one global order as its
+    ``reduce_gradients`` says: with ``"after_stage"`` once (a ``Reduce`` on the
+    transfer thread), handed over at the stage's last step and placed after that step
+    and after every transfer of its outputs; with ``"end_of_call"`` never in the order
+    (at the end of the call, every process in the same stage order)."""
+    steps, units = plan.steps, plan.units
+    reduces = [(i, t) for i, t in enumerate(steps.transfers) if isinstance(t, Reduce)]
+    if plan.reduce_gradients == "end_of_call":
+        return not reduces and not any(steps.handed)
+    mine = {i for i, u in units.items() if u.accumulated and plan.placement.local[u.worker]}
+    if sorted(t.index for _, t in reduces) != sorted(mine):
+        return False
+    where = {entry: p for p, entry in enumerate(steps.order)}
+    for i, reduce in reduces:
+        column = steps.columns[reduce.worker]
+        (n,) = [n for n, ids in steps.handed[reduce.worker].items() if reduce.index in ids]
+        if n != max(m for m, step in enumerate(column) if step.index == reduce.index):
+            return False
+        made = (column[n].microbatch, column[n].index)
+        before = [where[(reduce.worker, n)]] + [
+            where[(-1, j)]
+            for j, t in enumerate(steps.transfers)
+            if not isinstance(t, (Gather, Reduce)) and any(key[:2] == made for key in t[2])
+        ]
+        if where[(-1, i)] < max(before):
+            return False
+    return True
 
 
 def memory_checks(estimate, params: list, batch, mesh: Mesh) -> dict[str, np.ndarray]:

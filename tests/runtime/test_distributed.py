@@ -240,6 +240,10 @@ def _check_fsdp(runs: list) -> None:
     assert_trees_within_ulps(_merged_held(runs, "fsdp-held", 9), want, ulps=8)
     # Gathered and reduce-scattered in each stage program, between the processes.
     assert_trees_within_ulps(_merged_held(runs, "fsdp-per-microbatch", 9), want, ulps=8)
+    # Reduce-scattered after the call's last action rather than each stage's.
+    assert_trees_within_ulps(_merged_held(runs, "fsdp-end-of-call", 9), want, ulps=8)
+    for got in runs:  # each between the processes in the one global order
+        assert got["fsdp-reduces-placed"].all()
     _check_memory(runs, want)
     _check_checkpoint(runs)
 

@@ -59,6 +59,15 @@ def test_fsdp_gather_is_checked_before_tracing(value):
         pm.pipeline_train_step(lambda p, x: x, num_microbatches=1, fsdp_gather=value)
 
 
+@pytest.mark.parametrize("value", ["overlapped", None, "END_OF_CALL"])
+def test_reduce_gradients_is_checked_before_tracing(value):
+    message = r"reduce_gradients is .*; use 'after_stage' .* or 'end_of_call'"
+    with pytest.raises(pm.PipemarkError, match=message):
+        pm.pipeline_value_and_grad(lambda p, x: x, num_microbatches=1, reduce_gradients=value)
+    with pytest.raises(pm.PipemarkError, match=message):
+        pm.pipeline_train_step(lambda p, x: x, num_microbatches=1, reduce_gradients=value)
+
+
 def test_gather_results_changes_nothing_in_one_process():
     # Every stage is this process's: its results are held here whatever the option.
     ex = examples.mlp(4)

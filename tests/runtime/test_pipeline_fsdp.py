@@ -45,12 +45,22 @@ def _per_device(tree) -> int:
     return max(held.values())
 
 
-@pytest.mark.parametrize("gather", GATHERS)
-def test_value_and_grad_with_data_sharded_parameters_matches_jax(gather):
+@pytest.mark.parametrize(
+    "gather, reduce",
+    [("once", "after_stage"), ("per_microbatch", "after_stage"), ("once", "end_of_call")],
+)
+def test_value_and_grad_with_data_sharded_parameters_matches_jax(gather, reduce):
+    # Gathered once, each stage's gradients are reduce-scattered once a call: right
+    # after its last backward (the default), or after the call's last action.
     ex = _model()
     mesh = _mesh(4)
     pipe = pm.pipeline_value_and_grad(
-        ex.loss_fn, num_microbatches=2, mesh=mesh, param_specs=FSDP, fsdp_gather=gather
+        ex.loss_fn,
+        num_microbatches=2,
+        mesh=mesh,
+        param_specs=FSDP,
+        fsdp_gather=gather,
+        reduce_gradients=reduce,
     )
     got = pipe(ex.params, ex.batch)
     want = jax.jit(jax.value_and_grad(ex.loss_fn))(ex.params, ex.batch)

@@ -6,8 +6,11 @@ the gradients' layouts; the one data-parallel reduction per call; the errors.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
+import threading
+import types
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 import pipemark as pm
 from pipemark import examples
 from pipemark.errors import PipemarkError
+from pipemark.runtime.execution import run_plan
 from tests._trees import assert_trees_close
 
 WIDTH, LAYERS, ROWS = 16, 4, 32
@@ -215,10 +219,73 @@ def test_data_parallel_gradients_are_reduced_once_per_call():
     # No stage program reduces across replicas (it runs once per microbatch) ...
     assert [_collectives(text) for text in stages] == [0] * len(stages)
     # ... each accumulating stage (every backward, and the forward computing the loss)
-    # is reduced by one program at the end of the call.
+    # is reduced by one program a call (after its last action: the next test).
     accumulating = [unit for unit in plan.units.values() if unit.accumulated]
     assert len(reductions) == len(accumulating) == LAYERS + 1
     assert all(_collectives(text) >= 1 for text in reductions)
+
+
+def _logged(plan, log: list):
+    """``plan`` with each unit's program and reduction appending ``(thread name, "run"
+    or "reduce", stage index)`` to ``log`` when dispatched: the same compiled programs."""
+
+    def logging(kind, index, call):
+        def dispatch(*args):
+            log.append((threading.current_thread().name, kind, index))
+            return call(*args)
+
+        return dispatch
+
+    units = {
+        index: dataclasses.replace(
+            unit,
+            run=logging("run", index, unit.run),
+            finish=None if unit.finish is None else logging("reduce", index, unit.finish),
+        )
+        for index, unit in plan.units.items()
+    }
+    return dataclasses.replace(plan, units=types.MappingProxyType(units))
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("reduce", ["after_stage", "end_of_call"])
+def test_each_stage_is_reduced_right_after_its_last_action(reduce, parallel):
+    # 4 stages x 2 replicas, 1F1B: with "after_stage" each stage's reduction is
+    # dispatched by its worker right after the stage's last program, before that
+    # worker's next one (while the stages before it still run their last backwards);
+    # with "end_of_call" after every program of the call. Serial: one thread walks all.
+    loss_fn, params, _, batch, want = _case("4x2")
+    pipe = pm.pipeline_value_and_grad(
+        loss_fn, num_microbatches=4, mesh=_meshes()["4x2"], reduce_gradients=reduce
+    )
+    plan = pipe.plan(params, batch)
+    reduced = sorted(i for i, unit in plan.units.items() if unit.finish is not None)
+    assert len(reduced) == LAYERS + 1  # every backward, and the forward with the loss
+    positions = [{i: n for n, ids in per.items() for i in ids} for per in plan.steps.reductions]
+    if reduce == "end_of_call":
+        assert positions == [{}] * len(plan.steps.columns)
+    else:  # each at its stage's last step in its worker's column
+        for column, at in zip(plan.steps.columns, positions, strict=True):
+            last = {step.index: n for n, step in enumerate(column)}
+            assert at == {i: n for i, n in last.items() if i in reduced}
+    log: list = []
+    got = run_plan(_logged(plan, log), params, batch, None, parallel=parallel)
+    assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
+    kinds = [kind for _, kind, _ in log]
+    assert sorted(index for _, kind, index in log if kind == "reduce") == reduced
+    last_run = len(kinds) - 1 - kinds[::-1].index("run")
+    if reduce == "end_of_call":
+        assert kinds.index("reduce") > last_run
+        return
+    assert kinds.index("reduce") < last_run  # some while other stages still run
+    threads: dict[str, list] = {}
+    for thread, kind, index in log:
+        threads.setdefault(thread, []).append((kind, index))
+    for events in threads.values():  # each reduction the next dispatch of its thread
+        for n, (kind, index) in enumerate(events):
+            if kind == "reduce":
+                ran = [m for m, event in enumerate(events) if event == ("run", index)]
+                assert ran and n == ran[-1] + 1, (index, events)
 
 
 def test_the_data_axis_adds_no_reduction_to_tensor_parallel_stages():

@@ -187,6 +187,32 @@ def test_delayed_and_overlapped_reduction_is_measured_by_the_simulator():
     assert every.reduction_seconds > 2 * overlapped.reduction_seconds
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_the_runtimes_reduction_at_the_end_of_the_call_is_predicted_too(schedule):
+    # The runtime's reduce_gradients: each stage's reduction (4 s) once its last
+    # backward ends, or every one after the pipeline's last action.
+    cluster = Cluster("slow DCN", 4, 1, 2, 2**40, 1e12, 1e15, 1e15, 2, 0.0, 5e8, 0.0)
+    layout = Layout(pp=2, dp=2, microbatches=4, schedule=schedule)
+    model = MeasuredPipeline(
+        {"forward": 1.0, "backward": 1.0}, layout, global_batch=8, parameters=5e8
+    )
+    after, end = (
+        predict_layout(
+            model, layout, cluster, global_batch=8, overlap=False, update=False,
+            reduce_gradients=mode,
+        )
+        for mode in ("after_stage", "end_of_call")
+    )  # fmt: skip
+    if schedule == "1f1b":  # the last device to finish has its own exposed either way
+        assert after.step_seconds == end.step_seconds == pytest.approx(10 + 4)
+    else:  # two stages a device: both of the busiest device's queue after its last action
+        assert end.reduction_seconds == pytest.approx(2 * 4)
+        # ... or the first from its last backward, 2 s before the device's end.
+        assert after.step_seconds == pytest.approx(end.step_seconds - 2)
+    with pytest.raises(pm.PipemarkError, match=r"reduce_gradients is 'early'; use one of"):
+        predict_layout(model, layout, cluster, global_batch=8, reduce_gradients="early")
+
+
 def test_layouts_that_do_not_fit_are_refused_and_the_winner_explained():
     model = Transformer.llama2_7b()
     layouts = [
