@@ -4,7 +4,9 @@ Scripts run by the tests set their own ``XLA_FLAGS`` (a number of host devices, 
 optimisation level). The flags that say how to generate code for this machine's CPU
 (``--xla_cpu_max_isa=AVX2``: ``make test XLA_ISA=AVX2``, README "Supported JAX
 versions") must reach them too, or a run pinned to a lower instruction set would check
-only the test process itself (tests/_exact.py says why it is pinned).
+only the test process itself (tests/_exact.py says why it is pinned); so must the
+backend optimisation level ``make test`` sets for speed (Makefile, ``XLA_OPT``), or the
+processes the tests start would compile at the default level.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import os
 
 #: Flags a started process inherits from this one's ``XLA_FLAGS``.
-INHERITED = ("--xla_cpu_max_isa",)
+INHERITED = ("--xla_cpu_max_isa", "--xla_backend_optimization_level")
 
 
 def inherited_flags(environ: dict[str, str] | None = None) -> list[str]:

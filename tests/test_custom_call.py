@@ -170,8 +170,11 @@ def test_results_equal_identity_mode(transform):
     cc.reset_cpu_copy_stats()
     got = _run(TRANSFORMS[transform](), x, w1, w2, mode="custom_call")
     assert cc.cpu_copy_stats().calls > 0  # the targets really ran
+    # Two programs: XLA fuses nothing across a custom call, so each rounds its own way.
+    # A scan's gradient through chains of matrix products differed by 19 float32 ulps
+    # (2.3e-6 relative) at XLA_OPT=0 (no FMA contraction); within 1e-5 at any level.
     jax.tree_util.tree_map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), got, expected
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, expected
     )
 
 
