@@ -67,22 +67,25 @@ docs-assets: $(STAMP)
 # there XLA cannot compile a float16 conversion (JAX 0.10 and 0.12: "Failed to
 # materialize symbols: wrapped_convert"), which the float16 tests need.
 XLA_ISA ?=
-# XLA_OPT (default 0) is XLA's backend optimisation level for the same programs: at 0
+ISA_FLAG = $(if $(XLA_ISA),--xla_cpu_max_isa=$(XLA_ISA))
+ISA_ENV  = $(if $(XLA_ISA),XLA_FLAGS=$(ISA_FLAG))
+# `make test` also sets XLA's backend optimisation level, XLA_OPT (default 0): at 0
 # LLVM does not optimise the CPU code of the suite's thousands of small programs, and
 # the suite runs about 15 % faster (three of its files with -n 2, side by side: 97 and
 # 107 s against 115 and 127 s). The last bits of a result can differ between levels (at
 # 0 LLVM does not contract a multiply and an add into one FMA), as between instruction
 # sets: tests compare two programs to float rounding, never bit for bit (tests/_exact.py).
-# `make test XLA_OPT=` compiles as users' programs are compiled.
+# `make test-newest` compiles at the default level (with AVX2 in .ci/run): each CI run
+# checks both. `make test XLA_OPT=` compiles as users' programs are compiled.
 XLA_OPT ?= 0
-TEST_FLAGS = $(strip $(if $(XLA_ISA),--xla_cpu_max_isa=$(XLA_ISA)) $(if $(XLA_OPT),--xla_backend_optimization_level=$(XLA_OPT)))
-ISA_ENV  = $(if $(TEST_FLAGS),XLA_FLAGS="$(TEST_FLAGS)")
+TEST_FLAGS = $(strip $(ISA_FLAG) $(if $(XLA_OPT),--xla_backend_optimization_level=$(XLA_OPT)))
+TEST_ENV   = $(if $(TEST_FLAGS),XLA_FLAGS="$(TEST_FLAGS)")
 
 # pytest exits 5 when it collects no test, which fails this target like any failure.
 # The fuzzer runs a third of its examples here and another third's worth, with another
 # seed, in `make test-newest`: CI within its time.
 test: lint docs
-	$(ISA_ENV) PIPEMARK_FUZZ=$${PIPEMARK_FUZZ:-third} $(BIN)/python -m pytest -n 2 --durations=15
+	$(TEST_ENV) PIPEMARK_FUZZ=$${PIPEMARK_FUZZ:-third} $(BIN)/python -m pytest -n 2 --durations=15
 
 # The whole suite again on the newest JAX. Lint and the docs build do not depend on the
 # JAX version; the generated docs (equation counts...) are made on the developer's JAX
@@ -102,7 +105,7 @@ newest-env: $(NEWEST_STAMP)
 maxtext-env: $(MAXTEXT_STAMP)
 
 test-maxtext: $(MAXTEXT_STAMP)
-	$(ISA_ENV) $(MAXTEXT_BIN)/python -m pytest -m maxtext tests/test_maxtext.py
+	$(MAXTEXT_BIN)/python -m pytest -m maxtext tests/test_maxtext.py
 
 # The device-independent tests on an accelerator (README, "On a TPU"): with the Python
 # that runs make and what it has installed (JAX with its accelerator plugin, numpy,

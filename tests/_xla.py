@@ -5,7 +5,7 @@ optimisation level). The flags that say how to generate code for this machine's 
 (``--xla_cpu_max_isa=AVX2``: ``make test XLA_ISA=AVX2``, README "Supported JAX
 versions") must reach them too, or a run pinned to a lower instruction set would check
 only the test process itself (tests/_exact.py says why it is pinned); so must the
-backend optimisation level ``make test`` sets for speed (Makefile, ``XLA_OPT``), or the
+backend optimisation level ``make test`` sets for time (Makefile, ``XLA_OPT``), or the
 processes the tests start would compile at the default level.
 """
 
