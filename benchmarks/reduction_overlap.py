@@ -58,16 +58,6 @@ MODES = ("end_of_call", "after_stage")
 SCHEDULES = {"1f1b": 1, "interleaved": 2}
 
 
-def _set_flags(num_devices: int) -> None:
-    # Before JAX starts its backend: the host devices, each computing on one thread so
-    # that devices, not intra-op thread pools, share the cores.
-    flags = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = (
-        f"{flags} --xla_force_host_platform_device_count={num_devices} "
-        "--xla_cpu_multi_thread_eigen=false"
-    ).strip()
-
-
 def _step_times(pipes: dict, args: tuple, repeat: int) -> dict[str, list[float]]:
     """Each pipeline's calls, timed, the pipelines called in turn round after round
     (after two warm-up calls each), so that the machine's other work lands on all."""
@@ -254,7 +244,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if options.quick:
         options.width, options.sleep_ms, options.repeat, options.cost_repeat = 64, 0.5, 2, 1
-    _set_flags(options.slots * options.replicas)
+    from _host_devices import use_host_devices
+
+    use_host_devices(options.slots * options.replicas)
     sys.path.insert(0, str(HERE))
     import jax
     import planner_check

@@ -51,16 +51,6 @@ import time
 from pathlib import Path
 
 
-def _set_flags(num_devices: int) -> None:
-    # Must run before JAX starts its backend: one host device per stage, each computing
-    # on a single thread so that devices, not intra-op threads, use the cores.
-    flags = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = (
-        f"{flags} --xla_force_host_platform_device_count={num_devices} "
-        "--xla_cpu_multi_thread_eigen=false"
-    ).strip()
-
-
 def _model(num_stages: int, layers_per_stage: int, width: int, rows: int, seed: int = 0):
     """``num_stages`` stages of ``layers_per_stage`` tanh layers of equal size; the loss
     (a mean) is tiny next to a layer, so the stages are equal."""
@@ -415,7 +405,9 @@ def main(argv: list[str] | None = None) -> None:
         help="which tables to print (default: all)",
     )
     args = parser.parse_args(argv)
-    _set_flags(max(4, args.stages))
+    from _host_devices import use_host_devices
+
+    use_host_devices(max(4, args.stages))
     micro = [4, 8] if args.quick else [4, 8, 16, 32]
     repeat = 3 if args.quick else args.repeat
     if "equal" in args.tables:

@@ -60,16 +60,6 @@ LAYOUTS = {
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 
 
-def _set_flags(num_devices: int) -> None:
-    # Must run before JAX starts its backend: 8 host devices, each computing on a single
-    # thread so that devices, not intra-op threads, use the cores.
-    flags = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = (
-        f"{flags} --xla_force_host_platform_device_count={num_devices} "
-        "--xla_cpu_multi_thread_eigen=false"
-    ).strip()
-
-
 def _model(args, num_stages: int, hidden):
     """The residual MLP (``pipemark.examples.tensor_parallel_mlp``) cut into
     ``num_stages`` stages of equal layers, its hidden activations constrained to
@@ -225,7 +215,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.width, args.layers, args.rows, args.microbatches = 32, 4, 32, 2
         args.repeat, args.cost_repeat = 2, 1
-    _set_flags(8)
+    from _host_devices import use_host_devices
+
+    use_host_devices(8)
     import jax
 
     print(
