@@ -27,9 +27,14 @@ Per slot, in bytes:
   (:func:`held_in_flight`). Each worker thread dispatches as soon as the values it
   reads are dispatched, so another slot may run ahead as far as the schedule's
   dependencies let it, its results copied here at once: the most any interleaving
-  holds. With ``dispatch_ahead`` the results and inputs of the last actions, which the
-  device may not have run yet, count as well. What the schedule decides: GPipe holds
-  all ``M`` microbatches' residuals on the first stage, 1F1B at most ``S``.
+  holds. The results and inputs of the last ``dispatch_ahead`` actions, which the
+  device may not have run yet, count as well; with ``dispatch_ahead=None`` (no bound)
+  those of every earlier action of the slot, which the host may all have dispatched
+  before the device ran any. Each value at its bytes on the device where the programs
+  are compiled (:func:`plan_memory`): a TPU pads arrays to its tiles, which a program's
+  ``memory_analysis()`` counts in its outputs (:func:`device_padding`); else at its
+  logical bytes. What the schedule decides: GPipe holds all ``M`` microbatches'
+  residuals on the first stage, 1F1B at most ``S``.
   Parameters sharded over the data axis add their gathered copy: with
   ``fsdp_gather="once"`` every such parameter of the slot, held for the whole call;
   with ``"per_microbatch"`` those of the slot's stage that reads the most, held while
@@ -53,8 +58,10 @@ test_memory.py): never below, at most 1.3 × above in the runs seen.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
+from fractions import Fraction
 from typing import Any
 
 import jax
@@ -73,6 +80,7 @@ __all__ = [
     "argument_bytes",
     "describe_limit",
     "device_bytes",
+    "device_padding",
     "estimate_memory",
     "held_in_flight",
     "format_bytes",
@@ -164,14 +172,62 @@ def _key_bytes(plan: PipelinePlan, key: Key) -> int:
     return nbytes(plan.staged.stages[stage].out_avals[output])
 
 
-def _in_flight(plan: PipelinePlan, temporaries: Mapping[str, int] | None = None) -> list[tuple]:
+def _value_sizes(plan: PipelinePlan, padding: Mapping[str, Fraction] | None) -> Callable:
+    """The bytes of a value handed between actions (by its key): its logical bytes, times
+    ``padding`` of the program that makes it where given (rounded up)."""
+    if not padding:
+        return functools.partial(_key_bytes, plan)
+    names = [stage.name for stage in plan.staged.stages]
+    sizes: dict[Key, int] = {}
+    for column in plan.steps.columns:
+        for step in column:
+            factor = padding.get(program_name(step, names), Fraction(1))
+            for _, key, _ in step.sends:
+                sizes[key] = math.ceil(_key_bytes(plan, key) * factor)
+    return lambda key: sizes[key] if key in sizes else _key_bytes(plan, key)
+
+
+def device_padding(analysis: Any, accumulators: Sequence[int], passed: Sequence[int]) -> Fraction:
+    """How many times their logical bytes a program's passed outputs (the values it
+    hands over) take on its device, from its ``memory_analysis()``: never below 1.
+
+    ``output_size_in_bytes`` is every output as the device lays it out (a TPU pads the
+    minor dimension to 128 lanes, the second-minor to 8 or 16 sublanes: a bfloat16
+    ``[B, H, S, 64]`` array can take twice its bytes), and a table of the outputs (8
+    bytes each: on CPU, the logical bytes and that table exactly). Less the table and
+    the accumulators (``accumulators``, their logical bytes; at least the bytes aliased
+    to donated arguments, the accumulators as the device holds them), what is left is
+    the passed outputs' (``passed``, their logical bytes), one factor for them all. An
+    accumulator laid out larger than its logical bytes, not donated, counts here.
+
+    >>> from types import SimpleNamespace
+    >>> analysis = SimpleNamespace(output_size_in_bytes=8 * 3 + 1000 + 2 * 4096,
+    ...                            alias_size_in_bytes=1000)
+    >>> device_padding(analysis, accumulators=[1000], passed=[2048, 2048])
+    Fraction(2, 1)
+    """
+    logical = sum(passed)
+    table = 8 * (len(accumulators) + len(passed))
+    held = (
+        analysis.output_size_in_bytes - table - max(analysis.alias_size_in_bytes, sum(accumulators))
+    )
+    if logical == 0 or held <= logical:
+        return Fraction(1)
+    return Fraction(held, logical)
+
+
+def _in_flight(
+    plan: PipelinePlan,
+    temporaries: Mapping[str, int] | None = None,
+    padding: Mapping[str, Fraction] | None = None,
+) -> list[tuple]:
     """Per slot, ``(most bytes in flight, (bytes in flight, temporaries) at the action
     where their sum is largest)``, in flight as :func:`held_in_flight` bounds it."""
     names = [stage.name for stage in plan.staged.stages]
     worst = []
     for worker, column in enumerate(plan.steps.columns):
         most, peak = 0, (0, 0)
-        for step, held in zip(column, held_in_flight(plan, worker)):
+        for step, held in zip(column, held_in_flight(plan, worker, padding)):
             temp = (temporaries or {}).get(program_name(step, names), 0)
             most = max(most, held)
             if held + temp > sum(peak):
@@ -180,13 +236,18 @@ def _in_flight(plan: PipelinePlan, temporaries: Mapping[str, int] | None = None)
     return worst
 
 
-def held_in_flight(plan: PipelinePlan, worker: int) -> list[int]:
+def held_in_flight(
+    plan: PipelinePlan, worker: int, padding: Mapping[str, Fraction] | None = None
+) -> list[int]:
     """For each action of slot ``worker``, in its order, the most bytes of values in
     flight the slot holds while it runs: the values other actions hand it (copied onto
     it when they are dispatched) until its last action that reads them, and what the
-    ``plan.dispatch_ahead`` actions before it (none with ``None``) hold until the device
-    has run them: their results, even where another slot reads them or this one read
-    them already, and their inputs.
+    ``plan.dispatch_ahead`` actions before it hold until the device has run them: their
+    results, even where another slot reads them or this one read them already, and
+    their inputs. With ``dispatch_ahead=None`` (no bound) the host may dispatch the
+    whole column before the device runs any of it: every action before it counts.
+    ``padding``: per program name, how many times their logical bytes the values it
+    hands over take on the device (:func:`device_padding`); else their logical bytes.
 
     A bound however the workers' threads interleave: each walks its own column,
     dispatching an action as soon as the values it reads are dispatched, so while this
@@ -216,8 +277,11 @@ def held_in_flight(plan: PipelinePlan, worker: int) -> list[int]:
     done = [0] * len(columns)  # each column's prefix dispatched
     made: set[Key] = set()
     # The worker waits for its oldest results once it has dispatched the next
-    # action: while that one is dispatched, dispatch_ahead more are held.
-    window = (plan.dispatch_ahead or 0) + 1
+    # action: while that one is dispatched, dispatch_ahead more are held. Unbounded,
+    # none of the column's earlier actions need have run.
+    ahead = plan.dispatch_ahead
+    window = len(columns[worker]) if ahead is None else ahead + 1
+    size = _value_sizes(plan, padding)
     live, held_at = 0, []
 
     def dispatch(step: Any) -> None:
@@ -225,9 +289,8 @@ def held_in_flight(plan: PipelinePlan, worker: int) -> list[int]:
         for _, key, _ in step.sends:
             made.add(key)
             if key in last_read:
-                size = _key_bytes(plan, key)
-                live += size
-                expire.setdefault(last_read[key], []).append(size)
+                live += size(key)
+                expire.setdefault(last_read[key], []).append(size(key))
 
     for n, step in enumerate(columns[worker]):
         done[worker] = n + 1
@@ -246,7 +309,7 @@ def held_in_flight(plan: PipelinePlan, worker: int) -> list[int]:
             )
             if last_read.get(key, -1) < n
         }
-        held_at.append(live + sum(_key_bytes(plan, key) for key in extra))
+        held_at.append(live + sum(size(key) for key in extra))
         live -= sum(expire.pop(n, ()))
     return held_at
 
@@ -272,27 +335,40 @@ def _advance(
 
 def plan_memory(plan: PipelinePlan, arguments: Sequence[int] | None = None) -> MemoryEstimate:
     """:func:`estimate_memory` of ``plan`` (and the caller's ``arguments``, as it takes
-    them) with its programs' temporaries, compiled here where they are not yet (JAX's
-    caches give back those a call compiled; stages on sub-meshes are not compiled here,
-    and their temporaries are not counted)."""
-    temporaries = None
-    if not plan.placement.meshes:
-        programs = compiled_programs(plan)
-        temporaries = {n: p.memory_analysis().temp_size_in_bytes for n, p in programs.items()}
-    return estimate_memory(plan, temporaries, arguments)
+    them) with its programs' temporaries, and the values they hand over as large as the
+    device lays them out (:func:`device_padding`), the programs compiled here where they
+    are not yet (JAX's caches give back those a call compiled; stages on sub-meshes are
+    not compiled here: their temporaries are not counted, their values at their logical
+    bytes)."""
+    if plan.placement.meshes:
+        return estimate_memory(plan, None, arguments)
+    temporaries, padding = {}, {}
+    for name, program in compiled_programs(plan).items():
+        analysis = program.memory_analysis()
+        temporaries[name] = analysis.temp_size_in_bytes
+        accumulators, passed = program.out_info  # as the program returns them
+        padding[name] = device_padding(
+            analysis,
+            [nbytes(x) for x in jax.tree_util.tree_leaves(accumulators)],
+            [nbytes(x) for x in jax.tree_util.tree_leaves(passed)],
+        )
+    return estimate_memory(plan, temporaries, arguments, padding)
 
 
 def estimate_memory(
     plan: PipelinePlan,
     temporaries: Mapping[str, int] | None = None,
     arguments: Sequence[int] | None = None,
+    padding: Mapping[str, Fraction] | None = None,
 ) -> MemoryEstimate:
     """What a call of ``plan`` holds on each device slot (see the module's text).
     ``temporaries``: each program's temporary bytes by name (as
     :func:`pipemark.runtime.programs.compiled_programs` names them), or ``None``;
     ``arguments``: per slot, the caller's arrays there beyond what the pipeline places
     (:func:`argument_bytes`), or ``None`` (none: each parameter lies on the slot that
-    reads it, the batch on the host).
+    reads it, the batch on the host); ``padding``: per program name, how many times
+    their logical bytes the values it hands over take on the device
+    (:func:`device_padding`), or ``None`` (their logical bytes).
 
     >>> import jax, pipemark as pm
     >>> from pipemark import examples
@@ -307,7 +383,7 @@ def estimate_memory(
     staged, steps = plan.staged, plan.steps
     avals = staged.in_avals
     num_micro = plan.schedule.num_microbatches
-    worst = _in_flight(plan, temporaries)
+    worst = _in_flight(plan, temporaries, padding)
     slots = []
     for worker, slot in enumerate(plan.placement.slots):
         parameters = sum(

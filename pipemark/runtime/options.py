@@ -140,7 +140,8 @@ class PipelineOptions:
         (``None``: no bound). JAX dispatches asynchronously and a program's results
         take device memory when it is dispatched; without a bound the host runs the
         whole schedule ahead of the device, and every microbatch's residuals are held
-        at once whatever the schedule keeps in flight. Default 2: the device always
+        at once whatever the schedule keeps in flight (:meth:`pipemark.Pipeline.memory`
+        then counts what all of a slot's actions hold). Default 2: the device always
         has the next program queued.
     memory_budget:
         Bytes each device slot may hold, as :meth:`pipemark.Pipeline.memory` predicts

@@ -5,8 +5,10 @@ own walk."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 import threading
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +19,9 @@ from jax.sharding import Mesh
 import pipemark as pm
 from pipemark import examples
 from pipemark.cost import nbytes
-from pipemark.runtime import BACKWARD, FORWARD, Action, execution, train_step
-from pipemark.runtime.memory import estimate_memory
+from pipemark.runtime import BACKWARD, FORWARD, Action, execution, memory, train_step
+from pipemark.runtime.memory import device_padding, estimate_memory, held_in_flight
+from pipemark.runtime.steps import STAGE
 from tests._devices import computing_on
 from tests._devices import devices as pick_devices
 from tests.runtime._fusion import mlp_pipeline
@@ -58,6 +61,12 @@ def test_parameters_batch_and_accumulators_add_up_to_the_users_arrays():
         assert s.predicted_peak == (
             s.parameters + s.batch + s.accumulators + s.arguments + s.in_flight + s.temporaries
         )
+
+
+def _value_bytes(plan, key):
+    """The logical bytes of the value handed between actions that ``key`` names."""
+    _, stage, output = key
+    return nbytes(plan.staged.stages[stage].out_avals[output])
 
 
 def _read_bytes(plan, producer, reader):
@@ -169,6 +178,106 @@ def test_each_action_dispatched_ahead_holds_its_results_too():
     assert in_flight[1] < in_flight[3] <= in_flight[1] + 2 * largest
 
 
+@pytest.mark.parametrize(
+    ("schedule", "num_devices"), [("gpipe", 2), ("1f1b", 4), ("interleaved", 2)]
+)
+def test_no_dispatch_bound_holds_at_least_what_any_bound_does(schedule, num_devices):
+    # dispatch_ahead=None: the host may dispatch a slot's whole column before the
+    # device runs any of it. Every bound holds no more, the one that covers the whole
+    # column as much. (The calls' own arrays against it: the live-array tests below.)
+    pipe, ex = _mlp_pipeline(schedule, 4, 8)
+    unbounded = dataclasses.replace(pipe.plan(*ex.args), dispatch_ahead=None)
+    for worker, column in enumerate(unbounded.steps.columns):
+        most = held_in_flight(unbounded, worker)
+        for ahead in (1, 2, 4, len(column) - 1):
+            held = held_in_flight(dataclasses.replace(unbounded, dispatch_ahead=ahead), worker)
+            assert all(h <= m for h, m in zip(held, most)), (ahead, held, most)
+        assert held == most
+        # The first action's results and inputs stay counted to the column's end.
+        first = column[0]
+        keys = {key for _, key, _ in first.sends} | {
+            key for source, key in first.inputs if source == STAGE
+        }
+        assert most[-1] >= sum(_value_bytes(unbounded, key) for key in keys) > 0
+    slots = estimate_memory(unbounded).slots
+    for ahead in (1, 2, 4):
+        bounded = estimate_memory(dataclasses.replace(unbounded, dispatch_ahead=ahead)).slots
+        assert all(b.buffers <= s.buffers for b, s in zip(bounded, slots))
+    assert any(b.buffers < s.buffers for b, s in zip(bounded, slots))
+
+
+def _analysis(output, alias=0, temp=0):
+    return SimpleNamespace(
+        output_size_in_bytes=output, alias_size_in_bytes=alias, temp_size_in_bytes=temp
+    )
+
+
+def test_padding_is_what_the_passed_outputs_take_beyond_their_bytes():
+    # Three outputs: 24 bytes of output table, an accumulator of 1000 bytes.
+    table = 8 * 3
+    doubled = _analysis(table + 1000 + 2 * 4096, alias=1000)
+    assert device_padding(doubled, [1000], [1024, 3072]) == 2
+    # Not donated: the accumulator still counted at its own bytes.
+    assert device_padding(_analysis(table + 1000 + 6144), [1000], [1024, 3072]) == 1.5
+    # A donated accumulator laid out larger (what it aliases) is not the passed ones'.
+    assert device_padding(_analysis(table + 2000 + 4096, alias=2000), [1000], [4096, 0]) == 1
+    # Never below the logical bytes; nothing passed, nothing to scale.
+    assert device_padding(_analysis(100), [1000], [4096]) == 1
+    assert device_padding(_analysis(table + 5000), [1000, 1000, 1000], []) == 1
+
+
+class _Padded:
+    """A compiled program whose memory analysis reports its passed outputs at ``factor``
+    times their bytes, as a TPU's tiles can."""
+
+    def __init__(self, program, factor):
+        self.program, self.out_info, self.factor = program, program.out_info, factor
+
+    def memory_analysis(self):
+        real = self.program.memory_analysis()
+        passed = sum(nbytes(x) for x in jax.tree_util.tree_leaves(self.out_info[1]))
+        extra = (self.factor - 1) * passed
+        return _analysis(
+            real.output_size_in_bytes + extra, real.alias_size_in_bytes, real.temp_size_in_bytes
+        )
+
+
+def test_values_in_flight_count_as_the_compiled_programs_lay_them_out(monkeypatch):
+    pipe, ex = _mlp_pipeline("interleaved", 4, 4)
+    plan = pipe.plan(*ex.args)
+    logical = memory.plan_memory(plan).slots
+    compiled = memory.compiled_programs
+    monkeypatch.setattr(
+        memory, "compiled_programs", lambda p: {n: _Padded(c, 2) for n, c in compiled(p).items()}
+    )
+    padded = memory.plan_memory(plan).slots
+    for was, now in zip(logical, padded):
+        base = was.parameters + was.batch + was.accumulators + was.arguments
+        assert (now.parameters, now.batch, now.accumulators) == (
+            was.parameters, was.batch, was.accumulators,
+        )  # fmt: skip
+        # Every value in flight is some program's passed output: all of them twice.
+        assert now.buffers - base == 2 * (was.buffers - base) > 0
+        assert now.temporaries == was.temporaries
+
+
+def test_on_the_cpu_values_count_their_logical_bytes():
+    # The CPU lays arrays out as their bytes: its programs' output sizes are those and
+    # the output table, the prediction unchanged by compiling them.
+    pipe, ex = _mlp_pipeline("1f1b", 4, 4)
+    plan = pipe.plan(*ex.args)
+    if plan.placement.slots[0].devices[0].platform != "cpu":
+        pytest.skip("an accelerator may lay its arrays out padded")
+    programs = pipe.compiled_programs(*ex.args)
+    assert any("+" in name for name in programs)  # a fused program among them
+    for program in programs.values():
+        accumulators, passed = (jax.tree_util.tree_leaves(x) for x in program.out_info)
+        sizes = [[nbytes(x) for x in accumulators], [nbytes(x) for x in passed]]
+        assert device_padding(program.memory_analysis(), *sizes) == 1
+    temporaries = {n: p.memory_analysis().temp_size_in_bytes for n, p in programs.items()}
+    assert memory.plan_memory(plan) == estimate_memory(plan, temporaries)
+
+
 def test_dispatch_ahead_must_be_a_positive_count_or_none():
     ex = examples.mlp(num_layers=2, batch=4)
     with pytest.raises(pm.PipemarkError, match="dispatch_ahead"):
@@ -275,8 +384,12 @@ def test_a_call_holds_no_more_arrays_than_predicted(
         jax.block_until_ready(got)
     ratios = _check_bound(estimate, samples, used)
     # An upper bound that is not far above: what the threads hold in the worst
-    # interleaving, which a run need not reach (1.0 to 1.3 seen).
-    assert max(ratios) < 1.5, ratios
+    # interleaving, which a run need not reach (1.0 to 1.3 seen). Without a bound the
+    # estimate counts what the whole column holds, dispatched before the device runs
+    # any of it, which the host CPU's devices, keeping up with the host, do not reach
+    # (up to 1.8 seen).
+    if ahead is not None:
+        assert max(ratios) < 1.5, ratios
 
 
 @pytest.mark.parametrize(
