@@ -80,7 +80,9 @@ SIZES = {
     "tiny": dict(layers=4, d_model=32, heads=2, d_ff=128, vocab=64, seq=16, batch=8),
 }
 DEFAULT_CONFIGS = "jit,jit-markers,scan,s1,s1-half,jit-half,s4,s16"
-CONFIG = re.compile(r"(jit|jit-markers|scan|jit-half|s(\d+)(-half|-w(\d+)|-mem([\d.]+)|-d(\d+))?)$")
+CONFIG = re.compile(
+    r"(jit|jit-markers|scan|jit-half|s(\d+)(-half|-w(\d+)|-mem([\d.]+)|-d(\d+))?(-f(\d+))?)$"
+)
 
 
 def _log(message: str) -> None:
@@ -99,15 +101,19 @@ def stages_of(config: str) -> int | None:
 def pipeline_options(config: str) -> dict:
     """A pipeline row's own options: ``sN-wK`` runs at most ``K`` microbatches in
     flight, ``sN-memG`` asks for a ``memory_budget`` of ``G`` GiB, ``sN-dK`` dispatches
-    at most ``K`` actions ahead (``sN-d0``: no bound)."""
+    at most ``K`` actions ahead (``sN-d0``: no bound); a last ``-fK`` runs up to ``K``
+    consecutive actions as one program (``fuse_actions``)."""
     match = CONFIG.match(config)
+    own: dict = {}
     if match and match.group(4):
-        return {"microbatches_in_flight": int(match.group(4))}
+        own["microbatches_in_flight"] = int(match.group(4))
     if match and match.group(5):
-        return {"memory_budget": int(float(match.group(5)) * 2**30)}
+        own["memory_budget"] = int(float(match.group(5)) * 2**30)
     if match and match.group(6):
-        return {"dispatch_ahead": int(match.group(6)) or None}
-    return {}
+        own["dispatch_ahead"] = int(match.group(6)) or None
+    if match and match.group(8):
+        own["fuse_actions"] = int(match.group(8))
+    return own
 
 
 def baseline_of(config: str) -> str | None:
@@ -145,6 +151,8 @@ def label(config: str, sizes: dict, microbatches: int) -> str:
         more = f", memory_budget {_bytes(own['memory_budget'])}"
     elif "dispatch_ahead" in own:
         more = f", dispatch_ahead={own['dispatch_ahead']}"
+    if "fuse_actions" in own:
+        more += f", fuse_actions={own['fuse_actions']}"
     return f"pipeline S {stages}, M {microbatches}, interleaved on 1 device{more}, B {rows}"
 
 
@@ -653,8 +661,9 @@ TARGETS = {"s1": 1.05, "s1-half": 1.05, "s4": 1.05, "s16": 1.05, "first": 1.5}
 
 
 def _target_key(config: str) -> str:
-    """``"s16"`` for ``"s16-d4"``: a dispatch bound does not change a row's target."""
-    return re.sub(r"-d\d+$", "", config)
+    """``"s16"`` for ``"s16-d4"`` or ``"s16-f4"``: a dispatch bound or fused actions do
+    not change a row's target."""
+    return re.sub(r"(-d\d+)?(-f\d+)?$", "", config)
 
 
 def _met(key: str, ratio: float) -> str:

@@ -446,6 +446,23 @@ def test_accelerator_shortens_what_did_not_fit(message, short):
     assert bench.is_out_of_memory(message) == ("RESOURCE_EXHAUSTED" in message)
 
 
+@pytest.mark.parametrize(
+    ("config", "options", "target"),
+    [
+        ("s16", {}, "s16"),
+        ("s16-d4", {"dispatch_ahead": 4}, "s16"),
+        ("s16-d0-f4", {"dispatch_ahead": None, "fuse_actions": 4}, "s16"),
+        ("s4-f2", {"fuse_actions": 2}, "s4"),
+        ("s4-w2", {"microbatches_in_flight": 2}, "s4-w2"),
+    ],
+)
+def test_accelerator_rows_options_from_their_names(config, options, target):
+    bench = _accelerator()
+    assert bench.pipeline_options(config) == options
+    assert bench.stages_of(config) == int(config[1:].split("-")[0])
+    assert bench._target_key(config) == target
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["llama-mask", "nnx"])
 def test_accelerator_models_pipelined_equal_jax_value_and_grad(model):

@@ -142,7 +142,15 @@ class PipelineOptions:
         whole schedule ahead of the device, and every microbatch's residuals are held
         at once whatever the schedule keeps in flight (:meth:`pipemark.Pipeline.memory`
         then counts what all of a slot's actions hold). Default 2: the device always
-        has the next program queued.
+        has the next program queued. A fused run (``fuse_actions``) counts as one.
+    fuse_actions:
+        At most this many consecutive actions of a device slot run as one program,
+        where no other slot waits for the ones before the last (each reads only values
+        its own slot made; all but the last hand their outputs to their own slot only;
+        :func:`pipemark.runtime.steps.fuse_runs`): a slot holding many stages (an
+        interleaved schedule's, or all stages on one device) dispatches fewer
+        programs, each with a fixed cost on the host. Each distinct run is a program
+        to compile. Default 1: every action its own program.
     memory_budget:
         Bytes each device slot may hold, as :meth:`pipemark.Pipeline.memory` predicts
         it (``None``: no limit); see :mod:`pipemark.runtime.budget`.
@@ -170,6 +178,7 @@ class PipelineOptions:
     gather_results: bool = True
     recompute_residuals: bool = True
     dispatch_ahead: int | None = 2
+    fuse_actions: int = 1
     memory_budget: int | None = None
     microbatches_in_flight: int | None = None
     stage_layers: tuple[int, ...] | None = None
@@ -188,6 +197,7 @@ class PipelineOptions:
         check_positive(self.num_microbatches, "num_microbatches")
         if self.dispatch_ahead is not None:
             check_positive(self.dispatch_ahead, "dispatch_ahead (or None)")
+        check_positive(self.fuse_actions, "fuse_actions")
         if self.memory_budget is not None:
             check_positive(self.memory_budget, "memory_budget (bytes per device, or None)")
         if self.microbatches_in_flight is not None:

@@ -341,6 +341,7 @@ def pipeline_value_and_grad(
     gather_results: bool = True,
     recompute_residuals: bool = True,
     dispatch_ahead: int | None = 2,
+    fuse_actions: int = 1,
     memory_budget: int | None = None,
     microbatches_in_flight: int | None = None,
     stage_layers: Sequence[int] | None = None,
@@ -443,6 +444,14 @@ def pipeline_value_and_grad(
         2; ``None``: no bound). Unbounded, the host runs the whole schedule ahead of
         the device, and the results of every dispatched program take device memory at
         once: every microbatch's residuals, whatever the schedule keeps in flight.
+        A fused run of actions (``fuse_actions``) counts as one.
+    fuse_actions:
+        At most this many consecutive actions of a device run as one program where no
+        other device waits for the ones before the last (default 1: each action its
+        own program). With many stages on a device (all on one, or an interleaved
+        schedule's), fewer programs to dispatch, each with a fixed host cost; each
+        distinct run is one more program to compile. See
+        :class:`~pipemark.runtime.PipelineOptions`.
     memory_budget:
         Bytes each device may hold, as :meth:`Pipeline.memory` predicts it (``None``:
         no limit). The plan then keeps fewer microbatches in flight, rematerialises
@@ -505,6 +514,7 @@ def pipeline_value_and_grad(
         gather_results=gather_results,
         recompute_residuals=recompute_residuals,
         dispatch_ahead=dispatch_ahead,
+        fuse_actions=fuse_actions,
         memory_budget=memory_budget,
         microbatches_in_flight=microbatches_in_flight,
         stage_layers=stage_layers,

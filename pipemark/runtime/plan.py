@@ -37,6 +37,7 @@ from pipemark.runtime.scheduling import plan_schedule
 from pipemark.runtime.sharding import gathered_spec
 from pipemark.runtime.steps import (
     Steps,
+    fuse_runs,
     fuse_steps,
     place_reductions,
     resolve_steps,
@@ -113,6 +114,9 @@ class PipelinePlan:
     #: How many of a worker's actions may be dispatched and not yet computed
     #: (:class:`~pipemark.runtime.PipelineOptions` ``dispatch_ahead``; ``None``: any).
     dispatch_ahead: int | None = 2
+    #: At most how many consecutive actions of a worker run as one program
+    #: (:class:`~pipemark.runtime.PipelineOptions` ``fuse_actions``).
+    fuse_actions: int = 1
     # Per accumulating stage of this process, the zeros its accumulators start from
     # (immutable arrays: one set serves every call), and per worker of this process the
     # microbatch scale on its slot.
@@ -364,6 +368,7 @@ def plan_from_staged(
         loss_reduction=options.loss_reduction,
         timeout_s=options.timeout_s,
         dispatch_ahead=options.dispatch_ahead,
+        fuse_actions=options.fuse_actions,
         param_specs=None if param_specs is None else tuple(param_specs),
         fsdp_gather=options.gathering,
         data_axis=options.data_axis,
@@ -389,6 +394,9 @@ def _ready(plan: PipelinePlan) -> PipelinePlan:
     if not placement.meshes:  # a fused program on a sub-mesh is not written yet
         steps = resolve_steps(*resolve, plan.num_param_leaves)
         steps = fuse_steps(steps, plan.staged, plan.roles(), plan.units, placement, plan.schedule)
+        steps = fuse_runs(
+            steps, plan.fuse_actions, plan.schedule, plan.roles(), plan.units, placement
+        )
     if not plan.gather_results:
         steps = without_gathers(steps)
     # After the gathers are settled: a stage whose results go to other processes is

@@ -11,9 +11,11 @@ Some steps run several stage programs as one (a *fused* step, one program:
 :func:`pipemark.runtime.compilation.compile_fused`): the schedule's overlapped pairs
 (:attr:`pipemark.runtime.Schedule.overlapped`), a whole backward where the plan split
 the stage's backward into B and W for other microbatches (the two halves in one
-program), and, by :func:`fuse_steps`, a forward with the backward right after it on its
+program), by :func:`fuse_steps`, a forward with the backward right after it on its
 worker for the same pipeline stage and microbatch when no other stage reads the
-forward's outputs (one stage; the last stage of 1F1B).
+forward's outputs (one stage; the last stage of 1F1B), and, by :func:`fuse_runs`, runs
+of a worker's consecutive steps that no other worker waits for
+(``PipelineOptions.fuse_actions``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ __all__ = [
     "Steps",
     "Transfer",
     "fuse_group",
+    "fuse_runs",
     "fuse_steps",
     "place_reductions",
     "program_name",
@@ -386,6 +389,96 @@ def fuse_steps(
             else _reductions([list(c) for c in columns], schedule, roles, units)
         ),
     )
+
+
+def fuse_runs(
+    steps: Steps,
+    size: int,
+    schedule: Schedule,
+    roles: Mapping[str, Sequence[int | None]],
+    units: Mapping[int, Unit],
+    placement: Placement,
+) -> Steps:
+    """``steps`` with runs of up to ``size`` consecutive actions of a worker's column run
+    as one fused step (``PipelineOptions.fuse_actions``), where no other worker waits
+    for the actions before a run's last: a step joins the run before it if the values
+    it reads from other stages were made on its own worker (before the run, or inside
+    it) and the run's last step hands its outputs to its own worker only. Each stage
+    runs at most once in a run (its accumulators are one argument of the program). A
+    step fused already joins with its parts. Under ``jax.distributed`` nothing is
+    fused here.
+
+    What it saves is dispatch: a slot holding many stages (an interleaved schedule's
+    virtual stages, or every stage on one device) runs a program per action, and the
+    host's fixed cost per program adds up (S 16 on one TPU v5e chip: 248 programs a
+    step at ~0.46 ms of host time each, 118 ms of a 139 ms step, docs/performance.md).
+    A run takes its first step's tick and place in the serial walk: everything it
+    reads is ready there.
+
+    >>> import jax, pipemark as pm
+    >>> from pipemark import examples
+    >>> ex = examples.mlp(num_layers=2, batch=4)
+    >>> def parts(fuse_actions):
+    ...     pipe = pm.pipeline_value_and_grad(
+    ...         ex.loss_fn, num_stages=2, num_microbatches=2, schedule="interleaved",
+    ...         devices=jax.devices()[:1], fuse_actions=fuse_actions)
+    ...     column = pipe.plan(*ex.args).steps.columns[0]
+    ...     return [[part.action.label() for part in s.parts or (s,)] for s in column]
+    >>> parts(1)  # the last stage's forward and backward are one program already
+    [['F0s0'], ['F0s1', 'B0s1'], ['F1s0'], ['B0s0'], ['F1s1', 'B1s1'], ['B1s0']]
+    >>> parts(4)
+    [['F0s0', 'F0s1', 'B0s1'], ['F1s0', 'B0s0', 'F1s1', 'B1s1'], ['B1s0']]
+    """
+    if size < 2 or placement.distributed:
+        return steps
+    grouped: dict[int, Step] = {}  # id of each step in a run -> the run's fused step
+    firsts: set[int] = set()  # ids of the runs' first steps
+    for w, column in enumerate(steps.columns):
+        for run in _runs(column, w, size, units):
+            if len(run) > 1:
+                fused = fuse_group([part for step in run for part in step.parts or (step,)])
+                firsts.add(id(run[0]))
+                grouped.update((id(step), fused) for step in run)
+    if not grouped:
+        return steps
+
+    def kept(step: Step) -> bool:
+        return id(step) not in grouped or id(step) in firsts
+
+    columns = tuple(
+        tuple(grouped.get(id(s), s) for s in column if kept(s)) for column in steps.columns
+    )
+    return steps._replace(
+        columns=columns,
+        serial=tuple((w, grouped.get(id(s), s)) for w, s in steps.serial if kept(s)),
+        reductions=_reductions([list(c) for c in columns], schedule, roles, units),
+    )
+
+
+def _runs(
+    column: Sequence[Step], worker: int, size: int, units: Mapping[int, Unit]
+) -> list[list[Step]]:
+    """``column`` cut into the runs :func:`fuse_runs` fuses (a run of one: as it is)."""
+    runs: list[list[Step]] = []
+    actions = 0  # in the last run
+    for step in column:
+        count = len(step.parts) or 1
+        run = runs[-1] if runs else []
+        stages = {index for earlier in run for index in _stages_of(earlier)}
+        joins = (
+            run
+            and actions + count <= size
+            and not stages & set(_stages_of(step))
+            and all(r == worker for _, _, targets in run[-1].sends for r, _ in targets)
+            and all(units[k[1]].worker == worker for src, k in step.inputs if src == STAGE)
+        )
+        if joins:
+            run.append(step)
+            actions += count
+        else:
+            runs.append([step])
+            actions = count
+    return runs
 
 
 def _fusable_pairs(

@@ -43,8 +43,9 @@ def _test(schedule: str, examples: int, seen: list):
         devices=st.integers(1, DEVICES),
         per_device=st.integers(1, 2),
         microbatches=st.sampled_from([m for m in (1, 2, 4) if BATCH % m == 0]),
+        fuse_actions=st.sampled_from([1, 2, 4]),
     )
-    def test(recipe, devices, per_device, microbatches):
+    def test(recipe, devices, per_device, microbatches, fuse_actions):
         params, x = inputs(2)
         if schedule in ("zb-v", "interleaved"):
             devices = min(devices, 2)  # at most 4 stages: tiny programs have few equations
@@ -64,6 +65,7 @@ def _test(schedule: str, examples: int, seen: list):
             num_microbatches=microbatches,
             schedule=schedule,
             devices=jax.devices()[:devices],
+            fuse_actions=fuse_actions,
         )
         try:
             loss, grads = pipeline(params, x)
@@ -73,7 +75,8 @@ def _test(schedule: str, examples: int, seen: list):
             reject()  # fewer equations than stages: refused, rightly
         want = jax.value_and_grad(loss_of(recipe))(params, x)
         what = f"pipeline_value_and_grad(schedule={schedule!r}, num_stages={num_stages}, "
-        what += f"num_microbatches={microbatches}, {devices} devices)"
+        what += f"num_microbatches={microbatches}, fuse_actions={fuse_actions}, "
+        what += f"{devices} devices)"
         assert_close(jax.tree_util.tree_leaves((loss, grads)), want, what, recipe)
         seen.append(recipe)
 

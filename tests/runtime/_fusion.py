@@ -22,10 +22,12 @@ def mlp_pipeline(
     num_layers: int = 4,
     width: int = 8,
     recompute_residuals: bool = True,
+    **options,
 ) -> tuple[pm.runtime.Pipeline, examples.Example]:
     """``pm.pipeline_value_and_grad`` of an MLP (4 layers of width 8 by default) on
     ``devices`` devices (by default one per stage; :func:`tests._devices.devices`), and
-    the MLP, its arrays made on the pipeline's first device."""
+    the MLP, its arrays made on the pipeline's first device; ``options``: more of
+    ``pm.pipeline_value_and_grad``'s."""
     used = pick_devices(devices or num_stages)
     with computing_on(used):
         ex = examples.mlp(num_layers=num_layers, width=width, batch=batch)
@@ -36,6 +38,7 @@ def mlp_pipeline(
         schedule=schedule,
         devices=used,
         recompute_residuals=recompute_residuals,
+        **options,
     )
     return pipe, ex
 

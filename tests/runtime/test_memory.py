@@ -358,12 +358,18 @@ def _check_bound(estimate, samples, devices):
 
 
 @pytest.mark.parametrize(
-    ("schedule", "num_stages", "num_devices", "num_microbatches"),
-    [("gpipe", 2, 2, 4), ("1f1b", 4, 4, 8), ("interleaved", 4, 2, 4), ("zb-h1", 2, 2, 4)],
+    ("schedule", "num_stages", "num_devices", "num_microbatches", "fuse_actions"),
+    [
+        ("gpipe", 2, 2, 4, 1),
+        ("1f1b", 4, 4, 8, 1),
+        ("interleaved", 4, 2, 4, 1),
+        ("zb-h1", 2, 2, 4, 1),
+        ("interleaved", 4, 1, 4, 4),  # runs of actions fused: fewer, larger programs
+    ],
 )
 @pytest.mark.parametrize("ahead", [2, None])
 def test_a_call_holds_no_more_arrays_than_predicted(
-    monkeypatch, schedule, num_stages, num_devices, num_microbatches, ahead
+    monkeypatch, schedule, num_stages, num_devices, num_microbatches, fuse_actions, ahead
 ):
     # The caller's parameters and batch on the first device (as a model made there
     # has them): the other slots' parameters and the whole batch count there too.
@@ -377,6 +383,7 @@ def test_a_call_holds_no_more_arrays_than_predicted(
         schedule=schedule,
         devices=used,
         dispatch_ahead=ahead,
+        fuse_actions=fuse_actions,
     )
     estimate = pipe.memory(*ex.args)
     with _sampled(monkeypatch, used, ex.args) as samples:

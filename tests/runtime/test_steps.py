@@ -158,3 +158,64 @@ def test_a_whole_backward_of_a_split_stage_is_its_b_and_w_in_one_program():
     assert whole.microbatch == 0 and whole.fused.stages == both
     assert whole.sends and all(key[1] == both[0] for _, key, _ in whole.sends)  # to stage 1
     assert plan.steps.num_programs == plan.steps.num_actions == 4 * 3 + 3
+
+
+# ------------------------------------------------- runs of actions as one program
+
+
+def _parts(column) -> list:
+    """Each step of ``column`` as the unfused steps it runs, in program order."""
+    return [part for step in column for part in step.parts or (step,)]
+
+
+def _label(step) -> tuple:
+    return (step.index, step.microbatch, step.action)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "num_stages", "devices"),
+    [("interleaved", 4, 1), ("interleaved", 4, 2), ("zb-v", 4, 2), ("dualpipev", 4, 2)],
+)
+@pytest.mark.parametrize("fuse_actions", [2, 4])
+def test_runs_of_actions_are_fused_where_no_other_device_waits(
+    schedule, num_stages, devices, fuse_actions
+):
+    pipe, ex = mlp_pipeline(num_stages, 4, schedule, devices, batch=8, fuse_actions=fuse_actions)
+    plan = pipe.plan(*ex.args)
+    alone, _ = mlp_pipeline(num_stages, 4, schedule, devices, batch=8)
+    before = alone.plan(*ex.args).steps
+    steps = plan.steps
+    assert steps.num_actions == before.num_actions
+    for w, (column, old) in enumerate(zip(steps.columns, before.columns)):
+        # The same actions in the same order, runs of at most fuse_actions of them.
+        assert [_label(p) for p in _parts(column)] == [_label(p) for p in _parts(old)]
+        items = iter(old)  # the steps before runs were fused, some fused already
+        for step in column:
+            parts = step.parts or (step,)
+            run = [next(items)]
+            while len(_parts(run)) < len(parts):
+                run.append(next(items))
+            assert len(parts) <= fuse_actions or len(run) == 1
+            assert len({p.index for p in parts}) == len(parts)  # each stage once
+            # No other device waits for a step of a run before its last: each step
+            # after the first reads from its own device only, and each before the last
+            # sends to it only.
+            for item in run[1:]:
+                assert all(plan.units[k[1]].worker == w for src, k in item.inputs if src == 2)
+            for item in run[:-1]:
+                assert all(r == w for _, _, targets in item.sends for r, _ in targets)
+    if devices == 1:
+        assert steps.num_programs <= before.num_programs / fuse_actions * 1.5
+    assert steps.num_programs <= before.num_programs
+    with computing_on(jax.tree_util.tree_leaves(ex.args)[0].devices()):
+        want = jax.jit(jax.value_and_grad(ex.loss_fn))(*ex.args)
+    assert_trees_close(pipe(*ex.args), want, rtol=2e-5, atol=1e-6)
+
+
+def test_fuse_actions_of_one_fuses_no_runs_and_bad_values_are_refused():
+    pipe, ex = mlp_pipeline(4, 4, "interleaved", 1, fuse_actions=1)
+    alone, _ = mlp_pipeline(4, 4, "interleaved", 1)
+    assert pipe.plan(*ex.args).steps == alone.plan(*ex.args).steps
+    for bad in (0, -2, 1.5, True, None):
+        with pytest.raises(pm.PipemarkError, match="fuse_actions must be a positive int"):
+            mlp_pipeline(4, 4, "interleaved", 1, fuse_actions=bad)
