@@ -98,8 +98,10 @@ def test_a_bfloat16_gpt_verifies_with_the_defaults_and_one_wrong_block_fails():
     wrong = pm.split(jax.value_and_grad(gpt_loss(scaled_block=1), has_aux=True), *args)
     check_the_wrong_program(wrong, train, args)
     # The caller's tolerance overrides the program's; against jit alone, no spread.
+    # (The wrong program: the right one may equal jit within 1e-5, as it does compiled
+    # at XLA's optimisation level 0, where the two round alike.)
     with pytest.raises(pm.VerificationError, match=r"rtol 1e-05, atol 0\)") as caught:
-        staged.verify(train, *args, rtol=1e-5, against="jit")
+        wrong.verify(train, *args, rtol=1e-5, against="jit")
     report = caught.value.report
     assert {c.tolerance_from for c in report.checks} == {""}
     assert report.largest_relative_spread is None
@@ -145,7 +147,10 @@ def check_the_wrong_program(wrong, train, args):
     report = caught.value.report
     # The seeded error is many times JAX's own rounding on every gradient it changes.
     assert len({c.index for c in report.checks if not c.passed}) >= 10
-    assert max(c.largest_difference / c.spread for c in report.checks if c.spread) > 10
+    # (Where JAX's jit and eager round alike, as at XLA's optimisation level 0 on JAX
+    # 0.12, there is no spread, and the tolerances alone decide.)
+    spread = [c.largest_difference / c.spread for c in report.checks if c.spread]
+    assert not spread or max(spread) > 10
     message, text = str(caught.value), str(report)
     if report.largest_relative_spread > 3e-2:  # JAX 0.10: see check_the_correct_program
         assert "x the jit-eager spread of this result" in message
