@@ -36,7 +36,9 @@ accumulators (4, sharded by TP; by FSDP too when reduce-scattered every microbat
 with one layer's whole), AdamW's float32 master and moments (12, sharded by TP and
 FSDP), the activations of the microbatches in flight (walking each device's actions in
 schedule order: a microbatch's activations are held from its forward to its last
-backward action of that stage) and the largest temporary of a stage's program.
+backward action of that stage; with ``dispatch_ahead`` the forwards dispatched ahead of
+the action running hold theirs too, except one run with its own backward as one
+program) and the largest temporary of a stage's program.
 
 >>> from pipemark.runtime.cluster import tpu_v5e
 >>> from pipemark.runtime.workload import Layout, Transformer
@@ -50,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -309,18 +312,39 @@ def _device_ends(simulation: Simulation, schedule: Schedule, chunks) -> list[flo
     return ends
 
 
-def _in_flight(work: StageWork, schedule: Schedule, order: Sequence[Action]) -> float:
+def _in_flight(
+    work: StageWork, schedule: Schedule, order: Sequence[Action], ahead: int | None
+) -> float:
     """The most activation bytes a device holds: each (stage, microbatch)'s from its
-    forward to the action that makes its gradients."""
+    forward to the action that makes its gradients, and while an action runs, those
+    of the forwards among the next ``ahead`` actions (``dispatch_ahead``: dispatched
+    already, their results allocated; ``None``: every later action), as the runtime's
+    memory model counts them (:func:`pipemark.runtime.memory.held_in_flight`)."""
     freed = set(_orders(schedule)[1].values())
+    # What dispatching each action allocates: a forward's activations, unless its
+    # backward comes right after it, which the runtime runs with it as one program
+    # (pipemark.runtime.steps.fuse_steps: they stay inside it).
+    sizes = [
+        work.activation_bytes[a.stage]
+        if a.kind == FORWARD and not (n + 1 < len(order) and _fused_with(a, order[n + 1]))
+        else 0.0
+        for n, a in enumerate(order)
+    ]
+    later = list(itertools.accumulate(sizes, initial=0.0))  # later[n]: sizes[:n]
     live = peak = 0.0
-    for action in order:
+    for n, action in enumerate(order):
         if action.kind == FORWARD:
             live += work.activation_bytes[action.stage]
-            peak = max(peak, live)
-        elif action in freed:
+        end = len(order) if ahead is None else min(len(order), n + 1 + ahead)
+        peak = max(peak, live + later[end] - later[n + 1])
+        if action in freed:
             live -= work.activation_bytes[action.stage]
     return peak
+
+
+def _fused_with(forward: Action, after: Action) -> bool:
+    """Whether ``after`` is ``forward``'s own backward (the same stage and microbatch)."""
+    return after.kind == BACKWARD and after[:2] == forward[:2]
 
 
 def _chip_parts(
@@ -345,12 +369,14 @@ def _chip_parts(
     }
 
 
-def _memory(layout: Layout, work: StageWork, schedule: Schedule) -> tuple[float, dict[str, float]]:
-    """The worst chip's peak bytes and their parts."""
+def _memory(
+    layout: Layout, work: StageWork, schedule: Schedule, ahead: int | None
+) -> tuple[float, dict[str, float]]:
+    """The worst chip's peak bytes and their parts (``ahead``: ``dispatch_ahead``)."""
     worst: tuple[float, dict[str, float]] = (-1.0, {})
     for d, order in enumerate(_orders(schedule)[0]):
         stages = [j for j, device in enumerate(schedule.stage_devices) if device == d]
-        parts = _chip_parts(layout, work, stages, _in_flight(work, schedule, order))
+        parts = _chip_parts(layout, work, stages, _in_flight(work, schedule, order, ahead))
         if sum(parts.values()) > worst[0]:
             worst = (sum(parts.values()), parts)
     return worst
@@ -458,7 +484,9 @@ def predict_layout(
     for order in _orders(schedule)[0]:
         for action in order:
             waits[schedule.stage_devices[action.stage]] += gather(action)
-    prediction = _prediction(layout, cluster, work, schedule, simulation, ends, waits, update)
+    prediction = _prediction(
+        layout, cluster, work, schedule, simulation, (ends, waits), update, dispatch_ahead
+    )
     return dataclasses.replace(prediction, usable_bytes=usable)
 
 
@@ -477,11 +505,13 @@ def _prediction(
     work: StageWork,
     schedule: Schedule,
     simulation: Simulation,
-    ends: list[float],
-    waits: list[float],
+    ends_waits: tuple[list[float], list[float]],
     update: bool,
+    ahead: int | None,
 ) -> LayoutPrediction:
-    """The parts of the step on its busiest device, and the memory."""
+    """The parts of the step on its busiest device, and the memory (``ends_waits``: each
+    device's end and time waiting for gathers; ``ahead``: ``dispatch_ahead``)."""
+    ends, waits = ends_waits
     shard = [0.0] * schedule.num_devices
     tp = [0.0] * schedule.num_devices
     m = schedule.num_microbatches
@@ -493,7 +523,7 @@ def _prediction(
     d = max(range(len(totals)), key=totals.__getitem__)
     makespan = max((simulation.finish[a] for a in _orders(schedule)[0][d]), default=0.0)
     busy = simulation.busy[d]
-    peak, parts = _memory(layout, work, schedule)
+    peak, parts = _memory(layout, work, schedule, ahead)
     step = totals[d]
     flops = work.flops
     return LayoutPrediction(
@@ -746,7 +776,7 @@ def rank_layouts(
             skipped = len(candidates) - i
             break
         work = model.stage_work(layout, global_batch=global_batch, peak_flops=cluster.peak_flops)
-        peak, parts = _memory(layout, work, _build(layout, work))
+        peak, parts = _memory(layout, work, _build(layout, work), dispatch_ahead)
         if peak > usable:  # refused before it is simulated
             refused.append(Refusal(layout, peak, bound, parts))
             continue

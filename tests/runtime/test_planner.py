@@ -145,11 +145,14 @@ def test_equal_stages_take_the_textbook_makespan(schedule):
     assert p.idle_seconds == pytest.approx(3 * 3.0)
 
 
-def test_activations_in_flight_follow_the_schedule():
-    # GPipe holds every microbatch's activations on each stage, 1F1B at most S.
-    for schedule, held in (("gpipe", 8), ("1f1b", 4)):
+@pytest.mark.parametrize(("ahead", "one_f_one_b"), [(1, 5), (2, 5), (None, 8)])
+def test_activations_in_flight_follow_the_schedule_and_the_dispatch_bound(ahead, one_f_one_b):
+    # GPipe holds every microbatch's activations on each stage, 1F1B at most S, and one
+    # more forward's while a backward runs with the next forward dispatched after it
+    # (the first stage's B0, then F4); without a bound every forward's at once.
+    for schedule, held in (("gpipe", 8), ("1f1b", one_f_one_b)):
         model, layout = _unit(stages=4, microbatches=8, schedule=schedule, activation_bytes=100)
-        p = predict_layout(model, layout, FREE, global_batch=8)
+        p = predict_layout(model, layout, FREE, global_batch=8, dispatch_ahead=ahead)
         assert p.memory["activations"] == held * 100
 
 
@@ -258,12 +261,13 @@ def test_a_host_slower_than_the_actions_sets_the_pace():
 
 
 def test_a_layout_that_eats_into_the_hbm_margin_is_refused():
-    # 1F1B over 2 stages holds 2 microbatches' activations on the first: 950 of the
-    # chip's 1000 bytes. It fits without a margin, not with the default 10 % kept free.
+    # 1F1B over 2 stages holds 2 microbatches' activations on the first, and a third's
+    # while a backward runs with the next forward dispatched (dispatch_ahead=2): 930 of
+    # the chip's 1000 bytes. It fits without a margin, not with the default 10 % free.
     small = Cluster("small HBM", 2, 2, 2, 1000, 1e12, 1e15, 1e15, 2, 0.0, 1e15, 0.0)
-    model, layout = _unit(stages=2, microbatches=4, activation_bytes=475)
+    model, layout = _unit(stages=2, microbatches=4, activation_bytes=310)
     p = predict_layout(model, layout, small, global_batch=4)
-    assert p.peak_bytes == 950 and p.usable_bytes == pytest.approx(900) and not p.fits
+    assert p.peak_bytes == 930 and p.usable_bytes == pytest.approx(900) and not p.fits
     assert predict_layout(model, layout, small, global_batch=4, hbm_margin=0.0).fits
     refused = rank_layouts(model, small, global_batch=4, layouts=[layout])
     assert not refused.ranked and [r.layout for r in refused.refused] == [layout]
