@@ -21,34 +21,28 @@ MAXTEXT_BIN     = $(MAXTEXT_VENV)/bin
 MAXTEXT_STAMP   = $(MAXTEXT_VENV)/.pipemark-installed
 MAXTEXT_REQS    = dependencies/requirements/generated_requirements/decoupled-requirements.txt
 
-# pip does not compile every installed module to bytecode (--no-compile): Python
-# compiles what is imported, once, on its first import. Installing the newest JAX's
-# environment took 22 s of CPU so against 41 s, and .ci/run builds the newest and
-# MaxText environments (about 220 packages) while `make test` runs on the same cores.
-PIP_FLAGS ?= --no-compile
-
 .PHONY: demo test test-newest test-maxtext test-tpu newest-env maxtext-env lint docs docs-assets bench clean
 
 $(STAMP): setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet $(PIP_FLAGS) -e '.[test,docs,viz]'
+	$(BIN)/python -m pip install --quiet -e '.[test,docs,viz]'
 	touch $(STAMP)
 
 $(NEWEST_STAMP): setup.py pyproject.toml
 	@test -n "$(NEWEST_PYTHON)" || { echo "make test-newest needs python3.12 (set NEWEST_PYTHON)"; exit 1; }
 	$(NEWEST_PYTHON) -m venv $(NEWEST_VENV)
 	$(NEWEST_BIN)/python -m pip install --quiet --upgrade pip
-	$(NEWEST_BIN)/python -m pip install --quiet $(PIP_FLAGS) -e '.[test,viz]'
+	$(NEWEST_BIN)/python -m pip install --quiet -e '.[test,viz]'
 	touch $(NEWEST_STAMP)
 
 $(MAXTEXT_STAMP): setup.py pyproject.toml
 	@test -n "$(NEWEST_PYTHON)" || { echo "make test-maxtext needs python3.12 (set NEWEST_PYTHON)"; exit 1; }
 	$(NEWEST_PYTHON) -m venv $(MAXTEXT_VENV)
 	$(MAXTEXT_BIN)/python -m pip install --quiet --upgrade pip
-	$(MAXTEXT_BIN)/python -m pip install --quiet $(PIP_FLAGS) 'maxtext==0.2.5'
-	$(MAXTEXT_BIN)/python -m pip install --quiet $(PIP_FLAGS) -r "$$($(MAXTEXT_BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/$(MAXTEXT_REQS)"
-	$(MAXTEXT_BIN)/python -m pip install --quiet $(PIP_FLAGS) -e '.[test]'
+	$(MAXTEXT_BIN)/python -m pip install --quiet 'maxtext==0.2.5'
+	$(MAXTEXT_BIN)/python -m pip install --quiet -r "$$($(MAXTEXT_BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/$(MAXTEXT_REQS)"
+	$(MAXTEXT_BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(MAXTEXT_STAMP)
 
 demo: $(STAMP)
