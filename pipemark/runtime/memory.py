@@ -289,8 +289,9 @@ def held_in_flight(
         for _, key, _ in step.sends:
             made.add(key)
             if key in last_read:
-                live += size(key)
-                expire.setdefault(last_read[key], []).append(size(key))
+                held = size(key)
+                live += held
+                expire.setdefault(last_read[key], []).append(held)
 
     for n, step in enumerate(columns[worker]):
         done[worker] = n + 1

@@ -330,13 +330,13 @@ def _in_flight(
         else 0.0
         for n, a in enumerate(order)
     ]
-    later = list(itertools.accumulate(sizes, initial=0.0))  # later[n]: sizes[:n]
+    prefix = list(itertools.accumulate(sizes, initial=0.0))  # prefix[n]: sum(sizes[:n])
     live = peak = 0.0
     for n, action in enumerate(order):
         if action.kind == FORWARD:
             live += work.activation_bytes[action.stage]
         end = len(order) if ahead is None else min(len(order), n + 1 + ahead)
-        peak = max(peak, live + later[end] - later[n + 1])
+        peak = max(peak, live + prefix[end] - prefix[n + 1])
         if action in freed:
             live -= work.activation_bytes[action.stage]
     return peak
@@ -485,7 +485,7 @@ def predict_layout(
         for action in order:
             waits[schedule.stage_devices[action.stage]] += gather(action)
     prediction = _prediction(
-        layout, cluster, work, schedule, simulation, (ends, waits), update, dispatch_ahead
+        layout, cluster, work, schedule, simulation, ends, waits, update, dispatch_ahead
     )
     return dataclasses.replace(prediction, usable_bytes=usable)
 
@@ -505,13 +505,13 @@ def _prediction(
     work: StageWork,
     schedule: Schedule,
     simulation: Simulation,
-    ends_waits: tuple[list[float], list[float]],
+    ends: list[float],
+    waits: list[float],
     update: bool,
     ahead: int | None,
 ) -> LayoutPrediction:
-    """The parts of the step on its busiest device, and the memory (``ends_waits``: each
-    device's end and time waiting for gathers; ``ahead``: ``dispatch_ahead``)."""
-    ends, waits = ends_waits
+    """The parts of the step on its busiest device, and the memory (``ahead``:
+    ``dispatch_ahead``)."""
     shard = [0.0] * schedule.num_devices
     tp = [0.0] * schedule.num_devices
     m = schedule.num_microbatches
