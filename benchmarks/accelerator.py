@@ -81,7 +81,7 @@ SIZES = {
 }
 DEFAULT_CONFIGS = "jit,jit-markers,scan,s1,s1-half,jit-half,s4,s16"
 CONFIG = re.compile(
-    r"(jit|jit-markers|scan|jit-half|s(\d+)(-half|-w(\d+)|-mem([\d.]+)|-d(\d+))?(-f(\d+))?)$"
+    r"(jit|jit-markers|scan|jit-half|s(\d+)(-half|-w(\d+)|-mem([\d.]+)|-d(\d+))?(-f(\d+))?(-u(\d+))?)$"
 )
 
 
@@ -101,8 +101,9 @@ def stages_of(config: str) -> int | None:
 def pipeline_options(config: str) -> dict:
     """A pipeline row's own options: ``sN-wK`` runs at most ``K`` microbatches in
     flight, ``sN-memG`` asks for a ``memory_budget`` of ``G`` GiB, ``sN-dK`` dispatches
-    at most ``K`` actions ahead (``sN-d0``: no bound); a last ``-fK`` runs up to ``K``
-    consecutive actions as one program (``fuse_actions``)."""
+    at most ``K`` actions ahead (``sN-d0``: no bound); then ``-fK`` runs up to ``K``
+    consecutive actions as one program (``fuse_actions``), and a last ``-uN`` fuses a
+    run only where its program runs at least ``N`` times a call (``fuse_min_uses``)."""
     match = CONFIG.match(config)
     own: dict = {}
     if match and match.group(4):
@@ -113,6 +114,8 @@ def pipeline_options(config: str) -> dict:
         own["dispatch_ahead"] = int(match.group(6)) or None
     if match and match.group(8):
         own["fuse_actions"] = int(match.group(8))
+    if match and match.group(10):
+        own["fuse_min_uses"] = int(match.group(10))
     return own
 
 
@@ -153,6 +156,8 @@ def label(config: str, sizes: dict, microbatches: int) -> str:
         more = f", dispatch_ahead={own['dispatch_ahead']}"
     if "fuse_actions" in own:
         more += f", fuse_actions={own['fuse_actions']}"
+    if "fuse_min_uses" in own:
+        more += f", fuse_min_uses={own['fuse_min_uses']}"
     return f"pipeline S {stages}, M {microbatches}, interleaved on 1 device{more}, B {rows}"
 
 
@@ -661,9 +666,9 @@ TARGETS = {"s1": 1.05, "s1-half": 1.05, "s4": 1.05, "s16": 1.05, "first": 1.5}
 
 
 def _target_key(config: str) -> str:
-    """``"s16"`` for ``"s16-d4"`` or ``"s16-f4"``: a dispatch bound or fused actions do
-    not change a row's target."""
-    return re.sub(r"(-d\d+)?(-f\d+)?$", "", config)
+    """``"s16"`` for ``"s16-d4"`` or ``"s16-f4-u1"``: a dispatch bound or fused actions
+    do not change a row's target."""
+    return re.sub(r"(-d\d+)?(-f\d+)?(-u\d+)?$", "", config)
 
 
 def _met(key: str, ratio: float) -> str:

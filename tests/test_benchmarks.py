@@ -453,6 +453,7 @@ def test_accelerator_shortens_what_did_not_fit(message, short):
         ("s16-d4", {"dispatch_ahead": 4}, "s16"),
         ("s16-d0-f4", {"dispatch_ahead": None, "fuse_actions": 4}, "s16"),
         ("s4-f2", {"fuse_actions": 2}, "s4"),
+        ("s16-f2-u1", {"fuse_actions": 2, "fuse_min_uses": 1}, "s16"),
         ("s4-w2", {"microbatches_in_flight": 2}, "s4-w2"),
     ],
 )

@@ -151,6 +151,13 @@ class PipelineOptions:
         interleaved schedule's, or all stages on one device) dispatches fewer
         programs, each with a fixed cost on the host. Each distinct run is a program
         to compile. Default 1: every action its own program.
+    fuse_min_uses:
+        With ``fuse_actions`` above 1: a run is fused only where the program it
+        becomes runs at least this many times a call (``None``, the default: twice
+        the number of microbatches, so that only runs of identical blocks' stages,
+        one program for many dispatches, are fused; 1: every run). Each distinct
+        fused program is one more compilation, a few seconds on a TPU, which a run
+        dispatched once per microbatch does not repay in the first call.
     memory_budget:
         Bytes each device slot may hold, as :meth:`pipemark.Pipeline.memory` predicts
         it (``None``: no limit); see :mod:`pipemark.runtime.budget`.
@@ -179,6 +186,7 @@ class PipelineOptions:
     recompute_residuals: bool = True
     dispatch_ahead: int | None = 2
     fuse_actions: int = 1
+    fuse_min_uses: int | None = None
     memory_budget: int | None = None
     microbatches_in_flight: int | None = None
     stage_layers: tuple[int, ...] | None = None
@@ -198,6 +206,8 @@ class PipelineOptions:
         if self.dispatch_ahead is not None:
             check_positive(self.dispatch_ahead, "dispatch_ahead (or None)")
         check_positive(self.fuse_actions, "fuse_actions")
+        if self.fuse_min_uses is not None:
+            check_positive(self.fuse_min_uses, "fuse_min_uses (or None)")
         if self.memory_budget is not None:
             check_positive(self.memory_budget, "memory_budget (bytes per device, or None)")
         if self.microbatches_in_flight is not None:

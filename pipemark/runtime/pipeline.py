@@ -342,6 +342,7 @@ def pipeline_value_and_grad(
     recompute_residuals: bool = True,
     dispatch_ahead: int | None = 2,
     fuse_actions: int = 1,
+    fuse_min_uses: int | None = None,
     memory_budget: int | None = None,
     microbatches_in_flight: int | None = None,
     stage_layers: Sequence[int] | None = None,
@@ -452,6 +453,10 @@ def pipeline_value_and_grad(
         schedule's), fewer programs to dispatch, each with a fixed host cost; each
         distinct run is one more program to compile. See
         :class:`~pipemark.runtime.PipelineOptions`.
+    fuse_min_uses:
+        Fuse a run only where its program runs at least this many times a call
+        (``None``: twice ``num_microbatches``, the runs of identical blocks' stages;
+        1: every run). See :class:`~pipemark.runtime.PipelineOptions`.
     memory_budget:
         Bytes each device may hold, as :meth:`Pipeline.memory` predicts it (``None``:
         no limit). The plan then keeps fewer microbatches in flight, rematerialises
@@ -515,6 +520,7 @@ def pipeline_value_and_grad(
         recompute_residuals=recompute_residuals,
         dispatch_ahead=dispatch_ahead,
         fuse_actions=fuse_actions,
+        fuse_min_uses=fuse_min_uses,
         memory_budget=memory_budget,
         microbatches_in_flight=microbatches_in_flight,
         stage_layers=stage_layers,

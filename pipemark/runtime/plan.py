@@ -117,6 +117,9 @@ class PipelinePlan:
     #: At most how many consecutive actions of a worker run as one program
     #: (:class:`~pipemark.runtime.PipelineOptions` ``fuse_actions``).
     fuse_actions: int = 1
+    #: Fuse a run only where its program runs at least this many times a call
+    #: (``fuse_min_uses``; ``None``: twice the number of microbatches).
+    fuse_min_uses: int | None = None
     # Per accumulating stage of this process, the zeros its accumulators start from
     # (immutable arrays: one set serves every call), and per worker of this process the
     # microbatch scale on its slot.
@@ -369,6 +372,7 @@ def plan_from_staged(
         timeout_s=options.timeout_s,
         dispatch_ahead=options.dispatch_ahead,
         fuse_actions=options.fuse_actions,
+        fuse_min_uses=options.fuse_min_uses,
         param_specs=None if param_specs is None else tuple(param_specs),
         fsdp_gather=options.gathering,
         data_axis=options.data_axis,
@@ -395,8 +399,9 @@ def _ready(plan: PipelinePlan) -> PipelinePlan:
         steps = resolve_steps(*resolve, plan.num_param_leaves)
         steps = fuse_steps(steps, plan.staged, plan.roles(), plan.units, placement, plan.schedule)
         steps = fuse_runs(
-            steps, plan.fuse_actions, plan.schedule, plan.roles(), plan.units, placement
-        )
+            steps, plan.fuse_actions, plan.schedule, plan.roles(), plan.units, placement,
+            plan.fuse_min_uses,
+        )  # fmt: skip
     if not plan.gather_results:
         steps = without_gathers(steps)
     # After the gathers are settled: a stage whose results go to other processes is

@@ -20,6 +20,7 @@ of a worker's consecutive steps that no other worker waits for
 
 from __future__ import annotations
 
+import collections
 import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -398,6 +399,7 @@ def fuse_runs(
     roles: Mapping[str, Sequence[int | None]],
     units: Mapping[int, Unit],
     placement: Placement,
+    min_uses: int | None = None,
 ) -> Steps:
     """``steps`` with runs of up to ``size`` consecutive actions of a worker's column run
     as one fused step (``PipelineOptions.fuse_actions``), where no other worker waits
@@ -407,6 +409,17 @@ def fuse_runs(
     runs at most once in a run (its accumulators are one argument of the program). A
     step fused already joins with its parts. Under ``jax.distributed`` nothing is
     fused here.
+
+    A run is fused only where the program it becomes is dispatched at least
+    ``min_uses`` times a call (``PipelineOptions.fuse_min_uses``; ``None``: twice the
+    number of microbatches): runs of the same stage programs wired alike (the stages of
+    identical blocks) are one program. Each distinct fused program is one more XLA
+    compilation, seconds each on a TPU, and compiled one after the other (what a
+    program reads from another on its device arrives in the layout XLA chose for it),
+    while what it saves is the host's cost of the dispatches it replaces: at S 16 on
+    one TPU v5e chip, fusing every run of 2 made the first call 2.27 x the scan's
+    (15 programs compiled, not 6), and most of what it saved came from one program, a
+    middle block's forward with another's backward, dispatched 84 times a call.
 
     What it saves is dispatch: a slot holding many stages (an interleaved schedule's
     virtual stages, or every stage on one device) runs a program per action, and the
@@ -418,27 +431,37 @@ def fuse_runs(
     >>> import jax, pipemark as pm
     >>> from pipemark import examples
     >>> ex = examples.mlp(num_layers=2, batch=4)
-    >>> def parts(fuse_actions):
+    >>> def parts(fuse_actions, fuse_min_uses=None):
     ...     pipe = pm.pipeline_value_and_grad(
     ...         ex.loss_fn, num_stages=2, num_microbatches=2, schedule="interleaved",
-    ...         devices=jax.devices()[:1], fuse_actions=fuse_actions)
+    ...         devices=jax.devices()[:1], fuse_actions=fuse_actions,
+    ...         fuse_min_uses=fuse_min_uses)
     ...     column = pipe.plan(*ex.args).steps.columns[0]
     ...     return [[part.action.label() for part in s.parts or (s,)] for s in column]
     >>> parts(1)  # the last stage's forward and backward are one program already
     [['F0s0'], ['F0s1', 'B0s1'], ['F1s0'], ['B0s0'], ['F1s1', 'B1s1'], ['B1s0']]
-    >>> parts(4)
+    >>> parts(4)  # each run's program once a call: fused only when asked for
+    [['F0s0'], ['F0s1', 'B0s1'], ['F1s0'], ['B0s0'], ['F1s1', 'B1s1'], ['B1s0']]
+    >>> parts(4, fuse_min_uses=1)
     [['F0s0', 'F0s1', 'B0s1'], ['F1s0', 'B0s0', 'F1s1', 'B1s1'], ['B1s0']]
     """
     if size < 2 or placement.distributed:
         return steps
-    grouped: dict[int, Step] = {}  # id of each step in a run -> the run's fused step
-    firsts: set[int] = set()  # ids of the runs' first steps
-    for w, column in enumerate(steps.columns):
-        for run in _runs(column, w, size, units):
-            if len(run) > 1:
-                fused = fuse_group([part for step in run for part in step.parts or (step,)])
-                firsts.add(id(run[0]))
-                grouped.update((id(step), fused) for step in run)
+    if min_uses is None:
+        min_uses = 2 * schedule.num_microbatches
+    runs = [
+        (run, fuse_group([part for step in run for part in step.parts or (step,)]))
+        for w, column in enumerate(steps.columns)
+        for run in _runs(column, w, size, units)
+        if len(run) > 1
+    ]
+    uses = collections.Counter(_program_of(fused, units) for _, fused in runs)
+    grouped: dict[int, Step] = {}  # id of each step in a fused run -> the run's fused step
+    firsts: set[int] = set()  # ids of the fused runs' first steps
+    for run, fused in runs:
+        if uses[_program_of(fused, units)] >= min_uses:
+            firsts.add(id(run[0]))
+            grouped.update((id(step), fused) for step in run)
     if not grouped:
         return steps
 
@@ -453,6 +476,14 @@ def fuse_runs(
         serial=tuple((w, grouped.get(id(s), s)) for w, s in steps.serial if kept(s)),
         reductions=_reductions([list(c) for c in columns], schedule, roles, units),
     )
+
+
+def _program_of(fused: Step, units: Mapping[int, Unit]) -> tuple:
+    """What the program of a fused step is compiled from: its parts' stage programs
+    (one function for stages of identical programs on one slot,
+    :func:`pipemark.runtime.compilation.compile_units`) and how they are wired."""
+    combined = fused.fused
+    return (tuple(units[i].run for i in combined.stages), combined.reads, combined.passed)
 
 
 def _runs(

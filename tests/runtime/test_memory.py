@@ -384,6 +384,7 @@ def test_a_call_holds_no_more_arrays_than_predicted(
         devices=used,
         dispatch_ahead=ahead,
         fuse_actions=fuse_actions,
+        fuse_min_uses=1,
     )
     estimate = pipe.memory(*ex.args)
     with _sampled(monkeypatch, used, ex.args) as samples:

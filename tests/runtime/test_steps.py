@@ -4,6 +4,8 @@ split stage run as its B and W in one program."""
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import pytest
 
@@ -180,7 +182,9 @@ def _label(step) -> tuple:
 def test_runs_of_actions_are_fused_where_no_other_device_waits(
     schedule, num_stages, devices, fuse_actions
 ):
-    pipe, ex = mlp_pipeline(num_stages, 4, schedule, devices, batch=8, fuse_actions=fuse_actions)
+    pipe, ex = mlp_pipeline(
+        num_stages, 4, schedule, devices, batch=8, fuse_actions=fuse_actions, fuse_min_uses=1
+    )
     plan = pipe.plan(*ex.args)
     alone, _ = mlp_pipeline(num_stages, 4, schedule, devices, batch=8)
     before = alone.plan(*ex.args).steps
@@ -210,6 +214,43 @@ def test_runs_of_actions_are_fused_where_no_other_device_waits(
     with computing_on(jax.tree_util.tree_leaves(ex.args)[0].devices()):
         want = jax.jit(jax.value_and_grad(ex.loss_fn))(*ex.args)
     assert_trees_close(pipe(*ex.args), want, rtol=2e-5, atol=1e-6)
+
+
+def _runs_fused(plan, alone) -> dict[tuple, tuple]:
+    """The runs ``plan`` fused that ``alone`` (the same plan with ``fuse_actions=1``)
+    did not: each run's actions -> what its program is compiled from."""
+    before = {tuple(map(_label, s.parts or (s,))) for _, s in alone.steps.serial}
+    return {
+        tuple(map(_label, s.parts)): (
+            tuple(plan.units[i].run for i in s.fused.stages), s.fused.reads, s.fused.passed
+        )
+        for _, s in plan.steps.serial
+        if s.parts and tuple(map(_label, s.parts)) not in before
+    }  # fmt: skip
+
+
+def test_by_default_only_runs_whose_program_serves_many_dispatches_are_fused():
+    """``fuse_min_uses=None``: a run is fused where its program runs at least twice per
+    microbatch a call (stages of identical layers share it), so that each program
+    compiled for a run replaces many dispatches."""
+    args = (8, 2, "interleaved", 1)
+    options = {"batch": 4, "num_layers": 8, "fuse_actions": 2}
+    every, ex = mlp_pipeline(*args, **options, fuse_min_uses=1)
+    default, _ = mlp_pipeline(*args, **options)
+    alone = mlp_pipeline(*args, batch=4, num_layers=8)[0].plan(*ex.args)
+    all_runs = _runs_fused(every.plan(*ex.args), alone)
+    uses = collections.Counter(all_runs.values())
+    plan = default.plan(*ex.args)
+    fused = _runs_fused(plan, alone)
+    assert set(fused) == {run for run, program in all_runs.items() if uses[program] >= 4}
+    assert fused and set(fused) != set(all_runs)  # some runs fused, some not
+    assert plan.fuse_min_uses is None and plan.fuse_actions == 2
+    with computing_on(jax.tree_util.tree_leaves(ex.args)[0].devices()):
+        want = jax.jit(jax.value_and_grad(ex.loss_fn))(*ex.args)
+    assert_trees_close(default(*ex.args), want, rtol=2e-5, atol=1e-6)
+    for bad in (0, 1.5, True):
+        with pytest.raises(pm.PipemarkError, match=r"fuse_min_uses \(or None\) must be a positive"):
+            mlp_pipeline(*args, **options, fuse_min_uses=bad)
 
 
 def test_fuse_actions_of_one_fuses_no_runs_and_bad_values_are_refused():
