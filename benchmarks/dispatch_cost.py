@@ -1,7 +1,7 @@
 """The host's cost of dispatching a pipeline's actions, on the platform it runs on: what
-the layout planner's dispatch model takes (``pm.Cluster.dispatch_seconds`` and
-``wake_seconds``, docs/scale.md; ``pm.tpu_v5e``'s are from
-``benchmarks/results/dispatch-tpu-v5e.json``).
+the layout planner's dispatch model takes (``pm.Cluster.dispatch_seconds``,
+``bounded_dispatch_seconds`` and ``wake_seconds``, docs/scale.md; ``pm.tpu_v5e``'s
+are from ``benchmarks/results/dispatch-tpu-v5e.json``).
 
     python benchmarks/dispatch_cost.py --out results/dispatch.json   # on a TPU
     python benchmarks/dispatch_cost.py --size tiny                   # a quick look on CPU
@@ -17,8 +17,13 @@ interleaved pipeline on one device (``--stages``, 8 microbatches):
   one jitted program of about a millisecond dispatched and waited for, less its time
   on the device (the same program run ``--repeat`` × 20 times back to back, per
   program) and less its dispatch (the call's own return);
-* ``step_s``: the pipeline's step with each ``dispatch_ahead`` of ``--ahead``, as
-  ``accelerator.py`` times it (median of ``--repeat``, each waited for).
+* ``steps``: the pipeline's step with each ``dispatch_ahead`` of ``--ahead``, as
+  ``accelerator.py`` times it (median of ``--repeat``, each waited for);
+* ``host_s`` and ``host_cpu_s``: with each ``dispatch_ahead``, the runtime's host
+  time per program (wall time, with the bounded host's waits for the device) and the
+  walking thread's CPU time per program (without them). With a bound, ``host_s`` is
+  ``bounded_dispatch_seconds`` where the CPU time rose as much as the wall time (the
+  waits then took no measurable time).
 """
 
 from __future__ import annotations

@@ -53,8 +53,9 @@ def tpu_s_stage_checks(cluster: Cluster | None = None) -> list[dict]:
     whole model's forward and backward per microbatch, 8 microbatches in one program;
     the dispatch-bound run recorded none, so the budget run's, also of 2026-12-06),
     taken as one measured stage (F : B = 1 : 2) split evenly into S: one chip runs
-    every action, each dispatched by the host (``cluster``'s ``dispatch_seconds`` and
-    ``wake_seconds``, ``tpu_v5e(1)``'s by default) with the row's ``dispatch_ahead``.
+    every action, each dispatched by the host (``cluster``'s ``dispatch_seconds``, or
+    ``bounded_dispatch_seconds`` under a bound, and ``wake_seconds``; ``tpu_v5e(1)``'s
+    by default) with the row's ``dispatch_ahead``.
     Rows with a memory budget that recomputes activations (``s4-mem2.9``) run other
     programs and are left out, as is S = 1 (one program: the jit step itself)."""
     cluster = tpu_v5e(1) if cluster is None else cluster

@@ -82,11 +82,17 @@ class Cluster:
         Seconds per step of a ring collective, or per transfer, over DCN.
     dispatch_seconds:
         The host's time to dispatch one action (a compiled program call: the
-        runtime's placing of its inputs, the call, handing its results over); a device
-        starts no action before the host has dispatched it (0: never late).
+        runtime's placing of its inputs, the call, handing its results over) with no
+        ``dispatch_ahead`` bound; a device starts no action before the host has
+        dispatched it (0: never late).
     wake_seconds:
         How long a host that waited for the device (a bounded ``dispatch_ahead``)
         takes, after the awaited action ends, to dispatch again.
+    bounded_dispatch_seconds:
+        The host's time to dispatch one action when ``dispatch_ahead`` bounds it
+        (``None``: ``dispatch_seconds``). The runtime then waits for each action's
+        results ``dispatch_ahead`` actions later, and its walking thread spends more
+        per action than unbounded (:func:`tpu_v5e` says how much, and how measured).
 
     >>> Cluster("two chips", 2, 2, 2, 2**30, 1e11, 1e12, 1e10, 2, 1e-6, 1e9, 1e-5).num_slices
     1
@@ -106,6 +112,7 @@ class Cluster:
     dcn_latency: float
     dispatch_seconds: float = 0.0
     wake_seconds: float = 0.0
+    bounded_dispatch_seconds: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_chips", "chips_per_host", "chips_per_slice", "hbm_bytes", "ici_ports"):
@@ -118,11 +125,15 @@ class Cluster:
                 raise PipemarkError(
                     f"Cluster {self.name!r}: {name} = {value!r}; give a number > 0."
                 )
-        for name in ("ici_latency", "dcn_latency", "dispatch_seconds", "wake_seconds"):
+        seconds = ("ici_latency", "dcn_latency", "dispatch_seconds", "wake_seconds")
+        for name in (*seconds, "bounded_dispatch_seconds"):
             value = getattr(self, name)
+            if value is None and name == "bounded_dispatch_seconds":  # dispatch_seconds's
+                continue
             if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
                 raise PipemarkError(
-                    f"Cluster {self.name!r}: {name} = {value!r}; give a number >= 0."
+                    f"Cluster {self.name!r}: {name} = {value!r}; give a number >= 0"
+                    + (" (or None)." if name == "bounded_dispatch_seconds" else ".")
                 )
         if self.chips_per_slice % self.chips_per_host or (
             self.num_chips > self.chips_per_slice and self.num_chips % self.chips_per_slice
@@ -136,6 +147,19 @@ class Cluster:
     def num_slices(self) -> int:
         """Slices (ICI domains) in the cluster."""
         return max(1, self.num_chips // self.chips_per_slice)
+
+    def dispatch_cost(self, dispatch_ahead: int | None) -> float:
+        """The host's time to dispatch one action with the runtime's ``dispatch_ahead``
+        (``None``: unbounded): ``bounded_dispatch_seconds`` where it is bounded and the
+        cluster has one, else ``dispatch_seconds``.
+
+        >>> host = tpu_v5e(1)
+        >>> host.dispatch_cost(None), host.dispatch_cost(2)
+        (0.00046, 0.00059)
+        """
+        if dispatch_ahead is None or self.bounded_dispatch_seconds is None:
+            return self.dispatch_seconds
+        return self.bounded_dispatch_seconds
 
     def with_chips(self, num_chips: int) -> Cluster:
         """The same kind of cluster with ``num_chips`` chips.
@@ -168,12 +192,18 @@ def tpu_v5e(num_chips: int = 256) -> Cluster:
       its chips.
     * Latencies are not published: 1 µs per ICI step, 25 µs per DCN message
       (assumptions).
-    * The host: 0.46 ms to dispatch an action (the runtime's host time per program of
-      a 16-stage GPT pipeline on one v5e chip, ``Pipeline.timed_call``'s ``host_s``
-      over its programs without ``dispatch_ahead``) and 0.40 ms to resume after
-      waiting for the chip (a jitted program of 0.76 ms dispatched and waited for took
-      1.29 ms, 0.13 ms of it its dispatch), measured on 2026-12-06
-      (``benchmarks/results/dispatch-tpu-v5e.json``, ``benchmarks/dispatch_cost.py``).
+    * The host, measured on 2026-12-06 (``benchmarks/results/dispatch-tpu-v5e.json``,
+      ``benchmarks/dispatch_cost.py``): 0.46 ms to dispatch an action (the runtime's
+      host time per program of a 16-stage GPT pipeline on one v5e chip,
+      ``Pipeline.timed_call``'s ``host_s`` over its programs, without
+      ``dispatch_ahead``); 0.40 ms to resume after waiting for the chip (a jitted
+      program of 0.76 ms dispatched and waited for took 1.29 ms, 0.13 ms of it its
+      dispatch); 0.59 ms to dispatch an action under a bound (the same with
+      ``dispatch_ahead=2``). That is wall time, which would hold the waits for the
+      chip, but the walking thread's CPU time per program rose as much as its wall
+      time (0.32 to 0.48 ms against 0.46 to 0.59 ms): the bound costs the thread
+      work between two dispatches, not blocked time (``docs/scale.md``). Only
+      ``dispatch_ahead=2`` was measured; the planner takes it for every bound.
 
     >>> cluster = tpu_v5e(1024)
     >>> cluster.num_slices, cluster.dcn_bandwidth / cluster.chips_per_host / 1e9
@@ -194,6 +224,7 @@ def tpu_v5e(num_chips: int = 256) -> Cluster:
         dcn_latency=25e-6,
         dispatch_seconds=0.46e-3,
         wake_seconds=0.40e-3,
+        bounded_dispatch_seconds=0.59e-3,
     )
 
 

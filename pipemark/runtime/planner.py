@@ -431,8 +431,9 @@ def predict_layout(
     reductions every microbatch as ``overlap`` says); ``update``: whether the step
     ends with the optimizer update;
     ``dispatch_ahead``: the runtime's option of that name (its default, 2), how far
-    the host may dispatch ahead of a device; ``hbm_margin``: the fraction of HBM a
-    layout must leave free to fit (:data:`HBM_MARGIN`).
+    the host may dispatch ahead of a device (each action then costs the host
+    :meth:`~pipemark.runtime.cluster.Cluster.dispatch_cost`); ``hbm_margin``: the
+    fraction of HBM a layout must leave free to fit (:data:`HBM_MARGIN`).
 
     >>> from pipemark.runtime.workload import MeasuredPipeline
     >>> from pipemark.runtime.cluster import tpu_v5e
@@ -440,10 +441,10 @@ def predict_layout(
     ...                             Layout(pp=2, microbatches=4), global_batch=4)
     >>> p = predict_layout(measured, Layout(pp=2, microbatches=4), tpu_v5e(2),
     ...                    global_batch=4, update=False)
-    >>> round(p.step_seconds, 3), round(p.bubble_fraction, 3)  # (M + S - 1)(F + B)
+    >>> round(p.step_seconds, 2), round(p.bubble_fraction, 3)  # (M + S - 1)(F + B)
     (15.0, 0.2)
-    >>> p.host_seconds  # the first action's dispatch: 0.46 ms on a v5e host
-    0.00046
+    >>> p.host_seconds  # the first action's dispatch: 0.59 ms on a v5e host, bounded
+    0.00059
     """
     if layout.chips > cluster.num_chips:
         raise PipemarkError(
@@ -474,7 +475,7 @@ def predict_layout(
     # simulator asks this cost for its weight half.
     delay = _transfer(cluster, layout, work, schedule)
     simulation = simulate_schedule(
-        schedule, cost, transfer=delay, dispatch=cluster.dispatch_seconds,
+        schedule, cost, transfer=delay, dispatch=cluster.dispatch_cost(dispatch_ahead),
         dispatch_ahead=dispatch_ahead, wake=cluster.wake_seconds,
     )  # fmt: skip
     at_end = reduce_gradients == "end_of_call"
