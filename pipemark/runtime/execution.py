@@ -539,13 +539,21 @@ def _bound_dispatch(
     of every microbatch at once. Accumulators donated to a later action are gone
     (deleted): that action's own results are waited for in their turn. A device that
     reports running out of memory only when it runs the program raises here, for that
-    action (:func:`out_of_memory`)."""
+    action (:func:`out_of_memory`).
+
+    It waits for one of the oldest action's results: one program's results are
+    computed together, on every device of its slot, and an error in it reaches each,
+    while waiting for each of them is a wait per array on the host's dispatching
+    thread (for 30 arrays computed already, 8 us against 2.5 us on this CPU)."""
     pending.append((step, results))
     while len(pending) > plan.dispatch_ahead:
         older, values = pending.popleft()
-        oldest = [x for x in jax.tree_util.tree_leaves(values) if not x.is_deleted()]
+        leaves = jax.tree_util.tree_leaves(values)
+        oldest = next((x for x in leaves if not x.is_deleted()), None)
+        if oldest is None:  # each donated to a later action, waited for in its turn
+            continue
         try:
-            jax.block_until_ready(oldest)
+            oldest.block_until_ready()
         except DEVICE_ERRORS as error:
             failure = out_of_memory(plan, worker, older, error)
             if failure is None:

@@ -5,7 +5,9 @@ pass or fail."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -212,3 +214,35 @@ def test_uncommitted_state_compiles_nothing_at_the_second_step():
     assert compiled == []
     # What the caller gave is as it was: nothing donated or moved in place.
     assert not any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves((params, state)))
+
+
+class _Result:
+    """A stand-in for one result array of a dispatched program: records the waits."""
+
+    def __init__(self, name: str, waits: list[str], deleted: bool = False) -> None:
+        self.name, self.waits, self.deleted = name, waits, deleted
+
+    def is_deleted(self) -> bool:
+        return self.deleted
+
+    def block_until_ready(self) -> _Result:
+        self.waits.append(self.name)
+        return self
+
+
+def test_the_dispatch_bound_waits_once_for_the_oldest_action_past_it():
+    """With ``dispatch_ahead=2``, dispatching action ``n`` waits for action ``n - 2``:
+    for one of its results not donated since (one program's results are computed
+    together), and not at all where each was donated to a later action."""
+    waits: list[str] = []
+    plan = types.SimpleNamespace(dispatch_ahead=2)
+    pending = collections.deque()
+    donated = {1}  # action 1's accumulators went to a later action, as its output did
+    for n in range(6):
+        accs = [_Result(f"acc{n}", waits, deleted=n in donated)]
+        outs = [_Result(f"out{n}", waits, deleted=n in donated), _Result(f"x{n}", waits)]
+        if n in donated:
+            outs.pop()
+        execution._bound_dispatch(plan, 0, pending, None, (accs, outs))
+        assert len(pending) == min(n + 1, 2)
+    assert waits == ["acc0", "acc2", "acc3"]
