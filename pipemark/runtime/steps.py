@@ -369,11 +369,7 @@ def fuse_steps(
                 fused_steps[id(second)] = at_forward[id(first)] = fused._replace(tick=second.tick)
     if not fused_steps:
         return steps
-    columns = tuple(
-        tuple(fused_steps.get(id(s), s) for s in column if id(s) not in folded)
-        for column in steps.columns
-    )
-    serial = tuple((w, fused_steps.get(id(s), s)) for w, s in steps.serial if id(s) not in folded)
+    columns, serial = _replaced(steps, fused_steps, folded)
     # Each fused step in the forward's place: its worker's steps in column order still
     # (the two were next to each other there).
     walk = [(w, at_forward.get(id(s), s)) for w, s in steps.serial if id(s) not in fused_steps]
@@ -456,26 +452,34 @@ def fuse_runs(
         if len(run) > 1
     ]
     uses = collections.Counter(_program_of(fused, units) for _, fused in runs)
-    grouped: dict[int, Step] = {}  # id of each step in a fused run -> the run's fused step
-    firsts: set[int] = set()  # ids of the fused runs' first steps
+    firsts: dict[int, Step] = {}  # id of each fused run's first step -> the run's step
+    rest: set[int] = set()  # ids of the other steps of the fused runs
     for run, fused in runs:
         if uses[_program_of(fused, units)] >= min_uses:
-            firsts.add(id(run[0]))
-            grouped.update((id(step), fused) for step in run)
-    if not grouped:
+            firsts[id(run[0])] = fused
+            rest.update(id(step) for step in run[1:])
+    if not firsts:
         return steps
-
-    def kept(step: Step) -> bool:
-        return id(step) not in grouped or id(step) in firsts
-
-    columns = tuple(
-        tuple(grouped.get(id(s), s) for s in column if kept(s)) for column in steps.columns
-    )
+    columns, serial = _replaced(steps, firsts, rest)
     return steps._replace(
         columns=columns,
-        serial=tuple((w, grouped.get(id(s), s)) for w, s in steps.serial if kept(s)),
+        serial=serial,
         reductions=_reductions([list(c) for c in columns], schedule, roles, units),
     )
+
+
+def _replaced(
+    steps: Steps, replace: Mapping[int, Step], dropped: set[int]
+) -> tuple[tuple[tuple[Step, ...], ...], tuple[tuple[int, Step], ...]]:
+    """``steps``' columns and serial walk with each step whose ``id`` is in ``replace``
+    replaced by its fused step, and the steps whose ``id`` is in ``dropped`` (folded
+    into a fused step elsewhere) left out."""
+    columns = tuple(
+        tuple(replace.get(id(s), s) for s in column if id(s) not in dropped)
+        for column in steps.columns
+    )
+    serial = tuple((w, replace.get(id(s), s)) for w, s in steps.serial if id(s) not in dropped)
+    return columns, serial
 
 
 def _program_of(fused: Step, units: Mapping[int, Unit]) -> tuple:
