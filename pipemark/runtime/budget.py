@@ -354,12 +354,21 @@ def _over_message(trial: _Trial, budget: int) -> str:
     done.append(f"{held} microbatch{'es' if held > 1 else ''} in flight at most")
     if trial.plan.stage_layers is not None:
         done.append(f"stage_layers={trial.plan.stage_layers}")
+    # Unbounded, a slot is counted as holding what every one of its actions makes
+    # (the host may dispatch them all before the device runs one): a bound lowers it.
+    bound = (
+        "a dispatch bound (dispatch_ahead=2: with None every action of a slot counts as "
+        "dispatched and not yet run), "
+        if trial.plan.dispatch_ahead is None
+        else ""
+    )
     return (
         f"Slot {worst.slot} ({worst.devices}) needs "
         f"{'at least ' if worst.temporaries is None else ''}{format_bytes(worst.predicted_peak)}, "
         f"{format_bytes(worst.predicted_peak - budget)} over memory_budget={budget} "
         f"({format_bytes(budget)}) with {' and '.join(done)}: {parts}. Give the pipeline "
-        "more devices or stages, more microbatches (fewer rows each), or a larger budget."
+        f"{bound}more devices or stages, more microbatches (fewer rows each), or a larger "
+        "budget."
     )
 
 

@@ -150,6 +150,12 @@ def test_a_budget_no_plan_fits_says_which_device_and_by_how_much():
     message = str(pipe_error(pipe, ex))
     assert re.search(r"needs at least [\d.]+ KiB, [\d.]+ KiB over", message), message
     assert "not compiled: the rest is over already" in message
+    assert "dispatch_ahead" not in message  # bounded: the bound is not what to change
+    unbounded = pm.pipeline_value_and_grad(
+        ex.loss_fn, num_stages=2, num_microbatches=8, schedule="gpipe",
+        devices=pick_devices(2), memory_budget=10_000, dispatch_ahead=None,
+    )  # fmt: skip
+    assert "a dispatch bound (dispatch_ahead=2" in str(pipe_error(unbounded, ex))
     with pytest.raises(pm.PipemarkError, match="memory_budget"):
         pm.pipeline_value_and_grad(ex.loss_fn, num_microbatches=2, memory_budget=-1)
 
