@@ -6,6 +6,7 @@ public JAX (``jax``, ``jax.extend``, ``jax.interpreters``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
@@ -689,3 +690,49 @@ def literal_value_with_aval(value: Any, aval: Any) -> Any:
     if not hasattr(value, "_aval") or not isinstance(value, np.ndarray):
         return value
     return type(value)(np.asarray(value), aval)
+
+
+# JAX 0.10.2 and 0.12.1 (measured): a context manager for a config option
+# (`jax.default_matmul_precision("highest")`, `jax.debug_nans(True)`, pipemark's own
+# lowering mode) sets a value for the calling thread alone (`State.swap_local`), and a
+# new thread starts with none. The jit cache key holds such values, so a stage program
+# dispatched from a pipeline's worker thread compiled and ran without the caller's
+# settings. There is no public way to read which options a thread set.
+def thread_settings() -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """The JAX config values the calling thread set for itself (inside their context
+    managers), as a function whose context manager sets them on another thread too.
+
+    >>> import threading, jax
+    >>> with jax.default_matmul_precision("highest"):
+    ...     settings = thread_settings()
+    >>> seen = []
+    >>> def work():
+    ...     with settings():
+    ...         seen.append(jax.config.jax_default_matmul_precision)
+    >>> thread = threading.Thread(target=work); thread.start(); thread.join()
+    >>> seen
+    ['highest']
+    """
+    try:
+        unset = _jax_config.config_ext.unset
+        own = [(s, s.get_local()) for s in _jax_config.config_states.values()]
+    except AttributeError:  # another JAX: the settings stay the thread's own
+        return contextlib.nullcontext
+    own = [(state, value) for state, value in own if value is not unset]
+
+    @contextlib.contextmanager
+    def applied() -> Any:
+        before = []
+        try:
+            for state, value in own:
+                before.append((state, state.swap_local(value)))
+                if state._update_thread_local_hook:
+                    state._update_thread_local_hook(value)
+            yield
+        finally:
+            for state, value in reversed(before):
+                state.set_local(value)
+                if state._update_thread_local_hook:
+                    state._update_thread_local_hook(None if value is unset else value)
+
+    return applied

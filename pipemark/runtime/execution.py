@@ -64,7 +64,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipemark._compat import DEVICE_ERRORS
+from pipemark._compat import DEVICE_ERRORS, thread_settings
 from pipemark.caches import register_cache
 from pipemark.errors import DeviceOutOfMemory, PipemarkError
 from pipemark.runtime.compilation import Unit, result_shardings
@@ -193,6 +193,10 @@ class _Call:
         self.stage_names = [stage.name for stage in plan.staged.stages]
         # Under the threaded strategy: threads[k] runs worker k + 1 (the caller is 0).
         self.threads: list[threading.Thread] = []
+        # The JAX settings the caller set for its own thread (jax.default_matmul_precision
+        # and the like), which each worker thread sets for itself: they are part of what
+        # JAX compiles a program for, and a new thread starts without them.
+        self.settings = thread_settings()
         # Per worker, the results of its actions dispatched and perhaps not computed
         # yet: at most plan.dispatch_ahead (see _bound_dispatch).
         self.pending: list[collections.deque] = [collections.deque() for _ in self.local]
@@ -686,7 +690,7 @@ def _guarded(call: _Call, worker: int) -> None:
         # The mesh context is per thread: without run_plan's set_mesh(None) here too,
         # JAX would compile a program walked on this thread apart from the same program
         # walked on the caller's (a serial walk, action_costs).
-        with jax.set_mesh(None):
+        with call.settings(), jax.set_mesh(None):
             call.walk(worker)
     except Cancelled:
         pass
@@ -754,7 +758,7 @@ def _guard(call: _Call, walk: Callable[..., None], *args: Any) -> None:
     """Run ``walk`` (under ``run_plan``'s mesh context, as :func:`_guarded` does); its
     error stops the others (through the exchange) and is raised in the caller."""
     try:
-        with jax.set_mesh(None):
+        with call.settings(), jax.set_mesh(None):
             walk(*args)
     except Cancelled:
         pass

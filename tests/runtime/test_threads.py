@@ -97,6 +97,33 @@ def mlp_pipeline():
     return pipeline, pipeline.plan(*ex.args), ex, want
 
 
+def test_worker_threads_run_under_the_callers_jax_settings(mlp_pipeline):
+    """A JAX setting the caller made for its own thread (a config option's context
+    manager: part of what JAX compiles a program for) holds on every device's thread:
+    each stage program is dispatched, and compiled, under it."""
+    _, plan, ex, want = mlp_pipeline
+    assert len(plan.devices) > 1  # worker threads besides the caller's
+    seen = {}
+
+    def recorded(unit):
+        def run(accs, inputs, scale):
+            seen[threading.current_thread().name] = jax.config.jax_default_matmul_precision
+            return unit.run(accs, inputs, scale)
+
+        return dataclasses.replace(unit, run=run)
+
+    recording = dataclasses.replace(
+        plan,
+        units={index: recorded(unit) for index, unit in plan.units.items()},
+        fused={key: recorded(unit) for key, unit in plan.fused.items()},  # the last stage's
+    )
+    with jax.default_matmul_precision("highest"):
+        got = run_plan(recording, *ex.args, None)
+    assert len(seen) == len(plan.devices) and set(seen.values()) == {"highest"}, seen
+    assert_trees_close(got, want)
+    assert jax.config.jax_default_matmul_precision is None  # the caller's own, restored
+
+
 @pytest.mark.parametrize("stage", [0, 2])
 @pytest.mark.parametrize("which", ["forward", "backward"])
 def test_a_worker_error_reaches_the_caller_without_hanging(mlp_pipeline, stage, which):
