@@ -1,14 +1,15 @@
 """The layout planner's predictions (``pipemark.predict_layout``) against runs: the TPU
 v5e runs recorded in ``benchmarks/results`` (each S-stage pipeline on one chip,
 predicted from a microbatched one-program step of the same model), and native-sleep
-pipelines on CPU in 4 processes (``tests/runtime/_planner_processes.py``), predicted
-from their action costs measured in one process.
+pipelines on CPU in 2 and in 4 processes (``tests/runtime/_planner_processes.py``),
+predicted from their action costs measured in one process.
 
     python benchmarks/planner_check.py               # prints the TPU table docs/scale.md shows
     python benchmarks/planner_check.py --record-cpu  # runs the CPU check, records it
+    python benchmarks/planner_check.py --record-cpu /tmp/again.json  # a repeat, elsewhere
 
-Imported by ``tests/runtime/test_planner.py`` (which asserts the errors of fresh runs)
-and ``docs/scale.md`` (which prints the recorded ones).
+Imported by ``tests/runtime/test_planner.py`` (which asserts the errors of the recorded
+runs, and of fresh ones) and ``docs/scale.md`` (which prints the recorded ones).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 CPU_RECORD = RESULTS / "planner-cpu-processes.json"
 _REPO = Path(__file__).resolve().parents[1]
 _LAUNCHED = _REPO / "tests" / "runtime" / "_planner_processes.py"
-PROCESSES = 4
+#: The process counts of the CPU check: in each, every stage spans processes or sends
+#: to another process.
+PROCESS_COUNTS = (2, 4)
 
 
 #: Each TPU run's ``dispatch_ahead`` where its rows do not name one (``sN-dK``): run 1
@@ -108,7 +111,7 @@ def report(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# ------------------------------------------------------------ CPU, in 4 processes
+# ---------------------------------------------------- CPU, in 2 and in 4 processes
 
 
 def _launched():
@@ -131,22 +134,24 @@ def _costs(example, mesh=None, devices=None) -> dict:
     return pipe.action_costs(*example.args, repeat=2)
 
 
-def measure_cpu_costs(full: bool = True) -> dict:
-    """The action costs of the launched pipelines, measured here, in one process (it
-    needs ``PROCESSES`` CPU devices): ``"pp"`` one stage a device, ``"pp-dp"`` and
-    ``"reduce"`` on the 2-stage data-parallel mesh. Each action runs alone, so that
-    the one-process CPU client's one-multi-device-program-at-a-time rule does not
-    matter here (see docs/scale.md). Not ``full``: without ``"reduce"``."""
+def measure_cpu_costs(processes: int = 4, full: bool = True) -> dict:
+    """The action costs of the pipelines launched in ``processes`` processes, measured
+    here, in one process (it needs ``processes`` CPU devices): ``"pp"`` one stage a
+    device, ``"pp-dp"`` and ``"reduce"`` on the data-parallel mesh of ``processes / 2``
+    stages. Each action runs alone, so that the one-process CPU client's
+    one-multi-device-program-at-a-time rule does not matter here (see docs/scale.md).
+    Not ``full``: without ``"reduce"``."""
     import _native_sleep as ns
     import jax
 
     launched = _launched()
-    devices = jax.devices()[:PROCESSES]
+    devices = jax.devices()[:processes]
     mesh = launched.dp_mesh(devices)
-    narrow = ns.sleeping_split(2, launched.SECONDS, batch=8, width=launched.NARROW)
-    wide = ns.sleeping_split(2, launched.SECONDS, batch=8, width=launched.WIDE)
+    stages = mesh.devices.shape[0]
+    narrow = ns.sleeping_split(stages, launched.SECONDS, batch=8, width=launched.NARROW)
+    wide = ns.sleeping_split(stages, launched.SECONDS, batch=8, width=launched.WIDE)
     costs = {
-        "pp": _costs(ns.sleeping_split(PROCESSES, launched.SECONDS, batch=8), devices=devices),
+        "pp": _costs(ns.sleeping_split(processes, launched.SECONDS, batch=8), devices=devices),
         "pp-dp": _costs(narrow, mesh=mesh),
     }
     if full:
@@ -177,14 +182,16 @@ def measure_dispatch(calls: int = 200) -> float:
     return sorted(seconds)[len(seconds) // 2]
 
 
-def run_processes(environ: dict | None = None, full: bool = True, timeout: float = 300) -> dict:
+def run_processes(
+    processes: int = 4, environ: dict | None = None, full: bool = True, timeout: float = 300
+) -> dict:
     """Run ``tests/runtime/_planner_processes.py`` under ``python -m pipemark.launch -n
-    PROCESSES`` (not ``full``: ``--check``); its timings."""
+    processes`` (not ``full``: ``--check``); its timings."""
     env = dict(os.environ if environ is None else environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), env.get("PYTHONPATH")]))
     with tempfile.TemporaryDirectory() as work:
         out = Path(work) / "seconds.json"
-        command = [sys.executable, "-m", "pipemark.launch", "-n", str(PROCESSES)]
+        command = [sys.executable, "-m", "pipemark.launch", "-n", str(processes)]
         launched = subprocess.run(
             [*command, str(_LAUNCHED), str(out), *([] if full else ["--check"])],
             env=env, capture_output=True, text=True, timeout=timeout,
@@ -195,9 +202,13 @@ def run_processes(environ: dict | None = None, full: bool = True, timeout: float
 
 
 def cpu_cluster(
-    collectives: dict, nbytes: float, latency: str = "latency", dispatch: float = 0.0
+    collectives: dict,
+    nbytes: float,
+    latency: str = "latency",
+    dispatch: float = 0.0,
+    processes: int = 4,
 ) -> Cluster:
-    """``PROCESSES`` CPU devices as the launched check measured them
+    """``processes`` CPU devices as the launched check measured them
     (``collectives``): each collective step or transfer between processes costs the
     measured ``latency`` (``"latency"``: of a collective of a few bytes between two
     processes; ``"latency_all"``: between all), and a two-device ring all-reduce of
@@ -206,32 +217,35 @@ def cpu_cluster(
     step = collectives["latency"]
     port = nbytes / (2 * max(collectives["all_reduce"] - 2 * step, 1e-6))
     latency = collectives[latency]
-    n = PROCESSES
+    n = processes
     return Cluster(
         f"CPU, {n} processes", n, n, n, 2**40, 1e15, 1e15, port, 2, latency, 1e15, 0.0,
         dispatch_seconds=dispatch,
     )  # fmt: skip
 
 
-def cpu_process_checks(record: dict) -> list[dict]:
-    """Predicted against measured for each launched pipeline of ``record`` (``{"costs":
-    measure_cpu_costs(), "measured": run_processes(), "dispatch_s":
-    measure_dispatch()}``; a record without ``"dispatch_s"``, made before it was
-    measured, takes 0), on :func:`cpu_cluster`; a reduction every microbatch, which
-    the runtime does not do, predicted only (``measured`` ``None``)."""
+def cpu_process_checks(record: dict, processes: int = 4) -> list[dict]:
+    """Predicted against measured for each pipeline launched in ``processes``
+    processes of ``record`` (``{"costs": measure_cpu_costs(processes), "measured":
+    run_processes(processes), "dispatch_s": measure_dispatch()}``; a record without
+    ``"dispatch_s"``, made before it was measured, takes 0), on :func:`cpu_cluster`; a
+    reduction every microbatch, which the runtime does not do, predicted only
+    (``measured`` ``None``)."""
     launched = _launched()
     costs, measured = record["costs"], record["measured"]
-    dp = PROCESSES // 2
-    layouts = {"pp": {"pp": PROCESSES}, "pp-dp": {"pp": 2, "dp": dp}, "reduce": {"pp": 2, "dp": dp}}
+    # As dp_mesh lays them out: 2 replicas a stage (one stage in 2 processes).
+    sub_meshes = {"pp": processes // 2, "dp": 2}
+    layouts = {"pp": {"pp": processes}, "pp-dp": sub_meshes, "reduce": sub_meshes}
     layouts = {case: shape for case, shape in layouts.items() if case in costs}
     widths = {"pp": launched.NARROW, "pp-dp": launched.NARROW, "reduce": launched.WIDE}
     rows = []
     for case, shape in layouts.items():
-        # Between stages of sub-meshes a transfer is a collective over all 4 processes.
+        # Between stages of sub-meshes a transfer is a collective over all the processes.
         where = "latency" if case == "pp" else "latency_all"
         cluster = cpu_cluster(
-            measured["collectives"], 4 * launched.WIDE**2, where, record.get("dispatch_s", 0.0)
-        )
+            measured["collectives"], 4 * launched.WIDE**2, where, record.get("dispatch_s", 0.0),
+            processes,
+        )  # fmt: skip
         # 8 rows in 4 microbatches: 2 a microbatch, over dp replicas; float32.
         width = widths[case]
         model = MeasuredPipeline(
@@ -249,50 +263,62 @@ def cpu_process_checks(record: dict) -> list[dict]:
                 model, layout, cluster, global_batch=8, overlap=False, update=False
             )
             rows.append({
-                "case": case, "layout": str(layout), "measured": seconds,
+                "processes": processes, "case": case, "layout": str(layout), "measured": seconds,
                 "predicted": predicted.step_seconds, "reduction": predicted.reduction_seconds,
                 "error": None if seconds is None else predicted.step_seconds / seconds - 1,
             })  # fmt: skip
     return rows
 
 
+def recorded_cpu_checks(record: dict) -> list[dict]:
+    """:func:`cpu_process_checks` of each process count of ``record`` (as
+    :func:`record_cpu` writes it), fewest processes first."""
+    counts = sorted(record["processes"], key=int)
+    return [row for n in counts for row in cpu_process_checks(record["processes"][n], int(n))]
+
+
 def report_cpu(rows: list[dict]) -> str:
     """The rows of :func:`cpu_process_checks` as a markdown table."""
     lines = [
-        "| case | layout | measured (ms) | predicted (ms) | exposed reduction (ms) | error |",
-        "|---|---|---|---|---|---|",
+        "| processes | case | layout | measured (ms) | predicted (ms) | exposed reduction (ms) "
+        "| error |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         measured = "not run" if r["measured"] is None else f"{r['measured'] * 1e3:.1f}"
         error = "" if r["error"] is None else f"{r['error']:+.1%}"
         lines.append(
-            f"| {r['case']} | {r['layout']} | {measured} | "
+            f"| {r['processes']} | {r['case']} | {r['layout']} | {measured} | "
             f"{r['predicted'] * 1e3:.1f} | {r['reduction'] * 1e3:.1f} | {error} |"
         )
     return "\n".join(lines)
 
 
 def record_cpu(path: Path = CPU_RECORD) -> dict:
-    """Measure the CPU check (the costs here, the runs in ``PROCESSES`` processes) and
-    write it to ``path``."""
+    """Measure the CPU check in each of :data:`PROCESS_COUNTS` (the costs here, which
+    needs as many CPU devices, then the runs in that many processes) and write it to
+    ``path``."""
     import datetime
 
-    record = {
-        "date": datetime.date.today().isoformat(),
-        "costs": measure_cpu_costs(),
-        "dispatch_s": measure_dispatch(),
-        "measured": run_processes(),
-    }
+    record: dict = {"date": datetime.date.today().isoformat(), "processes": {}}
+    for processes in PROCESS_COUNTS:
+        record["processes"][str(processes)] = {
+            "costs": measure_cpu_costs(processes),
+            "dispatch_s": measure_dispatch(),
+            "measured": run_processes(processes),
+        }
     path.write_text(json.dumps(record, indent=1) + "\n")
     return record
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--record-cpu"]:
+    # --record-cpu [PATH]: PATH instead of the record docs/scale.md shows (a repeat).
+    if sys.argv[1:2] == ["--record-cpu"]:
         import jax
 
-        jax.config.update("jax_num_cpu_devices", PROCESSES)
+        jax.config.update("jax_num_cpu_devices", max(PROCESS_COUNTS))
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        print(report_cpu(cpu_process_checks(record_cpu())))
+        path = Path(sys.argv[2]) if sys.argv[2:] else CPU_RECORD
+        print(report_cpu(recorded_cpu_checks(record_cpu(path))))
     else:
         print(report(tpu_s_stage_checks()))

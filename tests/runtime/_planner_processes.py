@@ -1,12 +1,15 @@
 """Run by tests/runtime/test_planner.py (and ``benchmarks/planner_check.py --record-cpu``)
 under ``python -m pipemark.launch -n N`` (N even, one CPU device a process): native-sleep
 pipelines whose calls are timed (the fastest of 3 after a first: other work on a shared
-machine only slows a call); process 0 writes the times as JSON.
+machine only slows a call; each call from a barrier to the slowest process's results);
+process 0 writes the times as JSON. Every pipeline keeps its results where they were
+computed (``gather_results=False``), as a training step does, which the planner
+predicts: no stage's gradients cross to another process after its last action.
 
-* ``"pp"``: one stage a process, 1F1B and ZB-H1;
-* ``"pp-dp"``: 2 stages on a ``("stage", "data")`` mesh of 2 × N/2, each stage's
-  sub-mesh spanning N/2 processes (data-parallel replicas whose gradients are reduced
-  once a call, across processes), 1F1B and ZB-H1;
+* ``"pp"``: N stages, one a process, 1F1B and ZB-H1;
+* ``"pp-dp"``: N/2 stages on a ``("stage", "data")`` mesh of N/2 × 2, each stage's
+  sub-mesh spanning 2 processes (data-parallel replicas whose gradients are reduced
+  once a call, across processes), 1F1B and ZB-H1; with N = 2, one stage over both;
 * ``"reduce"``: the same with stages of :data:`WIDE` (their gradients, 4 MB a stage,
   take milliseconds to reduce), 1F1B;
 * ``"collectives"``: the runtime's reduction of one wide stage's gradient replicas
@@ -47,13 +50,34 @@ def fastest(fn, *args, calls: int = 3) -> float:
     return min(times)
 
 
+def fastest_step(fn, *args, calls: int = 3) -> float:
+    """The fastest of ``calls`` calls of ``fn(*args)`` after a first, each timed in
+    every process from a barrier to its results and taken as the slowest process's.
+    With results kept where computed a process returns once its own are ready: the
+    first stage's process after the last backward, the last stage's well before, and
+    this one would start its next call early and wait there for the first stage."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for call in range(calls):
+        multihost_utils.sync_global_devices(f"planner call {call}")
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    every = multihost_utils.process_allgather(np.array(times))
+    return float(np.asarray(every).reshape(-1, calls).max(axis=0).min())
+
+
 def dp_mesh(devices):
-    """2 stages × ``len(devices) / 2`` data-parallel replicas, a stage's replicas on
+    """``len(devices) / 2`` stages × 2 data-parallel replicas, a stage's replicas on
     consecutive devices."""
     import numpy as np
     from jax.sharding import Mesh
 
-    return Mesh(np.array(devices).reshape(2, -1), ("stage", "data"))
+    return Mesh(np.array(devices).reshape(-1, 2), ("stage", "data"))
 
 
 class _Rows:
@@ -95,19 +119,23 @@ def main(out: str, full: bool) -> None:
 
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     seconds: dict[str, dict[str, float]] = {"pp": {}, "pp-dp": {}, "reduce": {}}
+    # Results kept where computed, as pipeline_train_step needs on stages that span
+    # processes, and as the planner predicts a step.
+    options = {"num_microbatches": 4, "gather_results": False}
     example = ns.sleeping_split(num_stages=jax.process_count(), seconds=SECONDS, batch=8)
     for schedule in ("1f1b", "zb-h1"):
-        pipe = pm.pipeline_value_and_grad(example.loss_fn, num_microbatches=4, schedule=schedule)
-        seconds["pp"][schedule] = fastest(pipe, *example.args)
+        pipe = pm.pipeline_value_and_grad(example.loss_fn, schedule=schedule, **options)
+        seconds["pp"][schedule] = fastest_step(pipe, *example.args)
     mesh = dp_mesh(devices)
     cases = [("pp-dp", NARROW, ("1f1b", "zb-h1")), ("reduce", WIDE, ("1f1b",))]
     for case, width, schedules in cases if full else cases[:1]:
-        example = ns.sleeping_split(num_stages=2, seconds=SECONDS, batch=8, width=width)
+        stages = mesh.devices.shape[0]
+        example = ns.sleeping_split(num_stages=stages, seconds=SECONDS, batch=8, width=width)
         for schedule in schedules:
             pipe = pm.pipeline_value_and_grad(
-                example.loss_fn, num_microbatches=4, schedule=schedule, mesh=mesh
+                example.loss_fn, schedule=schedule, mesh=mesh, **options
             )
-            seconds[case][schedule] = fastest(pipe, *example.args)
+            seconds[case][schedule] = fastest_step(pipe, *example.args)
     # A wide stage's reduction, and a collective of a few bytes: what a transfer
     # between processes costs beyond its bytes.
     # A transfer between two stages of sub-meshes is a collective over both.

@@ -353,14 +353,14 @@ def test_predictions_from_measured_action_costs_are_within_10_percent_of_the_run
     assert all(abs(e) <= 0.10 for e in tries[-1].values()), tries
 
 
-def _four_process_errors() -> dict[tuple[str, str], float]:
+def _process_errors(processes: int) -> dict[tuple[str, str], float]:
     record = {
-        "costs": planner_check.measure_cpu_costs(full=False),
+        "costs": planner_check.measure_cpu_costs(processes, full=False),
         "dispatch_s": planner_check.measure_dispatch(),
     }
     env = child_environ({k: v for k, v in os.environ.items() if not k.startswith("PIPEMARK_")})
-    record["measured"] = planner_check.run_processes(env, full=False)
-    rows = planner_check.cpu_process_checks(record)
+    record["measured"] = planner_check.run_processes(processes, env, full=False)
+    rows = planner_check.cpu_process_checks(record, processes)
     return {(r["case"], r["layout"].split(", ")[1]): r["error"] for r in rows}
 
 
@@ -373,15 +373,16 @@ def test_predictions_are_close_to_runs_in_four_processes():
     # span processes (gradients reduced once a call, across processes), predicted from
     # costs measured here and the latency of a collective the launched processes
     # measured. The 10 % check is the recorded run in docs/scale.md (`planner_check.py
-    # --record-cpu`, the machine otherwise idle). Here four processes share two cores
-    # with the other pytest worker, and in CI the runs came out 9-15 % slower than
-    # predicted, twice in a row (JAX 0.12.1): the bound here is 20 %, which a planner
-    # that forgot a transfer, a reduction or the schedule's bubble still fails, and so
-    # does 1F1B's order of transfers before its fix (19-28 % slower: docs/scale.md).
-    # Up to two tries, as above. The wide stages' reduction is not run here.
-    tries = [_four_process_errors()]
+    # --record-cpu`, the machine otherwise idle; asserted below). Here four processes
+    # share two cores with the other pytest worker, and in CI the runs came out 9-15 %
+    # slower than predicted, twice in a row (JAX 0.12.1): the bound here is 20 %, which
+    # a planner that forgot a transfer, a reduction or the schedule's bubble still
+    # fails, and so does 1F1B's order of transfers before its fix (19-28 % slower:
+    # docs/scale.md). Up to two tries, as above. The wide stages' reduction is not run
+    # here, nor the 2-process check (14 s more on an idle machine: CI's time).
+    tries = [_process_errors(4)]
     if not all(abs(e) <= 0.20 for e in tries[-1].values()):
-        tries.append(_four_process_errors())
+        tries.append(_process_errors(4))
     assert set(tries[-1]) == {
         ("pp", "1f1b"),
         ("pp", "zb-h1"),
@@ -389,6 +390,35 @@ def test_predictions_are_close_to_runs_in_four_processes():
         ("pp-dp", "zb-h1"),
     }
     assert all(abs(e) <= 0.20 for e in tries[-1].values()), tries
+
+
+def test_recorded_runs_in_two_and_four_processes_match_the_predictions():
+    # The record docs/scale.md shows (`planner_check.py --record-cpu`, the machine
+    # otherwise idle), predicted by today's planner: in 2 processes, 2 stages one a
+    # process, and one stage whose sub-mesh spans both (its gradients reduced across
+    # them: 4 MB a call in `reduce`); in 4, as above, and the wide stages' reduction.
+    # Every pipeline kept its results where computed (gather_results=False), as the
+    # predicted training step does.
+    record = json.loads(planner_check.CPU_RECORD.read_text())
+    rows = planner_check.recorded_cpu_checks(record)
+    measured = {(r["processes"], r["case"], r["layout"]): r for r in rows if r["measured"]}
+    schedules = {"pp": ("1f1b", "zb-h1"), "pp-dp": ("1f1b", "zb-h1"), "reduce": ("1f1b",)}
+    shapes = {2: {"pp": "PP 2 × DP 1", "pp-dp": "PP 1 × DP 2", "reduce": "PP 1 × DP 2"},
+              4: {"pp": "PP 4 × DP 1", "pp-dp": "PP 2 × DP 2", "reduce": "PP 2 × DP 2"}}  # fmt: skip
+    assert set(measured) == {
+        (n, case, f"{shape} × FSDP 1 × TP 1, {schedule}, M 4")
+        for n, cases in shapes.items()
+        for case, shape in cases.items()
+        for schedule in schedules[case]
+    }
+    # The wide stages' reduction is part of the prediction (a few ms), not negligible.
+    assert all(r["reduction"] > 1e-3 for key, r in measured.items() if key[1] == "reduce")
+    # Every row within 10 %, but the wide stages in 4 processes: within 15 %. Those were
+    # 1-11 % slower than predicted in five records on the idle machine (docs/scale.md):
+    # their 4 replicas' CPU work (40 ms a call in each process, 160 ms of a 190 ms
+    # call) shares the two cores, where the costs were measured an action at a time.
+    for key, r in measured.items():
+        assert abs(r["error"]) <= (0.15 if key[:2] == (4, "reduce") else 0.10), measured
 
 
 def test_tpu_s_stage_runs_are_predicted_from_the_recorded_scan_step():
