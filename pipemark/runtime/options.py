@@ -150,7 +150,10 @@ class PipelineOptions:
         :func:`pipemark.runtime.steps.fuse_runs`): a slot holding many stages (an
         interleaved schedule's, or all stages on one device) dispatches fewer
         programs, each with a fixed cost on the host. Each distinct run is a program
-        to compile. Default 1: every action its own program.
+        to compile. Default 2 (with ``fuse_min_uses``' default, only runs whose
+        program many dispatches share are fused: at 16 stages on one TPU v5e chip
+        the step took 1.05 x a scan accumulation's, not 1.12 x, for one compilation
+        more); 1: every action its own program.
     fuse_min_uses:
         With ``fuse_actions`` above 1: a run is fused only where the program it
         becomes runs at least this many times a call (``None``, the default: twice
@@ -185,7 +188,7 @@ class PipelineOptions:
     gather_results: bool = True
     recompute_residuals: bool = True
     dispatch_ahead: int | None = 2
-    fuse_actions: int = 1
+    fuse_actions: int = 2
     fuse_min_uses: int | None = None
     memory_budget: int | None = None
     microbatches_in_flight: int | None = None

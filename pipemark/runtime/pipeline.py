@@ -341,7 +341,7 @@ def pipeline_value_and_grad(
     gather_results: bool = True,
     recompute_residuals: bool = True,
     dispatch_ahead: int | None = 2,
-    fuse_actions: int = 1,
+    fuse_actions: int = 2,
     fuse_min_uses: int | None = None,
     memory_budget: int | None = None,
     microbatches_in_flight: int | None = None,
@@ -448,8 +448,9 @@ def pipeline_value_and_grad(
         A fused run of actions (``fuse_actions``) counts as one.
     fuse_actions:
         At most this many consecutive actions of a device run as one program where no
-        other device waits for the ones before the last (default 1: each action its
-        own program). With many stages on a device (all on one, or an interleaved
+        other device waits for the ones before the last (default 2, where the runs'
+        program is shared, ``fuse_min_uses``; 1: each action its own program). With
+        many stages on a device (all on one, or an interleaved
         schedule's), fewer programs to dispatch, each with a fixed host cost; each
         distinct run is one more program to compile. See
         :class:`~pipemark.runtime.PipelineOptions`.

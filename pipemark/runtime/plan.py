@@ -116,7 +116,7 @@ class PipelinePlan:
     dispatch_ahead: int | None = 2
     #: At most how many consecutive actions of a worker run as one program
     #: (:class:`~pipemark.runtime.PipelineOptions` ``fuse_actions``).
-    fuse_actions: int = 1
+    fuse_actions: int = 2
     #: Fuse a run only where its program runs at least this many times a call
     #: (``fuse_min_uses``; ``None``: twice the number of microbatches).
     fuse_min_uses: int | None = None

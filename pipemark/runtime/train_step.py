@@ -457,7 +457,7 @@ def pipeline_train_step(
     gather_results: bool = True,
     recompute_residuals: bool = True,
     dispatch_ahead: int | None = 2,
-    fuse_actions: int = 1,
+    fuse_actions: int = 2,
     fuse_min_uses: int | None = None,
     memory_budget: int | None = None,
     microbatches_in_flight: int | None = None,

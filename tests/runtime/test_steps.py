@@ -186,7 +186,7 @@ def test_runs_of_actions_are_fused_where_no_other_device_waits(
         num_stages, 4, schedule, devices, batch=8, fuse_actions=fuse_actions, fuse_min_uses=1
     )
     plan = pipe.plan(*ex.args)
-    alone, _ = mlp_pipeline(num_stages, 4, schedule, devices, batch=8)
+    alone, _ = mlp_pipeline(num_stages, 4, schedule, devices, batch=8, fuse_actions=1)
     before = alone.plan(*ex.args).steps
     steps = plan.steps
     assert steps.num_actions == before.num_actions
@@ -230,14 +230,14 @@ def _runs_fused(plan, alone) -> dict[tuple, tuple]:
 
 
 def test_by_default_only_runs_whose_program_serves_many_dispatches_are_fused():
-    """``fuse_min_uses=None``: a run is fused where its program runs at least twice per
-    microbatch a call (stages of identical layers share it), so that each program
-    compiled for a run replaces many dispatches."""
+    """By default (``fuse_actions=2``, ``fuse_min_uses=None``) a run is fused where its
+    program runs at least twice per microbatch a call (stages of identical layers share
+    it), so that each program compiled for a run replaces many dispatches."""
     args = (8, 2, "interleaved", 1)
-    options = {"batch": 4, "num_layers": 8, "fuse_actions": 2}
-    every, ex = mlp_pipeline(*args, **options, fuse_min_uses=1)
+    options = {"batch": 4, "num_layers": 8}
+    every, ex = mlp_pipeline(*args, **options, fuse_actions=2, fuse_min_uses=1)
     default, _ = mlp_pipeline(*args, **options)
-    alone = mlp_pipeline(*args, batch=4, num_layers=8)[0].plan(*ex.args)
+    alone = mlp_pipeline(*args, **options, fuse_actions=1)[0].plan(*ex.args)
     all_runs = _runs_fused(every.plan(*ex.args), alone)
     uses = collections.Counter(all_runs.values())
     plan = default.plan(*ex.args)
@@ -254,9 +254,13 @@ def test_by_default_only_runs_whose_program_serves_many_dispatches_are_fused():
 
 
 def test_fuse_actions_of_one_fuses_no_runs_and_bad_values_are_refused():
-    pipe, ex = mlp_pipeline(4, 4, "interleaved", 1, fuse_actions=1)
-    alone, _ = mlp_pipeline(4, 4, "interleaved", 1)
-    assert pipe.plan(*ex.args).steps == alone.plan(*ex.args).steps
+    args = (8, 2, "interleaved", 1)
+    one, ex = mlp_pipeline(*args, batch=4, num_layers=8, fuse_actions=1)
+    every, _ = mlp_pipeline(*args, batch=4, num_layers=8, fuse_actions=1, fuse_min_uses=1)
+    default, _ = mlp_pipeline(*args, batch=4, num_layers=8)
+    steps = one.plan(*ex.args).steps
+    assert steps == every.plan(*ex.args).steps  # whatever fuse_min_uses says
+    assert steps.num_programs > default.plan(*ex.args).steps.num_programs
     for bad in (0, -2, 1.5, True, None):
         with pytest.raises(pm.PipemarkError, match="fuse_actions must be a positive int"):
             mlp_pipeline(4, 4, "interleaved", 1, fuse_actions=bad)
