@@ -406,6 +406,13 @@ def fuse_runs(
     step fused already joins with its parts. Under ``jax.distributed`` nothing is
     fused here.
 
+    What it saves is dispatch: a slot holding many stages (an interleaved schedule's
+    virtual stages, or every stage on one device) runs a program per action, and the
+    host's fixed cost per program adds up (S 16 on one TPU v5e chip: 248 programs a
+    step at ~0.46 ms of host time each, 118 ms of a 139 ms step, docs/performance.md).
+    A run takes its first step's tick and place in the serial walk: everything it
+    reads is ready there.
+
     A run is fused only where the program it becomes is dispatched at least
     ``min_uses`` times a call (``PipelineOptions.fuse_min_uses``; ``None``: twice the
     number of microbatches): runs of the same stage programs wired alike (the stages of
@@ -416,13 +423,6 @@ def fuse_runs(
     one TPU v5e chip, fusing every run of 2 made the first call 2.27 x the scan's
     (15 programs compiled, not 6), and most of what it saved came from one program, a
     middle block's forward with another's backward, dispatched 84 times a call.
-
-    What it saves is dispatch: a slot holding many stages (an interleaved schedule's
-    virtual stages, or every stage on one device) runs a program per action, and the
-    host's fixed cost per program adds up (S 16 on one TPU v5e chip: 248 programs a
-    step at ~0.46 ms of host time each, 118 ms of a 139 ms step, docs/performance.md).
-    A run takes its first step's tick and place in the serial walk: everything it
-    reads is ready there.
 
     >>> import jax, pipemark as pm
     >>> from pipemark import examples
@@ -445,17 +445,17 @@ def fuse_runs(
         return steps
     if min_uses is None:
         min_uses = 2 * schedule.num_microbatches
-    runs = [
-        (run, fuse_group([part for step in run for part in step.parts or (step,)]))
-        for w, column in enumerate(steps.columns)
-        for run in _runs(column, w, size, units)
-        if len(run) > 1
-    ]
-    uses = collections.Counter(_program_of(fused, units) for _, fused in runs)
+    runs = []  # (its steps, the run as one step, what its program is compiled from)
+    for w, column in enumerate(steps.columns):
+        for run in _runs(column, w, size, units):
+            if len(run) > 1:
+                fused = fuse_group([part for step in run for part in step.parts or (step,)])
+                runs.append((run, fused, _program_of(fused, units)))
+    uses = collections.Counter(program for _, _, program in runs)
     firsts: dict[int, Step] = {}  # id of each fused run's first step -> the run's step
     rest: set[int] = set()  # ids of the other steps of the fused runs
-    for run, fused in runs:
-        if uses[_program_of(fused, units)] >= min_uses:
+    for run, fused, program in runs:
+        if uses[program] >= min_uses:
             firsts[id(run[0])] = fused
             rest.update(id(step) for step in run[1:])
     if not firsts:
