@@ -52,6 +52,7 @@ How a call runs (the plan was traced, sliced and compiled by
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -195,8 +196,9 @@ class _Call:
         self.threads: list[threading.Thread] = []
         # The JAX settings the caller set for its own thread (jax.default_matmul_precision
         # and the like), which each worker thread sets for itself: they are part of what
-        # JAX compiles a program for, and a new thread starts without them.
-        self.settings = thread_settings()
+        # JAX compiles a program for, and a new thread starts without them. Read by the
+        # strategies that start threads (16 us: not on a walk on the caller's thread).
+        self.settings: Callable[[], Any] = contextlib.nullcontext
         # Per worker, the results of its actions dispatched and perhaps not computed
         # yet: at most plan.dispatch_ahead (see _bound_dispatch).
         self.pending: list[collections.deque] = [collections.deque() for _ in self.local]
@@ -658,6 +660,7 @@ def _run_serial(call: _Call) -> None:
 
 def _run_threaded(call: _Call) -> None:
     """One thread per worker, each walking its column (the caller is worker 0)."""
+    call.settings = thread_settings()
     call.threads = threads = [
         threading.Thread(target=_guarded, args=(call, w), name=f"pipemark-device{w}")
         for w in range(1, len(call.local))
@@ -709,6 +712,7 @@ def _run_processes(call: _Call) -> None:
     stage's accumulated results go to every other process after the transfers between
     stages (in the same order), while the last stages still compute."""
     process = call.plan.placement.process
+    call.settings = thread_settings()
     call.transport = transport = CollectiveTransport(call.plan.watchdog, process)
     if call.plan.ordered:
         mine = [(w, n) for w, n in call.steps.order if w == TRANSFER or call.local[w]]
