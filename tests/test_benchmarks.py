@@ -419,6 +419,72 @@ def test_accelerator_table_and_verdicts_from_results():
     assert not any("scan" in line for line in bench.verdicts(results[3:]))
 
 
+def _targets():
+    if str(REPO / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+    import _targets
+
+    return _targets
+
+
+def _row(model: str, config: str, step: float, first: float = 10.0, **extra) -> dict:
+    sizes = {"layers": 16}
+    ok = {"status": "ok", "model": model, "microbatches": extra.pop("microbatches", 8)}
+    return dict(ok, config=config, step_s=step, first_s=first, sizes=sizes, date="d", **extra)
+
+
+def test_targets_table_takes_each_cell_from_the_newest_run_beside_its_scan():
+    targets = _targets()
+    ran = {
+        "tries": [{"fraction": 1.0, "result": "ran"}, {"fraction": 0.95, "result": "out of memory"}]
+    }
+    loose = {"tries": [{"fraction": 1.0, "result": "ran"}, {"fraction": 0.9, "result": "ran"}]}
+    memory = {"predicted_peak": 110}
+    runs = [
+        ("old", [_row("gpt", "scan", 1.0), _row("gpt", "s4", 1.2, ballast=ran)]),
+        ("new", [_row("gpt", "scan", 1.0, first=20.0), _row("gpt", "s4", 1.04, memory=memory, peak=100)]),
+        # No scan: its step says nothing, its ballast is of the newest measurement's code.
+        ("ballast", [_row("gpt", "s4", 9.0, ballast=loose)]),
+        ("other size", [_row("gpt", "scan", 1.0), dict(_row("gpt", "s4", 0.5), sizes={"layers": 4})]),
+        ("m16", [_row("gpt", "scan", 1.0, microbatches=16), _row("gpt", "s4", 1.06, microbatches=16, ballast=ran)]),
+    ]  # fmt: skip
+    cells = {(r[0], r[1]): r for r in targets.rows(runs, ["gpt"])}
+    assert cells["gpt", "S 4 × M 8"][3:] == [
+        "1.040 (met)", "0.500 (met)", "1.10",
+        "runs at 0.9, never out of memory (NOT met: loose)", "d: new; ballast",
+    ]  # fmt: skip
+    assert cells["gpt", "S 16 × M 8"][3] == "not measured"
+    m16 = cells["gpt", "S 4 × M 16"]
+    assert m16[3] == "1.060 (NOT met)" and m16[6] == "runs at 1.0, out of memory at 0.95 (met)"
+    # A ballast check of an older run than the step's is of older code: not shown.
+    without = targets.rows(runs[:2], ["gpt"])[0]
+    assert without[6] == "not checked" and without[7] == "d: new"
+    table = targets.table(runs, ["gpt"]).splitlines()
+    assert len({line.count("|") for line in table[:-2]}) == 1 and table[-2] == ""
+    assert (
+        table[-1] == "3 cells: step met in 1, first call met in 2, ballast met in 1; 1 not measured"
+    )
+    under = {"tries": [{"fraction": 1.0, "result": "out of memory"}]}
+    assert (
+        targets.ballast_cell(under) == "never runs, out of memory at 1.0 (NOT met: under-predicted)"
+    )
+
+
+def test_targets_runs_name_every_recorded_tpu_run_of_a_layout_in_the_issues_size():
+    targets = _targets()
+    configs = {(config, microbatches) for _, config, microbatches in targets.LAYOUTS}
+    recorded = set()
+    for path in (REPO / "benchmarks" / "results").glob("accelerator-tpu-v5e-*.json"):
+        results = json.loads(path.read_text())
+        if any(
+            (r["config"], r.get("microbatches")) in configs
+            and (r.get("sizes") or {}).get("layers") == targets.LAYERS
+            for r in results
+        ):
+            recorded.add(path.stem.removeprefix("accelerator-tpu-v5e-"))
+    assert set(targets.RUNS) == recorded and len(targets.RUNS) == len(recorded)
+
+
 @pytest.mark.parametrize(
     ("message", "short"),
     [

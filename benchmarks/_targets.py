@@ -1,0 +1,135 @@
+"""Issue #40's targets, every model and layout in one table, from the recorded runs of
+``benchmarks/accelerator.py`` (its JSON results).
+
+For each model and layout the table takes one configuration (:data:`LAYOUTS`: the
+defaults at S 4; at S 16 ``dispatch_ahead=4`` and ``fuse_actions=2``) and the newest
+run that measured it beside a scan of the same run (a step's ratio means something
+only against the scan measured in the same run); the ballast check comes from the
+newest run of that configuration that made one, the same run or a later. A cell no run
+measured says so: the table is also the list of what is left to measure.
+
+The targets (issue #40): the step within 1.05 x the scan's, the first call within
+1.5 x the scan's, and a predicted peak that is an upper bound and at most 1.07 x what
+the step needs. The ballast settles the last: the step runs with the predicted peak
+free (less a 64 MiB margin), and runs out of memory with ``1/1.07`` of it free.
+"""
+
+from __future__ import annotations
+
+#: The layouts the issue names: a label, the configuration measured, the microbatches.
+LAYOUTS = (
+    ("S 4 × M 8", "s4", 8),
+    ("S 16 × M 8", "s16-d4-f2", 8),
+    ("S 4 × M 16", "s4", 16),
+)
+STEP, FIRST, TIGHT = 1.05, 1.5, 1.07
+#: The issue's size: 16 blocks of the ``gpt`` preset (other runs chose other sizes).
+LAYERS = 16
+#: The TPU runs (``benchmarks/results/accelerator-tpu-v5e-NAME.json``) that measured a
+#: layout's configuration at 16 blocks, in the order they were made: a later run's cell
+#: replaces an earlier one's (the files record the day, not the hour).
+RUNS = (
+    "dispatch-ahead", "layouts-gpt", "budget", "ballast-gpt", "llama16",
+    "llama16-recompute", "llama-mask16-recompute", "nnx16-recompute",
+    "llama16-m16-recompute", "llama-flash16", "llama-flash16-padded", "llama16-d4-f2",
+    "llama16-d4-f2-ballast", "gpt16-d4-f2", "nnx16-d4-f2", "llama-flash16-d4-f2",
+    "llama-einsum16", "llama-untied16", "llama-mask16-d4-f2", "gpt16-s4", "gpt16-m16",
+    "nnx16-m16",
+)  # fmt: skip
+
+
+def _cell(runs: list[tuple[str, list[dict]]], model: str, config: str, microbatches: int):
+    """The newest run's (name, pipeline row, scan row) for this cell, and the newest
+    (name, ballast check) of the configuration; ``None`` where no run has one."""
+    measured, ballast = None, None
+    for name, results in runs:
+        rows = {
+            r["config"]: r
+            for r in results
+            if r.get("model", "gpt") == model
+            and r.get("microbatches") == microbatches
+            and (r.get("sizes") or {}).get("layers") == LAYERS
+        }
+        row, scan = rows.get(config), rows.get("scan")
+        if row is None or row.get("status") != "ok":
+            continue
+        if scan is not None and scan.get("status") == "ok":
+            measured, ballast = (name, row, scan), None  # an older check is of older code
+        if row.get("ballast") and measured is not None:
+            ballast = (name, row["ballast"])
+    return measured, ballast
+
+
+def _met(value: float, target: float) -> str:
+    return f"{value:.3f} ({'met' if value <= target else 'NOT met'})"
+
+
+def ballast_cell(check: dict) -> str:
+    """Whether the predicted peak covers the step and is within 1.07 x of it.
+
+    >>> ballast_cell({"tries": [{"fraction": 1.0, "result": "ran"},
+    ...     {"fraction": 0.95, "result": "out of memory"}]})
+    'runs at 1.0, out of memory at 0.95 (met)'
+    >>> ballast_cell({"tries": [{"fraction": 1.0, "result": "ran"},
+    ...     {"fraction": 0.9, "result": "ran"}]})
+    'runs at 0.9, never out of memory (NOT met: loose)'
+    """
+    if "tries" not in check:
+        return f"not checked ({check.get('status')})"
+    ran = [t["fraction"] for t in check["tries"] if t["result"] == "ran"]
+    short = [t["fraction"] for t in check["tries"] if t["result"] == "out of memory"]
+    covers = 1.0 in ran
+    tight = bool(short) and max(short) >= 1 / TIGHT - 1e-9
+    text = f"runs at {min(ran)}" if ran else "never runs"
+    text += f", out of memory at {max(short)}" if short else ", never out of memory"
+    why = [] if covers else ["under-predicted"]
+    why += [] if tight else ["loose"]
+    return text + (" (met)" if not why else f" (NOT met: {', '.join(why)})")
+
+
+def rows(runs: list[tuple[str, list[dict]]], models: list[str]) -> list[list[str]]:
+    """One row a model and layout: the cells of :func:`table`."""
+    lines = []
+    for model in models:
+        for layout, config, microbatches in LAYOUTS:
+            measured, ballast = _cell(runs, model, config, microbatches)
+            if measured is None:
+                lines.append([model, layout, config, "not measured", "—", "—", "—", "—"])
+                continue
+            name, row, scan = measured
+            predicted = (row.get("memory") or {}).get("predicted_peak")
+            memory = f"{predicted / row['peak']:.2f}" if predicted and row.get("peak") else "—"
+            checked = "not checked" if ballast is None else ballast_cell(ballast[1])
+            source = name if ballast is None or ballast[0] == name else f"{name}; {ballast[0]}"
+            lines.append([
+                model, layout, config,
+                _met(row["step_s"] / scan["step_s"], STEP),
+                _met(row["first_s"] / scan["first_s"], FIRST),
+                memory, checked, f"{row.get('date', '?')}: {source}",
+            ])  # fmt: skip
+    return lines
+
+
+def table(runs: list[tuple[str, list[dict]]], models: list[str]) -> str:
+    """The markdown table of :func:`rows`, with a line counting what is met.
+
+    ``runs`` are ``(name, results)`` pairs, oldest first: a later run's cell replaces an
+    earlier one's."""
+    header = [
+        "| model | layout | configuration | step ÷ scan (≤ 1.05) | first call ÷ scan's "
+        "(≤ 1.5) | predicted ÷ device peak | ballast: the step in the predicted room, "
+        "and out of memory in 1/1.07 of it | run |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    body = rows(runs, models)
+    counts = {
+        "step": sum("(met)" in r[3] for r in body),
+        "first call": sum("(met)" in r[4] for r in body),
+        "ballast": sum(r[6].endswith("(met)") for r in body),
+    }
+    summary = ", ".join(f"{what} met in {n}" for what, n in counts.items())
+    missing = sum(r[3] == "not measured" for r in body)
+    lines = header + ["| " + " | ".join(r) + " |" for r in body]
+    return "\n".join(
+        [*lines, "", f"{len(body)} cells: {summary}; {missing} not measured"]
+    )  # fmt: skip
