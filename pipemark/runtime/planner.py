@@ -59,7 +59,8 @@ from typing import Any, NamedTuple
 from pipemark.errors import PipemarkError
 from pipemark.roles import BACKWARD, FORWARD, WEIGHT
 from pipemark.runtime.cluster import Cluster, axis_group, collective_seconds, transfer_seconds
-from pipemark.runtime.options import GRADIENT_REDUCTIONS
+from pipemark.runtime.dispatches import programs, stage_classes
+from pipemark.runtime.options import GRADIENT_REDUCTIONS, check_positive
 from pipemark.runtime.problem import ScheduleProblem
 from pipemark.runtime.registry import build_schedule, schedule_entry
 from pipemark.runtime.schedules import Action, Schedule
@@ -420,6 +421,8 @@ def predict_layout(
     dispatch_ahead: int | None = 2,
     hbm_margin: float = HBM_MARGIN,
     reduce_gradients: str = "after_stage",
+    fuse_actions: int = 2,
+    fuse_min_uses: int | None = None,
 ) -> LayoutPrediction:
     """Predict one step of ``model`` (a :class:`~pipemark.runtime.workload.Transformer`
     or :class:`~pipemark.runtime.workload.MeasuredPipeline`) laid out as ``layout`` on
@@ -432,8 +435,11 @@ def predict_layout(
     ends with the optimizer update;
     ``dispatch_ahead``: the runtime's option of that name (its default, 2), how far
     the host may dispatch ahead of a device (each action then costs the host
-    :meth:`~pipemark.runtime.cluster.Cluster.dispatch_cost`); ``hbm_margin``: the
-    fraction of HBM a layout must leave free to fit (:data:`HBM_MARGIN`).
+    :meth:`~pipemark.runtime.cluster.Cluster.dispatch_cost`); ``fuse_actions`` and
+    ``fuse_min_uses``: the runtime's options, which actions of a device it runs as one
+    program, one dispatch (:mod:`pipemark.runtime.dispatches`; no runs fused on a
+    layout over several hosts); ``hbm_margin``: the fraction of HBM a layout must
+    leave free to fit (:data:`HBM_MARGIN`).
 
     >>> from pipemark.runtime.workload import MeasuredPipeline
     >>> from pipemark.runtime.cluster import tpu_v5e
@@ -446,15 +452,7 @@ def predict_layout(
     >>> p.host_seconds  # the first action's dispatch: 0.59 ms on a v5e host, bounded
     0.00059
     """
-    if layout.chips > cluster.num_chips:
-        raise PipemarkError(
-            f"{layout} needs {layout.chips} chips but {cluster.name} has {cluster.num_chips}."
-        )
-    if reduce_gradients not in GRADIENT_REDUCTIONS:
-        raise PipemarkError(
-            f"reduce_gradients is {reduce_gradients!r}; use one of {GRADIENT_REDUCTIONS} "
-            "(the runtime's option of that name)."
-        )
+    _check_options(layout, cluster, reduce_gradients, fuse_actions, fuse_min_uses)
     usable = _usable_bytes(cluster, hbm_margin)
     work = model.stage_work(
         layout, global_batch=global_batch, peak_flops=cluster.peak_flops,
@@ -474,9 +472,14 @@ def predict_layout(
     # A backward that a splitting schedule runs whole (DualPipeV) pays B + W: the
     # simulator asks this cost for its weight half.
     delay = _transfer(cluster, layout, work, schedule)
+    classes = stage_classes(list(zip(work.forward, work.backward, work.weight, work.parameters)))
+    fused = programs(
+        schedule, classes, fuse_actions=fuse_actions, fuse_min_uses=fuse_min_uses,
+        distributed=layout.chips > cluster.chips_per_host,
+    )  # fmt: skip
     simulation = simulate_schedule(
         schedule, cost, transfer=delay, dispatch=cluster.dispatch_cost(dispatch_ahead),
-        dispatch_ahead=dispatch_ahead, wake=cluster.wake_seconds,
+        dispatch_ahead=dispatch_ahead, wake=cluster.wake_seconds, programs=fused,
     )  # fmt: skip
     at_end = reduce_gradients == "end_of_call"
     chunks = _reduction_chunks(cluster, layout, work, schedule, simulation, overlap, at_end)
@@ -489,6 +492,24 @@ def predict_layout(
         layout, cluster, work, schedule, simulation, ends, waits, update, dispatch_ahead
     )
     return dataclasses.replace(prediction, usable_bytes=usable)
+
+
+def _check_options(
+    layout: Layout, cluster: Cluster, reduce_gradients: str, fuse: Any, min_uses: Any
+) -> None:
+    """:func:`predict_layout`'s arguments that the cluster or the runtime refuses."""
+    if layout.chips > cluster.num_chips:
+        raise PipemarkError(
+            f"{layout} needs {layout.chips} chips but {cluster.name} has {cluster.num_chips}."
+        )
+    if reduce_gradients not in GRADIENT_REDUCTIONS:
+        raise PipemarkError(
+            f"reduce_gradients is {reduce_gradients!r}; use one of {GRADIENT_REDUCTIONS} "
+            "(the runtime's option of that name)."
+        )
+    check_positive(fuse, "fuse_actions")
+    if min_uses is not None:
+        check_positive(min_uses, "fuse_min_uses (or None)")
 
 
 def _usable_bytes(cluster: Cluster, margin: Any) -> float:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import graphlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from pipemark.errors import PipemarkError, StageGraphError
@@ -133,6 +133,7 @@ def simulate_schedule(
     dispatch: float = 0.0,
     dispatch_ahead: int | None = None,
     wake: float = 0.0,
+    programs: Mapping[Action, Sequence[Action]] | None = None,
 ) -> Simulation:
     """Run ``schedule`` on paper: each device runs its actions in the schedule's order,
     each as soon as the device is free and everything it needs has finished (and, for
@@ -169,6 +170,11 @@ def simulate_schedule(
     wake:
         When the host waited for the device (``dispatch_ahead``), how long after that
         program ends it dispatches again (0 by default).
+    programs:
+        The actions that run as one program, each program keyed by its first action
+        (:func:`pipemark.runtime.dispatches.programs`: as the runtime fuses them); a
+        program runs as an overlapped pair does, in its first action's place. By
+        default each action is a program, but the schedule's overlapped pairs.
 
     >>> from pipemark.runtime.schedules import one_f_one_b_schedule
     >>> one = one_f_one_b_schedule(1, 8)  # one device, 16 actions of 1
@@ -187,7 +193,8 @@ def simulate_schedule(
     needs = {a: dependencies(a, preds, succ) for order in orders for a in order}
     delay = _delay_function(transfer, schedule.stage_devices)
     host = _host(len(orders), dispatch, dispatch_ahead, wake)
-    start, finish, busy, waits = _run(schedule, orders, cost, needs, delay, host)
+    columns = _columns(orders, dict(schedule.overlapped), programs)
+    start, finish, busy, waits = _run(columns, cost, needs, delay, host)
     makespan = max(finish.values(), default=0.0)
     idle = 1.0 - sum(busy) / (len(orders) * makespan) if makespan else 0.0
     bubble = makespan - sum(busy) / len(orders)
@@ -197,27 +204,34 @@ def simulate_schedule(
     )
 
 
-def _run(schedule: Schedule, orders, cost, needs, delay, host: _Host):
-    """Each device's actions in order (see :func:`simulate_schedule`): when each starts
-    and ends, and per device its busy time and its waits for the host."""
-    position = [0] * len(orders)
-    free, busy, waits = [0.0] * len(orders), [0.0] * len(orders), [0.0] * len(orders)
+def _columns(orders, pairs: dict, programs: Mapping | None) -> list[list[tuple[Action, ...]]]:
+    """Each device's programs in order: ``programs``' (else each action, but the
+    overlapped ``pairs``), each in its first action's place."""
+    if programs is None:
+        programs = {first: (first, second) for first, second in pairs.items()}
+    inside = {a for unit in programs.values() for a in unit[1:]}
+    return [[tuple(programs.get(a, (a,))) for a in order if a not in inside] for order in orders]
+
+
+def _run(columns, cost, needs, delay, host: _Host):
+    """Each device's programs in order (see :func:`simulate_schedule`): when each
+    action starts and ends, and per device its busy time and its waits for the host."""
+    position = [0] * len(columns)
+    free, busy, waits = [0.0] * len(columns), [0.0] * len(columns), [0.0] * len(columns)
     start: dict[Action, float] = {}
     finish: dict[Action, float] = {}
-    remaining = sum(len(o) for o in orders)
-    pairs = dict(schedule.overlapped)  # first -> second: one unit, one program
+    remaining = sum(len(c) for c in columns)
     while remaining:
         progressed = False
-        for d, order in enumerate(orders):
-            while position[d] < len(order):
-                unit = (order[position[d]],)
-                unit += (pairs[unit[0]],) if unit[0] in pairs else ()
+        for d, column in enumerate(columns):
+            while position[d] < len(column):
+                unit = column[position[d]]
                 reads = [(n, a) for a in unit for n in needs[a] if n not in unit]
                 if any(n not in finish for n, _ in reads):
                     break
-                # A unit starts once everything its actions read has arrived and the
-                # host has dispatched it, and its results leave together when it ends
-                # (an overlapped pair is one program).
+                # A program starts once everything its actions read has arrived and
+                # the host has dispatched it, and its results leave together when it
+                # ends.
                 ready = max([free[d], *(finish[n] + delay(n, a) for n, a in reads)])
                 begin = max(ready, host.dispatch(d, unit, [n for n, _ in reads]))
                 waits[d] += begin - ready
@@ -229,8 +243,8 @@ def _run(schedule: Schedule, orders, cost, needs, delay, host: _Host):
                 free[d] = begin + length
                 host.ends[d].append(free[d])
                 busy[d] += length
-                position[d] += len(unit)
-                remaining -= len(unit)
+                position[d] += 1
+                remaining -= 1
                 progressed = True
         if not progressed:  # a valid schedule never deadlocks
             raise StageGraphError("The schedule's device orders deadlock.")

@@ -424,6 +424,9 @@ def fuse_runs(
     (15 programs compiled, not 6), and most of what it saved came from one program, a
     middle block's forward with another's backward, dispatched 84 times a call.
 
+    The layout planner counts the same programs from a schedule alone
+    (:mod:`pipemark.runtime.dispatches`, which a test checks against this).
+
     >>> import jax, pipemark as pm
     >>> from pipemark import examples
     >>> ex = examples.mlp(num_layers=2, batch=4)
