@@ -53,7 +53,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from pipemark.errors import PipemarkError
@@ -314,38 +314,34 @@ def _device_ends(simulation: Simulation, schedule: Schedule, chunks) -> list[flo
 
 
 def _in_flight(
-    work: StageWork, schedule: Schedule, order: Sequence[Action], ahead: int | None
+    work: StageWork, schedule: Schedule, column: Sequence[tuple[Action, ...]], ahead: int | None
 ) -> float:
     """The most activation bytes a device holds: each (stage, microbatch)'s from its
-    forward to the action that makes its gradients, and while an action runs, those
-    of the forwards among the next ``ahead`` actions (``dispatch_ahead``: dispatched
-    already, their results allocated; ``None``: every later action), as the runtime's
-    memory model counts them (:func:`pipemark.runtime.memory.held_in_flight`)."""
-    freed = set(_orders(schedule)[1].values())
-    # What dispatching each action allocates: a forward's activations, unless its
-    # backward comes right after it, which the runtime runs with it as one program
-    # (pipemark.runtime.steps.fuse_steps: they stay inside it).
+    forward to the action that makes its gradients, and while a program runs, those of
+    the forwards in the next ``ahead`` programs (``dispatch_ahead``: dispatched already,
+    their results allocated; ``None``: every later program), as the runtime's memory
+    model counts them (:func:`pipemark.runtime.memory.held_in_flight`). ``column``: the
+    device's programs in order (:func:`pipemark.runtime.dispatches.programs`)."""
+    made = _orders(schedule)[1]
+    freed = set(made.values())
+    # What dispatching each program allocates: its forwards' activations, but those
+    # whose gradients it makes too (a forward run with its backward stays inside).
     sizes = [
-        work.activation_bytes[a.stage]
-        if a.kind == FORWARD and not (n + 1 < len(order) and _fused_with(a, order[n + 1]))
-        else 0.0
-        for n, a in enumerate(order)
+        sum(
+            work.activation_bytes[a.stage]
+            for a in unit
+            if a.kind == FORWARD and made.get(a[:2]) not in unit
+        )
+        for unit in column
     ]
     prefix = list(itertools.accumulate(sizes, initial=0.0))  # prefix[n]: sum(sizes[:n])
     live = peak = 0.0
-    for n, action in enumerate(order):
-        if action.kind == FORWARD:
-            live += work.activation_bytes[action.stage]
-        end = len(order) if ahead is None else min(len(order), n + 1 + ahead)
+    for n, unit in enumerate(column):
+        live += sum(work.activation_bytes[a.stage] for a in unit if a.kind == FORWARD)
+        end = len(column) if ahead is None else min(len(column), n + 1 + ahead)
         peak = max(peak, live + prefix[end] - prefix[n + 1])
-        if action in freed:
-            live -= work.activation_bytes[action.stage]
+        live -= sum(work.activation_bytes[a.stage] for a in unit if a in freed)
     return peak
-
-
-def _fused_with(forward: Action, after: Action) -> bool:
-    """Whether ``after`` is ``forward``'s own backward (the same stage and microbatch)."""
-    return after.kind == BACKWARD and after[:2] == forward[:2]
 
 
 def _chip_parts(
@@ -371,13 +367,19 @@ def _chip_parts(
 
 
 def _memory(
-    layout: Layout, work: StageWork, schedule: Schedule, ahead: int | None
+    layout: Layout,
+    work: StageWork,
+    schedule: Schedule,
+    ahead: int | None,
+    fused: Mapping[Action, tuple[Action, ...]],
 ) -> tuple[float, dict[str, float]]:
-    """The worst chip's peak bytes and their parts (``ahead``: ``dispatch_ahead``)."""
+    """The worst chip's peak bytes and their parts (``ahead``: ``dispatch_ahead``;
+    ``fused``: the programs, :func:`_programs`)."""
     worst: tuple[float, dict[str, float]] = (-1.0, {})
     for d, order in enumerate(_orders(schedule)[0]):
         stages = [j for j, device in enumerate(schedule.stage_devices) if device == d]
-        parts = _chip_parts(layout, work, stages, _in_flight(work, schedule, order, ahead))
+        column = [fused[a] for a in order if a in fused]
+        parts = _chip_parts(layout, work, stages, _in_flight(work, schedule, column, ahead))
         if sum(parts.values()) > worst[0]:
             worst = (sum(parts.values()), parts)
     return worst
@@ -472,11 +474,7 @@ def predict_layout(
     # A backward that a splitting schedule runs whole (DualPipeV) pays B + W: the
     # simulator asks this cost for its weight half.
     delay = _transfer(cluster, layout, work, schedule)
-    classes = stage_classes(list(zip(work.forward, work.backward, work.weight, work.parameters)))
-    fused = programs(
-        schedule, classes, fuse_actions=fuse_actions, fuse_min_uses=fuse_min_uses,
-        distributed=layout.chips > cluster.chips_per_host,
-    )  # fmt: skip
+    fused = _programs(layout, cluster, work, schedule, fuse_actions, fuse_min_uses)
     simulation = simulate_schedule(
         schedule, cost, transfer=delay, dispatch=cluster.dispatch_cost(dispatch_ahead),
         dispatch_ahead=dispatch_ahead, wake=cluster.wake_seconds, programs=fused,
@@ -489,9 +487,26 @@ def predict_layout(
         for action in order:
             waits[schedule.stage_devices[action.stage]] += gather(action)
     prediction = _prediction(
-        layout, cluster, work, schedule, simulation, ends, waits, update, dispatch_ahead
+        layout, cluster, work, schedule, simulation, ends, waits, update, dispatch_ahead, fused
     )
     return dataclasses.replace(prediction, usable_bytes=usable)
+
+
+def _programs(
+    layout: Layout,
+    cluster: Cluster,
+    work: StageWork,
+    schedule: Schedule,
+    fuse_actions: int = 2,
+    fuse_min_uses: int | None = None,
+) -> dict[Action, tuple[Action, ...]]:
+    """The programs the runtime dispatches for the layout's schedule (no runs fused
+    under ``jax.distributed``: a layout over several hosts)."""
+    classes = stage_classes(list(zip(work.forward, work.backward, work.weight, work.parameters)))
+    return programs(
+        schedule, classes, fuse_actions=fuse_actions, fuse_min_uses=fuse_min_uses,
+        distributed=layout.chips > cluster.chips_per_host,
+    )  # fmt: skip
 
 
 def _check_options(
@@ -531,9 +546,10 @@ def _prediction(
     waits: list[float],
     update: bool,
     ahead: int | None,
+    fused: Mapping[Action, tuple[Action, ...]],
 ) -> LayoutPrediction:
     """The parts of the step on its busiest device, and the memory (``ahead``:
-    ``dispatch_ahead``)."""
+    ``dispatch_ahead``; ``fused``: the programs)."""
     shard = [0.0] * schedule.num_devices
     tp = [0.0] * schedule.num_devices
     m = schedule.num_microbatches
@@ -545,7 +561,7 @@ def _prediction(
     d = max(range(len(totals)), key=totals.__getitem__)
     makespan = max((simulation.finish[a] for a in _orders(schedule)[0][d]), default=0.0)
     busy = simulation.busy[d]
-    peak, parts = _memory(layout, work, schedule, ahead)
+    peak, parts = _memory(layout, work, schedule, ahead, fused)
     step = totals[d]
     flops = work.flops
     return LayoutPrediction(
@@ -798,7 +814,9 @@ def rank_layouts(
             skipped = len(candidates) - i
             break
         work = model.stage_work(layout, global_batch=global_batch, peak_flops=cluster.peak_flops)
-        peak, parts = _memory(layout, work, _build(layout, work), dispatch_ahead)
+        schedule = _build(layout, work)
+        fused = _programs(layout, cluster, work, schedule)
+        peak, parts = _memory(layout, work, schedule, dispatch_ahead, fused)
         if peak > usable:  # refused before it is simulated
             refused.append(Refusal(layout, peak, bound, parts))
             continue

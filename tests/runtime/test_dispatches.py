@@ -88,3 +88,23 @@ def test_the_planner_dispatches_the_runtimes_programs():
         predict_layout(measured, layout, cluster, global_batch=8, fuse_actions=0)
     with pytest.raises(pm.PipemarkError, match="fuse_min_uses"):
         predict_layout(measured, layout, cluster, global_batch=8, fuse_min_uses=0)
+
+
+def test_a_bound_counts_programs_so_fused_runs_hold_more_activations():
+    # dispatch_ahead counts programs, as the runtime's bound and memory model do: 4
+    # programs ahead of fused runs of 2 hold more forwards' activations than 4 actions.
+    measured = MeasuredPipeline(
+        {"forward": 1e-4, "backward": 2e-4}, Layout(microbatches=8), global_batch=8,
+        activation_bytes=1000.0,
+    )  # fmt: skip
+    layout = Layout(schedule="interleaved", stages_per_device=16, microbatches=8)
+    held = {
+        (ahead, fuse): predict_layout(
+            measured, layout, pm.tpu_v5e(1), global_batch=8, update=False,
+            fuse_actions=fuse, dispatch_ahead=ahead,
+        ).memory["activations"]
+        for ahead in (2, 4, None)
+        for fuse in (1, 2)
+    }  # fmt: skip
+    assert held[2, 1] < held[2, 2] and held[4, 1] < held[4, 2]
+    assert held[None, 1] == held[None, 2]  # unbounded: every later program either way
