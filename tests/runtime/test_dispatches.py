@@ -32,6 +32,9 @@ def _without_weights(programs_of_a_device):
         ("1f1b", 4, 8, 4, 2),
         ("zb-h1", 4, 8, 4, 2),
         ("dualpipev", 8, 8, 4, 2),
+        ("gpipe", 4, 4, 4, 2),
+        ("zb-v", 8, 8, 4, 3),
+        ("interleaved", 4, 8, 1, 4),  # a stage's forward and backward on one device
     ],
 )
 def test_the_planners_programs_are_the_runtimes(schedule, stages, microbatches, devices, fuse):
