@@ -26,9 +26,7 @@ def _without_weights(programs_of_a_device):
     ("schedule", "stages", "microbatches", "devices", "fuse"),
     [
         ("interleaved", 16, 8, 1, 2),  # a TPU run's layout: 164 programs
-        ("interleaved", 16, 8, 1, 4),
-        ("interleaved", 8, 4, 1, 2),
-        ("interleaved", 8, 8, 2, 2),
+        ("interleaved", 8, 8, 2, 3),
         ("1f1b", 4, 8, 4, 2),
         ("zb-h1", 4, 8, 4, 2),
         ("dualpipev", 8, 8, 4, 2),
