@@ -2,11 +2,13 @@
 (:mod:`pipemark.runtime.planner`) counts them: which actions of a device run as one
 program.
 
-The runtime runs an action a program, but for three kinds of fused steps
-(:mod:`pipemark.runtime.steps`): an overlapped pair of a schedule (DualPipeV's), the
-last stage's forward with its own backward right after it (``fuse_steps``; none under a
-schedule that splits the backward: the weight step reads the forward's outputs too),
-and runs of up to ``fuse_actions`` consecutive programs of a device that no other
+The runtime runs an action a program, but for four kinds of fused steps
+(:mod:`pipemark.runtime.steps`): an overlapped pair of a schedule (DualPipeV's); a last
+stage's (one whose outputs no other stage reads) forward with its own backward right
+after it (``fuse_steps``; none under a schedule that splits the backward: the weight
+step reads the forward's outputs too); under such a schedule, a first stage's (one that
+reads no other stage) weight step inside its backward, having no input gradient to make
+apart from it; and runs of up to ``fuse_actions`` consecutive programs of a device that no other
 device waits for before the run's last (``fuse_runs``), where the run's program is
 dispatched at least ``fuse_min_uses`` times a call. The planner has no stage programs to
 compare, so it takes stages for alike as the runtime finds identical blocks: the
@@ -75,7 +77,7 @@ def _steps(schedule: Schedule, order: Sequence[Action]) -> list[Program]:
     schedule splits the backward, a first stage's (one that reads no other stage) weight
     step in its backward's, which has no input gradient to make apart from it."""
     pairs = dict(schedule.overlapped)
-    last = schedule.num_stages - 1
+    last = {j for j, s in enumerate(schedule.successors) if not s}
     split = schedule.splits_backward
     first = {j for j, p in enumerate(schedule.predecessors) if not p}
     steps: list[Program] = []
@@ -90,7 +92,7 @@ def _steps(schedule: Schedule, order: Sequence[Action]) -> list[Program]:
         elif (
             not split
             and action.kind == FORWARD
-            and action.stage == last
+            and action.stage in last
             and (after == action._replace(kind=BACKWARD))
         ):
             unit = (action, after)
