@@ -36,10 +36,10 @@ _LAUNCHED = _REPO / "tests" / "runtime" / "_planner_processes.py"
 PROCESS_COUNTS = (2, 4)
 
 
-#: The TPU runs checked (``benchmarks/results/accelerator-tpu-v5e-NAME.json``): every
-#: run with S-stage rows and a scan of the same model that day, but those of
-#: :data:`LEFT_OUT`. The dispatch-bound run recorded no scan: the budget run's, also of
-#: 2026-12-06, stands for it.
+#: The TPU runs checked (``benchmarks/results/accelerator-tpu-v5e-NAME.json``), in the
+#: order they were made: every run with S-stage rows and a scan of the same model that
+#: day, but those of :data:`LEFT_OUT`. The dispatch-bound run recorded no scan: the
+#: budget run's, also of 2026-12-06, stands for it.
 TPU_RUNS = (
     "recompute", "dispatch-ahead", "budget", "dispatch-bound", "layouts-gpt",
     "llama16-recompute", "llama-mask16-recompute", "nnx16-recompute",
@@ -56,12 +56,11 @@ LEFT_OUT = {
     "llama-m16": "the 12-block Llama before run 9's fix",
 }
 _SCAN_OF = {"dispatch-bound": "budget"}
-#: The runs made since ``fuse_actions`` defaults to 2 (run 13); those before ran
-#: unfused unless a row says ``-fK``. Run 10 (``llama16-fuse``) predates
-#: ``fuse_min_uses``: it fused every run, as ``fuse_min_uses=1`` does.
-FUSED_BY_DEFAULT = frozenset(
-    ("llama-einsum16", "llama-untied16", "llama-mask16-d4-f2", "gpt16-s4", "gpt16-m16", "nnx16-m16")
-)
+#: The runs made before ``fuse_actions`` defaulted to 2 (run 13's first,
+#: ``llama-einsum16``, is the first after): they ran unfused unless a row says ``-fK``;
+#: a later run takes the default. Run 10 (``llama16-fuse``) predates ``fuse_min_uses``:
+#: it fused every run, as ``fuse_min_uses=1`` does.
+UNFUSED_BY_DEFAULT = frozenset(TPU_RUNS[: TPU_RUNS.index("llama-einsum16")])
 _CONFIG = re.compile(r"s(\d+)(-d\d+|-w\d+|-mem[\d.]+)?(-f\d+)?(-u\d+)?$")
 
 
@@ -77,10 +76,10 @@ def dispatch_ahead_of(file: str, config: str) -> int | None:
 
 def fuse_of(file: str, config: str) -> tuple[int, int | None]:
     """The ``fuse_actions`` and ``fuse_min_uses`` a recorded TPU row ran with: its
-    ``-fK`` and ``-uN``, else its run's (:data:`FUSED_BY_DEFAULT`)."""
+    ``-fK`` and ``-uN``, else its run's (:data:`UNFUSED_BY_DEFAULT`)."""
     actions = re.search(r"-f(\d+)", config)
     uses = re.search(r"-u(\d+)", config)
-    fuse = int(actions.group(1)) if actions else 2 if file in FUSED_BY_DEFAULT else 1
+    fuse = int(actions.group(1)) if actions else 1 if file in UNFUSED_BY_DEFAULT else 2
     if uses:
         return fuse, int(uses.group(1))
     return fuse, 1 if file == "llama16-fuse" else None
