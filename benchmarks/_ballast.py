@@ -92,8 +92,7 @@ def verdict(config: str, check: dict) -> str:
     """
     if "tries" not in check:
         return f"- {config}, ballast: not checked ({check.get('status')})"
-    ran = [t["fraction"] for t in check["tries"] if t["result"] == "ran"]
-    short = [t["fraction"] for t in check["tries"] if t["result"] == "out of memory"]
+    ran, short = _rooms(check)
     covered = "met" if 1.0 in ran else "NOT met: ran out of memory with the room predicted"
     line = f"- {config}, ballast: "
     line += f"ran with {min(ran)} x the predicted peak free" if ran else "never ran"
@@ -105,3 +104,37 @@ def verdict(config: str, check: dict) -> str:
         line += f"; ran in every room tried: the prediction covers the step ({covered}), and"
         line += f" is more than 1/{min(ran)} = {1 / min(ran):.2f} x what it needs" if ran else ""
     return line
+
+
+#: At most how many times what the step needs a prediction may be (issue #40).
+TIGHT = 1.07
+
+
+def _rooms(check: dict) -> tuple[list[float], list[float]]:
+    """The fractions of the predicted peak the step ran in, and ran out of memory in."""
+    ran = [t["fraction"] for t in check["tries"] if t["result"] == "ran"]
+    short = [t["fraction"] for t in check["tries"] if t["result"] == "out of memory"]
+    return ran, short
+
+
+def cell(check: dict) -> str:
+    """A table cell: whether the predicted peak covers the step (it ran with the room
+    predicted) and is within :data:`TIGHT` of it (it ran out of memory with ``1 /
+    TIGHT`` of that room or more).
+
+    >>> cell({"tries": [{"fraction": 1.0, "result": "ran"},
+    ...     {"fraction": 0.95, "result": "out of memory"}]})
+    'runs at 1.0, out of memory at 0.95 (met)'
+    >>> cell({"tries": [{"fraction": 1.0, "result": "ran"},
+    ...     {"fraction": 0.9, "result": "ran"}]})
+    'runs at 0.9, never out of memory (NOT met: loose)'
+    """
+    if "tries" not in check:
+        return f"not checked ({check.get('status')})"
+    ran, short = _rooms(check)
+    tight = bool(short) and max(short) >= 1 / TIGHT - 1e-9
+    text = f"runs at {min(ran)}" if ran else "never runs"
+    text += f", out of memory at {max(short)}" if short else ", never out of memory"
+    why = [] if 1.0 in ran else ["under-predicted"]
+    why += [] if tight else ["loose"]
+    return text + (" (met)" if not why else f" (NOT met: {', '.join(why)})")
