@@ -36,7 +36,9 @@ RUNS = (
     "llama16-m16-recompute", "llama-flash16", "llama-flash16-padded", "llama16-d4-f2",
     "llama16-d4-f2-ballast", "gpt16-d4-f2", "nnx16-d4-f2", "llama-flash16-d4-f2",
     "llama-einsum16", "llama-untied16", "llama-mask16-d4-f2", "gpt16-s4", "gpt16-m16",
-    "nnx16-m16",
+    "nnx16-m16", "llama-mask16-m16", "llama-einsum16-m16", "llama-untied16-m16",
+    "gpt16-d4-f2-ballast", "nnx16-d4-f2-ballast", "llama-flash16-d4-f2-ballast",
+    "llama-flash16-m16",
 )  # fmt: skip
 
 

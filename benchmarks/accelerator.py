@@ -394,7 +394,7 @@ def _by_name(names: list[str]) -> dict[str, int]:
     return counts
 
 
-def _step(config: str, loss_fn, device, microbatches: int):
+def make_step(config: str, loss_fn, device, microbatches: int):
     """``(step, pipeline)``: the function a row calls with ``(params, batch)``, and the
     pipeline when it is one (for its compiled programs)."""
     import jax
@@ -488,7 +488,7 @@ def measure(
     markers = None if config in ("jit", "jit-half", "scan") else "boundary"
     ex = model_example(model, sizes, rows_of(config, sizes), markers)
     params, batch = jax.block_until_ready(jax.device_put(ex.args, device))
-    step, pipe = _step(config, ex.loss_fn, device, microbatches)
+    step, pipe = make_step(config, ex.loss_fn, device, microbatches)
     counter.take()
     _log(f"{config}: first call")
     start = time.perf_counter()

@@ -38,7 +38,10 @@ search; the searches share ``--budget-s`` seconds (each gets an equal share of w
 left, and starts no probe that, as long as its longest, would end past it; the batch
 searches go first), and a probe made for one search (the same method,
 blocks and microbatches) answers the other. A search cut short reports the range it
-narrowed to. The table goes to stdout, the results as JSON to ``--out`` (``report``
+narrowed to; ``--resume FILE`` goes on from the searches an earlier run's ``--out``
+wrote (the same device, JAX, model and limits), each from the sizes it found, with
+``--max-probes`` more probes (the searches it does not run are kept as they were).
+The table goes to stdout, the results as JSON to ``--out`` (``report``
 renders them: docs/performance.md, "More than fits").
 """
 
@@ -87,6 +90,7 @@ def largest(
     limit: int,
     max_probes: int = 8,
     deadline: float = math.inf,
+    known: dict[int, dict] | None = None,
 ) -> dict:
     """The largest ``n`` in ``[start, cap]`` with ``fits(n)["fits"]``, for ``fits``
     that holds up to some size and not beyond, each call costly. ``fits(n)`` returns
@@ -96,13 +100,22 @@ def largest(
     ``exact`` (``upper == largest + 1``), ``capped`` (``cap`` fits) and the sizes
     ``tried``, in order. It stops early after ``max_probes`` calls, or where a call as
     long as the longest so far (its ``"seconds"``) would end past ``deadline``
-    (``time.perf_counter()``).
+    (``time.perf_counter()``). ``known``: the answers of an earlier search of the same
+    function (``{n: fits(n)}``), which this one goes on from where one of them fits;
+    ``max_probes`` counts the new calls.
 
     >>> search = largest(lambda n: {"fits": 10 * n <= 95, "bytes": 10 * n}, 1, 64, 95)
     >>> search["largest"], search["exact"], search["tried"]
     (9, True, [1, 2, 9, 10])
+    >>> again = largest(lambda n: {"fits": n <= 9}, 1, 64, 95, known={1: {"fits": True}})
+    >>> again["largest"], again["tried"]  # 1 known: it doubles from there
+    (9, [1, 2, 4, 8, 16, 12, 10, 9])
     """
-    seen: dict[int, dict] = {}
+    seen = dict(known or {})
+    low, high = _bounds(seen)
+    if low is None:  # nothing known fits: a search of its own
+        seen, high = {}, None
+    new = len(seen)
 
     def probe(n: int) -> bool:
         seen[n] = fits(n)
@@ -110,10 +123,10 @@ def largest(
 
     def more() -> bool:  # a probe as long as the longest so far still ends in time
         longest = max((r.get("seconds", 0.0) for r in seen.values()), default=0.0)
-        return len(seen) < max_probes and time.perf_counter() + longest < deadline
+        return len(seen) - new < max_probes and time.perf_counter() + longest < deadline
 
-    low, high, n = None, None, start
-    while more():  # grow
+    n = start if low is None else _grow(seen, low, cap, limit)
+    while high is None and (low is None or low < cap) and more():  # grow
         if not probe(n):
             high = n
             break
@@ -134,7 +147,15 @@ def largest(
         "capped": low is not None and low >= cap,
         "tried": list(seen),
         "probes": {str(n): result for n, result in seen.items()},
+        "recorded": new,  # of the probes, those known before
     }
+
+
+def _bounds(seen: dict[int, dict]) -> tuple[int | None, int | None]:
+    """The largest size seen to fit, and the smallest above it seen not to."""
+    low = max((n for n, r in seen.items() if r["fits"]), default=None)
+    above = [n for n, r in seen.items() if not r["fits"] and (low is None or n > low)]
+    return low, min(above, default=None)
 
 
 def _fitted_bytes(seen: dict[int, dict]) -> list[tuple[int, int]]:
@@ -325,14 +346,19 @@ def _first(error: Exception) -> str:
 # ---------------------------------------------------------------------- the searches
 
 
-def search_all(args: argparse.Namespace, prober: Prober) -> list[dict]:
+def search_all(
+    args: argparse.Namespace, prober: Prober, recorded: dict | None = None
+) -> list[dict]:
     """Each method's two searches (``args.methods``, ``args.axes``), each within an
-    equal share of what is left of ``args.budget_s``."""
+    equal share of what is left of ``args.budget_s``; with ``recorded`` (an earlier
+    run's results, as ``run`` returns them), each goes on from that run's search, and
+    that run's other searches are kept as they were."""
     begin = time.perf_counter()
+    earlier = {(s["method"], s["axis"]): s for s in (recorded or {}).get("searches", [])}
     # The batches first: the block searches, which compile the largest programs, get
     # what the others left of the budget.
     todo = [(method, axis) for axis in args.axes for method in args.methods]
-    searches = []
+    searches = [s for key, s in earlier.items() if key not in todo]
     for k, (method, axis) in enumerate(todo):
         left = args.budget_s - (time.perf_counter() - begin)
         deadline = time.perf_counter() + left / (len(todo) - k)
@@ -343,8 +369,11 @@ def search_all(args: argparse.Namespace, prober: Prober) -> list[dict]:
         else:
             fits = lambda n, m=method: prober(m, n, args.microbatches)  # noqa: E731
             cap = args.max_blocks
-        found = largest(fits, 1, cap, prober.limit, args.max_probes, deadline)
-        found.update(method=method, axis=axis, seconds=round(time.perf_counter() - start, 1))
+        before = earlier.get((method, axis), {"probes": {}, "seconds": 0.0})
+        known = {int(n): probe for n, probe in before["probes"].items()}
+        found = largest(fits, 1, cap, prober.limit, args.max_probes, deadline, known)
+        spent = before["seconds"] * bool(found["recorded"]) + time.perf_counter() - start
+        found.update(method=method, axis=axis, seconds=round(spent, 1))
         _log(f"{method}, largest {axis}: {found['largest']} (tried {found['tried']})")
         searches.append(found)
     return searches
@@ -369,10 +398,7 @@ def run(args: argparse.Namespace) -> dict:
         )
     sizes = resolve_sizes(args, device.platform)
     args.layers = sizes["layers"]
-    begin = time.perf_counter()
-    prober = Prober(sizes, args.microbatch_rows, device, limit, pretend, args.model)
-    searches = search_all(args, prober)
-    return {
+    results = {
         "date": f"{datetime.date.today()}",
         "platform": device.platform,
         "device_kind": device.device_kind,
@@ -386,9 +412,35 @@ def run(args: argparse.Namespace) -> dict:
         "max_probes": args.max_probes,
         "limit": limit,
         "pretend": pretend,
-        "searches": searches,
-        "seconds": round(time.perf_counter() - begin, 1),
     }
+    recorded = _recorded(args.resume, results) if args.resume else None
+    begin = time.perf_counter()
+    prober = Prober(sizes, args.microbatch_rows, device, limit, pretend, args.model)
+    results["searches"] = search_all(args, prober, recorded)
+    results["seconds"] = round(time.perf_counter() - begin, 1)
+    if recorded is not None:  # each run's date and seconds, the earlier ones first
+        earlier = recorded.get("runs") or [{k: recorded[k] for k in ("date", "seconds")}]
+        results["runs"] = [*earlier, {k: results[k] for k in ("date", "seconds")}]
+        results["seconds"] = round(results["seconds"] + recorded["seconds"], 1)
+        results.update({"note": recorded["note"]} if "note" in recorded else {})
+    return results
+
+
+#: What an earlier run must share with this one for its probes to answer this one's.
+SAME = ("platform", "device_kind", "jax", "model", "sizes", "microbatch_rows")
+SAME += ("microbatches", "max_microbatches", "max_blocks", "limit", "pretend")
+
+
+def _recorded(path: str, results: dict) -> dict:
+    """The earlier run ``--resume`` names, if it ran what this one runs."""
+    recorded = json.loads(Path(path).read_text())
+    differ = [key for key in SAME if recorded.get(key) != results[key]]
+    if differ:
+        sys.exit(
+            f"--resume {path} ran another search: its "
+            + ", ".join(f"{k} {recorded.get(k)!r} (here {results[k]!r})" for k in differ)
+        )
+    return recorded
 
 
 def resolve_sizes(args: argparse.Namespace, platform: str) -> dict:
@@ -476,10 +528,22 @@ def _probe_line(search: dict, unit: int) -> str:
             words.append(f"{size} fits{need}{how}")
         else:
             words.append(f"{size} does not ({probe['why']})")
+    before = search.get("recorded")  # none in a search that was not resumed
+    recorded = f" ({before} of them before it was resumed)" if before else ""
     return (
-        f"- {search['method']}, {search['axis']}: {len(search['probes'])} probes in "
+        f"- {search['method']}, {search['axis']}: {len(search['probes'])} probes{recorded} in "
         f"{search['seconds']:.1f} s: " + "; ".join(words)
     )
+
+
+def _runs(results: dict) -> str:
+    """``", in 2 runs (2026-12-06: 598 s; 2026-12-07: 102 s)"`` for searches that went
+    on from earlier ones (``--resume``); ``""`` for one run."""
+    runs = results.get("runs", [])
+    if len(runs) < 2:
+        return ""
+    return f", in {len(runs)} runs (" + "; ".join(
+        f"{run['date']}: {run['seconds']:.0f} s" for run in runs) + ")"  # fmt: skip
 
 
 def report(results: dict) -> str:
@@ -502,7 +566,7 @@ def report(results: dict) -> str:
     by = {(s["method"], s["axis"]): s for s in results["searches"]}
     lines = [
         f"{results['date']}; {results['device_kind']} ({results['platform']}); "
-        f"JAX {results['jax']}; {results['seconds']:.0f} s in all",
+        f"JAX {results['jax']}; {results['seconds']:.0f} s in all{_runs(results)}",
         f"model: {model}",
         f"largest batch (rows) at {sizes['layers']} blocks, in whole microbatches, at most "
         f"{results['max_microbatches']}; largest blocks at {results['microbatches']} "
@@ -550,6 +614,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--axes", default=",".join(AXES))
     parser.add_argument("--out", help="write the results here as JSON")
+    parser.add_argument("--resume", help="go on from the searches of this earlier --out")
     args = parser.parse_args(argv)
     args.methods = [m for m in args.methods.split(",") if m]
     args.axes = [a for a in args.axes.split(",") if a]

@@ -624,6 +624,70 @@ def test_capacity_search_finds_the_boundary_within_its_probes():
     assert (none["largest"], none["exact"], none["tried"]) == (None, True, [1])
 
 
+def test_capacity_search_goes_on_from_an_earlier_one():
+    largest = _capacity().largest
+
+    def fits(n):
+        return {"fits": n <= 37, "bytes": None}
+
+    cut = largest(fits, 1, 1000, 0, max_probes=7)  # 1, 2, ..., 64; then 48
+    assert cut["tried"] == [1, 2, 4, 8, 16, 32, 64] and not cut["exact"]
+    known = {int(n): probe for n, probe in cut["probes"].items()}
+    again = largest(fits, 1, 1000, 0, max_probes=20, known=known)
+    assert (again["largest"], again["exact"], again["recorded"]) == (37, True, 7)
+    assert again["tried"][:7] == cut["tried"] and 37 in again["tried"]
+    assert again["tried"] == largest(fits, 1, 1000, 0, max_probes=20)["tried"]
+    # Nothing known fits: a search of its own; a known cap: no probe.
+    fresh = largest(fits, 1, 1000, 0, max_probes=20, known={64: {"fits": False}})
+    assert fresh["tried"][0] == 1 and fresh["recorded"] == 0 and fresh["largest"] == 37
+    capped = largest(fits, 1, 16, 0, known={16: {"fits": True}})
+    assert (capped["tried"], capped["capped"]) == ([16], True)
+
+
+def _profile_ops():
+    _accelerator()  # benchmarks/ on the path
+    import profile_ops
+
+    return profile_ops
+
+
+def test_profile_groups_a_traces_device_operations_by_kind_and_shape():
+    ops = _profile_ops()
+    events = [
+        ("XLA Modules", "jit_accumulate(12)", 9_000_000, {}),
+        ("XLA Modules", "stage1_backward(3)", 3_000_000, {}),
+        ("XLA Ops", "fusion.3", 2_000_000, {"long_name": "%fusion.3 = f32[1,16,1024,1024]{3,2,1,0} fusion(%a)"}),
+        ("XLA Ops", "fusion.41", 4_000_000, {"long_name": "%fusion.41 = (f32[1,16,1024,1024]{3,2,1,0}, bf16[8]{0}) fusion()"}),
+        ("XLA Ops", "copy.2", 1_000_000, {"hlo_category": "data formatting"}),
+        ("XLA Ops", "%while.1 = (s32[], f32[8]{0}) while((s32[], f32[8]{0}) %t)", 9_000_000, {}),
+        ("Steps", "0", 20_000_000, {}),
+    ]  # fmt: skip
+    got = ops.summarise(events, steps=2, wall_s=0.014)
+    assert (got["busy_ms"], got["wall_ms"]) == (6.0, 7.0)
+    assert got["programs"] == {"jit_accumulate": [4.5, 0.5], "stage1_backward": [1.5, 0.5]}
+    assert got["groups"] == {"fusion f32[1,16,1024,1024]": 3.0, "data formatting ?": 0.5}
+    other = dict(got, config="s4", groups={"data formatting ?": 2.5})
+    lines = ops.table([dict(got, config="scan"), other]).splitlines()
+    assert lines[0] == "| | scan | s4 |" and lines[2] == "| wall ms a step | 7.00 | 7.00 |"
+    # The groups that differ most first.
+    assert lines[5:] == ["| `f32[1,16,1024,1024]` ms | 3.00 | 0.00 |", "| `?` ms | 0.50 | 2.50 |"]
+
+
+@pytest.mark.benchmark_script
+def test_profile_script_traces_each_configuration(tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    options = ["--size", "tiny", "--layers", "2", "--configs", "scan,s2", "--steps", "1"]
+    _profile_ops().main([*options, "--microbatches", "2", "--out", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert [r["config"] for r in results] == ["scan", "s2"]
+    assert all(r["wall_ms"] > 0 and r["first_s"] > 0 for r in results)
+    printed = capsys.readouterr().out
+    if jax.default_backend() == "cpu":  # no device plane in a CPU's trace
+        assert "no device operations in the trace" in printed
+    else:
+        assert all(r["busy_ms"] > 0 and r["groups"] for r in results)
+
+
 def test_capacity_ratios_say_what_the_searches_bound():
     ratio = _capacity().ratio
     exact = {"largest": 4, "upper": 5}
@@ -660,9 +724,21 @@ def test_capacity_benchmark_finds_what_fits_a_pretend_limit(tmp_path):
     limit, out = 40_000, tmp_path / "capacity.json"
     options = ["--model", "mlp", "--layers", "2", "--d-model", "16", "--microbatch-rows", "8"]
     options += ["--microbatches", "4", "--max-microbatches", "16", "--max-blocks", "16"]
-    options += ["--max-probes", "12"]  # JAX 0.12: the budget's plans take 10 probes
-    lines = _output_lines("capacity.py", *options, "--memory-bytes", str(limit), "--out", str(out))
+    options += ["--memory-bytes", str(limit)]
+    # Three probes a search, then on from there (--resume) with up to 12 more (JAX 0.12:
+    # the budget's plans take 10 in all): the searches end where one search ends.
+    first = tmp_path / "first.json"
+    _output_lines("capacity.py", *options, "--max-probes", "3", "--out", str(first))
+    options += ["--max-probes", "12", "--resume", str(first)]
+    lines = _output_lines("capacity.py", *options, "--out", str(out))
     results = json.loads(out.read_text())
+    before = json.loads(first.read_text())
+    assert results["runs"][0] == {"date": before["date"], "seconds": before["seconds"]}
+    assert results["seconds"] == pytest.approx(sum(run["seconds"] for run in results["runs"]))
+    assert f"s in all, in 2 runs ({before['date']}: {before['seconds']:.0f} s; " in lines[0]
+    for search, earlier in zip(results["searches"], before["searches"]):
+        assert search["tried"][: len(earlier["tried"])] == earlier["tried"]
+        assert search["recorded"] == len(earlier["tried"]) == 3 or earlier["capped"]
     assert _capacity().report(results).splitlines() == lines  # the docs render the JSON
     assert lines[0].startswith(f"{results['date']}; cpu (cpu); JAX {jax.__version__}")
     assert "memory: a pretend limit of 39.06 KiB (`--memory-bytes`)" in lines
