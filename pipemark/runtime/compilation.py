@@ -36,7 +36,7 @@ from pipemark.caches import register_cache
 from pipemark.lowering import get_lowering
 from pipemark.passes.rewrite import remove_markers
 from pipemark.roles import FORWARD
-from pipemark.runtime.losses import microbatch_share
+from pipemark.runtime.accumulation import accumulate, fold_scatters
 from pipemark.runtime.placement import Placement, Slot
 from pipemark.runtime.sharding import compile_stage
 from pipemark.staged import StagedJaxpr
@@ -359,13 +359,14 @@ def _jit_unit(
     starts: bool,
     kept: frozenset[int],
 ) -> tuple[Callable, Callable | None]:
-    fun = jaxpr_as_fun(program)
     avals = [v.aval for v in program.jaxpr.outvars]
+    # A scattered gradient is scattered into its accumulator in place (accumulation.py).
+    program, folds = (program, {}) if starts else fold_scatters(program, accumulated, passed)
+    fun = jaxpr_as_fun(program)
 
     def run(accs: list[Any], inputs: list[Any], scale: Any) -> tuple[list[Any], list[Any]]:
         outs = fun(*inputs)
-        shares = [microbatch_share(outs[o], scale) for o in accumulated]
-        new = shares if starts else [acc + v for acc, v in zip(accs, shares)]
+        new = accumulate(accs, outs, accumulated, folds, scale, starts)
         return new, [outs[o] for o in passed]
 
     sharding = slot.sharding
@@ -487,16 +488,22 @@ def _jit_fused(
     starts: bool,
     kept: frozenset[int],
 ) -> Callable:
-    funs = [jaxpr_as_fun(program) for program in programs]
+    # What another part or step reads of a part's outputs is not folded (accumulation.py).
+    read = {pair for reads in combined.reads for pair in reads} | set(combined.passed)
+    folded = [
+        (program, {}) if starts else fold_scatters(program, part, [o for q, o in read if q == p])
+        for p, (program, part) in enumerate(zip(programs, accumulated))
+    ]
+    funs = [jaxpr_as_fun(program) for program, _ in folded]
 
     def run(accs: list[Any], inputs: list[Any], scale: Any) -> tuple[list[Any], list[Any]]:
         outs: list[list[Any]] = []
         for fun, reads in zip(funs, combined.reads):
             outs.append(fun(*(inputs[k] if p == ARGUMENT else outs[p][k] for p, k in reads)))
-        shares = [
-            microbatch_share(outs[p][o], scale) for p, part in enumerate(accumulated) for o in part
-        ]
-        new = shares if starts else [acc + v for acc, v in zip(accs, shares)]
+        new, at = [], 0
+        for (_, folds), out, part in zip(folded, outs, accumulated):
+            new += accumulate(accs[at : at + len(part)], out, part, folds, scale, starts)
+            at += len(part)
         return new, [outs[p][o] for p, o in combined.passed]
 
     out_shardings = (slot.sharding, _passed_shardings(slot, range(len(combined.passed)), kept))
