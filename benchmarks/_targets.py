@@ -24,7 +24,6 @@ LAYOUTS = (
     ("S 16 × M 8", "s16-d4-f2", 8),
     ("S 4 × M 16", "s4", 16),
 )
-STEP, FIRST = 1.05, 1.5
 #: The issue's size: 16 blocks of the ``gpt`` preset (other runs chose other sizes).
 LAYERS = 16
 #: The TPU runs (``benchmarks/results/accelerator-tpu-v5e-NAME.json``) that measured a
@@ -73,22 +72,32 @@ def ballast_cell(check: dict) -> str:
     return _ballast().cell(check)
 
 
-@functools.lru_cache(maxsize=1)
-def _ballast():
-    """``benchmarks/_ballast.py``, however this file was loaded (a script, ``runpy``)."""
+@functools.cache
+def _beside(name: str):
+    """``benchmarks/{name}.py``, however this file was loaded (a script, ``runpy``)."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent / "_ballast.py"
-    spec = importlib.util.spec_from_file_location("_ballast", path)
+    path = Path(__file__).resolve().parent / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
+def _ballast():
+    return _beside("_ballast")
+
+
+def targets() -> tuple[float, float]:
+    """The step's and the first call's targets, as ``accelerator.py`` judges its rows."""
+    judged = _beside("accelerator").TARGETS
+    return judged["s4"], judged["first"]
+
+
 def rows(runs: list[tuple[str, list[dict]]], models: list[str]) -> list[list[str]]:
     """One row a model and layout: the cells of :func:`table`."""
-    lines = []
+    lines, (step, first) = [], targets()
     for model in models:
         for layout, config, microbatches in LAYOUTS:
             measured, ballast = _cell(runs, model, config, microbatches)
@@ -102,8 +111,8 @@ def rows(runs: list[tuple[str, list[dict]]], models: list[str]) -> list[list[str
             source = name if ballast is None or ballast[0] == name else f"{name}; {ballast[0]}"
             lines.append([
                 model, layout, config,
-                _met(row["step_s"] / scan["step_s"], STEP),
-                _met(row["first_s"] / scan["first_s"], FIRST),
+                _met(row["step_s"] / scan["step_s"], step),
+                _met(row["first_s"] / scan["first_s"], first),
                 memory, checked, f"{row.get('date', '?')}: {source}",
             ])  # fmt: skip
     return lines
@@ -114,10 +123,11 @@ def table(runs: list[tuple[str, list[dict]]], models: list[str]) -> str:
 
     ``runs`` are ``(name, results)`` pairs, oldest first: a later run's cell replaces an
     earlier one's."""
+    step, first = targets()
     header = [
-        "| model | layout | configuration | step ÷ scan (≤ 1.05) | first call ÷ scan's "
-        "(≤ 1.5) | predicted ÷ device peak | ballast: the step in the predicted room, "
-        "and out of memory in 1/1.07 of it | run |",
+        f"| model | layout | configuration | step ÷ scan (≤ {step}) | first call ÷ scan's "
+        f"(≤ {first}) | predicted ÷ device peak | ballast: the step in the predicted room, "
+        f"and out of memory in 1/{_ballast().TIGHT} of it | run |",
         "|---|---|---|---|---|---|---|---|",
     ]
     body = rows(runs, models)

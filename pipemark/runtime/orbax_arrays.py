@@ -129,7 +129,8 @@ def view_for_saving(array: Any) -> tuple[str, Any]:
         return "as is", array
     if held.kind == ALONE:
         return ALONE, _alone_view(array)
-    assert held.kind == COPIES
+    if held.kind != COPIES:  # holdings.py records only these two
+        raise ValueError(f"a result held as {held.kind!r}, neither {ALONE!r} nor {COPIES!r}")
     return COPIES, _copies_view(array, held.devices)
 
 

@@ -334,7 +334,11 @@ def _move(
     sub-mesh's value goes whole) by ``transport``: on the receiving end's process, the
     values there; ``None`` elsewhere."""
     # Only under jax.distributed does a part read a value of another process's slot.
-    assert transport is not None
+    if transport is None:
+        raise RuntimeError(
+            f"the update moves values {list(positions)} between slots of two processes "
+            "without a transport between them (only a plan under jax.distributed has one)"
+        )
     sent = None
     if ends[0].process == plan.placement.process:  # of a sub-mesh, its first device's
         sent = jax.device_put([values[i] for i in positions], ends[0].device)
