@@ -167,7 +167,8 @@ def _watch(
     processes: list[subprocess.Popen], timeout_s: float | None, stream, received: list[int]
 ) -> int:
     """Wait for the processes; on the first failure, a signal to the launcher or the
-    timeout, stop the rest."""
+    timeout, stop the rest. Of the processes found failed at once, one killed by a
+    signal is named first (and its exit status returned)."""
     start = time.monotonic()
     while True:
         if received:
@@ -182,13 +183,19 @@ def _watch(
             _stop(running, number)
             return 128 + number
         codes = [p.poll() for p in processes]
-        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+        # A process killed by a signal first: the others' errors that the same look
+        # finds are likely their reaction to it (a peer gone from a collective).
+        failed = sorted(
+            ((i, c) for i, c in enumerate(codes) if c not in (None, 0)), key=lambda f: f[1] > 0
+        )
         if failed:
-            i, code = failed[0]
+            (i, code), *also = failed
             running = [p for p in processes if p.poll() is None]
-            how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+            words = [f"process {k} {_ended(c)}" for k, c in also]
+            too = f" (and {', '.join(words)})" if words else ""
             print(
-                f"pipemark.launch: process {i} {how}; stopping the {len(running)} still running.",
+                f"pipemark.launch: process {i} {_ended(code)}{too}; stopping the {len(running)} "
+                "still running.",
                 file=stream,
                 flush=True,
             )
@@ -207,6 +214,11 @@ def _watch(
             _stop([processes[i] for i in waiting])
             return 124
         time.sleep(0.05)
+
+
+def _ended(code: int) -> str:
+    """How a process ended: ``"was killed by signal 9"``, ``"exited with status 1"``."""
+    return f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
 
 
 def _stop(processes: list[subprocess.Popen], number: int = signal.SIGTERM) -> None:

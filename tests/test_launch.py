@@ -4,6 +4,7 @@ The multi-process pipeline itself is tested in tests/runtime/test_distributed.py
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -150,3 +151,34 @@ def test_a_process_that_raises_is_named_and_everything_stops_quickly(tmp_path):
     assert done.returncode == 1
     # Starting JAX twice, then at once: no 30 s at the shutdown barrier.
     assert elapsed < 20
+
+
+class _Ended:
+    """A process that has ended with ``code`` (negative: killed by that signal), or is
+    running (``None``) until a signal stops it."""
+
+    def __init__(self, code):
+        self.code, self.signals = code, []
+
+    def poll(self):
+        return self.code
+
+    def send_signal(self, number):
+        self.signals.append(number)
+
+    def wait(self, timeout=None):
+        self.code = -self.signals[-1]
+        return self.code
+
+
+def test_a_process_killed_by_a_signal_is_named_before_the_peers_that_failed_after_it():
+    # Process 1 killed; process 0, waiting for it in a collective, errs: by the next
+    # look both have ended, and the cause is the signal.
+    stream = io.StringIO()
+    processes = [_Ended(1), _Ended(-9), _Ended(None)]
+    code = launch._watch(processes, None, stream, [])
+    assert code == 128 + 9 and processes[2].signals == [signal.SIGTERM]
+    assert stream.getvalue() == (
+        "pipemark.launch: process 1 was killed by signal 9 (and process 0 exited with status "
+        "1); stopping the 1 still running.\n"
+    )

@@ -12,10 +12,10 @@ saves its state after step :data:`SAVE_AT` with orbax (``CheckpointManager`` wit
 ``StandardSave``, and ``StandardCheckpointer``), restores it onto the same layout with
 ``PipelinedStep.abstract_state`` and runs the last steps again. ``resume`` restores
 each checkpoint named onto this launch's layout and runs the last steps, then saves the
-state it reached and restores it, with results kept and gathered. ``killed``
-saves after every step and SIGKILLs process 1 right after asking to save step
-:data:`KILL_AT` (mid-save); ``after-kill`` resumes from the last whole checkpoint, then
-runs the same steps uninterrupted. ``train`` also saves and restores the gradients of a
+state it reached and restores it, with results kept and gathered. ``killed`` saves
+after every step and SIGKILLs process 1 as the job saves step :data:`KILL_AT` (process
+0 mid-save, process 1 before writing its part); ``after-kill`` resumes from the last
+whole checkpoint, then runs the same steps uninterrupted. ``train`` also saves and restores the gradients of a
 ``pipeline_value_and_grad`` whose results stay where they were computed.
 Each process writes what it saw to ``OUT/<mode>-<process>.json``: the losses (read with
 ``float`` in every process, results gathered or not) and the devices it had.
@@ -205,7 +205,7 @@ def save_and_restore(tree, target, directory: str) -> int:
 
 
 def killed(out: str, resuming: bool) -> dict:
-    """Save after every step; process 1 is killed mid-save of step KILL_AT. Resuming:
+    """Save after every step; process 1 is killed as the job saves step KILL_AT. Resuming:
     from the last whole checkpoint to the end."""
     step, state, batches = model()
     pipe = pipelined(step, layouts()["held"])
@@ -218,9 +218,12 @@ def killed(out: str, resuming: bool) -> dict:
         for k in range(first, STEPS):
             loss_k, state = run(pipe, state, batches, k, k + 1)
             losses += loss_k
-            manager.save(k + 1, args=ocp.args.StandardSave(saved(state)))
             if not resuming and k + 1 == KILL_AT and jax.process_index() == 1:
+                # Killed as the job saves this step, before its own part is written:
+                # never committed, however fast the save goes (killed right after
+                # asking to save, the step was committed once, on JAX 0.12).
                 os.kill(os.getpid(), signal.SIGKILL)
+            manager.save(k + 1, args=ocp.args.StandardSave(saved(state)))
             if k + 1 < KILL_AT:
                 manager.wait_until_finished()  # the steps before are whole
     seen = dict(first=first, losses=losses)
