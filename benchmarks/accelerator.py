@@ -169,11 +169,25 @@ def model_flops(sizes: dict, rows: int) -> float:
     return 6.0 * matmul_params * rows * seq + 12.0 * layers * rows * seq * seq * d
 
 
+#: The sizes a flag each (``--d-model``...) sets over the preset.
+SIZE_KEYS = ("layers", "d_model", "heads", "d_ff", "vocab", "seq", "batch")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that choose the model and its microbatches: ``--size``, ``--model``,
+    one a size of :data:`SIZE_KEYS`, ``--microbatches``."""
+    parser.add_argument("--size", choices=["auto", *SIZES], default="auto")
+    parser.add_argument("--model", choices=MODELS, default="gpt")
+    for key in SIZE_KEYS:
+        parser.add_argument(f"--{key.replace('_', '-')}", dest=key, type=int)
+    parser.add_argument("--microbatches", type=int, default=8)
+
+
 def resolve_sizes(args: argparse.Namespace, platform: str) -> dict:
     """The model sizes: the preset (``auto`` by the backend) with the flags over it."""
     name = args.size if args.size != "auto" else ("tiny" if platform == "cpu" else "gpt")
     sizes = dict(SIZES[name], preset=name)
-    for key in ("layers", "d_model", "heads", "d_ff", "vocab", "seq", "batch"):
+    for key in SIZE_KEYS:
         if getattr(args, key) is not None:
             sizes[key] = getattr(args, key)
     return sizes
@@ -394,6 +408,17 @@ def _by_name(names: list[str]) -> dict[str, int]:
     return counts
 
 
+def prepare(config: str, sizes: dict, microbatches: int, device, model: str = "gpt"):
+    """``(step, pipeline, params, batch)`` of a row: the model (marked between its blocks
+    where the row is a pipeline), its arguments on ``device``, and :func:`make_step`'s."""
+    import jax
+
+    markers = None if config in ("jit", "jit-half", "scan") else "boundary"
+    ex = model_example(model, sizes, rows_of(config, sizes), markers)
+    params, batch = jax.block_until_ready(jax.device_put(ex.args, device))
+    return (*make_step(config, ex.loss_fn, device, microbatches), params, batch)
+
+
 def make_step(config: str, loss_fn, device, microbatches: int):
     """``(step, pipeline)``: the function a row calls with ``(params, batch)``, and the
     pipeline when it is one (for its compiled programs)."""
@@ -485,10 +510,7 @@ def measure(
     import pipemark as pm
 
     pm.set_lowering("barrier")
-    markers = None if config in ("jit", "jit-half", "scan") else "boundary"
-    ex = model_example(model, sizes, rows_of(config, sizes), markers)
-    params, batch = jax.block_until_ready(jax.device_put(ex.args, device))
-    step, pipe = make_step(config, ex.loss_fn, device, microbatches)
+    step, pipe, params, batch = prepare(config, sizes, microbatches, device, model)
     counter.take()
     _log(f"{config}: first call")
     start = time.perf_counter()
@@ -562,7 +584,7 @@ def _child_command(args: argparse.Namespace, config: str, result: str) -> list[s
     command += ["--size", args.size, "--repeat", str(args.repeat), "--model", args.model]
     command += ["--microbatches", str(args.microbatches)]
     command += ["--ballast"] if args.ballast else []
-    for key in ("layers", "d_model", "heads", "d_ff", "vocab", "seq", "batch"):
+    for key in SIZE_KEYS:
         if getattr(args, key) is not None:
             command += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     return command
@@ -868,11 +890,7 @@ def report(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma-separated rows")
-    parser.add_argument("--size", choices=["auto", *SIZES], default="auto")
-    parser.add_argument("--model", choices=MODELS, default="gpt")
-    for key in ("layers", "d_model", "heads", "d_ff", "vocab", "seq", "batch"):
-        parser.add_argument(f"--{key.replace('_', '-')}", dest=key, type=int)
-    parser.add_argument("--microbatches", type=int, default=8)
+    add_model_arguments(parser)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--budget-s", type=float, default=480.0)
     parser.add_argument("--timeout-s", type=float, default=300.0)

@@ -19,8 +19,8 @@ the trace's device plane (``/device:TPU:0``, ``jax.profiler.ProfileData``) it re
   adds them up by shape.
 
 The table goes to stdout: each output shape's milliseconds a step in every
-configuration, the shapes whose times differ most first. A CPU trace has no device plane: there the script
-says so and writes no groups.
+configuration, the shapes whose times differ most first. A CPU trace has no device
+plane: there the script says so and writes no groups.
 """
 
 from __future__ import annotations
@@ -121,13 +121,11 @@ def profile(args: argparse.Namespace, config: str) -> dict:
     """One configuration's first call, then ``args.steps`` steps in a trace."""
     import jax
 
-    sizes = accelerator.resolve_sizes(args, jax.devices()[0].platform)
     device = jax.devices()[0]
-    markers = None if config in ("jit", "scan") else "boundary"
+    sizes = accelerator.resolve_sizes(args, device.platform)
     with accelerator.kernel_mode(args.model, device.platform):
-        ex = accelerator.model_example(args.model, sizes, sizes["batch"], markers)
-        params, batch = jax.block_until_ready(jax.device_put(ex.args, device))
-        step, _ = accelerator.make_step(config, ex.loss_fn, device, args.microbatches)
+        options = (sizes, args.microbatches, device, args.model)
+        step, _, params, batch = accelerator.prepare(config, *options)
         start = time.perf_counter()
         jax.block_until_ready(step(params, batch))
         first = time.perf_counter() - start
@@ -187,11 +185,7 @@ def table(results: list[dict], top: int = 25) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default="scan,s4")
-    parser.add_argument("--model", choices=accelerator.MODELS, default="gpt")
-    parser.add_argument("--size", choices=["auto", *accelerator.SIZES], default="auto")
-    for key in ("layers", "d_model", "heads", "d_ff", "vocab", "seq", "batch"):
-        parser.add_argument(f"--{key.replace('_', '-')}", dest=key, type=int)
-    parser.add_argument("--microbatches", type=int, default=8)
+    accelerator.add_model_arguments(parser)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args(argv)
