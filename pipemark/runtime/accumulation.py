@@ -65,14 +65,21 @@ class Fold:
 
 
 def fold_scatters(
-    program: ClosedJaxpr, accumulated: Sequence[int], keep: Collection[int] = ()
+    program: ClosedJaxpr,
+    accumulated: Sequence[int],
+    keep: Collection[int] = (),
+    starts: bool = False,
 ) -> tuple[ClosedJaxpr, dict[int, Fold]]:
     """``program`` with each accumulated result (output index in ``accumulated``, not
     in ``keep``: outputs something else reads) that is a sum with a ``scatter-add`` term
     returned as its terms instead, and per such output its :class:`Fold`. The folded
     program has the same inputs; its outputs are the original ones (a folded one's
     place holding one of its terms) followed by the terms. Results of other forms, or
-    whose sum or scatter another equation also reads, are left as they are."""
+    whose sum or scatter another equation also reads, are left as they are, and so is
+    every result of a program that ``starts`` the accumulators (its results are their
+    first values: there is no accumulator to scatter into)."""
+    if starts:
+        return program, {}
     jaxpr = program.jaxpr
     made = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     reads = Counter(v for eqn in jaxpr.eqns for v in eqn.invars if isinstance(v, Var))
@@ -141,8 +148,7 @@ def accumulate(
     """Each accumulated output's microbatch share (``scale``) added into its
     accumulator (``starts``: the shares are the first values), a folded one
     (:func:`fold_scatters`) by its terms: the dense ones elementwise, then its scatters
-    in place. ``folds`` is empty where ``starts``: a first value has no accumulator
-    to scatter into."""
+    in place. ``folds`` is empty where ``starts`` (:func:`fold_scatters`)."""
     new = []
     for acc, o in zip(accs if not starts else [None] * len(accumulated), accumulated):
         fold = folds.get(o)

@@ -361,7 +361,7 @@ def _jit_unit(
 ) -> tuple[Callable, Callable | None]:
     avals = [v.aval for v in program.jaxpr.outvars]
     # A scattered gradient is scattered into its accumulator in place (accumulation.py).
-    program, folds = (program, {}) if starts else fold_scatters(program, accumulated, passed)
+    program, folds = fold_scatters(program, accumulated, passed, starts)
     fun = jaxpr_as_fun(program)
 
     def run(accs: list[Any], inputs: list[Any], scale: Any) -> tuple[list[Any], list[Any]]:
@@ -491,7 +491,7 @@ def _jit_fused(
     # What another part or step reads of a part's outputs is not folded (accumulation.py).
     read = {pair for reads in combined.reads for pair in reads} | set(combined.passed)
     folded = [
-        (program, {}) if starts else fold_scatters(program, part, [o for q, o in read if q == p])
+        fold_scatters(program, part, [o for q, o in read if q == p], starts)
         for p, (program, part) in enumerate(zip(programs, accumulated))
     ]
     funs = [jaxpr_as_fun(program) for program, _ in folded]

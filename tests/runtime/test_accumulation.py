@@ -69,6 +69,8 @@ def test_what_another_reads_is_not_folded():
     alone = jax.make_jaxpr(lambda t, c: [_lookup_grad(t, c)])(*inputs)
     assert fold_scatters(alone, [0], keep=[0]) == (alone, {})
     assert len(fold_scatters(alone, [0])[1]) == 1
+    # A program whose results start the accumulators has none to scatter into.
+    assert fold_scatters(alone, [0], starts=True) == (alone, {})
     with pytest.raises(ValueError, match="start the accumulators"):
         folded, folds = fold_scatters(alone, [0])
         outs = jaxpr_as_fun(folded)(*inputs)
@@ -143,8 +145,8 @@ def test_the_compiled_accumulation_scatters_in_place():
 def test_a_llama_pipeline_with_scattered_gradients_equals_jax(tied, fuse_actions, monkeypatch):
     folded = []
 
-    def spy(program, accumulated, keep=()):
-        found = fold_scatters(program, accumulated, keep)
+    def spy(program, accumulated, keep=(), starts=False):
+        found = fold_scatters(program, accumulated, keep, starts)
         folded.extend(found[1])
         return found
 
