@@ -47,7 +47,8 @@ TPU_RUNS = (
     "llama16-fuse", "llama16-shared", "llama16-d4-f2", "gpt16-d4-f2", "nnx16-d4-f2",
     "llama-flash16-d4-f2", "llama-einsum16", "llama-untied16", "llama-mask16-d4-f2",
     "gpt16-s4", "gpt16-m16", "nnx16-m16", "llama-mask16-m16", "llama-einsum16-m16",
-    "llama-untied16-m16", "llama-flash16-m16",
+    "llama-untied16-m16", "llama-flash16-m16", "llama-flash16-m16-fold", "llama-flash16-fold",
+    "llama16-fold",
 )  # fmt: skip
 #: Recorded TPU runs with S-stage rows that the check leaves out, and why.
 LEFT_OUT = {

@@ -427,7 +427,7 @@ def test_recorded_runs_in_two_and_four_processes_match_the_predictions():
 
 def test_tpu_s_stage_runs_are_predicted_from_the_recorded_scan_step():
     rows = {(r["file"], r["config"]): r for r in planner_check.tpu_s_stage_checks()}
-    assert len(rows) == 44
+    assert len(rows) == 47
     ahead = {key: r["dispatch_ahead"] for key, r in rows.items()}
     assert (
         ahead.items()
