@@ -139,3 +139,53 @@ def cell(check: dict) -> str:
     why = [] if 1.0 in ran else ["under-predicted"]
     why += [] if tight else ["loose"]
     return text + (" (met)" if not why else f" (NOT met: {', '.join(why)})")
+
+
+def whole_peak(check: dict) -> tuple[int | None, int | None]:
+    """The bounds the tries put on the step's whole peak (its arrays and its programs'
+    temporaries, with what the device held before): above the largest room it ran out
+    of memory in, at most the smallest it ran in (a room is ``limit - ballast``);
+    ``None`` where no try says.
+
+    >>> whole_peak({"limit": 100, "tries": [{"ballast": 20, "result": "ran"},
+    ...     {"ballast": 25, "result": "ran"}, {"ballast": 30, "result": "out of memory"}]})
+    (70, 75)
+    """
+    rooms = {"ran": [], "out of memory": []}
+    for t in check.get("tries", ()):
+        rooms.get(t["result"], []).append(check["limit"] - t["ballast"])
+    above, at_most = rooms["out of memory"], rooms["ran"]
+    return (max(above) if above else None), (min(at_most) if at_most else None)
+
+
+def _mib(low: float | None, high: float | None = None) -> str:
+    if low is None and high is None:
+        return "—"
+    if high is None or low == high:
+        return f"{low / 2**20:,.0f}"
+    if low is None:
+        return f"≤ {high / 2**20:,.0f}"
+    return f"{low / 2**20:,.0f}–{high / 2**20:,.0f}"
+
+
+def breakdown(rows: list[tuple[str, dict]]) -> str:
+    """Per ``(label, pipeline row)`` with a ballast check, in MiB: the predicted peak, the
+    buffers it holds (the prediction less the programs' temporaries), the device's
+    ``peak_bytes_in_use`` (buffers alone on a TPU, but the process's: the first call's
+    too), and the whole peak the ballast bounds. What the prediction adds to its buffers
+    for the temporaries is set beside what the step took beyond them."""
+    lines = [
+        "| row | predicted peak | predicted buffers | peak_bytes_in_use | whole peak "
+        "(ballast) | predicted − buffers | whole − predicted buffers |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, r in rows:
+        check = r["ballast"]
+        predicted, buffers = check["predicted"], r["memory"]["predicted_buffers"]
+        low, high = whole_peak(check)
+        beyond = (None if low is None else low - buffers, None if high is None else high - buffers)
+        lines.append(
+            f"| {label} | {_mib(predicted)} | {_mib(buffers)} | {_mib(r.get('peak'))} | "
+            f"{_mib(low, high)} | {_mib(predicted - buffers)} | {_mib(*beyond)} |"
+        )
+    return "\n".join(lines)

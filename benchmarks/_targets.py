@@ -50,7 +50,8 @@ LEFT_OUT = {
 
 def _cell(runs: list[tuple[str, list[dict]]], model: str, config: str, microbatches: int):
     """The newest run's (name, pipeline row, scan row) for this cell, and the newest
-    (name, ballast check) of the configuration; ``None`` where no run has one."""
+    (name, pipeline row) with a ballast check of the configuration; ``None`` where no
+    run has one."""
     measured, ballast = None, None
     for name, results in runs:
         rows = {
@@ -66,7 +67,7 @@ def _cell(runs: list[tuple[str, list[dict]]], model: str, config: str, microbatc
         if scan is not None and scan.get("status") == "ok":
             measured, ballast = (name, row, scan), None  # an older check is of older code
         if row.get("ballast") and measured is not None:
-            ballast = (name, row["ballast"])
+            ballast = (name, row)
     return measured, ballast
 
 
@@ -114,7 +115,7 @@ def rows(runs: list[tuple[str, list[dict]]], models: list[str]) -> list[list[str
             name, row, scan = measured
             predicted = (row.get("memory") or {}).get("predicted_peak")
             memory = f"{predicted / row['peak']:.2f}" if predicted and row.get("peak") else "—"
-            checked = "not checked" if ballast is None else ballast_cell(ballast[1])
+            checked = "not checked" if ballast is None else ballast_cell(ballast[1]["ballast"])
             source = name if ballast is None or ballast[0] == name else f"{name}; {ballast[0]}"
             lines.append([
                 model, layout, config,
@@ -123,6 +124,17 @@ def rows(runs: list[tuple[str, list[dict]]], models: list[str]) -> list[list[str
                 memory, checked, f"{row.get('date', '?')}: {source}",
             ])  # fmt: skip
     return lines
+
+
+def checked_rows(runs: list[tuple[str, list[dict]]], models: list[str]) -> list[tuple[str, dict]]:
+    """Each cell's ballast-checked pipeline row, as ``("model, layout: run", row)``."""
+    found = []
+    for model in models:
+        for layout, config, microbatches in LAYOUTS:
+            _, ballast = _cell(runs, model, config, microbatches)
+            if ballast is not None:
+                found.append((f"{model}, {layout}: {ballast[0]}", ballast[1]))
+    return found
 
 
 def table(runs: list[tuple[str, list[dict]]], models: list[str]) -> str:

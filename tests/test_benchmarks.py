@@ -470,6 +470,34 @@ def test_targets_table_takes_each_cell_from_the_newest_run_beside_its_scan():
     )
 
 
+def test_ballast_breakdown_bounds_each_checked_cells_whole_peak():
+    """Each cell's ballast check bounds the step's whole peak; the bounds agree with the
+    cell's verdict: tight (met) where the prediction is within 1.07 x the lower bound."""
+    targets = _targets()
+    ballast = targets._ballast()
+    runs = _recorded_runs(targets)
+    models = sorted({r.get("model", "gpt") for _, results in runs for r in results})
+    rows = targets.checked_rows(runs, models)
+    table = ballast.breakdown(rows).splitlines()
+    assert len(rows) == 21 and len(table) == 2 + len(rows)
+    for label, row in rows:
+        check = row["ballast"]
+        low, high = ballast.whole_peak(check)
+        assert low < high <= check["predicted"] + ballast.MARGIN, label
+        tight = "loose" not in ballast.cell(check)
+        assert tight == (check["predicted"] <= ballast.TIGHT * low * (1 + 1e-9)), label
+    nnx = next(row for label, row in rows if label.startswith("nnx, S 16"))
+    assert "loose" in ballast.cell(nnx["ballast"])
+
+
+def _recorded_runs(targets) -> list[tuple[str, list[dict]]]:
+    results = REPO / "benchmarks" / "results"
+    return [
+        (name, json.loads((results / f"accelerator-tpu-v5e-{name}.json").read_text()))
+        for name in targets.RUNS
+    ]
+
+
 def test_targets_runs_name_every_recorded_tpu_run_of_a_layout_in_the_issues_size():
     targets = _targets()
     configs = {(config, microbatches) for _, config, microbatches in targets.LAYOUTS}
