@@ -579,13 +579,6 @@ def test_accelerator_models_pipelined_equal_jax_value_and_grad(model):
 
 
 @pytest.mark.slow  # the interpret mode's kernels compile slowly on CPU (~20 s)
-@pytest.mark.xfail(
-    jax.__version_info__ < (0, 12),
-    strict=True,
-    reason="JAX 0.10.2: the pipeline's block 0 attention gradients (wq, wk, wv, "
-    "attn_norm, embed) differ from jax.value_and_grad's by 80-170 % in TPU interpret "
-    "mode; right with interpret=True and on JAX 0.12.1 (not yet explained)",
-)
 def test_accelerator_flash_llama_pipelined_equals_jax_value_and_grad():
     """Issue #40: the Llama with Pallas's TPU flash attention kernel (on CPU in TPU
     interpret mode, at sequence 128, the kernel's block), split into two stages on one

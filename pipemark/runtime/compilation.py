@@ -147,7 +147,9 @@ def kept_on_slot(staged: StagedJaxpr, workers: Mapping[int, int]) -> dict[int, f
     return {index: frozenset(o for s, o in read - elsewhere if s == index) for index in workers}
 
 
-def _passed_shardings(slot: Slot, passed: Sequence[int], kept: frozenset[int]) -> list[Any]:
+def _passed_shardings(
+    slot: Slot, passed: Sequence[int], kept: frozenset[int], programs: Sequence[ClosedJaxpr]
+) -> list[Any]:
     """The ``out_shardings`` of a program's passed outputs on a single-device ``slot``:
     those ``kept`` on the slot in the layout XLA chooses (``Layout.AUTO``), the others
     in the default one. At a program boundary JAX otherwise writes every output in the
@@ -156,7 +158,18 @@ def _passed_shardings(slot: Slot, passed: Sequence[int], kept: frozenset[int]) -
     back, two copies of 0.2 ms per block and microbatch, about the whole gap between
     the pipeline and the ``lax.scan`` accumulation (issue #40). The program that reads
     such a value compiles for the layout it arrives in (``jax.jit`` follows a committed
-    argument's layout)."""
+    argument's layout).
+
+    A program with effects (``programs``: the jaxprs it runs) writes every output in
+    the default layout. JAX 0.10.2 reports the outputs of a program with an ordered
+    effect (an ``io_callback(ordered=True)``, Pallas's TPU interpret mode) as laid out
+    by default whatever XLA chose (its token shifts them), so the program that reads
+    one reads the bytes in the wrong order: a transposed array, silently (fixed by JAX
+    0.12.1; ``tests/runtime/test_compilation.py``). Telling ordered effects from others
+    takes JAX internals, and a stage with effects is rare: any effect keeps the default.
+    """
+    if any(program.effects for program in programs):
+        return [slot.sharding] * len(passed)
     auto = Format(Layout.AUTO, slot.sharding)
     return [auto if o in kept else slot.sharding for o in passed]
 
@@ -380,7 +393,7 @@ def _jit_unit(
         zeros = jax.jit(make_zeros, out_shardings=sharding)
     # The accumulators are donated: XLA adds this microbatch's share in place, and a
     # step holds one copy of the gradients, not two (jax.jit's own step holds one).
-    out_shardings = (sharding, _passed_shardings(slot, passed, kept))
+    out_shardings = (sharding, _passed_shardings(slot, passed, kept, [program]))
     donate = (0,) if zeros else ()
     return jax.jit(run, out_shardings=out_shardings, donate_argnums=donate), zeros
 
@@ -506,5 +519,6 @@ def _jit_fused(
             at += len(part)
         return new, [outs[p][o] for p, o in combined.passed]
 
-    out_shardings = (slot.sharding, _passed_shardings(slot, range(len(combined.passed)), kept))
+    passed = range(len(combined.passed))
+    out_shardings = (slot.sharding, _passed_shardings(slot, passed, kept, programs))
     return jax.jit(run, out_shardings=out_shardings, donate_argnums=() if starts else (0,))

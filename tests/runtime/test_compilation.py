@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.experimental import io_callback
 
 import pipemark as pm
 from pipemark import examples
@@ -201,3 +202,40 @@ def test_values_kept_on_a_slot_are_handed_over_in_the_layout_xla_chooses():
     inputs = [leaves[k] if source == PARAM else x[:4] for source, k in step.inputs]
     array = sent.units[0].run([], inputs, jnp.float32(0.5))[1][sends[transposed]]
     assert array.format.layout.major_to_minor == (0, 1)
+
+
+def _transposing_loss_with_an_effect(params, x):
+    w1, w2 = params
+    # An ordered effect: the program takes a token (as Pallas's TPU interpret mode's do).
+    io_callback(lambda: None, None, ordered=True)
+    h = jnp.sin(x @ w1).T
+    pm.mark_pipeline_boundary()
+    return jnp.mean(jnp.tanh(h.T @ w2) ** 2)
+
+
+def test_a_program_with_an_effect_hands_over_its_values_in_the_default_layout():
+    """JAX 0.10.2 reports the outputs of a program with an ordered effect as laid out by
+    default whatever XLA chose, so a reader compiled for the reported layout read
+    ``sin(x @ w1).T`` (column-major on CPU) as row-major: wrong gradients, silently.
+    Such a program writes the default layout, and the pipeline equals JAX's own."""
+    pm.clear_caches()
+    params = (jnp.linspace(-1, 1, 8 * 16).reshape(8, 16), jnp.linspace(-1, 1, 64).reshape(16, 4))
+    x = jnp.linspace(-2, 2, 8 * 8).reshape(8, 8)
+    params, x = jax.device_put((params, x), jax.devices()[0])
+    pipe = pm.pipeline_value_and_grad(
+        _transposing_loss_with_an_effect, num_stages=2, num_microbatches=2,
+        schedule="interleaved", devices=jax.devices()[:1],
+    )  # fmt: skip
+    plan = pipe.plan(params, x)
+    assert plan.staged.stages[0].closed_jaxpr.effects
+    shapes = [a.shape for a in plan.staged.stages[0].out_avals]
+    transposed = shapes.index((16, 4))
+    sends = {key[2]: position for position, key, _ in plan.steps.serial[0][1].sends}
+    step = plan.steps.serial[0][1]
+    leaves = jax.tree.leaves(params)
+    inputs = [leaves[k] if source == PARAM else x[:4] for source, k in step.inputs]
+    array = plan.units[0].run([], inputs, jnp.float32(0.5))[1][sends[transposed]]
+    assert array.format.layout.major_to_minor == (0, 1)
+    got = pipe(params, x)
+    want = jax.jit(jax.value_and_grad(_transposing_loss_with_an_effect))(params, x)
+    assert_trees_close(got, want, rtol=1e-5, atol=1e-7)
