@@ -23,7 +23,6 @@ from jax.extend.core import ClosedJaxpr as _ClosedJaxpr
 from jax.extend.core import Jaxpr as _Jaxpr
 from jax.interpreters import mlir as _mlir
 from jax.interpreters import partial_eval as _pe
-from jax.sharding import SingleDeviceSharding as _SingleDeviceSharding
 
 from pipemark.caches import register_cache
 
@@ -35,6 +34,21 @@ LOWERING_MODES = ("barrier", "identity", "custom_call")
 #: JAX 0.10.2: "RESOURCE_EXHAUSTED: ... RuntimeBufferAllocationFailure"). Callers check
 #: the message for ``RESOURCE_EXHAUSTED`` and raise anything else again.
 DEVICE_ERRORS: tuple[type[Exception], ...] = (_jax.errors.JaxRuntimeError, ValueError)
+
+
+def is_single_device_sharding(sharding: Any) -> bool:
+    """Whether ``sharding`` places an array on one device whole (a
+    ``SingleDeviceSharding``). JAX 0.12 deprecates the class's public name for
+    ``jax.sharding.is_single_device_sharding``, which JAX 0.10.2 does not have.
+
+    >>> import jax
+    >>> is_single_device_sharding(jax.sharding.make_single_device_sharding(jax.devices()[0]))
+    True
+    """
+    test = getattr(_jax.sharding, "is_single_device_sharding", None)
+    if test is not None:
+        return bool(test(sharding))
+    return isinstance(sharding, _jax.sharding.SingleDeviceSharding)  # JAX 0.10.2
 
 
 # ======================================================================================
@@ -464,7 +478,7 @@ _fast_copy_failed = False
 
 @functools.lru_cache(maxsize=64)
 def _device_target(device: Any) -> tuple[Any, Any]:
-    sharding = _SingleDeviceSharding(device)
+    sharding = _jax.sharding.make_single_device_sharding(device)
     return sharding, sharding._internal_device_list
 
 

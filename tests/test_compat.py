@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.extend.core import jaxpr_as_fun
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import make_single_device_sharding
 
 import pipemark as pm
 from pipemark import _compat
@@ -308,7 +308,7 @@ def test_copies_between_two_devices_including_a_value_still_being_computed():
     a = jax.device_put(jnp.arange(12.0).reshape(3, 4), d0)
     # A value still being computed: a program big enough for XLA to run it
     # asynchronously (the copy is enqueued behind it).
-    f = jax.jit(lambda x: jnp.tanh(x @ x.T) @ x, out_shardings=SingleDeviceSharding(d0))
+    f = jax.jit(lambda x: jnp.tanh(x @ x.T) @ x, out_shardings=make_single_device_sharding(d0))
     b = f(jnp.ones((256, 256)))
     copies = _compat.copy_to_device([a, b, np.float32(2.0)], d1)
     assert [c.devices() for c in copies] == [{d1}] * 3, copies

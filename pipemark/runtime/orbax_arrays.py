@@ -43,8 +43,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, make_single_device_sharding
 
+from pipemark._compat import is_single_device_sharding
 from pipemark.errors import PipemarkError
 from pipemark.runtime.holdings import ALONE, COPIES, Holding, holding
 from pipemark.runtime.placement import held_elsewhere
@@ -82,7 +83,7 @@ def _alone_view(array: jax.Array) -> jax.Array:
     replica lies on other processes' devices: not fully addressable, so orbax takes it;
     the shards here keep their replica ids, the foreign ones come after them."""
     sharding = array.sharding
-    if isinstance(sharding, SingleDeviceSharding):
+    if is_single_device_sharding(sharding):
         (device,) = sharding.device_set
         mesh = Mesh(np.array([device, *_foreign_devices(1)]), (_HOLDERS,))
         view = NamedSharding(mesh, PartitionSpec())
@@ -104,7 +105,7 @@ def _copies_view(array: jax.Array, devices: Sequence[Any]) -> jax.Array:
     """This process's copy as its replica of the array replicated over ``devices``, one
     per process (every process builds the same global array from its own copy)."""
     mine = devices[jax.process_index()]
-    if array.sharding != SingleDeviceSharding(mine):
+    if array.sharding != make_single_device_sharding(mine):
         array = jax.device_put(array, mine)
     view = NamedSharding(Mesh(np.array(devices), (_HOLDERS,)), PartitionSpec())
     return jax.make_array_from_single_device_arrays(array.shape, view, [array])

@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, make_single_device_sharding
 from jax.sharding import PartitionSpec as P
 
 from pipemark._compat import copy_to_device
@@ -108,7 +108,7 @@ def put_global(values: Sequence[Any], shardings: Sequence[Any]) -> list[Any]:
     ``jax.device_put``, a collective of the processes owning it.
 
     >>> import jax, numpy as np
-    >>> sharding = jax.sharding.SingleDeviceSharding(jax.devices()[1])
+    >>> sharding = jax.sharding.make_single_device_sharding(jax.devices()[1])
     >>> [v.sharding == sharding for v in put_global([np.ones(2)], [sharding])]
     [True]
     """
@@ -150,7 +150,7 @@ def held_elsewhere(aval: Any, sharding: Any) -> jax.Array:
 
 def device_slot(device: Any) -> Slot:
     """A slot of one device."""
-    sharding = SingleDeviceSharding(device)
+    sharding = make_single_device_sharding(device)
     return Slot((device,), None, sharding, _process_of(device), sharding)
 
 
@@ -407,7 +407,7 @@ class Placement:
         mine = next((s for s in self.slots if s.processes == {self.process}), None)
         if mine is not None:
             return mine.replicated
-        return SingleDeviceSharding(self.receivers()[self.process])
+        return make_single_device_sharding(self.receivers()[self.process])
 
 
 def place_stages(available: Sequence[Any], stage_devices: Sequence[int]) -> Placement:
