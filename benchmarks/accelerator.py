@@ -173,13 +173,19 @@ def model_flops(sizes: dict, rows: int) -> float:
 SIZE_KEYS = ("layers", "d_model", "heads", "d_ff", "vocab", "seq", "batch")
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags that choose the model and its microbatches: ``--size``, ``--model``,
-    one a size of :data:`SIZE_KEYS`, ``--microbatches``."""
+def add_size_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags :func:`resolve_sizes` reads: ``--size`` and one a size of
+    :data:`SIZE_KEYS`."""
     parser.add_argument("--size", choices=["auto", *SIZES], default="auto")
-    parser.add_argument("--model", choices=MODELS, default="gpt")
     for key in SIZE_KEYS:
         parser.add_argument(f"--{key.replace('_', '-')}", dest=key, type=int)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that choose the model and its microbatches: :func:`add_size_arguments`'s,
+    ``--model`` and ``--microbatches``."""
+    add_size_arguments(parser)
+    parser.add_argument("--model", choices=MODELS, default="gpt")
     parser.add_argument("--microbatches", type=int, default=8)
 
 

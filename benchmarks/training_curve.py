@@ -287,9 +287,7 @@ def report(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", choices=["auto", *accelerator.SIZES], default="auto")
-    for key in accelerator.SIZE_KEYS:  # the sizes accelerator.resolve_sizes reads
-        parser.add_argument(f"--{key.replace('_', '-')}", dest=key, type=int)
+    accelerator.add_size_arguments(parser)  # what accelerator.resolve_sizes reads
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=100)
