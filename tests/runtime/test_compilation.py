@@ -161,15 +161,32 @@ def _transposing_loss(params, x):
     return jnp.mean(jnp.tanh(h.T @ w2) ** 2)
 
 
+def _transposing_args():
+    """Parameters and a batch for the transposing losses, committed to the first device
+    as a call places them."""
+    params = (jnp.linspace(-1, 1, 8 * 16).reshape(8, 16), jnp.linspace(-1, 1, 64).reshape(16, 4))
+    x = jnp.linspace(-2, 2, 8 * 8).reshape(8, 8)
+    return jax.device_put((params, x), jax.devices()[0])
+
+
+def _handed_transposed(plan, params, x):
+    """``h.T``, the value layer0 hands on, as the plan's first program returns it for
+    the first microbatch."""
+    shapes = [a.shape for a in plan.staged.stages[0].out_avals]
+    (_, step), *_ = plan.steps.serial
+    sends = {key[2]: position for position, key, _ in step.sends}
+    leaves = jax.tree.leaves(params)
+    inputs = [leaves[k] if source == PARAM else x[:4] for source, k in step.inputs]
+    return plan.units[0].run([], inputs, jnp.float32(0.5))[1][sends[shapes.index((16, 4))]]
+
+
 def test_values_kept_on_a_slot_are_handed_over_in_the_layout_xla_chooses():
     """Issue #40: a value that stays on its slot leaves its program in XLA's layout and
     the program that reads it is compiled for that layout, by a call as by
     compiled_programs (one compilation each); elsewhere outputs keep the default one.
     On CPU, XLA writes ``sin(x @ w1).T`` column-major, the default being row-major."""
     pm.clear_caches()
-    params = (jnp.linspace(-1, 1, 8 * 16).reshape(8, 16), jnp.linspace(-1, 1, 64).reshape(16, 4))
-    x = jnp.linspace(-2, 2, 8 * 8).reshape(8, 8)
-    params, x = jax.device_put((params, x), jax.devices()[0])  # committed, as a call places them
+    params, x = _transposing_args()
     pipe = pm.pipeline_value_and_grad(
         _transposing_loss, num_stages=2, num_microbatches=2, schedule="interleaved",
         devices=jax.devices()[:1],
@@ -195,12 +212,7 @@ def test_values_kept_on_a_slot_are_handed_over_in_the_layout_xla_chooses():
     apart = pm.pipeline_value_and_grad(
         _transposing_loss, num_stages=2, num_microbatches=2, devices=jax.devices()[:2]
     )
-    sent = apart.plan(params, x)
-    (_, step), *_ = sent.steps.serial
-    sends = {key[2]: position for position, key, _ in step.sends}
-    leaves = jax.tree.leaves(params)
-    inputs = [leaves[k] if source == PARAM else x[:4] for source, k in step.inputs]
-    array = sent.units[0].run([], inputs, jnp.float32(0.5))[1][sends[transposed]]
+    array = _handed_transposed(apart.plan(params, x), params, x)
     assert array.format.layout.major_to_minor == (0, 1)
 
 
@@ -219,22 +231,14 @@ def test_a_program_with_an_effect_hands_over_its_values_in_the_default_layout():
     ``sin(x @ w1).T`` (column-major on CPU) as row-major: wrong gradients, silently.
     Such a program writes the default layout, and the pipeline equals JAX's own."""
     pm.clear_caches()
-    params = (jnp.linspace(-1, 1, 8 * 16).reshape(8, 16), jnp.linspace(-1, 1, 64).reshape(16, 4))
-    x = jnp.linspace(-2, 2, 8 * 8).reshape(8, 8)
-    params, x = jax.device_put((params, x), jax.devices()[0])
+    params, x = _transposing_args()
     pipe = pm.pipeline_value_and_grad(
         _transposing_loss_with_an_effect, num_stages=2, num_microbatches=2,
         schedule="interleaved", devices=jax.devices()[:1],
     )  # fmt: skip
     plan = pipe.plan(params, x)
     assert plan.staged.stages[0].closed_jaxpr.effects
-    shapes = [a.shape for a in plan.staged.stages[0].out_avals]
-    transposed = shapes.index((16, 4))
-    sends = {key[2]: position for position, key, _ in plan.steps.serial[0][1].sends}
-    step = plan.steps.serial[0][1]
-    leaves = jax.tree.leaves(params)
-    inputs = [leaves[k] if source == PARAM else x[:4] for source, k in step.inputs]
-    array = plan.units[0].run([], inputs, jnp.float32(0.5))[1][sends[transposed]]
+    array = _handed_transposed(plan, params, x)
     assert array.format.layout.major_to_minor == (0, 1)
     got = pipe(params, x)
     want = jax.jit(jax.value_and_grad(_transposing_loss_with_an_effect))(params, x)
