@@ -48,6 +48,19 @@ LEFT_OUT = {
 }
 
 
+def recorded_runs(names: tuple[str, ...] = RUNS) -> list[tuple[str, list[dict]]]:
+    """``(name, results)`` of each run in ``names``, in their order, read from
+    ``benchmarks/results/accelerator-tpu-v5e-NAME.json`` beside this file."""
+    import json
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parent / "results"
+    return [
+        (name, json.loads((results / f"accelerator-tpu-v5e-{name}.json").read_text()))
+        for name in names
+    ]
+
+
 def _cell(runs: list[tuple[str, list[dict]]], model: str, config: str, microbatches: int):
     """The newest run's (name, pipeline row, scan row) for this cell, and the newest
     (name, pipeline row) with a ballast check of the configuration; ``None`` where no

@@ -475,7 +475,7 @@ def test_ballast_breakdown_bounds_each_checked_cells_whole_peak():
     cell's verdict: tight (met) where the prediction is within 1.07 x the lower bound."""
     targets = _targets()
     ballast = targets._ballast()
-    runs = _recorded_runs(targets)
+    runs = targets.recorded_runs()
     models = sorted({r.get("model", "gpt") for _, results in runs for r in results})
     rows = targets.checked_rows(runs, models)
     table = ballast.breakdown(rows).splitlines()
@@ -488,14 +488,6 @@ def test_ballast_breakdown_bounds_each_checked_cells_whole_peak():
         assert tight == (check["predicted"] <= ballast.TIGHT * low * (1 + 1e-9)), label
     nnx = next(row for label, row in rows if label.startswith("nnx, S 16"))
     assert "loose" in ballast.cell(nnx["ballast"])
-
-
-def _recorded_runs(targets) -> list[tuple[str, list[dict]]]:
-    results = REPO / "benchmarks" / "results"
-    return [
-        (name, json.loads((results / f"accelerator-tpu-v5e-{name}.json").read_text()))
-        for name in targets.RUNS
-    ]
 
 
 def test_targets_runs_name_every_recorded_tpu_run_of_a_layout_in_the_issues_size():
