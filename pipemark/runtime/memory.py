@@ -40,7 +40,11 @@ Per slot, in bytes:
   with ``"per_microbatch"`` those of the slot's stage that reads the most, held while
   one program runs;
 * ``temporaries``: XLA's temporaries (``memory_analysis()``) of the program running
-  at that action, when the programs are compiled for the slot;
+  at that action, when the programs are compiled for the slot. They meet the values
+  held while that program runs on the device (:func:`held_while_running`), fewer than
+  while the host dispatches it: by then every earlier action has run and the inputs
+  it read for the last time are freed. ``in_flight`` is that action's; never less
+  than the most in flight alone;
 * ``update`` (a training step): the update after the pipeline, each slot's part:
   its compiled arguments (parameters, optimizer state, gradients) and results, its
   earlier parts' results, the pipeline's results it does not read, the caller's arrays
@@ -83,6 +87,7 @@ __all__ = [
     "device_padding",
     "estimate_memory",
     "held_in_flight",
+    "held_while_running",
     "format_bytes",
     "local_device",
     "plan_memory",
@@ -222,18 +227,96 @@ def _in_flight(
     padding: Mapping[str, Fraction] | None = None,
 ) -> list[tuple]:
     """Per slot, ``(most bytes in flight, (bytes in flight, temporaries) at the action
-    where their sum is largest)``, in flight as :func:`held_in_flight` bounds it."""
+    where their sum is largest)``: the values in flight as :func:`held_in_flight`
+    bounds them, and beside each program's temporaries those
+    :func:`held_while_running` bounds, never less than the most in flight alone."""
     names = [stage.name for stage in plan.staged.stages]
     worst = []
     for worker, column in enumerate(plan.steps.columns):
-        most, peak = 0, (0, 0)
-        for step, held in zip(column, held_in_flight(plan, worker, padding)):
+        walk = _walk(plan, worker, padding)
+        most = max(_held_at(walk, n) for n in range(len(column))) if column else 0
+        peak = (most, 0)
+        for step, held in zip(column, _while_running(walk)):
             temp = (temporaries or {}).get(program_name(step, names), 0)
-            most = max(most, held)
             if held + temp > sum(peak):
                 peak = (held, temp)
         worst.append((most, peak))
     return worst
+
+
+@dataclasses.dataclass(frozen=True)
+class _Walk:
+    """One slot's column walked (:func:`_walk`): per action, the bytes of values in
+    flight from other actions when it is dispatched (``live``), the values it reads or
+    makes (``keys``); per value read here, its last reader here; the bytes of a value;
+    how many of the slot's latest actions may be dispatched and not yet run."""
+
+    live: list[int]
+    keys: list[frozenset]
+    last_read: dict
+    size: Callable
+    window: int
+
+    def beyond(self, held: set, n: int) -> int:
+        """The bytes of the values in ``held`` that no action after ``n`` here reads
+        (the rest are in ``live[n]``)."""
+        return sum(self.size(k) for k in held if self.last_read.get(k, -1) < n)
+
+
+def _held_at(walk: _Walk, n: int) -> int:
+    """:func:`held_in_flight` at action ``n``: while the host dispatches it, the
+    values in flight and what the actions in the dispatch window read or make."""
+    recent = range(max(0, n + 1 - walk.window), n + 1)
+    return walk.live[n] + walk.beyond({k for m in recent for k in walk.keys[m]}, n)
+
+
+def _while_running(walk: _Walk) -> list[int]:
+    """Per action ``j``, the most bytes of values in flight while the device runs it
+    (:func:`held_while_running`)."""
+    # Per action, its results no action here reads (sent to other slots), summed.
+    away = [0]
+    for keys in walk.keys:
+        away.append(away[-1] + sum(walk.size(k) for k in keys if k not in walk.last_read))
+    running = []
+    for j in range(len(walk.live)):
+        held: set = set()
+        most = 0
+        for n in range(j, min(len(walk.live), j + walk.window)):
+            held |= walk.keys[n]
+            sending = away[j] - away[max(0, n + 1 - walk.window)]
+            most = max(most, walk.live[n] + walk.beyond(held, n) + sending)
+        running.append(most)
+    return running
+
+
+def held_while_running(
+    plan: PipelinePlan, worker: int, padding: Mapping[str, Fraction] | None = None
+) -> list[int]:
+    """For each action of slot ``worker``, the most bytes of values in flight the slot
+    holds while the device runs it: what its temporaries meet. Below
+    :func:`held_in_flight`, which bounds the slot while the host dispatches an action:
+    by the time the device runs action ``j``, every earlier action of the slot has
+    run, and the values they read for the last time are freed. The host may have
+    dispatched up to ``plan.dispatch_ahead`` more (any number where unbounded), so
+    the most over each such ``n``: the values in flight at ``n``'s dispatch, what the
+    actions ``j..n`` read or make that no later action here reads, and the results
+    of earlier actions in ``n``'s window still on their way to other slots.
+
+    >>> import jax, pipemark as pm
+    >>> from pipemark import examples
+    >>> ex = examples.mlp(num_layers=2, width=8, batch=8)
+    >>> pipe = pm.pipeline_value_and_grad(ex.loss_fn, num_stages=2, num_microbatches=4,
+    ...     schedule="gpipe", devices=jax.devices()[:2], dispatch_ahead=1)
+    >>> plan = pipe.plan(*ex.args)
+    >>> running, dispatching = held_while_running(plan, 0), held_in_flight(plan, 0)
+    >>> # While B1..B3 run, the inputs of the backward before them are freed; while
+    >>> # F0 runs, F1 may be dispatched: F0 meets its residuals.
+    >>> all(r < d for r, d in zip(running[5:], dispatching[5:])) and running[0] > dispatching[0]
+    True
+    >>> max(running) <= max(dispatching)
+    True
+    """
+    return _while_running(_walk(plan, worker, padding))
 
 
 def held_in_flight(
@@ -267,6 +350,13 @@ def held_in_flight(
     >>> held[:4] == sorted(held[:4]) and max(held) == held[3] > held[4] > held[7]
     True
     """
+    walk = _walk(plan, worker, padding)
+    return [_held_at(walk, n) for n in range(len(walk.live))]
+
+
+def _walk(plan: PipelinePlan, worker: int, padding: Mapping[str, Fraction] | None) -> _Walk:
+    """Slot ``worker``'s column walked with every other column dispatched as far as
+    the values dispatched so far allow (:func:`_advance`): see :class:`_Walk`."""
     columns = plan.steps.columns
     last_read: dict[Key, int] = {}  # per value read here, its last reader here
     for n, step in enumerate(columns[worker]):
@@ -276,13 +366,8 @@ def held_in_flight(
     expire: dict[int, list[int]] = {}  # position -> bytes no longer held after it
     done = [0] * len(columns)  # each column's prefix dispatched
     made: set[Key] = set()
-    # The worker waits for its oldest results once it has dispatched the next
-    # action: while that one is dispatched, dispatch_ahead more are held. Unbounded,
-    # none of the column's earlier actions need have run.
-    ahead = plan.dispatch_ahead
-    window = len(columns[worker]) if ahead is None else ahead + 1
     size = _value_sizes(plan, padding)
-    live, held_at = 0, []
+    live, live_at = 0, []
 
     def dispatch(step: Any) -> None:
         nonlocal live
@@ -297,22 +382,18 @@ def held_in_flight(
         done[worker] = n + 1
         dispatch(step)
         _advance(columns, worker, done, made, dispatch)
-        # What the actions dispatched and perhaps not run yet hold beyond the values in
-        # flight here: their results read already or sent to other slots only, and
-        # their inputs read for the last time.
-        recent = columns[worker][max(0, n + 1 - window) : n + 1]
-        extra = {
-            key
-            for earlier in recent
-            for key in (
-                *(key for _, key, _ in earlier.sends),
-                *(key for source, key in earlier.inputs if source == STAGE),
-            )
-            if last_read.get(key, -1) < n
-        }
-        held_at.append(live + sum(size(key) for key in extra))
+        live_at.append(live)
         live -= sum(expire.pop(n, ()))
-    return held_at
+    keys = [
+        frozenset((*(k for _, k, _ in step.sends), *(k for src, k in step.inputs if src == STAGE)))
+        for step in columns[worker]
+    ]
+    # The worker waits for its oldest results once it has dispatched the next
+    # action: while that one is dispatched, dispatch_ahead more are held. Unbounded,
+    # none of the column's earlier actions need have run.
+    ahead = plan.dispatch_ahead
+    window = len(columns[worker]) if ahead is None else ahead + 1
+    return _Walk(live_at, keys, last_read, size, max(window, 1))
 
 
 def _advance(

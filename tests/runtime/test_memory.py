@@ -20,8 +20,13 @@ import pipemark as pm
 from pipemark import examples
 from pipemark.cost import nbytes
 from pipemark.runtime import BACKWARD, FORWARD, Action, execution, memory, train_step
-from pipemark.runtime.memory import device_padding, estimate_memory, held_in_flight
-from pipemark.runtime.steps import STAGE
+from pipemark.runtime.memory import (
+    device_padding,
+    estimate_memory,
+    held_in_flight,
+    held_while_running,
+)
+from pipemark.runtime.steps import STAGE, program_name
 from tests._devices import computing_on
 from tests._devices import devices as pick_devices
 from tests.runtime._fusion import mlp_pipeline
@@ -98,6 +103,34 @@ def test_the_schedule_sets_how_many_microbatches_are_in_flight():
     assert residual > 0 and cotangent > 0
     assert held["gpipe", 8] - held["gpipe", 4] == 4 * (residual + cotangent)
     assert held["1f1b", 8] == held["1f1b", 4] < held["gpipe", 4]
+
+
+def test_a_programs_temporaries_meet_what_is_held_while_it_runs():
+    # GPipe, 2 stages, dispatch_ahead=1: slot 0 runs F0..F3 then B0..B3. While B_k runs,
+    # B_(k-1) has run and its inputs are freed: B_k and the backwards after it hold the
+    # residuals and cotangents of microbatches k..3; B_(k+1), perhaps dispatched, adds
+    # nothing (a first stage's backward hands nothing on; its gradients accumulate).
+    # While the host dispatches B_k, B_(k-1) may not have run: one microbatch more.
+    pipe, ex = _mlp_pipeline("gpipe", 2, 4)
+    plan = dataclasses.replace(pipe.plan(*ex.args), dispatch_ahead=1)
+    residual = _read_bytes(plan, plan.forward_stages[0], plan.backward_stages[0])
+    cotangent = _read_bytes(plan, plan.backward_stages[1], plan.backward_stages[0])
+    running, dispatching = held_while_running(plan, 0), held_in_flight(plan, 0)
+    for k in (1, 2, 3):
+        assert running[4 + k] == (4 - k) * (residual + cotangent)
+        assert dispatching[4 + k] == running[4 + k] + residual + cotangent
+    # Temporaries (as compiled programs report them) go with the bytes held while
+    # their program runs; the buffers alone with the most held while dispatching.
+    names = [stage.name for stage in plan.staged.stages]
+    column = plan.steps.columns[0]
+    backward = program_name(column[5], names)
+    temporaries = {backward: 10**6}
+    slot = estimate_memory(plan, temporaries).slots[0]
+    worst = max(h for h, step in zip(running, column) if program_name(step, names) == backward)
+    assert (slot.in_flight, slot.temporaries) == (worst, 10**6)
+    base = slot.parameters + slot.batch + slot.accumulators
+    assert slot.predicted_peak == base + worst + 10**6
+    assert slot.buffers == base + max(dispatching) <= slot.predicted_peak
 
 
 def test_one_stage_holds_nothing_in_flight_and_its_program_temporaries():
