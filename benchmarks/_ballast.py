@@ -158,6 +158,39 @@ def whole_peak(check: dict) -> tuple[int | None, int | None]:
     return (max(above) if above else None), (min(at_most) if at_most else None)
 
 
+def rejudged(check: dict, predicted: int) -> str:
+    """A table cell for ``predicted``, another prediction than the one ``check`` tried
+    (the prediction changed and the step did not), judged by the whole peak its tries
+    bound (:func:`whole_peak`): the prediction covers the step where the step ran in
+    ``predicted`` plus :data:`MARGIN` or less, and under-predicts it where it ran out of
+    memory in that much or more; it is within :data:`TIGHT` where the step needs more
+    than ``predicted / TIGHT``, loose where it needs at most that. Else the check does
+    not settle it.
+
+    >>> MiB = 2**20
+    >>> check = {"limit": 4000 * MiB, "tries": [{"ballast": 1100 * MiB, "result": "ran"},
+    ...     {"ballast": 1150 * MiB, "result": "out of memory"}]}
+    >>> rejudged(check, 2860 * MiB)
+    'needs 2,850–2,900 MiB, predicted 2,860 (met)'
+    >>> rejudged(check, 2800 * MiB)  # 2,864 MiB of room: the step may need more
+    'needs 2,850–2,900 MiB, predicted 2,800 (NOT met: not settled, check again)'
+    >>> rejudged(check, 2700 * MiB)
+    'needs 2,850–2,900 MiB, predicted 2,700 (NOT met: under-predicted)'
+    >>> rejudged(check, 3200 * MiB)
+    'needs 2,850–2,900 MiB, predicted 3,200 (NOT met: loose)'
+    """
+    low, high = whole_peak(check)
+    room = predicted + MARGIN
+    covers = "met" if high is not None and high <= room else "under-predicted"
+    covers = "unsettled" if covers != "met" and (low is None or low < room) else covers
+    tight = "met" if low is not None and predicted <= TIGHT * low * (1 + 1e-9) else "loose"
+    tight = "unsettled" if tight != "met" and (high is None or predicted <= TIGHT * high) else tight
+    why = [v for v in (covers, tight) if v not in ("met", "unsettled")]
+    why += ["not settled, check again"] if "unsettled" in (covers, tight) else []
+    text = f"needs {_mib(low, high)} MiB, predicted {_mib(predicted)}"
+    return text + (" (met)" if not why else f" (NOT met: {', '.join(why)})")
+
+
 def _mib(low: float | None, high: float | None = None) -> str:
     if low is None and high is None:
         return "—"
@@ -168,9 +201,11 @@ def _mib(low: float | None, high: float | None = None) -> str:
     return f"{low / 2**20:,.0f}–{high / 2**20:,.0f}"
 
 
-def breakdown(rows: list[tuple[str, dict]]) -> str:
-    """Per ``(label, pipeline row)`` with a ballast check, in MiB: the predicted peak, the
-    buffers it holds (the prediction less the programs' temporaries), the device's
+def breakdown(rows: list[tuple[str, dict, dict]]) -> str:
+    """Per ``(label, pipeline row, prediction)`` with a ballast check, in MiB: the
+    predicted peak (``prediction["predicted_peak"]``: the check's own, or the current
+    one where the prediction changed since), the buffers it holds (the prediction less
+    the programs' temporaries), the device's
     ``peak_bytes_in_use`` (buffers alone on a TPU, but the process's: the first call's
     too), and the whole peak the ballast bounds. What the prediction adds to its buffers
     for the temporaries is set beside what the step took beyond them."""
@@ -179,10 +214,9 @@ def breakdown(rows: list[tuple[str, dict]]) -> str:
         "(ballast) | predicted − buffers | whole − predicted buffers |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for label, r in rows:
-        check = r["ballast"]
-        predicted, buffers = check["predicted"], r["memory"]["predicted_buffers"]
-        low, high = whole_peak(check)
+    for label, r, prediction in rows:
+        predicted, buffers = prediction["predicted_peak"], prediction["predicted_buffers"]
+        low, high = whole_peak(r["ballast"])
         beyond = (None if low is None else low - buffers, None if high is None else high - buffers)
         lines.append(
             f"| {label} | {_mib(predicted)} | {_mib(buffers)} | {_mib(r.get('peak'))} | "

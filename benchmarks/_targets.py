@@ -8,6 +8,13 @@ only against the scan measured in the same run); the ballast check comes from th
 newest run of that configuration that made one, the same run or a later. A cell no run
 measured says so: the table is also the list of what is left to measure.
 
+When the prediction changes and the step does not (run 16 paired the programs'
+temporaries with fewer values in flight, ``pipemark.runtime.memory.held_while_running``),
+an older check still bounds the step's whole peak by the rooms it tried: a cell whose
+check tried another prediction than the current one (:data:`PREDICTED`, recorded by
+``benchmarks/predicted_peaks.py``) is judged by those rooms against the current one
+(``_ballast.rejudged``).
+
 The targets (issue #40): the step within 1.05 x the scan's, the first call within
 1.5 x the scan's, and a predicted peak that is an upper bound and at most 1.07 x what
 the step needs. The ballast settles the last: the step runs with the predicted peak
@@ -38,6 +45,8 @@ RUNS = (
     "nnx16-m16", "llama-mask16-m16", "llama-einsum16-m16", "llama-untied16-m16",
     "gpt16-d4-f2-ballast", "nnx16-d4-f2-ballast", "llama-flash16-d4-f2-ballast",
     "llama-flash16-m16", "llama-flash16-m16-fold", "nnx16-d4-f2-ballast2", "llama-flash16-fold",
+    "nnx16-d4-f2-running", "llama-flash16-running", "llama-flash16-m16-running",
+    "llama-flash16-d4-f2-running", "llama16-running", "llama16-m16-running",
 )  # fmt: skip
 
 
@@ -46,6 +55,27 @@ LEFT_OUT = {
     "llama16-fold": "timed the tied Llama at S 4 without the ballast check, and a cell "
     "keeps no check older than its timing (_cell): its cell keeps run 9's timing and check",
 }
+
+
+#: The current predicted peaks of the cells on the TPU
+#: (``benchmarks/results/PREDICTED.json``, by ``benchmarks/predicted_peaks.py``).
+PREDICTED = "predicted-tpu-v5e"
+#: Two predictions of a cell closer than this are the same (its batch's bytes move it).
+SAME = 2**20
+
+
+def recorded_predictions(name: str = PREDICTED) -> dict[tuple[str, str, int], dict]:
+    """Per ``(model, configuration, microbatches)`` at :data:`LAYERS` blocks, the current
+    predicted peak and buffers recorded in ``benchmarks/results/NAME.json``."""
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent / "results" / f"{name}.json"
+    return {
+        (r["model"], r["config"], r["microbatches"]): r
+        for r in json.loads(path.read_text())
+        if r["sizes"]["layers"] == LAYERS
+    }
 
 
 def recorded_runs(names: tuple[str, ...] = RUNS) -> list[tuple[str, list[dict]]]:
@@ -116,7 +146,23 @@ def targets() -> tuple[float, float]:
     return judged["s4"], judged["first"]
 
 
-def rows(runs: list[tuple[str, list[dict]]], models: list[str]) -> list[list[str]]:
+def _judged(ballast: tuple[str, dict], now: dict | None) -> tuple[str, dict, bool]:
+    """A cell's ballast check judged against the current prediction ``now`` (a row of
+    :func:`recorded_predictions`, or ``None``: the check's own): the cell, the
+    prediction judged (``predicted_peak``, ``predicted_buffers``), and whether it is
+    another than the check tried."""
+    row = ballast[1]
+    check = row["ballast"]
+    tried = check.get("predicted")
+    if now is None or tried is None or abs(now["predicted_peak"] - tried) < SAME:
+        buffers = (row.get("memory") or {}).get("predicted_buffers")
+        return ballast_cell(check), {"predicted_peak": tried, "predicted_buffers": buffers}, False
+    return _ballast().rejudged(check, now["predicted_peak"]), now, True
+
+
+def rows(
+    runs: list[tuple[str, list[dict]]], models: list[str], predictions: dict | None = None
+) -> list[list[str]]:
     """One row a model and layout: the cells of :func:`table`."""
     lines, (step, first) = [], targets()
     for model in models:
@@ -126,10 +172,17 @@ def rows(runs: list[tuple[str, list[dict]]], models: list[str]) -> list[list[str
                 lines.append([model, layout, config, "not measured", "—", "—", "—", "—"])
                 continue
             name, row, scan = measured
-            predicted = (row.get("memory") or {}).get("predicted_peak")
+            now = (predictions or {}).get((model, config, microbatches))
+            checked, source, judged = "not checked", name, {}
+            if ballast is not None:
+                checked, judged, other = _judged(ballast, now)
+                source += "" if ballast[0] == name else f"; {ballast[0]}"
+                source += f"; {PREDICTED}" if other else ""
+            # The newest prediction: the current one, a later check's, the step's run's.
+            predicted = next(
+                (p for p in (now, judged, row.get("memory")) if p and p.get("predicted_peak")), {}
+            ).get("predicted_peak")
             memory = f"{predicted / row['peak']:.2f}" if predicted and row.get("peak") else "—"
-            checked = "not checked" if ballast is None else ballast_cell(ballast[1]["ballast"])
-            source = name if ballast is None or ballast[0] == name else f"{name}; {ballast[0]}"
             lines.append([
                 model, layout, config,
                 _met(row["step_s"] / scan["step_s"], step),
@@ -139,22 +192,30 @@ def rows(runs: list[tuple[str, list[dict]]], models: list[str]) -> list[list[str
     return lines
 
 
-def checked_rows(runs: list[tuple[str, list[dict]]], models: list[str]) -> list[tuple[str, dict]]:
-    """Each cell's ballast-checked pipeline row, as ``("model, layout: run", row)``."""
+def checked_rows(
+    runs: list[tuple[str, list[dict]]], models: list[str], predictions: dict | None = None
+) -> list[tuple[str, dict, dict]]:
+    """Each cell's ballast-checked pipeline row, as ``("model, layout: run", row,
+    prediction)``, the prediction its check is judged against (:func:`_judged`)."""
     found = []
     for model in models:
         for layout, config, microbatches in LAYOUTS:
             _, ballast = _cell(runs, model, config, microbatches)
             if ballast is not None:
-                found.append((f"{model}, {layout}: {ballast[0]}", ballast[1]))
+                now = (predictions or {}).get((model, config, microbatches))
+                _, judged, _ = _judged(ballast, now)
+                found.append((f"{model}, {layout}: {ballast[0]}", ballast[1], judged))
     return found
 
 
-def table(runs: list[tuple[str, list[dict]]], models: list[str]) -> str:
+def table(
+    runs: list[tuple[str, list[dict]]], models: list[str], predictions: dict | None = None
+) -> str:
     """The markdown table of :func:`rows`, with a line counting what is met.
 
     ``runs`` are ``(name, results)`` pairs, oldest first: a later run's cell replaces an
-    earlier one's."""
+    earlier one's; ``predictions``: :func:`recorded_predictions`, or ``None`` (each
+    check judged against the prediction it tried)."""
     step, first = targets()
     header = [
         f"| model | layout | configuration | step ÷ scan (≤ {step}) | first call ÷ scan's "
@@ -162,7 +223,7 @@ def table(runs: list[tuple[str, list[dict]]], models: list[str]) -> str:
         f"and out of memory in 1/{_ballast().TIGHT} of it | run |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    body = rows(runs, models)
+    body = rows(runs, models, predictions)
     counts = {
         "step": sum("(met)" in r[3] for r in body),
         "first call": sum("(met)" in r[4] for r in body),

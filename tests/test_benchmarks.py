@@ -464,6 +464,19 @@ def test_targets_table_takes_each_cell_from_the_newest_run_beside_its_scan():
     assert (
         table[-1] == "3 cells: step met in 1, first call met in 2, ballast met in 1; 1 not measured"
     )
+    # A current prediction other than the one the check tried: judged by its rooms.
+    tried = {"limit": 1000 * 2**20, "predicted": 300 * 2**20, "tries": [
+        {"fraction": 1.0, "ballast": 636 * 2**20, "result": "ran"},
+        {"fraction": 0.97, "ballast": 709 * 2**20, "result": "out of memory"}]}  # fmt: skip
+    rerun = [runs[0], ("check", [_row("gpt", "scan", 1.0), _row("gpt", "s4", 1.0, ballast=tried, peak=270 * 2**20)])]  # fmt: skip
+    now = {("gpt", "s4", 8): {"predicted_peak": 310 * 2**20, "predicted_buffers": 1}}
+    cell = targets.rows(rerun, ["gpt"], now)[0]
+    assert cell[5:] == [
+        "1.15",
+        "needs 291–364 MiB, predicted 310 (met)",
+        "d: check; predicted-tpu-v5e",
+    ]
+    assert targets.rows(rerun, ["gpt"])[0][6] == "runs at 1.0, out of memory at 0.97 (met)"
     under = {"tries": [{"fraction": 1.0, "result": "out of memory"}]}
     assert (
         targets.ballast_cell(under) == "never runs, out of memory at 1.0 (NOT met: under-predicted)"
@@ -472,22 +485,64 @@ def test_targets_table_takes_each_cell_from_the_newest_run_beside_its_scan():
 
 def test_ballast_breakdown_bounds_each_checked_cells_whole_peak():
     """Each cell's ballast check bounds the step's whole peak; the bounds agree with the
-    cell's verdict: tight (met) where the prediction is within 1.07 x the lower bound."""
+    cell's verdict, for the prediction it tried and for the current one: tight (met)
+    where the prediction is within 1.07 x the lower bound."""
     targets = _targets()
     ballast = targets._ballast()
-    runs = targets.recorded_runs()
+    runs, now = targets.recorded_runs(), targets.recorded_predictions()
     models = sorted({r.get("model", "gpt") for _, results in runs for r in results})
-    rows = targets.checked_rows(runs, models)
+    rows = targets.checked_rows(runs, models, now)
     table = ballast.breakdown(rows).splitlines()
     assert len(rows) == 21 and len(table) == 2 + len(rows)
-    for label, row in rows:
+    for label, row, prediction in rows:
         check = row["ballast"]
         low, high = ballast.whole_peak(check)
         assert low < high <= check["predicted"] + ballast.MARGIN, label
         tight = "loose" not in ballast.cell(check)
         assert tight == (check["predicted"] <= ballast.TIGHT * low * (1 + 1e-9)), label
-    nnx = next(row for label, row in rows if label.startswith("nnx, S 16"))
-    assert "loose" in ballast.cell(nnx["ballast"])
+        predicted = prediction["predicted_peak"]
+        verdict = ballast.rejudged(check, predicted)
+        covers = high <= predicted + ballast.MARGIN
+        assert verdict.endswith("(met)") == (covers and predicted <= ballast.TIGHT * low), label
+
+
+def test_the_recorded_predictions_are_those_the_latest_checks_tried():
+    """``predicted-tpu-v5e.json`` (benchmarks/predicted_peaks.py) is of the code the
+    newest ballast checks ran: where both predict a cell they agree, and the older
+    checks, of the prediction before, are judged by their rooms against it."""
+    targets = _targets()
+    runs, now = targets.recorded_runs(), targets.recorded_predictions()
+    assert len(now) >= 18 and all(r["platform"] == "tpu" for r in now.values())
+    newest = {name for name, _ in runs[-6:]}
+    agreed = 0
+    for name, results in runs:
+        for r in results:
+            key = (r.get("model", "gpt"), r["config"], r.get("microbatches"))
+            if name in newest and r.get("ballast") and key in now:
+                assert abs(now[key]["predicted_peak"] - r["ballast"]["predicted"]) < targets.SAME
+                agreed += 1
+    assert agreed >= 3
+    models = sorted({r.get("model", "gpt") for _, results in runs for r in results})
+    cells = targets.rows(runs, models, now)
+    rejudged = [c for c in cells if c[7].endswith(targets.PREDICTED)]
+    assert rejudged and all(c[6].startswith("needs ") for c in rejudged)
+
+
+@pytest.mark.benchmark_script
+@pytest.mark.slow  # compiles a tiny GPT's stage programs in three layouts (~20 s)
+def test_predicted_peaks_script_records_each_layouts_prediction(tmp_path):
+    out = tmp_path / "predicted.json"
+    lines = _output_lines(
+        "predicted_peaks.py", "--size", "tiny", "--models", "gpt", "--out", str(out)
+    )
+    rows = [line for line in lines if line.startswith("| gpt |")]
+    assert len(rows) == 3 and "S 16 × M 8 | s16-d4-f2" in rows[1]
+    recorded = json.loads(out.read_text())
+    assert [(r["config"], r["microbatches"]) for r in recorded] == [
+        ("s4", 8), ("s16-d4-f2", 8), ("s4", 16)
+    ]  # fmt: skip
+    assert all(r["predicted_peak"] > r["predicted_buffers"] > 0 for r in recorded)
+    assert all(r["sizes"]["layers"] == 16 for r in recorded)
 
 
 def test_targets_runs_name_every_recorded_tpu_run_of_a_layout_in_the_issues_size():
