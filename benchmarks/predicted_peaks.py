@@ -4,13 +4,14 @@ temporaries; nothing else runs).
 
     python benchmarks/predicted_peaks.py --out benchmarks/results/predicted-tpu-v5e.json
     python benchmarks/predicted_peaks.py --size tiny --models gpt,nnx     # on CPU
+    python benchmarks/predicted_peaks.py --size tiny --layers 4 --configs s4  # quicker
 
 A ballast check (``accelerator.py --ballast``) bounds a step's whole peak by the rooms
 it ran and ran out of memory in. When the prediction changes and the step does not, the
 check still says whether the new prediction covers the step and by how much:
 ``benchmarks/_targets.py`` judges an older check's rooms against these predictions. Each
-cell is a model of ``accelerator.py --model`` at 16 blocks in a layout of
-``_targets.LAYOUTS``, with one row a microbatch (the targets' runs: 8 rows at M 8, 16
+cell is a model of ``accelerator.py --model`` at 16 blocks (or ``--layers``) in a layout
+of ``_targets.LAYOUTS`` (those of ``--configs``), with one row a microbatch (the targets' runs: 8 rows at M 8, 16
 at M 16), all in this process, one after another. Each compilation takes about 40 s on
 a TPU v5e (the M 16 cells reuse the M 8 cells' programs).
 """
@@ -33,7 +34,7 @@ from _targets import LAYERS, LAYOUTS
 def predict(model: str, config: str, microbatches: int, sizes: dict, device) -> dict:
     """One cell's predicted peak and buffers, for the slot with the largest peak (one
     slot on one device), as ``accelerator.py`` records them."""
-    sizes = dict(sizes, layers=LAYERS, batch=microbatches)  # a row a microbatch
+    sizes = dict(sizes, batch=microbatches)  # a row a microbatch
     start = time.perf_counter()
     with accelerator.kernel_mode(model, device.platform):
         _, pipe, params, batch = accelerator.prepare(config, sizes, microbatches, device, model)
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     accelerator.add_size_arguments(parser)
     parser.add_argument("--models", default=",".join(accelerator.MODELS))
+    configs = sorted({config for _, config, _ in LAYOUTS})
+    parser.add_argument("--configs", default=",".join(configs), help="the layouts' to predict")
     parser.add_argument("--out", help="write the predictions here as JSON")
     args = parser.parse_args(argv)
     import jax
@@ -62,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     pm.set_lowering("barrier")  # as accelerator.py measures
     device = jax.devices()[0]
     sizes = accelerator.resolve_sizes(args, device.platform)
+    sizes["layers"] = args.layers or LAYERS
     recorded = {
         "platform": device.platform,
         "device_kind": device.device_kind,
@@ -69,14 +73,15 @@ def main(argv: list[str] | None = None) -> None:
         "date": f"{datetime.date.today()}",
     }
     shown = {k: v for k, v in sizes.items() if k not in ("layers", "batch")}
-    print(
-        f"{recorded['device_kind']}, JAX {recorded['jax']}, {recorded['date']}, {LAYERS} blocks of {shown}"
-    )
+    blocks = f"{sizes['layers']} blocks of {shown}"
+    print(f"{recorded['device_kind']}, JAX {recorded['jax']}, {recorded['date']}, {blocks}")
     print("| model | layout | configuration | predicted peak | predicted buffers | took |")
     print("|---|---|---|---:|---:|---:|")
     results = []
     for model in args.models.split(","):
         for label, config, microbatches in LAYOUTS:
+            if config not in args.configs.split(","):
+                continue
             row = {**recorded, **predict(model, config, microbatches, sizes, device)}
             results.append(row)
             print(
