@@ -448,6 +448,14 @@ def make_step(config: str, loss_fn, device, microbatches: int):
     return jax.jit(scan_accumulation(loss_fn, microbatches)), None
 
 
+def predicted_memory(pipe, params, batch) -> dict:
+    """``Pipeline.memory``'s figures for the slot with the largest predicted peak: that
+    peak, and its buffers (without the programs' temporaries: what a TPU's
+    ``peak_bytes_in_use`` counts)."""
+    worst = max(pipe.memory(params, batch).slots, key=lambda s: s.predicted_peak)
+    return {"predicted_peak": worst.predicted_peak, "predicted_buffers": worst.buffers}
+
+
 def _memory(step, pipe, params, batch) -> dict:
     """The compiled programs' memory analysis (and XLA's FLOPs for a single program)."""
     if pipe is not None:
@@ -469,10 +477,7 @@ def _memory(step, pipe, params, batch) -> dict:
         out["schedule"] = plan.schedule.name  # e.g. the waves a memory budget chose
         out["in_flight"] = max(plan.schedule.in_flight())
         out["rematerialized"] = len(plan.rematerialized)
-        worst = max(pipe.memory(params, batch).slots, key=lambda s: s.predicted_peak)
-        out["predicted_peak"] = worst.predicted_peak
-        # Without the programs' temporaries: what a TPU's peak_bytes_in_use counts.
-        out["predicted_buffers"] = worst.buffers
+        out.update(predicted_memory(pipe, params, batch))
     if pipe is None:
         cost = programs["step"].cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # JAX < 0.4.30: a list

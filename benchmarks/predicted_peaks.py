@@ -11,8 +11,8 @@ it ran and ran out of memory in. When the prediction changes and the step does n
 check still says whether the new prediction covers the step and by how much:
 ``benchmarks/_targets.py`` judges an older check's rooms against these predictions. Each
 cell is a model of ``accelerator.py --model`` at 16 blocks (or ``--layers``) in a layout
-of ``_targets.LAYOUTS`` (those of ``--configs``), with one row a microbatch (the targets' runs: 8 rows at M 8, 16
-at M 16), all in this process, one after another. Each compilation takes about 40 s on
+of ``_targets.LAYOUTS`` (those of ``--configs``), with one row a microbatch (the
+targets' runs: 8 rows at M 8, 16 at M 16), all in this process, one after another. Each compilation takes about 40 s on
 a TPU v5e (the M 16 cells reuse the M 8 cells' programs).
 """
 
@@ -32,22 +32,15 @@ from _targets import LAYERS, LAYOUTS
 
 
 def predict(model: str, config: str, microbatches: int, sizes: dict, device) -> dict:
-    """One cell's predicted peak and buffers, for the slot with the largest peak (one
-    slot on one device), as ``accelerator.py`` records them."""
+    """One cell's predicted peak and buffers (``accelerator.predicted_memory``, as
+    ``accelerator.py`` records them)."""
     sizes = dict(sizes, batch=microbatches)  # a row a microbatch
     start = time.perf_counter()
     with accelerator.kernel_mode(model, device.platform):
         _, pipe, params, batch = accelerator.prepare(config, sizes, microbatches, device, model)
-        worst = max(pipe.memory(params, batch).slots, key=lambda s: s.predicted_peak)
-    return {
-        "model": model,
-        "config": config,
-        "microbatches": microbatches,
-        "sizes": sizes,
-        "predicted_peak": worst.predicted_peak,
-        "predicted_buffers": worst.buffers,
-        "seconds": time.perf_counter() - start,
-    }
+        predicted = accelerator.predicted_memory(pipe, params, batch)
+    cell = {"model": model, "config": config, "microbatches": microbatches, "sizes": sizes}
+    return {**cell, **predicted, "seconds": time.perf_counter() - start}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -55,7 +48,9 @@ def main(argv: list[str] | None = None) -> None:
     accelerator.add_size_arguments(parser)
     parser.add_argument("--models", default=",".join(accelerator.MODELS))
     configs = sorted({config for _, config, _ in LAYOUTS})
-    parser.add_argument("--configs", default=",".join(configs), help="the layouts' to predict")
+    parser.add_argument(
+        "--configs", default=",".join(configs), help="the layouts' configurations to predict"
+    )
     parser.add_argument("--out", help="write the predictions here as JSON")
     args = parser.parse_args(argv)
     import jax
@@ -77,10 +72,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{recorded['device_kind']}, JAX {recorded['jax']}, {recorded['date']}, {blocks}")
     print("| model | layout | configuration | predicted peak | predicted buffers | took |")
     print("|---|---|---|---:|---:|---:|")
-    results = []
+    results, chosen = [], args.configs.split(",")
     for model in args.models.split(","):
         for label, config, microbatches in LAYOUTS:
-            if config not in args.configs.split(","):
+            if config not in chosen:
                 continue
             row = {**recorded, **predict(model, config, microbatches, sizes, device)}
             results.append(row)
