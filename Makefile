@@ -131,7 +131,7 @@ test-maxtext: $(MAXTEXT_STAMP)
 # junit.xml and pytest.log; pytest is interrupted after TPU_BUDGET_S seconds (it then
 # reports what ran).
 TPU_OUT      ?= tpu-results
-TPU_BUDGET_S ?= 360
+TPU_BUDGET_S ?= 480
 PIP_INDEX    ?=
 
 test-tpu:

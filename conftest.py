@@ -42,19 +42,21 @@ collect_ignore = ["tests/runtime/fixtures/torch_schedules.py"]
 jax.config.update("jax_enable_checks", True)
 jax.config.update("jax_num_cpu_devices", NUM_CPU_DEVICES)
 
-# Many tests compile the same programs (the same example model, split the same way, in
-# several tests): a compilation cache of this test process, kept on disk for the session
-# only, compiles each once. XLA's CPU compiler is most of the suite's time; measured on
-# three test files with -n 2: 50 s without it, 43-45 s with it (a directory shared by the
-# workers: 52 s, JAX then locks it for every read and write). One directory per process:
-# no two processes write one cache. The programs are the same, so are their results.
-_COMPILATION_CACHE = tempfile.mkdtemp(prefix="pipemark-tests-xla-")
-atexit.register(shutil.rmtree, _COMPILATION_CACHE, True)
-jax.config.update("jax_compilation_cache_dir", _COMPILATION_CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-if jax.default_backend() != "cpu":
+if jax.default_backend() == "cpu":
+    # Many tests compile the same programs (the same example model, split the same way,
+    # in several tests): a compilation cache of this test process, kept on disk for the
+    # session only, compiles each once. XLA's CPU compiler is most of the suite's time;
+    # measured on three test files with -n 2: 50 s without it, 43-45 s with it (a
+    # directory shared by the workers: 52 s, JAX then locks it for every read and
+    # write). One directory per process: no two processes write one cache. The programs
+    # are the same, so are their results. Not on an accelerator: there every program,
+    # however small, would be serialized to disk, which cost more than it saved (TPU).
+    _COMPILATION_CACHE = tempfile.mkdtemp(prefix="pipemark-tests-xla-")
+    atexit.register(shutil.rmtree, _COMPILATION_CACHE, True)
+    jax.config.update("jax_compilation_cache_dir", _COMPILATION_CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+else:
     jax.config.update("jax_default_matmul_precision", "highest")
 
 
