@@ -47,6 +47,7 @@ RUNS = (
     "llama-flash16-m16", "llama-flash16-m16-fold", "nnx16-d4-f2-ballast2", "llama-flash16-fold",
     "nnx16-d4-f2-running", "llama-flash16-running", "llama-flash16-m16-running",
     "llama-flash16-d4-f2-running", "llama16-running", "llama16-m16-running",
+    "gpt16-d4-f2-running",
 )  # fmt: skip
 
 
