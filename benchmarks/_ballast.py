@@ -141,26 +141,39 @@ def cell(check: dict) -> str:
     return text + (" (met)" if not why else f" (NOT met: {', '.join(why)})")
 
 
-def whole_peak(check: dict) -> tuple[int | None, int | None]:
-    """The bounds the tries put on the step's whole peak (its arrays and its programs'
-    temporaries, with what the device held before): above the largest room it ran out
-    of memory in, at most the smallest it ran in (a room is ``limit - ballast``);
-    ``None`` where no try says.
+def whole_peak(*checks: dict) -> tuple[int | None, int | None]:
+    """The bounds the tries of ``checks``, each a check of the same step, put on its
+    whole peak (its arrays and its programs' temporaries, with what the device held
+    before): above the largest room it ran out of memory in, at most the smallest it ran
+    in (a room is the check's ``limit`` less the try's ballast); ``None`` where no try
+    says. Checks of one step on other days, with other predictions, bound it together.
 
-    >>> whole_peak({"limit": 100, "tries": [{"ballast": 20, "result": "ran"},
-    ...     {"ballast": 25, "result": "ran"}, {"ballast": 30, "result": "out of memory"}]})
+    >>> once = {"limit": 100, "tries": [{"ballast": 20, "result": "ran"},
+    ...     {"ballast": 25, "result": "ran"}, {"ballast": 30, "result": "out of memory"}]}
+    >>> whole_peak(once)
     (70, 75)
-    """
+    >>> whole_peak(once, {"limit": 90, "tries": [{"ballast": 18, "result": "out of memory"}]})
+    (72, 75)
+
+    Tries that contradict each other (it ran in less room than it ran out of memory in)
+    are not of one step, and are refused."""
     rooms = {"ran": [], "out of memory": []}
-    for t in check.get("tries", ()):
-        rooms.get(t["result"], []).append(check["limit"] - t["ballast"])
+    for check in checks:
+        for t in check.get("tries", ()):
+            rooms.get(t["result"], []).append(check["limit"] - t["ballast"])
     above, at_most = rooms["out of memory"], rooms["ran"]
-    return (max(above) if above else None), (min(at_most) if at_most else None)
+    low, high = (max(above) if above else None), (min(at_most) if at_most else None)
+    if low is not None and high is not None and low >= high:
+        raise ValueError(
+            f"the checks' tries contradict each other (out of memory in {_mib(low)} MiB of "
+            f"room, ran in {_mib(high)}): they are not of one step"
+        )
+    return low, high
 
 
-def rejudged(check: dict, predicted: int) -> str:
-    """A table cell for ``predicted``, another prediction than the one ``check`` tried
-    (the prediction changed and the step did not), judged by the whole peak its tries
+def rejudged(predicted: int, *checks: dict) -> str:
+    """A table cell for ``predicted``, another prediction than the ones ``checks`` tried
+    (the prediction changed and the step did not), judged by the whole peak their tries
     bound (:func:`whole_peak`): the prediction covers the step where the step ran in
     ``predicted`` plus :data:`MARGIN` or less, and under-predicts it where it ran out of
     memory in that much or more; it is within :data:`TIGHT` where the step needs more
@@ -170,16 +183,16 @@ def rejudged(check: dict, predicted: int) -> str:
     >>> MiB = 2**20
     >>> check = {"limit": 4000 * MiB, "tries": [{"ballast": 1100 * MiB, "result": "ran"},
     ...     {"ballast": 1150 * MiB, "result": "out of memory"}]}
-    >>> rejudged(check, 2860 * MiB)
+    >>> rejudged(2860 * MiB, check)
     'needs 2,850–2,900 MiB, predicted 2,860 (met)'
-    >>> rejudged(check, 2800 * MiB)  # 2,864 MiB of room: the step may need more
+    >>> rejudged(2800 * MiB, check)  # 2,864 MiB of room: the step may need more
     'needs 2,850–2,900 MiB, predicted 2,800 (NOT met: not settled, check again)'
-    >>> rejudged(check, 2700 * MiB)
+    >>> rejudged(2700 * MiB, check)
     'needs 2,850–2,900 MiB, predicted 2,700 (NOT met: under-predicted)'
-    >>> rejudged(check, 3200 * MiB)
+    >>> rejudged(3200 * MiB, check)
     'needs 2,850–2,900 MiB, predicted 3,200 (NOT met: loose)'
     """
-    low, high = whole_peak(check)
+    low, high = whole_peak(*checks)
     room = predicted + MARGIN
     covers = "met" if high is not None and high <= room else "under-predicted"
     covers = "unsettled" if covers != "met" and (low is None or low < room) else covers
@@ -201,22 +214,22 @@ def _mib(low: float | None, high: float | None = None) -> str:
     return f"{low / 2**20:,.0f}–{high / 2**20:,.0f}"
 
 
-def breakdown(rows: list[tuple[str, dict, dict]]) -> str:
-    """Per ``(label, pipeline row, prediction)`` with a ballast check, in MiB: the
-    predicted peak (``prediction["predicted_peak"]``: the check's own, or the current
-    one where the prediction changed since), the buffers it holds (the prediction less
-    the programs' temporaries), the device's
-    ``peak_bytes_in_use`` (buffers alone on a TPU, but the process's: the first call's
-    too), and the whole peak the ballast bounds. What the prediction adds to its buffers
+def breakdown(rows: list[tuple[str, dict, dict, tuple[dict, ...]]]) -> str:
+    """Per ``(label, pipeline row, prediction, checks)``, in MiB: the predicted peak
+    (``prediction["predicted_peak"]``: the check's own, or the current one where the
+    prediction changed since), the buffers it holds (the prediction less the programs'
+    temporaries), the device's ``peak_bytes_in_use`` (buffers alone on a TPU, but the
+    process's: the first call's too), and the whole peak the ballast ``checks`` of the
+    step bound together (:func:`whole_peak`). What the prediction adds to its buffers
     for the temporaries is set beside what the step took beyond them."""
     lines = [
         "| row | predicted peak | predicted buffers | peak_bytes_in_use | whole peak "
         "(ballast) | predicted − buffers | whole − predicted buffers |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for label, r, prediction in rows:
+    for label, r, prediction, checks in rows:
         predicted, buffers = prediction["predicted_peak"], prediction["predicted_buffers"]
-        low, high = whole_peak(r["ballast"])
+        low, high = whole_peak(*checks)
         beyond = (None if low is None else low - buffers, None if high is None else high - buffers)
         lines.append(
             f"| {label} | {_mib(predicted)} | {_mib(buffers)} | {_mib(r.get('peak'))} | "

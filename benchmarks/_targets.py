@@ -13,7 +13,8 @@ temporaries with fewer values in flight, ``pipemark.runtime.memory.held_while_ru
 an older check still bounds the step's whole peak by the rooms it tried: a cell whose
 check tried another prediction than the current one (:data:`PREDICTED`, recorded by
 ``benchmarks/predicted_peaks.py``) is judged by those rooms against the current one
-(``_ballast.rejudged``).
+(``_ballast.rejudged``), the rooms of every check of the step since the run that timed
+it, which bound its whole peak together (``_ballast.whole_peak``).
 
 The targets (issue #40): the step within 1.05 x the scan's, the first call within
 1.5 x the scan's, and a predicted peak that is an upper bound and at most 1.07 x what
@@ -94,9 +95,10 @@ def recorded_runs(names: tuple[str, ...] = RUNS) -> list[tuple[str, list[dict]]]
 
 def _cell(runs: list[tuple[str, list[dict]]], model: str, config: str, microbatches: int):
     """The newest run's (name, pipeline row, scan row) for this cell, and the newest
-    (name, pipeline row) with a ballast check of the configuration; ``None`` where no
-    run has one."""
-    measured, ballast = None, None
+    (name, pipeline row, checks) with a ballast check of the configuration, ``checks``
+    being ``(name, check)`` of every check since that run, oldest first; ``None`` where
+    no run has one."""
+    measured, ballast, checks = None, None, ()
     for name, results in runs:
         rows = {
             r["config"]: r
@@ -109,9 +111,11 @@ def _cell(runs: list[tuple[str, list[dict]]], model: str, config: str, microbatc
         if row is None or row.get("status") != "ok":
             continue
         if scan is not None and scan.get("status") == "ok":
-            measured, ballast = (name, row, scan), None  # an older check is of older code
+            # An older check is of older code; the later ones are of this step.
+            measured, ballast, checks = (name, row, scan), None, ()
         if row.get("ballast") and measured is not None:
-            ballast = (name, row)
+            checks += ((name, row["ballast"]),)
+            ballast = (name, row, checks)
     return measured, ballast
 
 
@@ -147,18 +151,18 @@ def targets() -> tuple[float, float]:
     return judged["s4"], judged["first"]
 
 
-def _judged(ballast: tuple[str, dict], now: dict | None) -> tuple[str, dict, bool]:
-    """A cell's ballast check judged against the current prediction ``now`` (a row of
-    :func:`recorded_predictions`, or ``None``: the check's own): the cell, the
+def _judged(ballast: tuple[str, dict, tuple], now: dict | None) -> tuple[str, dict, bool]:
+    """A cell's newest ballast check judged against the current prediction ``now`` (a
+    row of :func:`recorded_predictions`, or ``None``: the check's own): the cell, the
     prediction judged (``predicted_peak``, ``predicted_buffers``), and whether it is
-    another than the check tried."""
-    row = ballast[1]
+    another than the check tried (then judged by the rooms of every check of the step)."""
+    _, row, checks = ballast
     check = row["ballast"]
     tried = check.get("predicted")
     if now is None or tried is None or abs(now["predicted_peak"] - tried) < SAME:
         buffers = (row.get("memory") or {}).get("predicted_buffers")
         return ballast_cell(check), {"predicted_peak": tried, "predicted_buffers": buffers}, False
-    return _ballast().rejudged(check, now["predicted_peak"]), now, True
+    return _ballast().rejudged(now["predicted_peak"], *(c for _, c in checks)), now, True
 
 
 def rows(
@@ -177,7 +181,9 @@ def rows(
             checked, source, judged = "not checked", name, {}
             if ballast is not None:
                 checked, judged, other = _judged(ballast, now)
-                source += "" if ballast[0] == name else f"; {ballast[0]}"
+                # The checks the cell is judged by: the newest, or all for another prediction.
+                used = [n for n, _ in ballast[2]] if other else [ballast[0]]
+                source += "".join(f"; {n}" for n in used if n != name)
                 source += f"; {PREDICTED}" if other else ""
             # The newest prediction: the current one, a later check's, the step's run's.
             predicted = next(
@@ -195,9 +201,10 @@ def rows(
 
 def checked_rows(
     runs: list[tuple[str, list[dict]]], models: list[str], predictions: dict | None = None
-) -> list[tuple[str, dict, dict]]:
-    """Each cell's ballast-checked pipeline row, as ``("model, layout: run", row,
-    prediction)``, the prediction its check is judged against (:func:`_judged`)."""
+) -> list[tuple[str, dict, dict, tuple[dict, ...]]]:
+    """Each cell's newest ballast-checked pipeline row, as ``("model, layout: runs",
+    row, prediction, checks)``: the prediction its check is judged against
+    (:func:`_judged`), and every check of the step, which bound its peak together."""
     found = []
     for model in models:
         for layout, config, microbatches in LAYOUTS:
@@ -205,7 +212,9 @@ def checked_rows(
             if ballast is not None:
                 now = (predictions or {}).get((model, config, microbatches))
                 _, judged, _ = _judged(ballast, now)
-                found.append((f"{model}, {layout}: {ballast[0]}", ballast[1], judged))
+                names, checks = zip(*ballast[2])
+                label = f"{model}, {layout}: {' + '.join(names)}"
+                found.append((label, ballast[1], judged, checks))
     return found
 
 

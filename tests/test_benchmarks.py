@@ -484,9 +484,10 @@ def test_targets_table_takes_each_cell_from_the_newest_run_beside_its_scan():
 
 
 def test_ballast_breakdown_bounds_each_checked_cells_whole_peak():
-    """Each cell's ballast check bounds the step's whole peak; the bounds agree with the
-    cell's verdict, for the prediction it tried and for the current one: tight (met)
-    where the prediction is within 1.07 x the lower bound."""
+    """Each cell's ballast check bounds the step's whole peak, and every check of the
+    step bounds it together, more tightly; the bounds agree with the cell's verdict, for
+    the prediction its newest check tried and for the current one: tight (met) where the
+    prediction is within 1.07 x the lower bound."""
     targets = _targets()
     ballast = targets._ballast()
     runs, now = targets.recorded_runs(), targets.recorded_predictions()
@@ -494,16 +495,21 @@ def test_ballast_breakdown_bounds_each_checked_cells_whole_peak():
     rows = targets.checked_rows(runs, models, now)
     table = ballast.breakdown(rows).splitlines()
     assert len(rows) == 21 and len(table) == 2 + len(rows)
-    for label, row, prediction in rows:
+    assert sum(len(checks) > 1 for *_, checks in rows) >= 5
+    for (label, row, prediction, checks), line in zip(rows, table[2:]):
         check = row["ballast"]
+        assert checks[-1] is check and line.startswith(f"| {label} |")
         low, high = ballast.whole_peak(check)
         assert low < high <= check["predicted"] + ballast.MARGIN, label
         tight = "loose" not in ballast.cell(check)
         assert tight == (check["predicted"] <= ballast.TIGHT * low * (1 + 1e-9)), label
+        together = ballast.whole_peak(*checks)
+        assert low <= together[0] < together[1] <= high, label
         predicted = prediction["predicted_peak"]
-        verdict = ballast.rejudged(check, predicted)
-        covers = high <= predicted + ballast.MARGIN
-        assert verdict.endswith("(met)") == (covers and predicted <= ballast.TIGHT * low), label
+        verdict = ballast.rejudged(predicted, *checks)
+        covers = together[1] <= predicted + ballast.MARGIN
+        met = covers and predicted <= ballast.TIGHT * together[0]
+        assert verdict.endswith("(met)") == met, label
 
 
 def test_the_recorded_predictions_are_those_the_latest_checks_tried():
@@ -865,3 +871,19 @@ def test_dispatch_cost_takes_a_programs_device_time_and_dispatch_from_its_round_
     assert cost["program_device_s"] > 0
     left = cost["program_round_trip_s"] - cost["program_device_s"] - cost["program_dispatch_s"]
     assert cost["wake_s"] == max(0.0, left)
+
+
+_DOCTESTED = sorted(p.stem for p in (REPO / "benchmarks").glob("*.py") if ">>>" in p.read_text())
+
+
+@pytest.mark.benchmark_script
+@pytest.mark.parametrize("name", _DOCTESTED)
+def test_benchmark_modules_examples_hold(name):
+    # The benchmarks are scripts, not in pytest's --doctest-modules paths: their
+    # examples (the ballast's bounds and verdicts among them) are run here.
+    import doctest
+    import importlib
+
+    _targets()  # puts benchmarks/ on sys.path
+    failed, attempted = doctest.testmod(importlib.import_module(name))
+    assert attempted and not failed, name
