@@ -133,6 +133,22 @@ def test_a_programs_temporaries_meet_what_is_held_while_it_runs():
     assert slot.buffers == base + max(dispatching) <= slot.predicted_peak
 
 
+def test_the_more_the_host_may_dispatch_ahead_the_more_is_held_while_an_action_runs():
+    # Interleaved on one device: values are read by several of the slot's actions, and
+    # an action's inputs are freed only after their last reader has run.
+    pipe, ex = mlp_pipeline(4, 4, "interleaved", devices=1, batch=16)
+    plan = pipe.plan(*ex.args)
+    before = None
+    for ahead in (1, 2, 4, None):
+        window = dataclasses.replace(plan, dispatch_ahead=ahead)
+        running, dispatching = held_while_running(window, 0), held_in_flight(window, 0)
+        assert before is None or all(r >= b for r, b in zip(running, before)), ahead
+        before = running
+    # Unbounded, the host may dispatch the whole column before the device has run its
+    # first action, which then meets the most the slot ever holds.
+    assert running[0] == max(dispatching)
+
+
 def test_one_stage_holds_nothing_in_flight_and_its_program_temporaries():
     pipe, ex = _mlp_pipeline("1f1b", 1, 1, width=64)
     (slot,) = pipe.memory(*ex.args).slots
