@@ -12,8 +12,9 @@ check still says whether the new prediction covers the step and by how much:
 ``benchmarks/_targets.py`` judges an older check's rooms against these predictions. Each
 cell is a model of ``accelerator.py --model`` at 16 blocks (or ``--layers``) in a layout
 of ``_targets.LAYOUTS`` (those of ``--configs``), with one row a microbatch (the
-targets' runs: 8 rows at M 8, 16 at M 16), all in this process, one after another. Each compilation takes about 40 s on
-a TPU v5e (the M 16 cells reuse the M 8 cells' programs).
+targets' runs: 8 rows at M 8, 16 at M 16), all in this process, one after another.
+Each compilation takes about 40 s on a TPU v5e (the M 16 cells reuse the M 8 cells'
+programs).
 """
 
 from __future__ import annotations
