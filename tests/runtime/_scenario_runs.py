@@ -2,7 +2,7 @@
 devices or in two processes of 2 each (under ``python -m pipemark.launch -n 2`` with
 ``JAX_NUM_CPU_DEVICES=2``), and writes each one's outcome as a JSON line.
 
-    python tests/runtime/_scenario_runs.py run 'SCENARIO'            # one, printed
+    python tests/runtime/_scenario_runs.py run 'SCENARIO'            # one, its error printed
     python -m pipemark.launch -n 2 tests/runtime/_scenario_runs.py run 'SCENARIO'
     python tests/runtime/_scenario_runs.py batch SCENARIOS.json OUT  # OUT-0.jsonl
     python -m pipemark.launch -n 2 tests/runtime/_scenario_runs.py batch SCENARIOS.json OUT
@@ -70,9 +70,12 @@ def main(argv: list[str]) -> None:
         # Both processes of a launch share the folder: named after the coordinator.
         name = os.environ.get("PIPEMARK_COORDINATOR", str(os.getpid())).replace(":", "-")
         work = Path(tempfile.gettempdir()) / f"pipemark-scenario-{name}"
+        work.mkdir(parents=True, exist_ok=True)
         _run_all([json.loads(argv[1])], work / "outcome", work)
-        print(Path(f"{work / 'outcome'}-{_process()}.jsonl").read_text(), end="")
-        return
+        (line,) = Path(f"{work / 'outcome'}-{_process()}.jsonl").read_text().splitlines()
+        error = json.loads(line)["error"]
+        print(f"process {_process()}: {error or 'ran, and matches jax.jit'}")
+        sys.exit(1 if error else 0)
     out = Path(argv[2])
     # One folder for both processes: orbax writes one checkpoint of the processes' parts.
     work = out.parent / f"{out.name}-work"
