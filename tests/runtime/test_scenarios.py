@@ -56,15 +56,17 @@ def _count(kind: str) -> int:
 
 
 def _drawn() -> dict[str, list[dict]]:
-    """The scenarios of this session: those that would hit a failure main is fixing
-    (:func:`_scenarios.known_failure` says which and why) left out of the two-process
-    launch, where one process's error can stop both, and kept in one process as strict
-    xfails."""
+    """The scenarios of this session: those that would hit a known failure
+    (:func:`_scenarios.known_failure` says which and why) are strict xfails, except
+    those one process of two may meet alone (:data:`_scenarios.ONE_SIDED`), left out of
+    the launch: the other process would wait for it (past the pipeline's timeout, in
+    the first call of tied weights kept in two processes) until the launch stops."""
     out = {}
     for kind in _scenarios.PLACES:
         drawn = _scenarios.draw_scenarios(kind, _count(kind), SEED)
         if kind == "processes":
-            drawn = [s for s in drawn if _scenarios.known_failure(s) is None]
+            known = map(_scenarios.known_failure, drawn)
+            drawn = [s for s, k in zip(drawn, known) if not str(k).startswith(_scenarios.ONE_SIDED)]
         out[kind] = drawn
     return out
 
