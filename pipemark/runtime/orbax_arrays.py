@@ -184,6 +184,27 @@ def _array_metadata(value: Any, info: Any, arg: Any) -> Any:
     return spec.metadata
 
 
+def _grouped(
+    values: Sequence[Any], infos: Sequence[Any], args: Sequence[Any]
+) -> tuple[dict[str | int, tuple[list, list, list]], list[Any]]:
+    """The arrays of a save by the inner handler that writes each (:func:`_writer`):
+    per handler, the views, infos and save arguments it writes; and the records of
+    every array the wrapped handler does not write in this process, skipped ones too."""
+    groups: dict[str | int, tuple[list, list, list]] = {}
+    described: list[Any] = []
+    for value, info, arg in zip(values, infos, args):
+        kind, view = view_for_saving(value)
+        name = _writer(kind, view)
+        if name != "wrapped":
+            described.append(_array_metadata(value, info, arg))
+        if kind == "skip":
+            continue
+        group = groups.setdefault(name, ([], [], []))
+        for items, item in zip(group, (view, info, arg)):
+            items.append(item)
+    return groups, described
+
+
 def _one_write_at_a_time(store: Any) -> Any:
     """A copy of orbax's array metadata store ``store`` (``None``: none) whose writes
     take turns, across threads and event loops: a write reads the process's file and
@@ -291,18 +312,7 @@ def _handler_class(ocp: Any) -> type:
 
         async def serialize(self, values: Sequence[Any], infos: Sequence[Any], args=None):
             args = args or [ocp.type_handlers.SaveArgs()] * len(values)
-            groups: dict[str, tuple[list, list, list]] = {}
-            described: list[Any] = []  # what the wrapped handler does not write here
-            for value, info, arg in zip(values, infos, args):
-                kind, view = view_for_saving(value)
-                name = _writer(kind, view)
-                if name != "wrapped":
-                    described.append(_array_metadata(value, info, arg))
-                if kind == "skip":
-                    continue
-                group = groups.setdefault(name, ([], [], []))
-                for items, item in zip(group, (view, info, arg)):
-                    items.append(item)
+            groups, described = _grouped(values, infos, args)
             # The records of the arrays the wrapped handler does not write here (the
             # inner handlers made here have no store), written as orbax's handlers
             # write theirs (_records_written).
