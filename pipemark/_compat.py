@@ -600,6 +600,18 @@ def coordination_client() -> Any:
     return getattr(global_state, "client", None)
 
 
+def coordination_process() -> int | None:
+    """This process's index in the ``jax.distributed`` job (what ``jax.process_index()``
+    says), read without starting JAX's backends (an error raised before any device was
+    used is published with it), or ``None`` outside ``jax.distributed``. JAX 0.10-0.12:
+    ``jax._src.distributed.global_state.process_id``, set by ``initialize``."""
+    if coordination_client() is None:
+        return None
+    from jax._src.distributed import global_state
+
+    return getattr(global_state, "process_id", None)
+
+
 # The "equation context" row. JAX 0.10.2 and 0.12.0.1 (measured): `eqn.ctx` is a
 # `jax._src.core.JaxprEqnContext`, interned, built by the static `_create` from its
 # slots in slot order (0.12 adds cur_layout_mode and no_collectives), less `configs`

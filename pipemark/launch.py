@@ -7,11 +7,12 @@ starts ``train.py --steps 10`` four times, with the environment telling each its
 process id, the process count and the coordinator's address (a free local port). The
 script calls :func:`initialize` before anything else touches JAX (a script that also
 runs alone calls it where :func:`launched` says it was launched). When a process exits
-with an error (or is killed), the launcher says which and stops the others, so a
-pipeline never waits on a process that is gone; its exit status is that process's. A
-process that raises exits at once (it does not wait for its peers at JAX's shutdown
-barrier), so the launcher names it, not a peer it left waiting. SIGINT or SIGTERM sent
-to the launcher goes on to every process; those still running 5 s later are killed.
+with an error (or is killed), the launcher says which, and the error it raised
+(:mod:`pipemark.failures`), and stops the others, so a pipeline never waits on a
+process that is gone; its exit status is that process's. A process that raises exits
+at once (it does not wait for its peers at JAX's shutdown barrier), so the launcher
+names it, not a peer it left waiting. SIGINT or SIGTERM sent to the launcher goes on to
+every process; those still running 5 s later are killed.
 
     python -m pipemark.launch -n 2 -m my_package.train --steps 10   # a module
 
@@ -24,12 +25,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
+
+from pipemark import failures
 
 __all__ = ["initialize", "launched", "launch", "main"]
 
@@ -47,15 +52,17 @@ def initialize() -> None:
 
     Call it once, before JAX creates its backends (before ``jax.devices()``).
 
-    An exception that nothing catches then ends the process at once, after printing
-    its traceback, with status 1: JAX would otherwise hold it at the shutdown barrier
-    for its peers (30 s, then a C++ abort), and the peers would report a process that
-    hangs instead of the one that raised."""
+    An exception that nothing catches is published for the other processes and the
+    launcher, which name it (:mod:`pipemark.failures`); under the launcher it then ends
+    the process at once, after printing its traceback, with status 1: JAX would
+    otherwise hold it at the shutdown barrier for its peers (30 s, then a C++ abort),
+    and the peers would report a process that hangs instead of the one that raised."""
     import jax
 
     coordinator = os.environ.get(_COORDINATOR)
     if coordinator is None:
         jax.distributed.initialize()
+        failures.install()
         return
     jax.distributed.initialize(
         coordinator_address=coordinator,
@@ -66,6 +73,7 @@ def initialize() -> None:
         # a dead peer must not hold it there for JAX's default 5 minutes.
         shutdown_timeout_seconds=30,
     )
+    failures.install()
     _exit_on_uncaught_exception()
 
 
@@ -131,6 +139,8 @@ def launch(
         _NUM_PROCESSES: str(num_processes),
         _INIT_TIMEOUT: str(init_timeout_s),
     })  # fmt: skip
+    # Where each process writes the error it fails with, for the line naming it.
+    env[failures.FAILURES_DIR] = written = tempfile.mkdtemp(prefix="pipemark-launch-")
     received: list[int] = []
     restore = _forward_signals(received)
     try:
@@ -138,9 +148,10 @@ def launch(
             subprocess.Popen(list(command), env={**env, _PROCESS_ID: str(i)})
             for i in range(num_processes)
         ]
-        return _watch(processes, timeout_s, stream, received)
+        return _watch(processes, timeout_s, stream, received, written)
     finally:
         restore()
+        shutil.rmtree(written, ignore_errors=True)
 
 
 def _forward_signals(received: list[int]):
@@ -164,11 +175,17 @@ def _forward_signals(received: list[int]):
 
 
 def _watch(
-    processes: list[subprocess.Popen], timeout_s: float | None, stream, received: list[int]
+    processes: list[subprocess.Popen],
+    timeout_s: float | None,
+    stream,
+    received: list[int],
+    written: str | None = None,
 ) -> int:
     """Wait for the processes; on the first failure, a signal to the launcher or the
-    timeout, stop the rest. Of the processes found failed at once, one killed by a
-    signal is named first (and its exit status returned)."""
+    timeout, stop the rest. Of the processes found failed at once, the likeliest cause
+    (:func:`_blame`) is named first, with the error it wrote to ``written`` (the
+    directory of :data:`pipemark.failures.FAILURES_DIR`), and its exit status
+    returned."""
     start = time.monotonic()
     while True:
         if received:
@@ -183,19 +200,17 @@ def _watch(
             _stop(running, number)
             return 128 + number
         codes = [p.poll() for p in processes]
-        # A process killed by a signal first: the others' errors that the same look
-        # finds are likely their reaction to it (a peer gone from a collective).
-        failed = sorted(
-            ((i, c) for i, c in enumerate(codes) if c not in (None, 0)), key=lambda f: f[1] > 0
-        )
+        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
-            (i, code), *also = failed
+            known = failures.launched_failures(written) if written else {}
+            (i, code), *also = sorted(failed, key=lambda f: _blame(f[1], known.get(f[0])))
             running = [p for p in processes if p.poll() is None]
+            said = f" ({known[i].text})" if i in known else ""
             words = [f"process {k} {_ended(c)}" for k, c in also]
-            too = f" (and {', '.join(words)})" if words else ""
+            too = f", and {', '.join(words)}" if words else ""
             print(
-                f"pipemark.launch: process {i} {_ended(code)}{too}; stopping the {len(running)} "
-                "still running.",
+                f"pipemark.launch: process {i} {_ended(code)}{said}{too}; stopping the "
+                f"{len(running)} still running.",
                 file=stream,
                 flush=True,
             )
@@ -214,6 +229,20 @@ def _watch(
             _stop([processes[i] for i in waiting])
             return 124
         time.sleep(0.05)
+
+
+def _blame(code: int, failure: failures.Failure | None) -> tuple[int, float]:
+    """Of processes found ended at once, which caused the others' failures; lowest
+    first. An error of its own, earliest first: when process 0, the coordinator, raises,
+    JAX aborts the others (a signal). Then a process killed by a signal: the others'
+    errors that the same look finds are likely their reaction to it (a peer gone from a
+    collective). Then one that ended without a word (``failure`` is ``None``). Then an
+    error that followed another process's failure."""
+    if failure is not None and not failure.reaction:
+        return (0, failure.time)
+    if code < 0:
+        return (1, 0.0)
+    return (2, 0.0) if failure is None else (3, failure.time)
 
 
 def _ended(code: int) -> str:

@@ -105,6 +105,8 @@ def test_the_export_runs_the_stage_programs_and_reads_back_equal(tmp_path):
     per_stage = [results[ref.stage][ref.index] for ref in staged.outputs]
     assert_trees_within_ulps(exported(W, X), per_stage)
     assert_trees_equal(pm.load_staged(tmp_path)(W, X), exported(W, X))
+    # The staged call evaluates equation by equation: another program (docs/export.md).
+    assert_trees_within_ulps(exported(W, X), staged(W, X))
 
 
 def test_the_manifest_wires_the_stages_and_keeps_their_markers_apart(tmp_path):

@@ -1,10 +1,13 @@
-"""pipemark.launch: its arguments, signals sent to it, and a process that raises.
+"""pipemark.launch: its arguments, signals sent to it, and a process that raises (named
+with its error, pipemark.failures).
 
 The multi-process pipeline itself is tested in tests/runtime/test_distributed.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import json
 import os
 import signal
 import subprocess
@@ -14,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from pipemark import launch
+from pipemark import failures, launch
+from pipemark.errors import ProcessError
 from tests._xla import child_environ
 
 ROOT = Path(__file__).parents[1]
@@ -126,18 +130,21 @@ def test_a_signal_to_the_launcher_stops_every_process(tmp_path, number):
 
 
 RAISES = """\
-import os, time
+import os
 os.environ["JAX_PLATFORMS"] = "cpu"
 from pipemark.launch import initialize
 initialize()
+import jax
+jax.devices()  # both processes have started JAX's backend
 if os.environ["PIPEMARK_PROCESS_ID"] == "1":
-    raise ValueError("bad batch")
-time.sleep(120)  # process 0 waits, as on a transfer from process 1
+    raise ValueError("bad batch\\nof shape (3, 5)")
+from pipemark.runtime.agreement import from_every_process
+from_every_process("its plan", 0, 60)  # process 0 waits for process 1, as a pipeline does
 """
 
 
 @pytest.mark.slow
-def test_a_process_that_raises_is_named_and_everything_stops_quickly(tmp_path):
+def test_a_process_that_raises_is_named_with_its_error_and_everything_stops_quickly(tmp_path):
     script = tmp_path / "raises.py"
     script.write_text(RAISES)
     start = time.monotonic()
@@ -147,7 +154,15 @@ def test_a_process_that_raises_is_named_and_everything_stops_quickly(tmp_path):
     )  # fmt: skip
     elapsed = time.monotonic() - start
     assert "ValueError: bad batch" in done.stderr
-    assert "pipemark.launch: process 1 exited with status 1" in done.stderr, done.stderr[-2000:]
+    # The launcher and process 0 (within the 5 s the launcher gives it) name the error.
+    assert (
+        "pipemark.launch: process 1 exited with status 1 (ValueError: bad batch); stopping the "
+        "1 still running."
+    ) in done.stderr, done.stderr[-2000:]
+    assert (
+        "ProcessError: process 0: process 1 did not send its plan (exchange 0): process 1 "
+        "raised ValueError: bad batch."
+    ) in done.stderr, done.stderr[-2000:]
     assert done.returncode == 1
     # Starting JAX twice, then at once: no 30 s at the shutdown barrier.
     assert elapsed < 20
@@ -179,6 +194,33 @@ def test_a_process_killed_by_a_signal_is_named_before_the_peers_that_failed_afte
     code = launch._watch(processes, None, stream, [])
     assert code == 128 + 9 and processes[2].signals == [signal.SIGTERM]
     assert stream.getvalue() == (
-        "pipemark.launch: process 1 was killed by signal 9 (and process 0 exited with status "
-        "1); stopping the 1 still running.\n"
+        "pipemark.launch: process 1 was killed by signal 9, and process 0 exited with status "
+        "1; stopping the 1 still running.\n"
+    )
+
+
+def _failed(directory: Path, process: int, error: Exception) -> None:
+    """Write ``error`` as process ``process`` publishes it under the launcher."""
+    failure = failures.failure_of(error, process)
+    (directory / str(process)).write_text(json.dumps(dataclasses.asdict(failure)))
+
+
+def test_the_process_whose_error_caused_the_others_is_named_with_it(tmp_path):
+    # Process 1 raised; process 0, waiting for it, raised a ProcessError after it.
+    _failed(tmp_path, 1, ValueError("bad batch"))
+    _failed(tmp_path, 0, ProcessError("process 0: the transfer ... failed"))
+    stream = io.StringIO()
+    assert launch._watch([_Ended(1), _Ended(1)], None, stream, [], str(tmp_path)) == 1
+    assert stream.getvalue() == (
+        "pipemark.launch: process 1 exited with status 1 (ValueError: bad batch), and process "
+        "0 exited with status 1; stopping the 0 still running.\n"
+    )
+    # Process 0, the coordinator, raised: JAX aborts the others (a signal), after it.
+    (tmp_path / "1").unlink()
+    _failed(tmp_path, 0, KeyError("tokens"))
+    stream = io.StringIO()
+    assert launch._watch([_Ended(1), _Ended(-6)], None, stream, [], str(tmp_path)) == 1
+    assert stream.getvalue().startswith(
+        "pipemark.launch: process 0 exited with status 1 (KeyError: 'tokens'), and process 1 "
+        "was killed by signal 6;"
     )

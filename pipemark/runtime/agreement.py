@@ -8,7 +8,9 @@ gloo then aborts the job after seconds, or both sides wait on each other until
 call on the coordinator's key-value store and reads every other process's; a
 difference is a :class:`~pipemark.ProcessError` in every process that names the other
 process and what differs. It costs one round trip to the coordinator per process, on
-the first call of each input shape only.
+the first call of each input shape only. A process that fails instead of publishing
+its summary is named with its error as soon as it has published that
+(:mod:`pipemark.failures`), without waiting out the timeout.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +26,7 @@ import jax
 
 from pipemark._compat import coordination_client
 from pipemark.errors import ProcessError
+from pipemark.failures import name_failures, peer_failures
 
 __all__ = ["call_summary", "check_agreement", "from_every_process"]
 
@@ -66,11 +70,11 @@ def check_agreement(plan: Any, timeout_s: float | None) -> None:
     number, me = next(_sequence), jax.process_index()
     mine = call_summary(plan)
 
-    def missing(other: int, seconds: float) -> str:
+    def missing(other: int) -> tuple[str, str]:
         return (
-            f"process {me}: process {other} did not start pipeline call {number} within "
-            f"{seconds:g} s: it died, hangs, or reused an earlier input shape where this "
-            "process has a new one (the processes' calls differ)."
+            f"process {me}: process {other} did not start pipeline call {number}",
+            "it died, hangs, or reused an earlier input shape where this process has a "
+            "new one (the processes' calls differ)",
         )
 
     everyone = _every_process(client, f"pipemark/agree/{number}", mine, timeout_s, missing)
@@ -105,11 +109,11 @@ def from_every_process(what: str, value: Any, timeout_s: float | None) -> list[A
         return [value]
     number, me = next(_exchanges), jax.process_index()
 
-    def missing(other: int, seconds: float) -> str:
+    def missing(other: int) -> tuple[str, str]:
         return (
-            f"process {me}: process {other} did not send {what} (exchange {number}) "
-            f"within {seconds:g} s: it died, hangs, or plans another pipeline "
-            "(every process must plan and call the same pipelines in the same order)."
+            f"process {me}: process {other} did not send {what} (exchange {number})",
+            "it died, hangs, or plans another pipeline (every process must plan and call "
+            "the same pipelines in the same order)",
         )
 
     return _every_process(client, f"pipemark/exchange/{number}", value, timeout_s, missing)
@@ -120,25 +124,50 @@ def _every_process(
     prefix: str,
     value: Any,
     timeout_s: float | None,
-    missing: Callable[[int, float], str],
+    missing: Callable[[int], tuple[str, str]],
 ) -> list[Any]:
     """Publish ``value`` under ``prefix`` and read every process's, in process order
-    (this process's as the others read it); a process that did not publish within
-    ``timeout_s`` (``None``: an hour) raises :class:`ProcessError` with
-    ``missing(process, seconds)``."""
+    (this process's as the others read it). A process that did not publish raises
+    :class:`ProcessError`: ``missing(process)`` gives the message's start and what may
+    have happened (:func:`_published`)."""
     me = jax.process_index()
     client.key_value_set(f"{prefix}/{me}", json.dumps(value))
-    wait_ms = int(1000 * (timeout_s if timeout_s is not None else 3600))
     values = []
     for other in range(jax.process_count()):
         if other == me:
             values.append(json.loads(json.dumps(value)))
             continue
-        try:
-            text = client.blocking_key_value_get(f"{prefix}/{other}", wait_ms)
-        except Exception as error:  # the client's own error type differs by jaxlib
-            raise ProcessError(
-                f"{missing(other, wait_ms / 1000)} ({type(error).__name__})"
-            ) from None
+        text = _published(client, f"{prefix}/{other}", me, timeout_s, *missing(other))
         values.append(json.loads(text))
     return values
+
+
+#: How long one wait for another process's value lasts before looking for a failure.
+_SLICE_S = 1.0
+
+
+def _published(
+    client: Any, key: str, me: int, timeout_s: float | None, head: str, guess: str
+) -> str:
+    """The value another process published under ``key``, waited for up to
+    ``timeout_s`` (``None``: an hour) in slices of :data:`_SLICE_S`; between slices, a
+    failure another process published (:func:`~pipemark.failures.peer_failures`) ends
+    the wait with a :class:`ProcessError` naming it after ``head``. At the end of the
+    wait, or at once where the store cannot be reached, the error says ``guess``."""
+    wait_s = timeout_s if timeout_s is not None else 3600.0
+    deadline = time.monotonic() + wait_s
+    while True:
+        slice_s = max(0.001, min(_SLICE_S, deadline - time.monotonic()))
+        start = time.monotonic()
+        try:
+            return client.blocking_key_value_get(key, int(1000 * slice_s) or 1)
+        except Exception as error:  # the client's own error type differs by jaxlib
+            # An error well before the slice's end is no timeout: the store is gone.
+            gone = time.monotonic() - start < slice_s / 2
+            failed = [] if gone else peer_failures(me, wait_s=0)
+            if failed:
+                raise ProcessError(f"{head}: {name_failures(failed)}.") from None
+            if gone or time.monotonic() >= deadline:
+                raise ProcessError(
+                    f"{head} within {wait_s:g} s: {guess} ({type(error).__name__})."
+                ) from None

@@ -1,7 +1,8 @@
 """What both pipeline entry points (:class:`~pipemark.runtime.pipeline.Pipeline` and
 :class:`~pipemark.runtime.train_step.PipelinedStep`) do around a call: the key a plan is
-built for, a traced call, and, under ``jax.distributed``, saying which process holds
-each result (so that orbax saves it where it is) and where a restored leaf goes."""
+built for, a traced call, and, under ``jax.distributed``, bringing a parameter that
+stages of several processes read to each of them, saying which process holds each result
+(so that orbax saves it where it is) and where a restored leaf goes."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ from pipemark.runtime.keeping import Reader, abstract_leaves, kept_shardings
 from pipemark.runtime.orbax_arrays import install as install_orbax_handler
 from pipemark.runtime.perfetto import trace_events, write_trace
 from pipemark.runtime.plan import PipelinePlan
+from pipemark.runtime.sharing import bring_shared_params
+from pipemark.runtime.transport import CollectiveTransport
 
-__all__ = ["record_holders", "restore_target", "shape_key", "traced_call"]
+__all__ = ["record_holders", "restore_target", "shape_key", "shared_params_here", "traced_call"]
 
 
 def shape_key(tree: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], np.dtype], ...]]:
@@ -34,6 +37,18 @@ def shape_key(tree: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], np.dtype], .
         else:  # a Python or NumPy scalar: its dtype is JAX's choice
             types.append((np.shape(x), np.dtype(jnp.result_type(x))))
     return structure, tuple(types)
+
+
+def shared_params_here(plan: PipelinePlan, params: Any) -> Any:
+    """``params`` (a call's parameters, this process's view) with each leaf that this
+    process's stages read and another process holds alone brought here, and each leaf
+    this process holds alone sent to the other processes that read it
+    (:mod:`pipemark.runtime.sharing`). Every process calls it before the call runs."""
+    if not plan.placement.distributed:
+        return params
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    transport = CollectiveTransport(plan.watchdog, plan.placement.process)
+    return treedef.unflatten(bring_shared_params(plan, leaves, transport))
 
 
 def record_holders(

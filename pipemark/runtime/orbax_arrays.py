@@ -25,6 +25,14 @@ has write every array's metadata) holds no shard of (a stage whose sub-mesh span
 processes 2 and 3 of 4), the array's first process writes its metadata: orbax's own
 handler would leave it unwritten, and the checkpoint unfinished.
 
+orbax also records, per process, how each array of a save is written (its
+``ArrayMetadata`` store), and the checkpoint's finalization checks that every process's
+records agree and that the primary host's name every array. The wrapped handler records
+the arrays it writes; this one records, in each process, every other array of the save
+(those skipped here too), each shard written whole. The store is the wrapped handler's,
+so that a checkpointer made before :func:`install` (whose handlers took orbax's store
+when they were made) and one made after read and write the same records.
+
 It restores an array whose target sharding has no device in this process as an array
 held elsewhere (orbax's reader needs a shard to read into), and everything else through
 the wrapped handler, so a checkpoint restores onto any layout: each process reads what
@@ -36,8 +44,10 @@ The pipeline calls :func:`install` when it first returns results under
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib.util
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,8 +64,6 @@ __all__ = ["available", "install", "view_for_saving"]
 
 # A mesh axis of the views below: the replicas of an array held alone or in copies.
 _HOLDERS = "pipemark_holders"
-# The process orbax's default handler writes every array's metadata from.
-_PRIMARY = 0
 
 
 def available() -> bool:
@@ -135,6 +143,109 @@ def view_for_saving(array: Any) -> tuple[str, Any]:
     return COPIES, _copies_view(array, held.devices)
 
 
+def _writer(kind: str, view: Any) -> str | int:
+    """Which of :func:`install`'s handler's inner handlers writes an array that
+    :func:`view_for_saving` gave as ``(kind, view)``: ``"skip"`` (none here),
+    ``"alone"``, ``"wrapped"`` (the handler registered before, for an array every
+    process writes a part of), or the number of the first process of an array of the
+    global program that only some processes hold (they write it, that one its
+    metadata)."""
+    if kind == "skip" or kind == ALONE:
+        return kind
+    if kind == COPIES or not isinstance(view, jax.Array) or view.is_fully_addressable:
+        return "wrapped"
+    processes = {getattr(d, "process_index", 0) for d in view.sharding.device_set}
+    if len(processes) == jax.process_count():
+        return "wrapped"
+    return first_process(view)
+
+
+def _array_metadata(value: Any, info: Any, arg: Any) -> Any:
+    """orbax's record of how ``value`` (this process's view of an array its handler
+    does not give the wrapped one) is written: each of its shards whole (the writers of
+    such arrays write no replica-parallel slices), so that every process, with a shard
+    or without, describes it alike. orbax checks that every process's records agree and
+    that the primary host's name every array of the save.
+
+    orbax 0.12: its ``tensorstore_utils.build_array_write_spec`` computes it (what its
+    ``ArrayHandler`` records for the arrays it writes); no public name has it."""
+    from orbax.checkpoint._src.serialization import tensorstore_utils
+
+    shape = tuple(value.shape)
+    spec = tensorstore_utils.build_array_write_spec(
+        info=info,
+        arg=arg,
+        global_shape=shape,
+        local_shape=tuple(value.sharding.shard_shape(shape)),
+        dtype=value.dtype,
+        use_ocdbt=bool(info.is_ocdbt_checkpoint),
+        process_index=jax.process_index(),
+    )
+    return spec.metadata
+
+
+def _grouped(
+    values: Sequence[Any], infos: Sequence[Any], args: Sequence[Any]
+) -> tuple[dict[str | int, tuple[list, list, list]], list[Any]]:
+    """The arrays of a save by the inner handler that writes each (:func:`_writer`):
+    per handler, the views, infos and save arguments it writes; and the records of
+    every array the wrapped handler does not write in this process, skipped ones too."""
+    groups: dict[str | int, tuple[list, list, list]] = {}
+    described: list[Any] = []
+    for value, info, arg in zip(values, infos, args):
+        kind, view = view_for_saving(value)
+        name = _writer(kind, view)
+        if name != "wrapped":
+            described.append(_array_metadata(value, info, arg))
+        if kind == "skip":
+            continue
+        group = groups.setdefault(name, ([], [], []))
+        for items, item in zip(group, (view, info, arg)):
+            items.append(item)
+    return groups, described
+
+
+def _one_write_at_a_time(store: Any) -> Any:
+    """A copy of orbax's array metadata store ``store`` (``None``: none) whose writes
+    take turns, across threads and event loops: a write reads the process's file and
+    writes it again with its records added, and two at once would lose one's."""
+    if store is None:
+        return None
+    base = type(store)
+    turn = threading.Lock()
+
+    class OneWriteAtATime(base):
+        async def write(self, *args: Any, **kwargs: Any) -> None:
+            # Waited for in a worker thread: the event loop goes on meanwhile.
+            await asyncio.to_thread(turn.acquire)
+            try:
+                await base.write(self, *args, **kwargs)
+            finally:
+                turn.release()
+
+    copy = OneWriteAtATime.__new__(OneWriteAtATime)
+    copy.__dict__.update(store.__dict__)
+    return copy
+
+
+def _records_written(store: Any, infos: Sequence[Any], described: list[Any]) -> Any:
+    """The future of writing ``described`` (records of a save's arrays) to ``store``,
+    as orbax's own ``ArrayHandler`` writes its records: in the background, once the
+    checkpoint's temporary directory is made. Writing it earlier would make the
+    directory, which the primary host, finding it there, deletes and makes again,
+    failing when it is made in between.
+
+    orbax 0.12: its ``CommitFutureAwaitingContractedSignals`` waits for the directory's
+    signals, as its handlers' futures do; no public name has it."""
+    from orbax.checkpoint._src.futures import future
+
+    async def write() -> None:
+        await asyncio.gather(*(info.await_path_creation() for info in infos))
+        await store.write(infos[0].parent_dir, described, jax.process_index())
+
+    return future.CommitFutureAwaitingContractedSignals(write(), name="pipemark_array_metadata")
+
+
 @functools.cache
 def install() -> None:
     """Register the handler for ``jax.Array`` in orbax's global registry, wrapping the
@@ -169,7 +280,16 @@ def _handler_class(ocp: Any) -> type:
         """orbax's ``jax.Array`` handler for a pipeline's results (see the module)."""
 
         def __init__(self, wrapped: Any) -> None:
-            super().__init__()
+            # orbax's checkpoint handlers take the array metadata store of the handler
+            # registered for jax.Array, whether they were made before install() or
+            # after: the wrapped handler's, which it writes to. Both write to one file
+            # per process, each in a thread of its own, by reading and rewriting it:
+            # the writes take turns. (The wrapped handler is no longer in orbax's
+            # registry; this handler is its only user.)
+            store = _one_write_at_a_time(getattr(wrapped, "_array_metadata_store", None))
+            super().__init__(array_metadata_store=store)
+            if store is not None:
+                wrapped._array_metadata_store = store
             self._wrapped = wrapped
             # Each process writes the metadata and data of the arrays it holds alone.
             self._alone = ocp.type_handlers.ArrayHandler(
@@ -192,19 +312,14 @@ def _handler_class(ocp: Any) -> type:
 
         async def serialize(self, values: Sequence[Any], infos: Sequence[Any], args=None):
             args = args or [ocp.type_handlers.SaveArgs()] * len(values)
-            groups: dict[str, tuple[list, list, list]] = {}
-            for value, info, arg in zip(values, infos, args):
-                kind, view = view_for_saving(value)
-                if kind == "skip":
-                    continue
-                name = "alone" if kind == ALONE else "wrapped"
-                if name == "wrapped" and view.is_fully_addressable is False:
-                    primary = first_process(view)
-                    name = "wrapped" if primary == _PRIMARY else primary
-                group = groups.setdefault(name, ([], [], []))
-                for items, item in zip(group, (view, info, arg)):
-                    items.append(item)
+            groups, described = _grouped(values, infos, args)
+            # The records of the arrays the wrapped handler does not write here (the
+            # inner handlers made here have no store), written as orbax's handlers
+            # write theirs (_records_written).
+            store = self._array_metadata_store
             futures = []
+            if store is not None and described and infos:
+                futures.append(_records_written(store, infos, described))
             for name, group in groups.items():
                 futures.extend(await self._handler(name).serialize(*group))
             return futures
@@ -217,7 +332,11 @@ def _handler_class(ocp: Any) -> type:
             if name == "alone":
                 return self._alone
             if name not in self._primaries:
-                self._primaries[name] = ocp.type_handlers.ArrayHandler(primary_host=name)
+                # Each shard written as it is (no replica-parallel slices), so that a
+                # process with no shard describes the array as its writers write it.
+                self._primaries[name] = ocp.type_handlers.ArrayHandler(
+                    primary_host=name, use_replica_parallel=False
+                )
             return self._primaries[name]
 
         async def deserialize(self, infos: Sequence[Any], args=None):

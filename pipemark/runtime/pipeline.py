@@ -56,7 +56,13 @@ from pipemark.runtime.arguments import (
     partition_params,
 )
 from pipemark.runtime.budget import within_budget
-from pipemark.runtime.calls import record_holders, restore_target, shape_key, traced_call
+from pipemark.runtime.calls import (
+    record_holders,
+    restore_target,
+    shape_key,
+    shared_params_here,
+    traced_call,
+)
 from pipemark.runtime.execution import action_costs, run_plan
 from pipemark.runtime.keeping import stage_readers
 from pipemark.runtime.losses import LOSS_REDUCTIONS, split_count
@@ -152,6 +158,7 @@ class Pipeline:
     def _call(self, params: Any, batch_args: tuple, timings: dict | None) -> tuple[Any, Any]:
         key, dynamic, batch, _ = self._bind(params, batch_args)
         plan = self._plan(key, dynamic, batch)
+        dynamic = shared_params_here(plan, dynamic)
         result = run_plan(plan, dynamic, batch, timings)
         count_fn = self._losses[key][1]
         if count_fn is not None:

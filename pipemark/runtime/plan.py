@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from pipemark import failures
 from pipemark.passes.residuals import RECOMPUTABLE, recompute_residuals
 from pipemark.runtime.agreement import check_agreement
 from pipemark.runtime.compilation import Unit, compile_fused, compile_units
@@ -391,7 +392,8 @@ def _ready(plan: PipelinePlan) -> PipelinePlan:
     fused programs they run, on single-device slots), the zeros of this process's
     accumulators, each worker's scale on its slot; under
     ``jax.distributed`` the processes checked to make the same plan, and its
-    watchdog."""
+    watchdog (and this process's uncaught errors published for the others, for a
+    script that did not start with :func:`pipemark.launch.initialize`)."""
     placement, local = plan.placement, plan.placement.local
     resolve = (plan.staged, plan.schedule, plan.roles(), plan.units, placement)
     unfused = steps = resolve_steps(*resolve, plan.num_param_leaves, fuse=False)
@@ -427,6 +429,7 @@ def _ready(plan: PipelinePlan) -> PipelinePlan:
     }
     watchdog = None
     if placement.distributed:
+        failures.install()
         check_agreement(plan, plan.timeout_s)
         watchdog = Watchdog(plan.timeout_s, placement.process)
     return dataclasses.replace(

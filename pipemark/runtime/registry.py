@@ -279,18 +279,21 @@ ZERO_BUBBLE_VARIANTS: Sequence[str] = _Names(lambda entry: entry.splits_backward
 def build_schedule(kind: str | Schedule, problem: ScheduleProblem) -> Schedule:
     """The schedule ``kind`` for ``problem``: a registered name's entry builds it
     (:meth:`ScheduleEntry.schedule`, which checks the devices); a
-    :class:`~pipemark.runtime.Schedule` is checked against the problem's sizes, stage
-    graph and devices and returned as is. The planner calls it with the pipeline's
-    problem (``pipe.plan(params, batch).problem``); with measured costs, it rebuilds a
-    zero-bubble schedule for them:
+    :class:`~pipemark.runtime.Schedule` is checked against the problem's sizes and
+    devices, and that its order meets the problem's stage graph, and returned with that
+    graph (:func:`~pipemark.runtime.schedules.check_schedule_fits`). The planner calls
+    it with the pipeline's problem (``pipe.plan(params, batch).problem``); with
+    measured costs, it rebuilds a zero-bubble schedule for them:
 
     >>> problem = ScheduleProblem(2, 4, backward_time=2.0)
     >>> build_schedule("zb-h1", problem.with_costs({"weight": (0.0, 3.0)})).name
     'zb-h1'
     """
     if isinstance(kind, Schedule):
-        check_schedule_fits(kind, problem.num_stages, problem.num_microbatches, problem.stage_graph)
-        _check_devices_used(kind, problem)
+        schedule = check_schedule_fits(
+            kind, problem.num_stages, problem.num_microbatches, problem.stage_graph
+        )
+        _check_devices_used(schedule, problem)
         wave = problem.microbatches_in_flight
         if wave is not None and wave < problem.num_microbatches:
             raise PipemarkError(
@@ -298,7 +301,7 @@ def build_schedule(kind: str | Schedule, problem: ScheduleProblem) -> Schedule:
                 f"the pipeline builds; the schedule {kind.name!r} was given made. Build it "
                 "in waves yourself (pm.runtime.schedules.in_waves), or name a schedule."
             )
-        return kind
+        return schedule
     entry = schedule_entry(kind)
     wave, count = problem.microbatches_in_flight, problem.num_microbatches
     if wave is None or wave >= count:
@@ -342,7 +345,7 @@ def make_schedule(
     ``"zb-v"``, ...) for these sizes, with unit times (:func:`build_schedule` takes a
     whole :class:`~pipemark.runtime.ScheduleProblem`). A
     :class:`~pipemark.runtime.Schedule` is checked against the sizes and the stage
-    graph and returned as is.
+    graph and returned with that graph (:func:`build_schedule`).
 
     >>> make_schedule("gpipe", 2, 4).name
     'gpipe'

@@ -12,11 +12,20 @@ not before the ticks of the cells before it in its row: an empty cell is an idle
 pair takes two, the other cells none (torch writes its grids for its own timing model;
 what pipemark runs is the order).
 
+The stage graph is a chain unless ``stage_graph=`` says otherwise, as torch's pipelines
+are. A pipeline whose graph has more edges (a skip connection, tied embeddings read by
+the first and the last stage) runs the schedule all the same where the file's order
+meets them (:func:`~pipemark.runtime.schedules.check_schedule_fits`), and moves the
+values its own graph says.
+
 ``format="compute_comms"`` files also list the transfers: each ``SEND_F`` / ``RECV_F``
 / ``SEND_B`` / ``RECV_B`` is checked against those pipemark infers from the stage graph
-and the placement (:meth:`~pipemark.runtime.Schedule.crosses`): a missing, extra or
-misplaced one (a receive after the action that reads it, a send before the one that
-computes it, either on another row) is refused, naming it. ``REDUCE_GRAD`` is kept where
+and the placement (:meth:`~pipemark.runtime.Schedule.crosses`): an extra or misplaced
+one (a receive after the action that reads it, a send before the one that computes it,
+either on another row) is refused, naming it, and so is a missing one that a chain of
+the stages needs too (torch writes every one of those); the transfers that only the
+edges of ``stage_graph=`` beyond a chain need have no cell in torch's files, and
+pipemark makes them all the same. ``REDUCE_GRAD`` is kept where
 it is written (:attr:`~pipemark.runtime.Schedule.reduce_grad`): it must follow every
 backward and weight action of its stage in the stage's row. ``UNSHARD`` and ``RESHARD``
 (FSDP parameter gathering) are accepted on their stage's row and ignored: pipemark
@@ -50,7 +59,13 @@ from pipemark.runtime.csv_cells import (
     parse_cell,
     read_rows,
 )
-from pipemark.runtime.schedules import Action, Schedule, schedule_from_orders
+from pipemark.runtime.schedules import (
+    Action,
+    Schedule,
+    crossings,
+    normalize_stage_graph,
+    schedule_from_orders,
+)
 
 __all__ = ["schedule_from_csv"]
 
@@ -102,7 +117,10 @@ def schedule_from_csv(
         written too, and checked).
     stage_graph:
         The stages' graph as every builder takes it (``None``: a chain, as torch's
-        schedules are).
+        schedules are). A pipeline runs the schedule on its own graph where the order
+        meets it, so this is needed only for an order that a chain's dependencies
+        deadlock (stages that do not read one another), or for the schedule's own
+        uses (its simulation, its transfers).
     name:
         The schedule's name.
 
@@ -288,20 +306,32 @@ def _check_others(parsed: _File, schedule: Schedule, format: str) -> None:
             _check_transfer(parsed, schedule, cell, where)
             found.add((cell.type, cell.stage, cell.microbatch))
     if format == "compute_comms":
-        missing = [
-            f"{kind}{suffix} of stage {a.stage} for microbatch {a.microbatch} (row "
-            f"{schedule.stage_devices[a.stage]})"
-            for a in parsed.cells
-            for kind, crossing in zip(("RECV", "SEND"), schedule.crosses(a))
-            if crossing
-            for suffix in ["_F" if a.kind == FORWARD else "_B"]
-            if (kind + suffix, a.stage, a.microbatch) not in found
-        ]
-        if missing:
-            raise PipemarkError(
-                f"The file's transfers miss {len(missing)} that pipemark infers from the "
-                f"stage graph and the stages' rows, e.g. {'; '.join(missing[:3])}."
-            )
+        _check_listed(parsed, schedule, found)
+
+
+def _check_listed(
+    parsed: _File, schedule: Schedule, found: set[tuple[str, int, int | None]]
+) -> None:
+    """Every transfer a chain of the file's stages needs (what torch, whose pipelines
+    are chains, writes) that the schedule's stage graph needs too is in ``found``; those
+    only the graph's edges beyond a chain need, pipemark makes without a cell."""
+    chain = normalize_stage_graph(None, schedule.num_stages)
+    devices = schedule.stage_devices
+    missing = [
+        f"{kind}{suffix} of stage {a.stage} for microbatch {a.microbatch} (row {devices[a.stage]})"
+        for a in parsed.cells
+        for kind, needed, written in zip(
+            ("RECV", "SEND"), schedule.crosses(a), crossings(a, devices, chain)
+        )
+        if needed and written
+        for suffix in ["_F" if a.kind == FORWARD else "_B"]
+        if (kind + suffix, a.stage, a.microbatch) not in found
+    ]
+    if missing:
+        raise PipemarkError(
+            f"The file's transfers miss {len(missing)} that pipemark infers from the "
+            f"stage graph and the stages' rows, e.g. {'; '.join(missing[:3])}."
+        )
 
 
 def _check_transfer(parsed: _File, schedule: Schedule, cell: Cell, where: _Where) -> None:

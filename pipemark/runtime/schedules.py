@@ -22,6 +22,11 @@ A schedule is valid when every action runs after everything it needs:
   the first half (torch's ``I``); one without is the whole backward (torch's ``B``). A
   schedule may mix the two, microbatch by microbatch (DualPipeV does).
 
+A schedule fits a pipeline whose stage graph is another when its ticks meet every
+dependency of the pipeline's graph too (:func:`check_schedule_fits`): one built for a
+chain runs a pipeline whose last stage also reads the first (tied embeddings), with the
+pipeline's graph in place of its own.
+
 Two actions of one device may run as one dispatched unit (:attr:`Schedule.overlapped`,
 torch's ``OVERLAP_F_B``): a forward and a backward on adjacent ticks, the second's
 inputs ready before the first's tick, compiled into one program so that XLA may
@@ -42,6 +47,7 @@ device 1  .   F0  B0  F1  B1  F2  B2  .
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -229,6 +235,30 @@ def dependencies(
     return [Action(j, m, FORWARD)] + [Action(s, m, BACKWARD) for s in succ[j]]
 
 
+def crossings(
+    action: Action, stage_devices: Sequence[int], preds: Sequence[Sequence[int]]
+) -> tuple[bool, bool]:
+    """Whether ``action`` reads values from another device and whether it sends values
+    to another device, on the stage graph ``preds`` with stage ``j`` on device
+    ``stage_devices[j]``: a forward reads its predecessors' outputs and sends to its
+    successors, a backward the other way round (a weight action neither).
+
+    >>> crossings(Action(0, 0, BACKWARD), (0, 1, 0), ((), (0,), (0,)))
+    (True, False)
+    """
+    if action.kind == WEIGHT:
+        return False, False
+    here = stage_devices[action.stage]
+    before = preds[action.stage]
+    after = [j for j, ps in enumerate(preds) if action.stage in ps]
+    if action.kind == BACKWARD:
+        before, after = after, before
+    return (
+        any(stage_devices[s] != here for s in before),
+        any(stage_devices[s] != here for s in after),
+    )
+
+
 # ------------------------------------------------------------------------- Schedule
 
 
@@ -353,25 +383,14 @@ class Schedule:
 
     def crosses(self, action: Action) -> tuple[bool, bool]:
         """Whether ``action`` reads values from another device and whether it sends
-        values to another device, by the stage graph and the stages' devices: a
-        forward reads its predecessors' outputs and sends to its successors, a backward
-        the other way round (a weight action neither). The transfers a
-        ``"compute_comms"`` CSV writes (:meth:`to_csv`) and is checked against.
+        values to another device (:func:`crossings` by this schedule's stage graph and
+        stages' devices). The transfers a ``"compute_comms"`` CSV writes
+        (:meth:`to_csv`) and is checked against.
 
         >>> one_f_one_b_schedule(2, 1).crosses(Action(0, 0, FORWARD))
         (False, True)
         """
-        if action.kind == WEIGHT:
-            return False, False
-        here = self.stage_devices[action.stage]
-        before = self.predecessors[action.stage]
-        after = self.successors[action.stage]
-        if action.kind == BACKWARD:
-            before, after = after, before
-        return (
-            any(self.stage_devices[s] != here for s in before),
-            any(self.stage_devices[s] != here for s in after),
-        )
+        return crossings(action, self.stage_devices, self.predecessors)
 
     @property
     def bubble_fraction(self) -> float:
@@ -1014,12 +1033,23 @@ def interleaved_schedule(
 
 def check_schedule_fits(
     schedule: Schedule, num_stages: int, num_microbatches: int, stage_graph: Any = None
-) -> None:
-    """A :class:`PipemarkError` unless ``schedule`` is for ``num_stages`` stages and
-    ``num_microbatches`` microbatches, a :class:`StageGraphError` unless it was built
-    for ``stage_graph`` (``None``: a chain).
+) -> Schedule:
+    """``schedule`` on a pipeline of ``num_stages`` stages, ``num_microbatches``
+    microbatches and the stage graph ``stage_graph`` (``None``: a chain): the same
+    actions at the same ticks, with the pipeline's graph, so that what is derived from
+    the graph (the transfers, the simulation, the programs fused) is the pipeline's
+    (``schedule`` itself where the graphs are equal).
 
-    >>> check_schedule_fits(gpipe_schedule(2, 4), 2, 4)
+    A schedule built for another graph fits where its order meets every dependency of
+    the pipeline's (the module docstring lists them): one built for a chain fits a
+    pipeline whose last stage also reads the first (tied embeddings: edge 0->3), since
+    the chain runs stage 0's forward before stage 3's and stage 3's backward before
+    stage 0's. A :class:`PipemarkError` for other sizes; a :class:`StageGraphError`
+    naming the edge and the first action that would run before a value it reads.
+
+    >>> fitted = check_schedule_fits(gpipe_schedule(4, 2), 4, 2, [(0, 1), (1, 2), (2, 3), (0, 3)])
+    >>> fitted.stage_graph[3], fitted.ticks == gpipe_schedule(4, 2).ticks
+    ((0, 2), True)
     """
     if schedule.num_stages != num_stages or schedule.num_microbatches != num_microbatches:
         raise PipemarkError(
@@ -1028,13 +1058,58 @@ def check_schedule_fits(
             f"stages and {num_microbatches} microbatches. Build it for these sizes."
         )
     preds = normalize_stage_graph(stage_graph, num_stages)
-    if schedule.predecessors != preds:
-        raise StageGraphError(
-            f"The schedule {schedule.name!r} was built for the stage graph "
-            f"{_edges_text(schedule.predecessors)}, but the pipeline's is "
-            f"{_edges_text(preds)}. Build it with stage_graph= the pipeline's graph "
-            "(pipe.plan(params, batch).schedule.stage_graph gives it)."
-        )
+    if schedule.predecessors == preds:
+        return schedule
+    unmet = _first_unmet(schedule, preds)
+    if unmet is not None:
+        raise _unmet_error(schedule, preds, *unmet)
+    return dataclasses.replace(schedule, predecessors=preds)
+
+
+def _first_unmet(
+    schedule: Schedule, preds: Sequence[Sequence[int]]
+) -> tuple[Action, int, Action] | None:
+    """The first action of ``schedule`` (in dispatch order) that would run before a
+    value it reads on the stage graph ``preds``, the tick it reads its inputs at (the
+    backward of an overlapped pair reads them when the pair starts, at its forward's
+    tick) and the action of that value; ``None`` when every action runs after what it
+    reads."""
+    succ = stage_successors(preds)
+    when = schedule._finish
+    starts = {second: when[first] for first, second in schedule.overlapped}
+    for t, _, action in schedule.actions():
+        start = starts.get(action, t)
+        for need in dependencies(action, preds, succ):
+            if when[need] >= start:
+                return action, start, need
+    return None
+
+
+def _unmet_error(
+    schedule: Schedule, preds: Sequence[Sequence[int]], action: Action, start: int, need: Action
+) -> StageGraphError:
+    """The error of :func:`check_schedule_fits` for ``action``, which reads its inputs
+    at tick ``start``, before ``need``, whose values it reads on the stage graph
+    ``preds``, has run."""
+    if action.kind == FORWARD:
+        source, target = need.stage, action.stage
+        reads = f"the forward of stage {target} reads the outputs of stage {source}"
+    else:
+        source, target = action.stage, need.stage
+        reads = f"the backward of stage {source} reads the cotangents stage {target} sends back"
+    paired = start != schedule._finish[action]
+    return StageGraphError(
+        f"The schedule {schedule.name!r} runs {action.label()} (the {action.describe()}) "
+        f"at tick {start}{' in an overlapped pair' if paired else ''}, before "
+        f"{need.label()} (the {need.describe()}, tick {schedule._finish[need]}) has "
+        f"finished, but the pipeline's stage graph has the edge {source}->{target}: "
+        f"{reads}. The "
+        f"schedule was built for the stage graph {_edges_text(schedule.predecessors)}, "
+        f"the pipeline's is {_edges_text(preds)}. Order {need.label()} before "
+        f"{action.label()}, or build the schedule with stage_graph="
+        f"{dict(enumerate(preds))} (schedule_from_orders and schedule_from_csv place each "
+        "action once what it reads is ready)."
+    )
 
 
 def _edges_text(preds: Iterable[Iterable[int]]) -> str:

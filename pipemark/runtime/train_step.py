@@ -21,7 +21,13 @@ from pipemark.mutation import call_watching_arguments
 from pipemark.passes.gradient import split_at_gradient
 from pipemark.passes.inline import inline_calls
 from pipemark.runtime.budget import check_update_within, within_budget
-from pipemark.runtime.calls import record_holders, restore_target, shape_key, traced_call
+from pipemark.runtime.calls import (
+    record_holders,
+    restore_target,
+    shape_key,
+    shared_params_here,
+    traced_call,
+)
 from pipemark.runtime.execution import action_costs, run_plan
 from pipemark.runtime.keeping import stage_readers
 from pipemark.runtime.layouts import StepLayouts, step_layouts
@@ -332,7 +338,7 @@ class PipelinedStep:
         prepared = self._prepare(args)
         plan, out_tree = prepared.plan, prepared.out_tree
         *replicated, batch = args
-        state = _committed(tuple(replicated))
+        state = shared_params_here(plan, _committed(tuple(replicated)))
         accumulated = run_plan(plan, state, batch, timings)
         # The update runs once: each slot its own stages' part, or, where it does not
         # split, whole on the first slot; on a sub-mesh each parameter keeps its layout

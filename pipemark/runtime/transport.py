@@ -50,6 +50,7 @@ from jax.sharding import PartitionSpec as P
 from pipemark._compat import global_array_maker, shard_map
 from pipemark.caches import register_cache
 from pipemark.errors import ProcessError
+from pipemark.failures import Failure, error_line, name_failures, peer_failures, publish
 from pipemark.runtime.placement import Slot, put_on
 
 __all__ = ["CollectiveTransport", "InProcessTransport", "Transport", "Watchdog"]
@@ -115,10 +116,12 @@ def _layout_on(target: Slot, value: Any) -> Any:
 
 class Watchdog:
     """Stops this process (``process``, the placement's index of it), saying on standard
-    error what it waited for, when a wait started by :meth:`arm` lasts longer than
-    ``timeout_s``. A process blocked in a collective whose peer died or raised cannot be
-    interrupted from Python: exiting is the only bounded way out (the launcher,
-    :mod:`pipemark.launch`, then stops the others)."""
+    error what it waited for, and the error another process failed with where one
+    published it (:mod:`pipemark.failures`), when a wait started by :meth:`arm` lasts
+    longer than ``timeout_s``; what it waited for is published in turn. A process
+    blocked in a collective whose peer died or raised cannot be interrupted from
+    Python: exiting is the only bounded way out (the launcher, :mod:`pipemark.launch`,
+    then stops the others)."""
 
     #: The exit status of a process the watchdog stopped.
     EXIT_STATUS = 75
@@ -152,16 +155,23 @@ class Watchdog:
             time.sleep(min(1.0, max(self.timeout_s or 1.0, 0.05) / 4))
             waiting = self._waiting
             if waiting is not None and time.monotonic() > waiting[0]:
-                what = waiting[1]
-                print(
-                    f"pipemark: process {self.process} waited more than "
-                    f"{self.timeout_s:g} s {what() if callable(what) else what}; that "
-                    "process has died, raised or hangs. Stopping this process "
-                    "(PipelineOptions.timeout_s).",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                message, failure = self._stopping(waiting[1])
+                print(message, file=sys.stderr, flush=True)
+                publish(failure)
                 os._exit(self.EXIT_STATUS)
+
+    def _stopping(self, what: Any) -> tuple[str, Failure]:
+        """What this process says as it stops after waiting too long for ``what``, and
+        the failure it publishes for the others."""
+        waited = f"waited more than {self.timeout_s:g} s "
+        waited += what() if callable(what) else what
+        failed = peer_failures(self.process)
+        why = name_failures(failed) if failed else "that process has died, raised or hangs"
+        message = (
+            f"pipemark: process {self.process} {waited}; {why}. Stopping this process "
+            "(PipelineOptions.timeout_s)."
+        )
+        return message, Failure(self.process, waited, False, True, time.time())
 
 
 class CollectiveTransport:
@@ -268,9 +278,10 @@ class CollectiveTransport:
     def _transfer(self, program: Any, arrays: list[Any], what: tuple) -> list[Any]:
         """Run the transfer and wait for it to finish. A collective that fails, or
         never ends, because the other process is gone becomes a clear error (starting
-        one may block too: the first transfer between two processes connects them).
-        ``what`` says what moves, to or from which device; the message is only built
-        when it is needed."""
+        one may block too: the first transfer between two processes connects them),
+        naming the error another process published where one did
+        (:mod:`pipemark.failures`). ``what`` says what moves, to or from which device;
+        the message is only built when it is needed."""
         start = time.perf_counter()
         watchdog = self.watchdog
         watchdog.arm(functools.partial(_says, what))
@@ -279,10 +290,13 @@ class CollectiveTransport:
             for array in out:
                 array.block_until_ready()
         except Exception as error:
-            first = str(error).splitlines()[0] if str(error) else ""
+            failed = peer_failures(self.process)
+            if failed:
+                why = f": {name_failures(failed)}"
+            else:
+                why = f"; that process has probably died or raised ({error_line(error)})"
             raise ProcessError(
-                f"process {self.process}: the transfer {_says(what)} failed; that "
-                f"process has probably died or raised ({type(error).__name__}: {first})."
+                f"process {self.process}: the transfer {_says(what)} failed{why}."
             ) from error
         finally:
             watchdog.disarm()

@@ -8,6 +8,7 @@ a training step clipped by the global norm, each process updating its own stages
     python tests/runtime/_distributed.py OUT_DIR run        # under pipemark.launch
     python tests/runtime/_distributed.py OUT_DIR reference  # one process, N devices
     python tests/runtime/_distributed.py OUT_DIR die        # process 1 dies first
+    python tests/runtime/_distributed.py OUT_DIR raise      # process 1 raises first
     python tests/runtime/_distributed.py OUT_DIR absent     # process 1 never calls
     python tests/runtime/_distributed.py OUT_DIR spare      # one stage fewer than processes
     python tests/runtime/_distributed.py OUT_DIR shape      # process 1's batch differs
@@ -257,6 +258,14 @@ def main() -> None:
         from pipemark.runtime import plan
 
         plan.Watchdog = lambda *args: os._exit(3)
+    if MODE == "raise" and me == 1:
+        # Raise at the same point: pipemark.failures publishes the error for process 0.
+        from pipemark.runtime import plan
+
+        def boom(*args):
+            raise ValueError("boom in process 1\nthe rest of the message")
+
+        plan.Watchdog = boom
     if MODE == "spare":
         return spare()
     if MODE in ("shape", "schedule"):

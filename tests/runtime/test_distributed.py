@@ -422,7 +422,7 @@ def _free_port() -> int:
 
 
 def _without_the_launcher(tmp_path, mode: str) -> tuple[subprocess.CompletedProcess, float]:
-    """Process 1 in ``mode`` (it dies, or never calls), process 0 waiting for it with a
+    """Process 1 in ``mode`` (it raises, or never calls), process 0 waiting for it with a
     5 s timeout, no launcher: process 0's run and how long it took."""
     env = {
         "PIPEMARK_COORDINATOR": f"127.0.0.1:{_free_port()}",
@@ -438,15 +438,18 @@ def _without_the_launcher(tmp_path, mode: str) -> tuple[subprocess.CompletedProc
     return waiting, elapsed
 
 
-def test_without_the_launcher_the_timeout_stops_a_process_waiting_for_a_dead_one(tmp_path):
-    waiting, elapsed = _without_the_launcher(tmp_path, "die")
+def test_without_the_launcher_the_timeout_stops_a_process_waiting_for_one_that_raised(tmp_path):
+    # Process 1 raises where it would make its first transfer; process 0 waits there. Its
+    # watchdog names process 1's error, published on the coordinator (pipemark.failures).
+    waiting, elapsed = _without_the_launcher(tmp_path, "raise")
     from pipemark.runtime.transport import Watchdog
 
     assert waiting.returncode == Watchdog.EXIT_STATUS, waiting.stderr[-3000:]
     assert (
         "pipemark: process 0 waited more than 5 s sending the outputs of stage 'stage0' "
-        "(microbatch 0) to process 1; that process has died, raised or hangs."
-    ) in waiting.stderr
+        "(microbatch 0) to process 1; process 1 raised ValueError: boom in process 1. "
+        "Stopping this process (PipelineOptions.timeout_s)."
+    ) in waiting.stderr, waiting.stderr[-3000:]
     assert elapsed < 45  # the 5 s timeout, plus starting JAX and tracing
 
 

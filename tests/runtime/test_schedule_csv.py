@@ -1,8 +1,10 @@
 """Tests of pipemark.runtime.schedule_csv (and Schedule.to_csv): the schedules
 torch.distributed.pipelining writes (tests/runtime/fixtures, written by torch 2.13 with
-fixtures/torch_schedules.py) read, run as pipelines equal to jax.value_and_grad,
-written back; every registered schedule round-trips; malformed files are refused
-naming the row and the cell."""
+fixtures/torch_schedules.py) read, run as pipelines equal to jax.value_and_grad and
+jax.jit of a training step (models whose stage graph is more than torch's chain: tied
+embeddings, a skip connection), written back; every registered schedule round-trips;
+malformed files, and orders that miss an edge of the pipeline, are refused naming the
+row and the cell, or the action and the edge."""
 
 from __future__ import annotations
 
@@ -10,12 +12,16 @@ import functools
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import pipemark as pm
 from pipemark import examples
+from pipemark.errors import StageGraphError
 from pipemark.runtime import BACKWARD, FORWARD, WEIGHT, Action
 from pipemark.runtime.registry import SCHEDULES, make_schedule
+from tests._devices import computing_on, devices
 from tests._trees import assert_trees_close
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -38,33 +44,9 @@ def _read(name: str, format: str = "compute_only") -> pm.Schedule:
     return pm.schedule_from_csv(FIXTURES / f"{name}{suffix}", format)
 
 
-@functools.cache
-def _model():
-    ex = examples.mlp(num_layers=4, width=8, batch=8)
-    return ex, jax.jit(jax.value_and_grad(ex.loss_fn))(*ex.args)
-
-
-@pytest.mark.parametrize("name", list(RUNS))
-def test_torch_schedules_run_as_pipelines_equal_to_value_and_grad(name):
-    schedule = _read(name)
-    devices, splits = RUNS[name]
-    assert schedule.stage_devices == devices and schedule.num_microbatches == 8
-    assert schedule.splits_backward == splits
-    ex, want = _model()
-    step = pm.pipeline_value_and_grad(
-        ex.loss_fn, num_stages=4, num_microbatches=8, schedule=schedule
-    )
-    assert_trees_close(step(*ex.args), want, rtol=2e-5, atol=1e-6)
-    plan = step.plan(*ex.args)
-    assert plan.schedule is schedule
-    assert plan.steps.num_actions == sum(
-        1 for _, _, a in schedule.actions() if plan.roles()[a.kind][a.stage] is not None
-    )
-
-
 def test_dualpipev_runs_each_overlapped_pair_and_whole_backward_as_one_program():
     schedule = _read("dualpipev")
-    ex, _ = _model()
+    ex = examples.mlp(num_layers=4, width=8, batch=8)
     step = pm.pipeline_value_and_grad(
         ex.loss_fn, num_stages=4, num_microbatches=8, schedule=schedule
     )
@@ -207,3 +189,143 @@ def test_a_deadlock_names_the_cells():
     # of microbatch 0, which waits for device 1's.
     with pytest.raises(pm.PipemarkError, match=r"deadlock.*In the file: Row 0, cell 1"):
         pm.schedule_from_csv("0F0,0B0,0F1,0B1\n1F1,1F0,1B0,1B1")
+
+
+# ------------------------------------------------------------- the files, run
+# torch's pipelines are chains, and so are the schedules its files hold. The models here
+# are more than a chain: a pipeline runs a file's order on its own graph where the order
+# meets it, pipemark making the transfers of the extra edges.
+
+
+def _params(rng, *shapes):
+    return [jnp.asarray(rng.normal(size=shape), jnp.float32) / 2 for shape in shapes]
+
+
+def _tied() -> examples.Example:
+    """Tied embeddings (GPT-2's, Gemma's): the first stage multiplies by the embedding
+    ``E``, the last by its transpose, so the last stage reads the first's weight (the
+    edge 0->3 beside the chain's) and ``E``'s gradient sums the two stages'."""
+    rng = np.random.default_rng(0)
+    embed, *blocks = _params(rng, (6, 4), (4, 4), (4, 4))
+    batch = tuple(_params(rng, (8, 6), (8, 6)))
+
+    def loss_fn(params, batch):
+        x, y = batch
+        h = jnp.tanh(x @ params["embed"])
+        for w in params["blocks"]:
+            pm.mark_pipeline_boundary()
+            h = jnp.tanh(h @ w)
+        pm.mark_pipeline_boundary()
+        return jnp.mean((h @ params["embed"].T - y) ** 2)
+
+    return examples.Example(loss_fn, {"embed": embed, "blocks": blocks}, batch)
+
+
+def _skip() -> examples.Example:
+    """A skip connection: stage 2 adds stage 0's output to its own (the edge 0->2)."""
+    rng = np.random.default_rng(1)
+    params = _params(rng, (4, 4), (4, 4), (4, 4), (4, 4))
+    batch = tuple(_params(rng, (8, 4), (8, 4)))
+
+    def loss_fn(params, batch):
+        x, y = batch
+        first = h = jnp.tanh(x @ params[0])
+        pm.mark_pipeline_boundary()
+        h = jnp.tanh(h @ params[1])
+        pm.mark_pipeline_boundary()
+        h = jnp.tanh(h @ params[2]) + first
+        pm.mark_pipeline_boundary()
+        return jnp.mean((h @ params[3] - y) ** 2)
+
+    return examples.Example(loss_fn, params, batch)
+
+
+_MODELS = {
+    # name: the model, its stage graph as the pipeline finds it
+    "tied": (_tied, {0: (), 1: (0,), 2: (1,), 3: (0, 2)}),
+    # (and 1->3: the add passes stage 3's cotangent on to stage 0's output unchanged,
+    # where stage 1's backward sums it with its own)
+    "skip": (_skip, {0: (), 1: (0,), 2: (0, 1), 3: (1, 2)}),
+}
+
+
+@functools.cache
+def _reference(model: str, train: bool, used: tuple):
+    """The model's function (an SGD step of its loss where ``train``, else the loss), its
+    arguments on the first of ``used`` and what jax.jit of the function (of
+    jax.value_and_grad of the loss) returns for them: once per model, not per file."""
+    with computing_on(used):
+        ex = _MODELS[model][0]()
+        fn, args = ex.loss_fn, ex.args
+        if train:
+            fn, init_state = examples.train_step(ex.loss_fn)
+            args = (ex.params, init_state(ex.params), ex.batch)
+        return fn, args, jax.jit(fn if train else jax.value_and_grad(fn))(*args)
+
+
+def _step(model: str, schedule: pm.Schedule, train: bool):
+    """The model as a pipeline on ``schedule`` (pm.pipeline_train_step where ``train``,
+    else pm.pipeline_value_and_grad), its arguments and jax.jit's result for them."""
+    used = devices(schedule.num_devices)
+    fn, args, want = _reference(model, train, tuple(used[:1]))
+    wrap = pm.pipeline_train_step if train else pm.pipeline_value_and_grad
+    step = wrap(fn, num_microbatches=schedule.num_microbatches, schedule=schedule, devices=used)
+    return step, args, want
+
+
+@pytest.mark.parametrize(
+    ("name", "train"),
+    [(name, False) for name in RUNS] + [(name, True) for name in RUNS if name != "1f1b_runtime"],
+)
+def test_torch_schedules_run_tied_embeddings_equal_to_jax(name, train):
+    # The configuration torch users run: a file of torch's (a chain, {0->1, 1->2, 2->3})
+    # for a model whose last stage reads the first stage's embedding.
+    schedule = _read(name)
+    placement, splits = RUNS[name]
+    assert schedule.stage_devices == placement and schedule.num_microbatches == 8
+    assert schedule.splits_backward == splits
+    assert schedule.stage_graph == {0: (), 1: (0,), 2: (1,), 3: (2,)}
+    step, args, want = _step("tied", schedule, train)
+    assert_trees_close(step(*args), want, rtol=2e-5, atol=1e-6)
+    # The file's order, run on the pipeline's graph: its ticks, each action once.
+    plan = step.plan(*args)
+    assert plan.schedule.stage_graph == _MODELS["tied"][1]
+    assert plan.schedule.ticks == schedule.ticks
+    assert plan.schedule.overlapped == schedule.overlapped
+    assert plan.steps.num_actions == sum(
+        1 for _, _, a in schedule.actions() if plan.roles()[a.kind][a.stage] is not None
+    )
+
+
+@pytest.mark.parametrize("name", ["gpipe", "zbvzerobubble"])
+def test_torch_schedules_run_a_skip_connection_equal_to_jax(name):
+    # Stage 2 reads stage 0's output, on another device in both placements.
+    schedule = _read(name)
+    step, args, want = _step("skip", schedule, train=False)
+    assert_trees_close(step(*args), want, rtol=2e-5, atol=1e-6)
+    assert step.plan(*args).schedule.stage_graph == _MODELS["skip"][1]
+
+
+def test_a_compute_comms_file_reads_with_the_tied_graph():
+    # torch writes the transfers of a chain; the edge 0->3 needs none it does not write
+    # here (stage 3 reads stage 2 from the other row already), and pipemark makes its own.
+    graph = _MODELS["tied"][1]
+    comms = pm.schedule_from_csv(
+        FIXTURES / "interleaved1f1b.comms.csv", "compute_comms", stage_graph=graph
+    )
+    assert comms.stage_graph == graph
+    assert comms.device_orders() == _read("interleaved1f1b").device_orders()
+
+
+def test_an_order_that_misses_an_edge_of_the_pipeline_is_refused():
+    # Read for a diamond (stages 1 and 2 both read stage 0 alone), the file runs the
+    # forwards of stages 1 and 2 at one tick; the skip model's stage 2 also reads stage 1.
+    text = "0F0,0F1,,,,,0B0,0B1\n,1F0,1F1,,,1B0,1B1\n,2F0,2F1,,2B0,2B1\n,,,3F0,3F1,3B0,3B1"
+    schedule = pm.schedule_from_csv(text, stage_graph={1: (0,), 2: (0,), 3: (1, 2)})
+    step, args, _ = _step("skip", schedule, train=False)
+    with pytest.raises(
+        StageGraphError,
+        match=r"runs F0s2 \(the forward of stage 2 for microbatch 0\) at tick 1, before "
+        r"F0s1 .*the edge 1->2: the forward of stage 2 reads the outputs of stage 1",
+    ):
+        step(*args)

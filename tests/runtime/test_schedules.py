@@ -11,7 +11,13 @@ from hypothesis import strategies as st
 
 import pipemark as pm
 from pipemark.errors import PipemarkError, StageGraphError
-from pipemark.runtime.schedules import BACKWARD, FORWARD, Action, normalize_stage_graph
+from pipemark.runtime.schedules import (
+    BACKWARD,
+    FORWARD,
+    Action,
+    check_schedule_fits,
+    normalize_stage_graph,
+)
 
 F, B = FORWARD, BACKWARD
 
@@ -275,15 +281,76 @@ def test_deadlocking_orders_are_named():
             r"for 2 stages and 2 microbatches, but the pipeline has 2 stages and 4",
         ),
         (
-            lambda: pm.make_schedule(pm.gpipe_schedule(3, 2), 3, 2, stage_graph=[(0, 2)]),
+            lambda: pm.make_schedule(pm.gpipe_schedule(3, 2, stage_graph=[(0, 2)]), 3, 2),
             StageGraphError,
-            r"built for the stage graph \{0->1, 1->2\}, but the pipeline's is \{0->2\}",
+            r"runs F0s1 \(the forward of stage 1 for microbatch 0\) at tick 0, before F0s0 "
+            r".*the edge 0->1.*built for the stage graph \{0->2\}, the pipeline's is "
+            r"\{0->1, 1->2\}",
         ),
     ],
 )
 def test_builder_errors(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+_TIED = {0: (), 1: (0,), 2: (1,), 3: (0, 2)}  # a chain whose last stage reads the first
+
+
+@pytest.mark.parametrize(
+    ("name", "devices"),
+    [("gpipe", 4), ("1f1b", 4), ("zb-h1", 4), ("interleaved", 2), ("zb-v", 2), ("dualpipev", 2)],
+)
+def test_a_chain_schedule_fits_tied_embeddings_with_their_graph(name, devices):
+    # The chain runs stage 0's forward before stage 3's and stage 3's backward before
+    # stage 0's, so its order meets the edge 0->3: the same ticks run on the graph.
+    chain = pm.make_schedule(name, 4, 8, num_devices=devices)
+    fitted = pm.make_schedule(chain, 4, 8, stage_graph=_TIED, num_devices=devices)
+    assert fitted.stage_graph == _TIED and chain.stage_graph[3] == (2,)
+    assert fitted.ticks == chain.ticks and fitted.overlapped == chain.overlapped
+    assert check_schedule_fits(chain, 4, 8) is chain
+
+
+@pytest.mark.parametrize(
+    ("orders", "built_for", "message"),
+    [
+        (  # stages 1 and 2 read only stage 0: the backwards of 1 and 2 in either order
+            [[Action(0, 0, F), Action(1, 0, F), Action(2, 0, F), Action(1, 0, B),
+              Action(2, 0, B), Action(0, 0, B)]],
+            {1: (0,), 2: (0,)},
+            r"runs B0s1 \(the backward of stage 1 for microbatch 0\) at tick 3, before B0s2 "
+            r"\(the backward of stage 2 for microbatch 0, tick 4\) has finished, but the "
+            r"pipeline's stage graph has the edge 1->2: the backward of stage 1 reads the "
+            r"cotangents stage 2 sends back. The schedule was built for the stage graph "
+            r"\{0->1, 0->2\}, the pipeline's is \{0->1, 0->2, 1->2\}. Order B0s2 before B0s1",
+        ),
+        (  # one stage per device: stage 2's forward beside stage 1's
+            [[Action(0, 0, F), Action(0, 0, B)], [Action(1, 0, F), Action(1, 0, B)],
+             [Action(2, 0, F), Action(2, 0, B)]],
+            {1: (0,), 2: (0,)},
+            r"runs F0s2 \(the forward of stage 2 for microbatch 0\) at tick 1, before F0s1 "
+            r".*the edge 1->2: the forward of stage 2 reads the outputs of stage 1",
+        ),
+    ],
+)  # fmt: skip
+def test_an_order_that_misses_an_edge_names_it(orders, built_for, message):
+    devices = [0, 0, 0] if len(orders) == 1 else [0, 1, 2]
+    schedule = pm.schedule_from_orders(
+        orders, stage_devices=devices, num_microbatches=1, stage_graph=built_for
+    )
+    with pytest.raises(StageGraphError, match=message):
+        check_schedule_fits(schedule, 3, 1, {1: (0,), 2: (0, 1)})
+
+
+def test_an_overlapped_pair_must_have_the_backwards_inputs_when_it_starts():
+    # B0s1 runs at tick 5, after B0s2 (tick 4), but as the second of a pair it starts
+    # with F1s1 at tick 4: on the graph with 1->2 it would read B0s2's cotangents early.
+    schedule = pm.schedule_from_csv(
+        "0F0,0F1,,,,,,,0B0,0B1\n,1F0,,,(1F1;1B0)OVERLAP_F_B,1B1\n,,2F0,,2B0,2F1,2B1",
+        stage_graph={1: (0,), 2: (0,)},
+    )
+    with pytest.raises(StageGraphError, match=r"runs B0s1 .* at tick 4 in an overlapped pair"):
+        check_schedule_fits(schedule, 3, 2, {1: (0,), 2: (0, 1)})
 
 
 # --------------------------------------------------------------------------- plots

@@ -1,20 +1,26 @@
 """The in-process transport's byte count: what a pipeline copies between its slots in
 one process, against the bytes of the values that cross a stage boundary, counted by
-hand from the model (multi-process transfers: tests/runtime/test_distributed.py)."""
+hand from the model (multi-process transfers: tests/runtime/test_distributed.py); and
+what a failed transfer between processes and the watchdog say, with and without an
+error another process published (pipemark.failures)."""
 
 from __future__ import annotations
 
 import threading
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pipemark as pm
+from pipemark.failures import Failure
+from pipemark.runtime import transport as transport_module
 from pipemark.runtime.placement import device_slot, mesh_slot
-from pipemark.runtime.transport import InProcessTransport
+from pipemark.runtime.transport import CollectiveTransport, InProcessTransport, Watchdog
 
 WIDTH, ROWS = 16, 32
 
@@ -87,3 +93,55 @@ def test_one_device_per_stage_copies_the_same_and_one_stage_nothing():
         )
         _, timings = pipe.timed_call(params, batch)
         assert timings["bytes_copied"] == boundary, devices
+
+
+def _failed_transfer(error: Exception) -> str:
+    """The message of process 0's transfer to process 1 failing with ``error``."""
+
+    def program(arrays):
+        raise error
+
+    transport = CollectiveTransport(Watchdog(None, 0), 0)
+    peer = types.SimpleNamespace(process_index=1)
+    with pytest.raises(pm.ProcessError) as raised:
+        transport._transfer(program, [], ("sending", "the outputs of stage 's0'", "to", peer))
+    assert raised.value.__cause__ is error
+    return str(raised.value)
+
+
+def test_a_failed_transfer_names_the_error_the_other_process_published(monkeypatch):
+    gloo = ValueError("UNKNOWN: Gloo collective permute failed: Connection closed by peer")
+    monkeypatch.setattr(transport_module, "peer_failures", lambda me: [])
+    assert _failed_transfer(gloo) == (
+        "process 0: the transfer sending the outputs of stage 's0' to process 1 failed; that "
+        "process has probably died or raised (ValueError: UNKNOWN: Gloo collective permute "
+        "failed: Connection closed by peer)."
+    )
+    boom = Failure(1, "ValueError: boom in process 1")
+    monkeypatch.setattr(transport_module, "peer_failures", lambda me: [boom] if me == 0 else [])
+    assert _failed_transfer(gloo) == (
+        "process 0: the transfer sending the outputs of stage 's0' to process 1 failed: "
+        "process 1 raised ValueError: boom in process 1."
+    )
+
+
+def test_the_watchdog_names_the_error_the_other_process_published(monkeypatch):
+    watchdog = Watchdog(5.0, 0)
+    what = "sending the outputs of stage 's0' (microbatch 0) to process 1"
+    monkeypatch.setattr(transport_module, "peer_failures", lambda me: [])
+    message, failure = watchdog._stopping(lambda: what)
+    assert message == (
+        f"pipemark: process 0 waited more than 5 s {what}; that process has died, raised or "
+        "hangs. Stopping this process (PipelineOptions.timeout_s)."
+    )
+    # What it waited for, published in turn: it did not raise, and followed process 1.
+    assert (failure.process, failure.raised, failure.reaction) == (0, False, True)
+    assert str(failure) == f"process 0 waited more than 5 s {what}"
+    boom = Failure(1, "JaxRuntimeError: UNIMPLEMENTED: Cross-host transfers are not supported")
+    monkeypatch.setattr(transport_module, "peer_failures", lambda me: [boom])
+    message, _ = watchdog._stopping(what)
+    assert message == (
+        f"pipemark: process 0 waited more than 5 s {what}; process 1 raised JaxRuntimeError: "
+        "UNIMPLEMENTED: Cross-host transfers are not supported. Stopping this process "
+        "(PipelineOptions.timeout_s)."
+    )

@@ -1,0 +1,63 @@
+"""The configurations a new user writes first (tests/runtime/_first_acts.py), in 2
+processes of 2 CPU devices each: a first orbax save by a ``StandardCheckpointer`` made
+before the pipeline's first call, with results kept where computed and gathered; a tied
+embedding that stages of both processes read. Every loss, read in every process, within
+float rounding of ``jax.jit``'s steps; resumed from each checkpoint onto the same layout,
+the same bits."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+pytest.importorskip("orbax.checkpoint")
+
+from tests._xla import child_environ
+from tests.runtime import _first_acts as script
+
+SCRIPT = Path(script.__file__)
+ROOT = SCRIPT.parents[2]
+
+
+def _jit_losses(tied: bool) -> list[float]:
+    """JAX's own: jax.jit of the step, from the same state, on the same batches."""
+    step, state, batches = script.model(tied)
+    step = jax.jit(step)
+    losses = []
+    for batch in batches:
+        *state, loss = step(*state, batch)
+        losses.append(float(loss))
+    return losses
+
+
+@pytest.mark.slow
+def test_first_saves_and_tied_weights_in_two_processes(tmp_path):
+    env = child_environ({k: v for k, v in os.environ.items() if not k.startswith("PIPEMARK_")})
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["JAX_NUM_CPU_DEVICES"] = "2"
+    launched = subprocess.run(
+        [sys.executable, "-m", "pipemark.launch", "-n", "2", str(SCRIPT), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert launched.returncode == 0, launched.stderr[-4000:]
+    seen = [json.loads((tmp_path / f"{p}.json").read_text()) for p in range(2)]
+    assert seen[0] == seen[1]  # every process read every loss
+    assert set(seen[0]) == {f"{t}-{g}" for t in (False, True) for g in (False, True)}
+    for name, run in seen[0].items():
+        want = _jit_losses(tied=name.startswith("True"))
+        # float32 AdamW over a few steps, microbatches' gradients summed in another
+        # order than jit's one program: a few ulps, amplified by the steps.
+        np.testing.assert_allclose(run["losses"], want, rtol=1e-5, err_msg=name)
+        # Restored onto the layout it was saved from: the same programs, the same bits.
+        assert run["resumed"] == run["params_alone"] == run["losses"][script.SAVE_AT :], name
