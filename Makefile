@@ -118,7 +118,7 @@ test-newest: $(NEWEST_STAMP)
 # than make test's few: N training scenarios in one process and N/3 in two, with seed
 # SEED (make test runs 6 and 3: ~35 s of CPU). Measured (2026-12-07, two shared cores,
 # jax 0.10.2 CPU): N=200 SEED=7 ran 200 scenarios in one process (435 s) beside 45 in
-# two (the 67 drawn less the 22 one process would fail alone; 4.7 min) in 9 minutes.
+# two (of 67 drawn: 22 hit failures main has fixed since; 4.7 min) in 9 minutes.
 N    ?= 60
 SEED ?= 0
 fuzz-runtime: $(STAMP)

@@ -212,60 +212,17 @@ def _last_drawn(kind: str, seed: int) -> dict:
     return last[0]
 
 
-#: The labels of :func:`known_failure`'s reasons whose error one process of two may
-#: meet alone, leaving the other waiting: left out of the two-process launch.
-ONE_SIDED = ("(a)", "(b)")
-
-
 def known_failure(scenario: dict) -> str | None:
-    """Why ``scenario`` fails, for a known pipemark bug (``None``: none known): (a) to
-    (c) the main branch is fixing, (d) the fuzzer found. Such a scenario runs as a
-    strict xfail, except those of :data:`ONE_SIDED` in two processes, left out."""
-    specs = [scenario] + [act for act in scenario["acts"] if act["do"] == "restore"]
-    dos = [act["do"] for act in scenario["acts"]] + ["restore"]
-    if not {"step", "export"} & set(dos[: dos.index("restore")]):
-        specs = specs[1:]  # the first pipeline is never called
-    if scenario["kind"] == "processes":
-        reason = _known_in_processes(scenario, specs)
-        if reason:
-            return reason
-    # (c) main is fixing: a CSV schedule is refused where the pipeline's stage graph is
-    # not the one the user knows (:func:`user_graph`): "The schedule 'csv' was built for
-    # the stage graph {0->1, 1->2}, but the pipeline's is {0->1, 0->2, 1->2}". The tied
-    # embedding makes an edge from the first stage to the last (the user's graph has
-    # it where the skip connection makes it too); over 4 stages the skip connection
-    # makes one from the second to the last as well (its cotangent is added to the
-    # first block's in stage 1's backward).
-    model = scenario["model"]
-    least = 4 if model["skip"] else 3 if model["tied"] else 99
-    if any(spec["csv"] and spec["layout"]["stages"] >= least for spec in specs):
-        return "(c) a CSV schedule with a tied embedding or a skip connection (graph refused)"
+    """Why ``scenario`` fails, for a known pipemark bug (``None``: none known): a
+    strict xfail until it is fixed. (The three that main fixed, found as this fuzzer
+    was written: tied weights kept in two processes, a first save by a
+    StandardCheckpointer made before the first call, a CSV schedule of a tied or skip
+    stage graph.)"""
     if scenario["kind"] == "processes" and _saves_restored(scenario["acts"]):
-        # (d) found by this fuzzer: a state restored onto abstract_state's layout is
-        # saved before a step: its arrays lie on one process's devices and pipemark's
-        # orbax handler knows only a step's results ("Cannot serialize host local
-        # jax.Array").
-        return "(d) a restored state saved again before a step, in two processes"
-    return None
-
-
-def _known_in_processes(scenario: dict, specs: list[dict]) -> str | None:
-    if scenario["model"]["tied"] and any(not spec["layout"]["gather"] for spec in specs):
-        # (a) main is fixing: the tied embedding's gradient, held by the last stage's
-        # process, is moved to the first's with a device transfer ("does not support
-        # cross-host device transfers"), an error of that process alone.
-        return "(a) tied weights in two processes, gather_results=False (cross-host transfer)"
-    layout = scenario["layout"]
-    for act in scenario["acts"]:
-        layout = act.get("layout", layout)
-        if act["do"] != "save":
-            continue
-        early = scenario["checkpoint"] == {"with": "standard", "made": "start"}
-        if early and not layout["gather"]:
-            # (b) main is fixing: orbax's handler registered on the first call, after
-            # the checkpointer was made ("No ArrayMetadata found").
-            return "(b) StandardCheckpointer made before the first call, first save kept"
-        break
+        # Found by this fuzzer: a state restored onto abstract_state's layout is saved
+        # before a step: its arrays lie on one process's devices and pipemark's orbax
+        # handler knows only a step's results ("Cannot serialize host local jax.Array").
+        return "a restored state saved again before a step, in two processes"
     return None
 
 

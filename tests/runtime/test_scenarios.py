@@ -60,7 +60,7 @@ _LAYOUT = {"place": "processes", "stages": 2, "gather": True}
 #: fuzzer found (a strict xfail until it is fixed; then a regression test).
 PINNED = {
     "processes": [
-        {  # (d): a state restored under two processes, saved before a step
+        {  # a state restored under two processes, saved before a step
             "kind": "processes",
             "seed": 0,
             "model": dict.fromkeys(["tied", "skip", "scalar", "bf16", "unused"], False)
@@ -84,19 +84,14 @@ PINNED = {
 
 
 def _drawn() -> dict[str, list[dict]]:
-    """The scenarios of this session: those that would hit a known failure
-    (:func:`_scenarios.known_failure` says which and why) are strict xfails, except
-    those one process of two may meet alone (:data:`_scenarios.ONE_SIDED`), left out of
-    the launch: the other process waits on in its call (in a trial, until the launch
-    stopped both a minute later), and the scenarios after it would fail."""
-    out = {}
-    for kind in _scenarios.PLACES:
-        drawn = _scenarios.draw_scenarios(kind, _count(kind), SEED)
-        if kind == "processes":
-            known = map(_scenarios.known_failure, drawn)
-            drawn = [s for s, k in zip(drawn, known) if not str(k).startswith(_scenarios.ONE_SIDED)]
-        out[kind] = drawn + PINNED.get(kind, [])
-    return out
+    """The scenarios of this session, drawn and pinned. Those that hit a known failure
+    (:func:`_scenarios.known_failure`) are strict xfails. A failure one process of two
+    meets alone leaves the other waiting in its call: the launch then stops, and the
+    scenarios after it fail as not run."""
+    return {
+        kind: _scenarios.draw_scenarios(kind, _count(kind), SEED) + PINNED.get(kind, [])
+        for kind in _scenarios.PLACES
+    }
 
 
 DRAWN = _drawn()
