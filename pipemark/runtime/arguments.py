@@ -2,7 +2,8 @@
 
 ``params`` may hold leaves that are not arrays (an equinox module's activation
 function): they are static, as ``eqx.filter_value_and_grad`` holds them, and their
-gradients come back as ``None``. Every batch argument is split into microbatches along
+gradients come back as ``None``; a training step's arguments and results may hold such
+leaves too (:func:`partition_untraceable`). Every batch argument is split into microbatches along
 its leading axis; errors name the argument (``batch argument 1 (y)``).
 """
 
@@ -18,7 +19,13 @@ import numpy as np
 
 from pipemark.errors import PipemarkError
 
-__all__ = ["PartitionedParams", "batch_arg_names", "check_batch_args", "partition_params"]
+__all__ = [
+    "PartitionedParams",
+    "batch_arg_names",
+    "check_batch_args",
+    "partition_params",
+    "partition_untraceable",
+]
 
 
 def _is_array(leaf: Any) -> bool:
@@ -50,6 +57,24 @@ class PartitionedParams:
         )
 
 
+def _is_traceable(leaf: Any) -> bool:
+    # What jax.jit traces: arrays, and Python and NumPy scalars (weakly typed).
+    return _is_array(leaf) or isinstance(leaf, (bool, int, float, complex))
+
+
+def partition_untraceable(tree: Any) -> PartitionedParams:
+    """Split ``tree`` (a training step's arguments, or its results) into the leaves JAX
+    traces (arrays and scalars) and the rest (an equinox module's activation function, a
+    string), which are static, as ``eqx.filter_jit`` holds them.
+
+    >>> import jax.numpy as jnp
+    >>> part = partition_untraceable(({"w": jnp.ones(2), "act": jnp.tanh, "n": 3},))
+    >>> part.dynamic[0]["act"] is None, part.dynamic[0]["n"], part.static[0]["act"] is jnp.tanh
+    (True, 3, True)
+    """
+    return _partition(tree, _is_traceable)
+
+
 def partition_params(params: Any) -> PartitionedParams:
     """Split ``params`` into arrays and static leaves.
 
@@ -58,10 +83,14 @@ def partition_params(params: Any) -> PartitionedParams:
     >>> part.dynamic["act"] is None and part.static["w"] is None
     True
     """
-    leaves, treedef = jax.tree_util.tree_flatten(params)
-    arrays = [_is_array(leaf) for leaf in leaves]
+    return _partition(params, _is_array)
+
+
+def _partition(tree: Any, traced: Callable[[Any], bool]) -> PartitionedParams:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    arrays = [traced(leaf) for leaf in leaves]
     if all(arrays):  # nothing static (run on every call: no trees rebuilt)
-        return PartitionedParams(params, None, (treedef, None))
+        return PartitionedParams(tree, None, (treedef, None))
     dynamic = treedef.unflatten([x if a else None for x, a in zip(leaves, arrays)])
     static = treedef.unflatten([None if a else x for x, a in zip(leaves, arrays)])
     key = (treedef, tuple(None if a else (type(x), id(x)) for x, a in zip(leaves, arrays)))

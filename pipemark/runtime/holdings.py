@@ -32,18 +32,34 @@ from typing import Any, NamedTuple
 
 from pipemark.runtime.placement import Placement
 
-__all__ = ["ALONE", "COPIES", "Holding", "holding", "record", "record_results"]
+__all__ = [
+    "ALONE",
+    "COPIES",
+    "FIRST_COPY",
+    "OTHER_COPY",
+    "Holding",
+    "holding",
+    "record",
+    "record_results",
+]
 
 #: This process's slot holds the array; no other process has it.
 ALONE = "alone"
 #: Every process holds an identical copy of the array.
 COPIES = "copies"
+#: Some processes, not all, hold identical copies of an array restored from a
+#: checkpoint; this process is the first of them, and saves it as if held alone.
+FIRST_COPY = "first copy"
+#: Some processes, not all, hold identical copies of an array restored from a
+#: checkpoint; another, the first of them, saves it.
+OTHER_COPY = "other copy"
 
 
 class Holding(NamedTuple):
-    """How a pipeline's result is held (``kind``: :data:`ALONE` or :data:`COPIES`);
-    for copies, the device each process keeps its copy on, in process order (the same
-    list in every process)."""
+    """How a pipeline's result is held (``kind``: :data:`ALONE` or :data:`COPIES`;
+    for an array a checkpoint restored, also :data:`FIRST_COPY` or
+    :data:`OTHER_COPY`); for copies, the device each process keeps its copy on, in
+    process order (the same list in every process)."""
 
     kind: str
     devices: tuple[Any, ...] = ()

@@ -36,7 +36,10 @@ when they were made) and one made after read and write the same records.
 It restores an array whose target sharding has no device in this process as an array
 held elsewhere (orbax's reader needs a shard to read into), and everything else through
 the wrapped handler, so a checkpoint restores onto any layout: each process reads what
-its devices hold. Every other array goes to the wrapped handler unchanged.
+its devices hold. Every other array goes to the wrapped handler unchanged. The arrays a
+restore gives are recorded as a pipeline's results are (one exchange among the
+processes says which of them restored each here), so a restored state saves again
+before any step.
 
 The pipeline calls :func:`install` when it first returns results under
 ``jax.distributed``, if orbax is installed (``pip install pipemark[checkpoint]``).
@@ -57,11 +60,23 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, make_single_device_
 
 from pipemark._compat import is_single_device_sharding
 from pipemark.errors import PipemarkError
-from pipemark.runtime.holdings import ALONE, COPIES, Holding, holding
+from pipemark.runtime.agreement import from_every_process
+from pipemark.runtime.holdings import (
+    ALONE,
+    COPIES,
+    FIRST_COPY,
+    OTHER_COPY,
+    Holding,
+    holding,
+    record,
+)
 from pipemark.runtime.placement import held_elsewhere
 
 __all__ = ["available", "install", "view_for_saving"]
 
+# The longest a process waits for the others' part of a restore's exchange: they
+# restore the same checkpoint, each at its own pace.
+_RESTORE_TIMEOUT_S = 600.0
 # A mesh axis of the views below: the replicas of an array held alone or in copies.
 _HOLDERS = "pipemark_holders"
 
@@ -136,10 +151,12 @@ def view_for_saving(array: Any) -> tuple[str, Any]:
     held: Holding | None = holding(array)
     if held is None:
         return "as is", array
-    if held.kind == ALONE:
+    if held.kind in (ALONE, FIRST_COPY):
         return ALONE, _alone_view(array)
-    if held.kind != COPIES:  # holdings.py records only these two
-        raise ValueError(f"a result held as {held.kind!r}, neither {ALONE!r} nor {COPIES!r}")
+    if held.kind == OTHER_COPY:  # the first process holding a copy writes it
+        return "skip", None
+    if held.kind != COPIES:
+        raise ValueError(f"a result held as {held.kind!r}, not one of holdings.py's kinds")
     return COPIES, _copies_view(array, held.devices)
 
 
@@ -182,6 +199,40 @@ def _array_metadata(value: Any, info: Any, arg: Any) -> Any:
         process_index=jax.process_index(),
     )
     return spec.metadata
+
+
+def _record_restored(arrays: Sequence[Any]) -> None:
+    """Record how each of ``arrays`` (what a restore gave this process) is held, as a
+    pipeline records its results, so that a restored state saves again before any
+    step: an array whose every shard is here is held alone where no other process
+    restored it here too, in copies where every process did, and written by the first
+    of them where some did. One exchange with every process, which restores the same
+    tree (:func:`~pipemark.runtime.agreement.from_every_process`)."""
+    local = {
+        k: min(array.sharding.device_set, key=lambda d: d.id).id
+        for k, array in enumerate(arrays)
+        if isinstance(array, jax.Array) and array.is_fully_addressable
+    }
+    seen = from_every_process(
+        f"the {len(arrays)} arrays a checkpoint restored in it",
+        sorted(local.items()),
+        timeout_s=_RESTORE_TIMEOUT_S,
+    )
+    placed = [dict(map(tuple, pairs)) for pairs in seen]
+    devices = {d.id: d for d in jax.devices()}
+    me = jax.process_index()
+    holdings: list[Holding | None] = []
+    for k in range(len(arrays)):
+        holders = [p for p, here in enumerate(placed) if k in here]
+        if k not in local:
+            holdings.append(None)
+        elif len(holders) == 1:
+            holdings.append(Holding(ALONE))
+        elif len(holders) == len(placed):
+            holdings.append(Holding(COPIES, tuple(devices[placed[p][k]] for p in holders)))
+        else:
+            holdings.append(Holding(FIRST_COPY if holders[0] == me else OTHER_COPY))
+    record(arrays, holdings)
 
 
 def _grouped(
@@ -354,6 +405,8 @@ def _handler_class(ocp: Any) -> type:
                 )
                 for k, value in zip(here, got):
                     results[k] = value
+            if jax.process_count() > 1:  # every process, each restore: an exchange
+                await asyncio.to_thread(_record_restored, results)
             return results
 
     return PipelineArrayHandler

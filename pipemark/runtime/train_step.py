@@ -20,6 +20,7 @@ from pipemark.exported import ExportedStages
 from pipemark.mutation import call_watching_arguments
 from pipemark.passes.gradient import split_at_gradient
 from pipemark.passes.inline import inline_calls
+from pipemark.runtime.arguments import PartitionedParams, partition_untraceable
 from pipemark.runtime.budget import check_update_within, within_budget
 from pipemark.runtime.calls import (
     record_holders,
@@ -169,24 +170,28 @@ class PipelinedStep:
             raise PipemarkError(
                 "A pipelined training step needs at least the batch argument (the last one)."
             )
-        key = shape_key(args)
+        part = partition_untraceable(args)
+        args = part.dynamic
+        key = (part.key, shape_key(args))
         prepared = self._prepared.get(key)
         if prepared is not None:
             return prepared
         *replicated, batch = args
         options = self.options
+        results: dict[str, PartitionedParams] = {}
+        step_fn = _traced_step(self.step_fn, part, results)
         _refuse_spanning_stages(options)
         batch_structs, micro, replicas = replica_batch(batch, options)
         # The gradient part is traced for one microbatch (it runs per microbatch); the
         # update is traced for the whole batch (it runs once, and may read the batch).
         try:
-            compute, _, _ = _trace_step(self.step_fn, (*replicated, batch_structs))
+            compute, _, _ = _trace_step(step_fn, (*replicated, batch_structs))
         except PipemarkError:
             raise
         except (TypeError, ValueError) as error:  # JAX's own, e.g. shapes that disagree
             _refuse_unsplit_batch(replicated, batch, error)
             raise
-        compute_full, apply, out_shape = _trace_step(self.step_fn, args)
+        compute_full, apply, out_shape = _trace_step(step_fn, args)
         _check_accumulable(compute, compute_full)
         num_replicated = len(jax.tree_util.tree_leaves(tuple(replicated)))
         if options.loss_reduction == "sum":
@@ -232,7 +237,7 @@ class PipelinedStep:
             first = num_args + len(plan.staged.outputs)
             scalars = [first + k for k, v in enumerate(apply.jaxpr.outvars) if not v.aval.shape]
             shared = tuple(sorted({*split.unowned, *scalars}))
-        prepared = _Prepared(plan, out_tree, parts, holders, shared)
+        prepared = _Prepared(plan, out_tree, parts, holders, shared, results["part"])
         self._prepared[key] = prepared
         return prepared
 
@@ -240,7 +245,7 @@ class PipelinedStep:
         """Measured costs of the gradient part's actions, as
         :meth:`Pipeline.action_costs` gives them (the update, run once, is not an action)."""
         plan = self._prepare(args)[0]
-        *replicated, batch = args
+        *replicated, batch = _dynamic(args)
         return action_costs(plan, tuple(replicated), batch, repeat)
 
     def memory(self, *args: Any) -> MemoryEstimate:
@@ -252,14 +257,14 @@ class PipelinedStep:
         gradients, its results and temporaries; under ``jax.distributed``, of this
         process's slots)."""
         prepared = self._prepare(args)
-        return _step_memory(prepared.plan, prepared.parts, args)
+        return _step_memory(prepared.plan, prepared.parts, _dynamic(args))
 
     def trace(self, *args: Any, path: str | os.PathLike | None = None) -> dict:
         """The gradient part of one step with these arguments, traced as
         :meth:`Pipeline.trace` does (the update, run once, is not an action); written to
         ``path`` when given, and returned."""
         plan = self._prepare(args)[0]
-        *replicated, batch = args
+        *replicated, batch = _dynamic(args)
         return traced_call(plan, tuple(replicated), batch, path)
 
     def export(self, directory: str | os.PathLike, *args: Any) -> ExportedStages:
@@ -286,7 +291,7 @@ class PipelinedStep:
             prepared.parts,
             directory,
             num_outputs=out_tree.num_leaves,
-            input_names=leaf_names("args", args),
+            input_names=leaf_names("args", _dynamic(args)),
             output_names=leaf_names("result", results),
         )
 
@@ -315,13 +320,14 @@ class PipelinedStep:
         """
         prepared = self._prepare(args)
         plan = prepared.plan
-        leaves, treedef = jax.tree_util.tree_flatten(tuple(args[:-1]))
+        state = partition_untraceable(tuple(args[:-1]))
+        leaves, treedef = jax.tree_util.tree_flatten(state.dynamic)
         readers = stage_readers(plan, len(leaves))
         for part in prepared.parts:
             for position, sharding in zip(part.inputs, part.shardings):
                 if position < len(leaves):
                     readers[position].append((part.worker, sharding))
-        return treedef.unflatten(restore_target(plan, leaves, readers))
+        return state.combine(treedef.unflatten(restore_target(plan, leaves, readers)))
 
     def timed_call(self, *args: Any) -> tuple[Any, dict[str, float]]:
         """Like calling the step, and also return the gradient part's timings, as
@@ -337,7 +343,7 @@ class PipelinedStep:
     def _call(self, args: tuple[Any, ...], timings: dict | None) -> Any:
         prepared = self._prepare(args)
         plan, out_tree = prepared.plan, prepared.out_tree
-        *replicated, batch = args
+        *replicated, batch = _dynamic(args)
         state = shared_params_here(plan, _committed(tuple(replicated)))
         accumulated = run_plan(plan, state, batch, timings)
         # The update runs once: each slot its own stages' part, or, where it does not
@@ -364,7 +370,7 @@ class PipelinedStep:
             record_holders(plan, outputs, [None] * len(outputs))
         else:
             record_holders(plan, outputs, [held.get(k) for k in positions])
-        return jax.tree_util.tree_unflatten(out_tree, outputs)
+        return prepared.results.combine(jax.tree_util.tree_unflatten(out_tree, outputs))
 
 
 class _Prepared(NamedTuple):
@@ -375,6 +381,28 @@ class _Prepared(NamedTuple):
     parts: tuple[UpdateProgram, ...]  # the update, per slot and round where it splits
     holders: tuple[int | None, ...]  # per input of the update (see update_holders)
     shared: tuple[int, ...]  # results sent to every process (see run_update)
+    results: PartitionedParams  # the step's results: their static leaves
+
+
+def _traced_step(
+    step_fn: Callable, part: PartitionedParams, results: dict[str, PartitionedParams]
+) -> Callable:
+    """``step_fn`` as a function of its arguments' traced leaves (``part.dynamic``),
+    returning its results' traced leaves; their static leaves (an equinox module's
+    activation function) are held apart, as ``eqx.filter_jit`` holds them: the
+    arguments' in ``part``, the results' put in ``results["part"]`` when it is traced."""
+
+    def step(*dynamic: Any) -> Any:
+        out = partition_untraceable(step_fn(*part.combine(dynamic)))
+        results["part"] = out
+        return out.dynamic
+
+    return step
+
+
+def _dynamic(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A step's arguments with their static leaves (:func:`_traced_step`) taken out."""
+    return partition_untraceable(args).dynamic
 
 
 def _committed(state: tuple[Any, ...]) -> tuple[Any, ...]:

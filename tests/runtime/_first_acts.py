@@ -11,7 +11,8 @@ it); an AdamW step with global-norm clipping and a cosine schedule, 4 microbatch
 1F1B; results kept where computed and gathered. In each run an orbax
 ``StandardCheckpointer`` made before the first pipeline call saves, as its first act
 after :data:`SAVE_AT` steps, ``{"p": params, "s": opt_state}`` and ``{"p": params}``;
-both are restored through ``abstract_state`` and the last steps run again from them.
+both are restored through ``abstract_state`` and the last steps run again from them,
+and the restored state is saved again before any step, restored and resumed.
 Each process writes its losses (read with ``float`` in every process) to
 ``OUT/<process>.json``.
 """
@@ -119,8 +120,14 @@ def first_save(out: str, tied: bool, gather: bool) -> dict:
     resumed, _ = run(pipe, (back["p"], back["s"]), batches, SAVE_AT, STEPS)
     params_back = checkpointer.restore(alone, {"p": params})["p"]
     again, _ = run(pipe, (params_back, back["s"]), batches, SAVE_AT, STEPS)
+    # A restored state saved again before any step, then restored and resumed.
+    resaved = os.path.join(out, name + "-resaved")
+    checkpointer.save(resaved, {"p": params_back, "s": back["s"]})
+    checkpointer.wait_until_finished()
+    back = checkpointer.restore(resaved, {"p": params, "s": opt_state})
+    resaved_run, _ = run(pipe, (back["p"], back["s"]), batches, SAVE_AT, STEPS)
     checkpointer.close()
-    return dict(losses=first + rest, resumed=resumed, params_alone=again)
+    return dict(losses=first + rest, resumed=resumed, params_alone=again, resaved=resaved_run)
 
 
 def main() -> None:
