@@ -57,10 +57,10 @@ def _count(kind: str) -> int:
 
 _LAYOUT = {"place": "processes", "stages": 2, "gather": True}
 #: Scenarios every session runs after the drawn ones: the smallest of each failure the
-#: fuzzer found (a strict xfail until it is fixed; then a regression test).
+#: fuzzer found, a regression test once fixed.
 PINNED = {
     "processes": [
-        {  # a state restored under two processes, saved before a step
+        {  # a state restored under two processes, saved before a step (fixed: bfd52f0)
             "kind": "processes",
             "seed": 0,
             "model": dict.fromkeys(["tied", "skip", "scalar", "bf16", "unused"], False)
@@ -191,13 +191,11 @@ def test_scenario_matches_jax(outcomes, case):
     assert outcome.error is None, _scenarios.report(outcome)
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="found by the fuzzer, not fixed yet")
 def test_a_whole_equinox_module_trains():
-    # Found by the scenario fuzzer: pm.pipeline_train_step refuses an equinox module with
-    # a function field ("TypeError: Cannot determine dtype of <PjitFunction of tanh>",
-    # in calls.shape_key), where pm.pipeline_value_and_grad holds such leaves static
-    # (docs/runtime.md, "Arguments") and eqx.filter_jit runs the step. The scenarios
-    # pass the module's arrays (eqx.partition) meanwhile (_scenarios._equinox_tree).
+    # Found by the scenario fuzzer (fixed on main in 9591641): pm.pipeline_train_step
+    # refused an equinox module with a function field ("TypeError: Cannot determine
+    # dtype of <PjitFunction of tanh>", in calls.shape_key), which
+    # pm.pipeline_value_and_grad and eqx.filter_jit take.
     import equinox as eqx
     import jax
     import jax.numpy as jnp
