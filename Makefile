@@ -118,11 +118,13 @@ test-newest: $(NEWEST_STAMP)
 # than make test's few: N training scenarios in one process and N/3 in two, with seed
 # SEED (make test runs 6 and 3: ~35 s of CPU). Measured (2026-12-07, two shared cores,
 # jax 0.10.2 CPU): N=200 SEED=7 ran 200 scenarios in one process (435 s) beside 45 in
-# two (of 67 drawn: 22 hit failures main has fixed since; 4.7 min) in 9 minutes.
+# two (of 67 drawn: 22 hit failures main has fixed since; 4.7 min) in 9 minutes. Its
+# folder is its own: pytest keeps the last three sessions' of the default folder, which
+# other sessions on a shared machine would delete under a long run.
 N    ?= 60
 SEED ?= 0
 fuzz-runtime: $(STAMP)
-	$(TEST_ENV) PIPEMARK_SCENARIOS=$(N) PIPEMARK_FUZZ_SEED=$(SEED) $(BIN)/python -m pytest -p no:cacheprovider -q tests/runtime/test_scenarios.py
+	$(TEST_ENV) PIPEMARK_SCENARIOS=$(N) PIPEMARK_FUZZ_SEED=$(SEED) $(BIN)/python -m pytest -p no:cacheprovider -q --basetemp=$${TMPDIR:-/tmp}/pipemark-fuzz-runtime tests/runtime/test_scenarios.py
 
 # The two environments alone (.ci/run builds them while `make test` runs).
 newest-env: $(NEWEST_STAMP)
