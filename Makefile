@@ -117,8 +117,8 @@ test-newest: $(NEWEST_STAMP)
 # The runtime's scenario fuzzer alone (tests/runtime/test_scenarios.py), drawing more
 # than make test's few: N training scenarios in one process and N/3 in two, with seed
 # SEED (make test runs 6 and 3: ~35 s of CPU). Measured (2026-12-07, two shared cores,
-# jax 0.10.2 CPU): N=200 SEED=7 ran 200 scenarios in one process (435 s) beside 45 in
-# two (of 67 drawn: 22 hit failures main has fixed since; 4.7 min) in 9 minutes. Its
+# jax 0.10.2 CPU): N=200 SEED=9 ran 200 scenarios in one process (494 s of their own)
+# beside 68 in two (5 minutes) in 10 minutes, every one matching jax.jit. Its
 # folder is its own: pytest keeps the last three sessions' of the default folder, which
 # other sessions on a shared machine would delete under a long run.
 N    ?= 60
