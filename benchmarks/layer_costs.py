@@ -375,6 +375,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--attention", default="xla", help="xla, flash or both: xla,flash")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--only", help="comma list: measure the shapes whose names hold one")
     parser.add_argument("--budget-s", type=float, default=330.0)
     parser.add_argument("--out", help="write the results here as JSON")
     opts = parser.parse_args(argv)
@@ -396,12 +397,18 @@ def main(argv: list[str] | None = None) -> dict:
         "complete": False,
         "records": [],
     }
-    runs = [(s, a) for s in grid(opts.grid) for a in opts.attention.split(",")]
+    shapes = [
+        s
+        for s in grid(opts.grid)
+        if not opts.only or any(w in s.name for w in opts.only.split(","))
+    ]
+    runs = [(s, a) for s in shapes for a in opts.attention.split(",")]
     for i, (s, attention) in enumerate(runs):
         if time.monotonic() > deadline:
             print(f"- budget of {opts.budget_s:.0f} s spent: {len(runs) - i} shapes left out")
             break
         result["records"] += measure_shape(s, attention, policies, opts, deadline)
+        jax.clear_caches()  # the shape's programs, before the next shape's are compiled
         result["elapsed_s"] = time.monotonic() - start
         if opts.out:
             Path(opts.out).write_text(json.dumps(result, indent=1) + "\n")
