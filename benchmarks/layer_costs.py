@@ -29,6 +29,13 @@ a matmul, attention's two matmuls ``4·B·S²·H·D`` halved for the causal mask
 3 × forward; achieved TFLOP/s is that training count over the forward+backward time (so
 a remat policy's recomputation shows as lower TFLOP/s, as in MaxText's logs).
 
+``--attention flash`` (or ``xla,flash``: both, a shape's two records side by side)
+measures the layer with the Pallas TPU flash kernel in place of
+``jax.nn.dot_product_attention`` (MaxText's v5e runs used flash attention; XLA's
+attention keeps ``rows × heads × seq²`` scores, which at 16B's 6 rows do not fit).
+``--only 16B,128B`` measures the shapes whose names hold one of the words, to split the
+grid across calls.
+
 Each record (one a shape and policy) goes to ``--out`` as JSON after every shape, so a
 run stopped by ``--budget-s`` (checked before each measurement) or killed keeps what it
 measured; a shape that fails (out of memory) is recorded with its error and the run goes
