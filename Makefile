@@ -1,12 +1,14 @@
-# The README's commands. Each target makes its own virtual environment in .venv and
-# installs what it needs into it, so a fresh clone needs only python3 (>= 3.10).
+# The commands of README.md and CONTRIBUTING.md. Each target makes its own virtual
+# environment in .venv and installs what it needs into it, so a fresh clone needs only
+# python3 (>= 3.10).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.pipemark-installed
 
-# The newest end of the supported JAX range (README, "Supported versions"): its own venv,
-# made by Python 3.12, where pip resolves the newest JAX, flax, equinox and optax.
+# The newest end of the supported JAX range (CONTRIBUTING.md, "Supported JAX
+# versions"): its own venv, made by Python 3.12, where pip resolves the newest JAX,
+# flax, equinox and optax.
 NEWEST_PYTHON ?= $(firstword $(foreach p,python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12),$(shell $(p) -c 'print("$(p)")' 2>/dev/null)))
 NEWEST_VENV   ?= .venv-newest
 NEWEST_BIN     = $(NEWEST_VENV)/bin
@@ -135,8 +137,8 @@ maxtext-env: $(MAXTEXT_STAMP)
 test-maxtext: $(MAXTEXT_STAMP)
 	$(MAXTEXT_BIN)/python -m pytest -n 2 -m maxtext tests/test_maxtext.py
 
-# The device-independent tests on an accelerator (README, "On a TPU"): with the Python
-# that runs make and what it has installed (JAX with its accelerator plugin, numpy,
+# The device-independent tests on an accelerator (CONTRIBUTING.md, "On a TPU"): with
+# the Python that runs make and what it has installed (JAX with its accelerator plugin, numpy,
 # pytest, hypothesis), no venv, no download, one pytest process. PIP_INDEX=URL first
 # installs networkx and rich (and flax and optax, where the index has them) from that
 # index. tests/_accelerator.py lists the tests and says why those; TPU_OUT gets

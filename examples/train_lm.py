@@ -208,32 +208,6 @@ class Text:
 # ---------------------------------------------------------------------- the training run
 
 
-def start_jax(num_stages: int) -> None:
-    """Before anything else touches JAX: join the other processes under
-    ``python -m pipemark.launch``; on a CPU, give this process one host device per
-    stage unless the environment already says how many."""
-    if launch.launched():
-        launch.initialize()
-    told = "JAX_NUM_CPU_DEVICES" in os.environ or (
-        "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
-    )
-    if not told:
-        jax.config.update("jax_num_cpu_devices", num_stages)
-
-
-def stage_devices(num_stages: int) -> list[Any]:
-    """The devices the stages run on, consecutive stages in one process: the first
-    ``ceil(num_stages / processes)`` devices of each process, in process order (fewer
-    devices than stages only where the processes have fewer: a schedule with several
-    stages per device, ``interleaved`` or ``zb-v``, then places them)."""
-    by_process: dict[int, list[Any]] = {}
-    for device in jax.devices():
-        by_process.setdefault(device.process_index, []).append(device)
-    per_process = -(-num_stages // len(by_process))
-    chosen = [d for p in sorted(by_process) for d in by_process[p][:per_process]]
-    return chosen[:num_stages]
-
-
 def build(args: argparse.Namespace) -> tuple[Text, Any, tuple]:
     """The text, the training step (for ``jax.jit`` as much as for the pipeline) and
     the initial state ``(params, opt_state)``, the same in every process."""
@@ -394,10 +368,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    start_jax(args.stages)
+    # Before anything else touches JAX: join the other processes under the launcher; on
+    # a CPU, a host device per stage unless the environment says how many.
+    launch.start_jax(cpu_devices=args.stages)
     say = print if jax.process_index() == 0 else lambda *_: None
     text, step, state = build(args)
-    devices = stage_devices(args.stages)
+    devices = pm.runtime.stage_devices(args.stages)  # consecutive stages in one process
     pipelined = pm.pipeline_train_step(
         step,
         num_stages=args.stages,

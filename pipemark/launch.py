@@ -6,7 +6,8 @@ all when one fails.
 starts ``train.py --steps 10`` four times, with the environment telling each its
 process id, the process count and the coordinator's address (a free local port). The
 script calls :func:`initialize` before anything else touches JAX (a script that also
-runs alone calls it where :func:`launched` says it was launched). When a process exits
+runs alone calls it where :func:`launched` says it was launched; :func:`start_jax` does
+both, and gives a CPU process its host devices). When a process exits
 with an error (or is killed), the launcher says which, and the error it raised
 (:mod:`pipemark.failures`), and stops the others, so a pipeline never waits on a
 process that is gone; its exit status is that process's. A process that raises exits
@@ -35,8 +36,9 @@ import time
 from collections.abc import Sequence
 
 from pipemark import failures
+from pipemark.errors import PipemarkError
 
-__all__ = ["initialize", "launched", "launch", "main"]
+__all__ = ["initialize", "launched", "start_jax", "launch", "main"]
 
 _COORDINATOR = "PIPEMARK_COORDINATOR"
 _NUM_PROCESSES = "PIPEMARK_NUM_PROCESSES"
@@ -86,6 +88,38 @@ def launched() -> bool:
     False
     """
     return _COORDINATOR in os.environ
+
+
+def start_jax(cpu_devices: int | None = None) -> None:
+    """Start JAX for a script that runs alone as well as under ``python -m
+    pipemark.launch``: join the other processes where :func:`launched` says so
+    (:func:`initialize`), and give this process ``cpu_devices`` host CPU devices unless
+    the environment already says how many (``JAX_NUM_CPU_DEVICES``, or
+    ``--xla_force_host_platform_device_count`` in ``XLA_FLAGS``). On an accelerator
+    the CPU devices are not the ones JAX uses, and the setting changes nothing there.
+
+    Call it first, before anything asks JAX for devices or runs an operation.
+
+    >>> from pipemark import launch
+    >>> launch.start_jax()  # alone, with no device count to set: nothing to do
+    """
+    if launched():
+        initialize()
+    told = "JAX_NUM_CPU_DEVICES" in os.environ or (
+        "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
+    )
+    if cpu_devices is None or told:
+        return
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", cpu_devices)
+    except RuntimeError as error:  # JAX started its backends already
+        raise PipemarkError(
+            f"launch.start_jax(cpu_devices={cpu_devices}) came after JAX started (something "
+            "asked for devices or ran an operation first): call it at the top of the "
+            "script, right after the imports, or set JAX_NUM_CPU_DEVICES in the environment."
+        ) from error
 
 
 def _exit_on_uncaught_exception() -> None:

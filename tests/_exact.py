@@ -20,7 +20,7 @@ for longer computations).
 
 ``make test`` runs on the machine's own instruction set; to check that no test depends
 on it, run the suite with XLA's CPU code generation pinned lower, e.g.
-``XLA_FLAGS=--xla_cpu_max_isa=AVX2`` or ``AVX`` (README, "Supported JAX versions"; not
+``XLA_FLAGS=--xla_cpu_max_isa=AVX2`` or ``AVX`` (CONTRIBUTING.md, "Supported JAX versions"; not
 ``SSE4_2``, where XLA cannot compile a float16 conversion).
 """
 

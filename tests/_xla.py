@@ -2,7 +2,7 @@
 
 Scripts run by the tests set their own ``XLA_FLAGS`` (a number of host devices, an
 optimisation level). The flags that say how to generate code for this machine's CPU
-(``--xla_cpu_max_isa=AVX2``: ``make test XLA_ISA=AVX2``, README "Supported JAX
+(``--xla_cpu_max_isa=AVX2``: ``make test XLA_ISA=AVX2``, CONTRIBUTING.md "Supported JAX
 versions") must reach them too, or a run pinned to a lower instruction set would check
 only the test process itself (tests/_exact.py says why it is pinned); so must the
 backend optimisation level ``make test`` sets for time (Makefile, ``XLA_OPT``), or the

@@ -887,3 +887,59 @@ def test_benchmark_modules_examples_hold(name):
     _targets()  # puts benchmarks/ on sys.path
     failed, attempted = doctest.testmod(importlib.import_module(name))
     assert attempted and not failed, name
+
+
+@pytest.mark.benchmark_script
+def test_layer_costs_records_consistent_times_flops_and_memory(tmp_path):
+    # benchmarks/layer_costs.py's tiny grid on CPU (~20-35 s: ten compilations); the
+    # v5e grid runs on the TPU (issue #58, item 1).
+    out = tmp_path / "layer-costs.json"
+    options = ["--grid", "tiny", "--warmup", "2", "--repeats", "9", "--out", str(out)]
+    lines = _output_lines("layer_costs.py", *options)
+    result = json.loads(out.read_text())
+    assert result["complete"] and result["jax_version"] == jax.__version__
+    assert result["command"].startswith("layer_costs.py --grid tiny")
+    records = result["records"]
+    policies = ("none", "full", "save_dot_except_mlpwi", "minimal")
+    by = {(r["name"], r["policy"]): r for r in records}
+    assert sorted(by) == sorted(
+        (s, p) for s in ("tiny-swiglu r2", "tiny-gelu r1") for p in policies
+    )
+    assert not any("error" in r for r in records)
+    header = next(line for line in lines if line.startswith("| shape |"))
+    rows = [line for line in lines if line.startswith("| tiny-")]
+    assert len(rows) == 8 and all(row.count("|") == header.count("|") for row in rows)
+    for name in ("tiny-swiglu r2", "tiny-gelu r1"):
+        none, full = by[name, "none"], by[name, "full"]
+        assert all(by[name, p]["fwdbwd_s"] > by[name, p]["fwd_s"] > 0 for p in policies)
+        # Full remat runs the forward pass again; 0.9 (and 9 repeats: the programs take a
+        # millisecond) leave room for a shared CPU's noise.
+        assert full["fwdbwd_s"] > 0.9 * none["fwdbwd_s"]
+        assert none["recompute_s"] == 0.0
+        # What a layer keeps for its backward pass: everything, the projections (minimal),
+        # the attention's projections, only its input (full: rows × seq × d_model bf16).
+        kept = [by[name, p]["residual_bytes"] for p in ("none", "minimal", "save_dot_except_mlpwi")]
+        assert kept == sorted(kept, reverse=True) and kept[0] > kept[1]
+        assert full["residual_bytes"] == 2 * full["rows"] * full["seq"] * full["d_model"]
+        assert kept[2] > full["residual_bytes"]
+        for r in (by[name, p] for p in policies):
+            assert r["memory"]["temp_bytes"] > 0 and r["memory"]["output_bytes"] > 0
+            assert r["training_flops"] == 3 * r["forward_flops"]
+            assert r["training_tflops"] == pytest.approx(
+                3 * r["forward_flops"] / r["fwdbwd_s"] / 1e12
+            )
+    # MaxText's count by hand for tiny-swiglu r2: d_model 64, 8 heads and 2 key/value heads
+    # of 16, MLP 256 (SwiGLU: 3 matrices), 2 rows of 64 tokens = 128 tokens.
+    tokens = 2 * 64
+    qkv = 2 * tokens * 64 * (8 * 16 + 2 * 2 * 16)  # 3,145,728
+    out_proj = 2 * tokens * (8 * 16) * 64  # 2,097,152
+    mlp = 3 * 2 * tokens * 64 * 256  # 12,582,912
+    attention = (2 * 2 * 64 * 64 * 16 * 8) * 2 // 2  # QKᵀ and AV, half for causal: 2,097,152
+    swiglu = by["tiny-swiglu r2", "none"]
+    assert swiglu["forward_flops_by_part"] == {
+        "qkv": qkv,
+        "out_proj": out_proj,
+        "mlp": mlp,
+        "attention": attention,
+    }
+    assert swiglu["forward_flops"] == 19_922_944

@@ -241,8 +241,8 @@ def test_guard_the_installed_jax_is_in_the_tested_range():
     version = tuple(jax.__version_info__[:3])
     assert low <= version < high, (
         f"JAX {jax.__version__} is outside the range setup.py declares tested "
-        f"({low} to below {high}): run the suite on it (README, 'Supported JAX "
-        "versions'), record its forms in pipemark._compat.VERSION_TABLE, then move the bound"
+        f"({low} to below {high}): run the suite on it (CONTRIBUTING.md, 'Moving to "
+        "another JAX'), record its forms in pipemark._compat.VERSION_TABLE, then move the bound"
     )
 
 

@@ -18,7 +18,7 @@ finally:
 
 def test_the_marked_pages_exist():
     names = {p.name for p in page_outputs.pages()}
-    assert {"howto-split.md", "inspect.md"} <= names
+    assert {"howto-split.md", "inspect.md", "README.md"} <= names
 
 
 @pytest.mark.docs_assets

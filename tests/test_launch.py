@@ -224,3 +224,28 @@ def test_the_process_whose_error_caused_the_others_is_named_with_it(tmp_path):
         "pipemark.launch: process 0 exited with status 1 (KeyError: 'tokens'), and process 1 "
         "was killed by signal 6;"
     )
+
+
+def test_start_jax_after_jax_started_says_to_call_it_first(monkeypatch):
+    import jax
+
+    from pipemark.errors import PipemarkError
+
+    monkeypatch.delenv("JAX_NUM_CPU_DEVICES", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", "")
+    jax.devices()  # this test process started JAX long ago
+    with pytest.raises(PipemarkError, match=r"start_jax\(cpu_devices=2\) came after JAX started"):
+        launch.start_jax(cpu_devices=2)
+    monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "8")  # the environment said: nothing to set
+    launch.start_jax(cpu_devices=2)
+
+
+def test_start_jax_gives_a_cpu_process_its_devices():
+    code = "from pipemark import launch; launch.start_jax(cpu_devices=3); import jax; print(jax.device_count())"
+    env = {k: v for k, v in _env().items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    env["JAX_PLATFORMS"] = "cpu"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["3"]

@@ -1,8 +1,11 @@
 """The README's Python examples run as written (in one process, in order, with four host
-devices for the pipeline example)."""
+devices for the pipeline example; the quickstart sets its own two), its headings come in
+order and its extras table lists every extra setup.py declares. The quickstart's printed
+output is generated (docs/gen/page_outputs.py) and checked in test_docs_page_outputs.py."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -33,6 +36,33 @@ def test_readme_python_blocks_run(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "layer2" in proc.stdout  # print(staged) showed the stage table
+    # The quickstart (the first block) verified its stages and ran its pipeline.
+    assert "staged == jax.jit: True" in proc.stdout
+    assert "pipelined loss" in proc.stdout
+
+
+def _extras() -> set[str]:
+    """The extras setup.py declares (the keys of its ``extras_require`` dict)."""
+    tree = ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))
+    return {
+        k.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.keyword) and node.arg == "extras_require"
+        for k in node.value.keys
+    }
+
+
+def test_readme_first_screen_installs_and_heads_in_order():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)  # not the comments in code
+    levels = [len(m) for m in re.findall(r"^(#+) ", prose, flags=re.M)]
+    assert levels[0] == 1 and 2 in levels
+    assert 3 not in levels[: levels.index(2)], "a ### heading before the first ##"
+    assert "pip install -e ." in text
+    install = text[text.index("## Install") :]
+    install = install[: install.index("\n## ", 1)]
+    listed = set(re.findall(r"^\| `([a-z]+)` \|", install, flags=re.M))
+    assert listed == _extras(), "the extras table lists every extra of setup.py"
 
 
 def test_readme_inspect_command_runs_as_written():

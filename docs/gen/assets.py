@@ -10,7 +10,8 @@ What it writes:
 * ``docs/demo/report.html`` and ``docs/demo/stages.png``, written by the same run;
 * ``docs/demo/schedules.png``: 1F1B, ZB-H1 and ZB-V side by side (docs/runtime.md);
 * ``docs/real-models.md`` (``docs/gen/real_models.py``);
-* the marked output blocks of the other docs pages (``docs/gen/page_outputs.py``);
+* the marked output blocks of the other docs pages and the README's quickstart
+  output (``docs/gen/page_outputs.py``);
 * the stored outputs of ``docs/tutorial.ipynb`` (``docs/gen/tutorial.py``).
 
 The tests check the README block and the report's stage table against a fresh demo

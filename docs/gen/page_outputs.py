@@ -1,4 +1,5 @@
-"""Regenerate the printed output shown on docs pages from the code above it.
+"""Regenerate the printed output shown on docs pages (and in the README) from the code
+above it.
 
 A page marks an output block with a comment line right before its fence::
 
@@ -90,8 +91,11 @@ def run_alone(code: str) -> str:
 
 
 def pages() -> list[Path]:
+    """The pages with a marked output block: docs pages, and the README (its
+    quickstart's output)."""
+    candidates = [*DOCS.glob("*.md"), DOCS.parent / "README.md"]
     return sorted(
-        p for p in DOCS.glob("*.md") if {MARKER, ALONE} & _markers(p.read_text(encoding="utf-8"))
+        p for p in candidates if {MARKER, ALONE} & _markers(p.read_text(encoding="utf-8"))
     )
 
 

@@ -10,7 +10,8 @@
 (:mod:`pipemark.runtime.execution`) a pipeline with :class:`PipelineOptions`; and the
 layout planner for a cluster you do not have (:mod:`pipemark.runtime.planner`, with
 :mod:`pipemark.runtime.cluster` and :mod:`pipemark.runtime.workload`), which predicts
-step time and memory with the same simulation.
+step time and memory with the same simulation. :func:`stage_devices`
+(:mod:`pipemark.runtime.processes`) chooses the stages' devices across processes.
 """
 
 from pipemark.runtime.cluster import TPU_V5E_POD as TPU_V5E_POD
@@ -32,6 +33,7 @@ from pipemark.runtime.planner import rank_layouts as rank_layouts
 from pipemark.runtime.planner import search_layouts as search_layouts
 from pipemark.runtime.plot import plot_schedule as plot_schedule
 from pipemark.runtime.problem import ScheduleProblem as ScheduleProblem
+from pipemark.runtime.processes import stage_devices as stage_devices
 from pipemark.runtime.registry import SCHEDULES as SCHEDULES
 from pipemark.runtime.registry import ZERO_BUBBLE_VARIANTS as ZERO_BUBBLE_VARIANTS
 from pipemark.runtime.registry import ScheduleEntry as ScheduleEntry

@@ -32,7 +32,9 @@ def shape_key(tree: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], np.dtype], .
     leaves, structure = jax.tree_util.tree_flatten(tree)
     types = []
     for x in leaves:
-        if isinstance(x, (jax.Array, np.ndarray)):
+        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+            types.append((x.shape, x.dtype))  # a typed random key: as it is
+        elif isinstance(x, (jax.Array, np.ndarray)):
             types.append((x.shape, jax.dtypes.canonicalize_dtype(x.dtype)))
         else:  # a Python or NumPy scalar: its dtype is JAX's choice
             types.append((np.shape(x), np.dtype(jnp.result_type(x))))

@@ -326,6 +326,17 @@ def _restored_elsewhere(arg: Any) -> Any:
     return None
 
 
+def _alone_handler(ocp: Any) -> Any:
+    """The handler of the arrays this process holds alone: each process writes their
+    metadata and data, one replica, no sharding file."""
+    return ocp.type_handlers.ArrayHandler(
+        primary_host=None,
+        replica_id=None,
+        use_replica_parallel=False,
+        enable_write_sharding_file=False,
+    )
+
+
 def _handler_class(ocp: Any) -> type:
     class PipelineArrayHandler(ocp.type_handlers.ArrayHandler):
         """orbax's ``jax.Array`` handler for a pipeline's results (see the module)."""
@@ -342,13 +353,7 @@ def _handler_class(ocp: Any) -> type:
             if store is not None:
                 wrapped._array_metadata_store = store
             self._wrapped = wrapped
-            # Each process writes the metadata and data of the arrays it holds alone.
-            self._alone = ocp.type_handlers.ArrayHandler(
-                primary_host=None,
-                replica_id=None,
-                use_replica_parallel=False,
-                enable_write_sharding_file=False,
-            )
+            self._alone = _alone_handler(ocp)
             # Per process, the handler for arrays whose first process it is.
             self._primaries: dict[int, Any] = {}
 

@@ -131,6 +131,15 @@ def _check_accumulable(compute: ClosedJaxpr, compute_full: ClosedJaxpr) -> None:
     micro_avals = [v.aval for v in compute.jaxpr.outvars]
     full_avals = [v.aval for v in compute_full.jaxpr.outvars]
     for i, (a, b) in enumerate(zip(micro_avals, full_avals)):
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended):
+            raise PipemarkError(
+                f"Value {i} that the update after pm.mark_gradient reads from the "
+                f"gradient part is a {a.dtype} (a random key, as jax.random.split "
+                "makes before the grad marker): the values the gradient part hands the "
+                "update are summed over microbatches, and a key is not a number. Split "
+                "the key after pm.mark_gradient (in the update), or pass a key per row "
+                "in the batch."
+            )
         if a.shape != b.shape:
             raise PipemarkError(
                 f"Value {i} that the update after pm.mark_gradient reads from the "

@@ -86,6 +86,51 @@ def test_equinox_module_with_function_leaves():
     assert grads.activation is None
 
 
+def _dropout_loss(params, batch):
+    x, keys = batch  # a typed key per row
+    h = jnp.tanh(x @ params[0])
+    keep = jax.vmap(lambda k: jax.random.bernoulli(k, 0.9, h.shape[1:]))(keys)
+    h = jnp.where(keep, h / 0.9, 0.0)
+    pm.mark_pipeline_boundary()
+    return jnp.mean((h @ params[1]) ** 2)
+
+
+def test_typed_keys_in_the_batch_split_with_the_rows():
+    params = [jnp.full((3, 4), 0.1), jnp.linspace(-1, 1, 12).reshape(4, 3)]
+    batch = (jnp.ones((8, 3)), jax.random.split(jax.random.key(0), 8))
+    value, grads = _pipeline(_dropout_loss, num_microbatches=4)(params, batch)
+    want = jax.value_and_grad(_dropout_loss)(params, batch)
+    _assert_close((value, grads), want)
+    optax = pytest.importorskip("optax")
+    tx = optax.sgd(0.1)
+
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(_dropout_loss)(params, batch)
+        updates, opt_state = tx.update(pm.mark_gradient(grads), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    state = (params, tx.init(params))
+    pipelined = pm.pipeline_train_step(step, num_stages=2, num_microbatches=4, devices=devices(2))
+    _assert_close(pipelined(*state, batch), jax.jit(step)(*state, batch))
+
+
+def test_a_key_split_before_the_grad_marker_is_refused_by_name():
+    optax = pytest.importorskip("optax")
+    tx = optax.sgd(0.1)
+
+    def step(params, opt_state, rng, x):
+        rng, sub = jax.random.split(rng)  # before the marker: a value for the update
+        keys = jax.random.split(sub, x.shape[0])
+        loss, grads = jax.value_and_grad(_dropout_loss)(params, (x, keys))
+        updates, opt_state = tx.update(pm.mark_gradient(grads), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, rng, loss
+
+    params = [jnp.full((3, 4), 0.1), jnp.full((4, 3), 0.1)]
+    pipelined = pm.pipeline_train_step(step, num_stages=2, num_microbatches=2, devices=devices(2))
+    with pytest.raises(PipemarkError, match=r"is a key<fry> \(a random key.*Split the key after"):
+        pipelined(params, tx.init(params), jax.random.key(1), jnp.ones((8, 3)))
+
+
 def test_partition_keeps_arrays_and_statics_apart():
     part = partition_params({"w": jnp.ones(2), "act": jnp.tanh, "n": 3})
     assert part.dynamic == {"w": part.dynamic["w"], "act": None, "n": None}
