@@ -9,7 +9,7 @@ its own test here, its failure printing the scenario and the command that reruns
 
 Profiles as the differential fuzzer's (tests/test_differential.py): ``PIPEMARK_FUZZ=ci``
 (:data:`COUNTS`), ``half``, ``third`` (``make test``, seed 0, and ``make test-newest``,
-seed 1: about 40 s of CPU together on one core), ``long`` (ten times as many);
+seed 1: about 40 s of CPU each, with pytest's own start), ``long`` (ten times as many);
 ``PIPEMARK_FUZZ_SEED`` picks another seed; ``PIPEMARK_SCENARIOS=N`` draws N in-process
 scenarios and N/3 two-process ones whatever the profile (``make fuzz-runtime N=...``).
 """
