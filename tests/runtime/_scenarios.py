@@ -114,8 +114,12 @@ def pipeline_choices(kind: str, blocks: int, microbatches: int) -> list[tuple[st
 
 @st.composite
 def pipelines(draw, kind: str, blocks: int, microbatches: int, first: bool) -> dict:
-    """A schedule, whether it goes through CSV, and a layout for it."""
-    schedule, place, stages = draw(st.sampled_from(pipeline_choices(kind, blocks, microbatches)))
+    """A schedule, whether it goes through CSV, and a layout for it. The schedule is
+    drawn first, then one of its layouts: drawn together, the schedules with few
+    layouts (ZB-V and DualPipeV in two processes) came up once in 68 scenarios."""
+    choices = pipeline_choices(kind, blocks, microbatches)
+    schedule = draw(st.sampled_from(sorted({c[0] for c in choices})))
+    _, place, stages = draw(st.sampled_from([c for c in choices if c[0] == schedule]))
     layout: dict[str, Any] = {"place": place, "stages": stages}
     if kind == "processes":
         layout["gather"] = draw(st.booleans())
