@@ -123,21 +123,3 @@ def test_the_section_cuts_its_code_from_the_script():
     for code in cut:
         found = any(textwrap.indent(code, " " * k) in source for k in (0, 4, 8))
         assert found, f"docs/training.md shows code that examples/train_minimal.py lacks:\n{code}"
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("index", range(5))
-def test_each_block_of_the_section_prints_what_the_page_shows(index):
-    """Every other block runs alone, in a fresh Python with 8 CPU devices (as ``make
-    docs-assets`` runs it), and prints the output the page shows under it."""
-    pytest.importorskip("flax")
-    pytest.importorskip("equinox")
-    sys.path.insert(0, str(ROOT / "docs" / "gen"))
-    try:
-        import page_outputs
-    finally:
-        sys.path.pop(0)
-    shown = [(code, out) for code, out in _blocks() if out != "example"]
-    assert len(shown) == 5 and all(out for _, out in shown), "a block without its output"
-    code, out = shown[index]
-    assert page_outputs.run_alone(code) == out

@@ -2,13 +2,13 @@
 tests/runtime/test_first_acts.py under ``python -m pipemark.launch -n 2`` with 2 CPU
 devices per process (one pipeline stage per device, ``num_stages`` left to its default):
 
-    python -m pipemark.launch -n 2 tests/runtime/_first_acts.py OUT
+    python -m pipemark.launch -n 2 tests/runtime/_first_acts.py OUT [kept]
 
 A 4-block LayerNorm residual MLP whose parameters are a list of ``{"w", "b", "g"}``
 dicts, untied (the list alone) and tied (``{"blocks": [...], "embed": E}``: the first
 stage multiplies by ``E``, the last by its transpose, so stages of both processes read
 it); an AdamW step with global-norm clipping and a cosine schedule, 4 microbatches,
-1F1B; results kept where computed and gathered. In each run an orbax
+1F1B; results kept where computed and gathered (``kept``: kept only). In each run an orbax
 ``StandardCheckpointer`` made before the first pipeline call saves, as its first act
 after :data:`SAVE_AT` steps, ``{"p": params, "s": opt_state}`` and ``{"p": params}``;
 both are restored through ``abstract_state`` and the last steps run again from them,
@@ -131,11 +131,13 @@ def first_save(out: str, tied: bool, gather: bool) -> dict:
 
 
 def main() -> None:
-    out = sys.argv[1]
+    out, gathers = sys.argv[1], (False, True)
+    if sys.argv[2:] == ["kept"]:  # the configurations of the failures alone
+        gathers = (False,)
     seen = {
         f"{tied}-{gather}": first_save(out, tied, gather)
         for tied in (False, True)
-        for gather in (False, True)
+        for gather in gathers
     }
     with open(os.path.join(out, f"{jax.process_index()}.json"), "w") as f:
         json.dump(seen, f)

@@ -9,7 +9,8 @@ its own test here, its failure printing the scenario and the command that reruns
 
 Profiles as the differential fuzzer's (tests/test_differential.py): ``PIPEMARK_FUZZ=ci``
 (:data:`COUNTS`), ``half``, ``third`` (``make test``, seed 0, and ``make test-newest``,
-seed 1: about 40 s of CPU each, with pytest's own start), ``long`` (ten times as many);
+seed 1: 4 scenarios in one process and 2 in two, about 30 s of CPU each, with
+pytest's own start), ``long`` (ten times as many);
 ``PIPEMARK_FUZZ_SEED`` picks another seed; ``PIPEMARK_SCENARIOS=N`` draws N in-process
 scenarios and N/3 two-process ones whatever the profile (``make fuzz-runtime N=...``).
 """
@@ -40,7 +41,7 @@ ROOT = Path(__file__).parents[2]
 
 #: Scenarios of the ci profile: in one process, and in two (a scenario of two costs
 #: about twice one of one: both processes run it).
-COUNTS = {"in_process": 18, "processes": 9}
+COUNTS = {"in_process": 12, "processes": 6}
 _SCALES = {"ci": 1.0, "half": 0.5, "third": 1 / 3, "long": 10.0}
 PROFILE = os.environ.get("PIPEMARK_FUZZ", "ci")
 if PROFILE not in _SCALES:
