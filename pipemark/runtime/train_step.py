@@ -172,9 +172,12 @@ class PipelinedStep:
 
     def plan(self, *args: Any) -> PipelinePlan:
         """The pipeline plan of the gradient part, for arguments shaped like these."""
-        return self._prepare(args)[0]
+        return self._prepare(args)[0].plan
 
-    def _prepare(self, args: tuple[Any, ...]) -> _Prepared:
+    def _prepare(self, args: tuple[Any, ...]) -> tuple[_Prepared, tuple[Any, ...]]:
+        """What a call with ``args`` needs (made once per argument shapes and static
+        leaves), and ``args`` with their static leaves taken out (:func:`_traced_step`):
+        what the call passes on."""
         if not args:
             raise PipemarkError(
                 "A pipelined training step needs at least the batch argument (the last one)."
@@ -184,7 +187,7 @@ class PipelinedStep:
         key = (part.key, shape_key(args))
         prepared = self._prepared.get(key)
         if prepared is not None:
-            return prepared
+            return prepared, args
         *replicated, batch = args
         options = self.options
         results: dict[str, PartitionedParams] = {}
@@ -248,14 +251,14 @@ class PipelinedStep:
             shared = tuple(sorted({*split.unowned, *scalars}))
         prepared = _Prepared(plan, out_tree, parts, holders, shared, results["part"])
         self._prepared[key] = prepared
-        return prepared
+        return prepared, args
 
     def action_costs(self, *args: Any, repeat: int = 3) -> dict[str, tuple[float, ...]]:
         """Measured costs of the gradient part's actions, as
         :meth:`Pipeline.action_costs` gives them (the update, run once, is not an action)."""
-        plan = self._prepare(args)[0]
-        *replicated, batch = _dynamic(args)
-        return action_costs(plan, tuple(replicated), batch, repeat)
+        prepared, args = self._prepare(args)
+        *replicated, batch = args
+        return action_costs(prepared.plan, tuple(replicated), batch, repeat)
 
     def memory(self, *args: Any) -> MemoryEstimate:
         """What a step with these arguments holds on each device slot: the gradient
@@ -265,16 +268,16 @@ class PipelinedStep:
         its compiled program's arguments, among them the optimizer state and the
         gradients, its results and temporaries; under ``jax.distributed``, of this
         process's slots)."""
-        prepared = self._prepare(args)
-        return _step_memory(prepared.plan, prepared.parts, _dynamic(args))
+        prepared, args = self._prepare(args)
+        return _step_memory(prepared.plan, prepared.parts, args)
 
     def trace(self, *args: Any, path: str | os.PathLike | None = None) -> dict:
         """The gradient part of one step with these arguments, traced as
         :meth:`Pipeline.trace` does (the update, run once, is not an action); written to
         ``path`` when given, and returned."""
-        plan = self._prepare(args)[0]
-        *replicated, batch = _dynamic(args)
-        return traced_call(plan, tuple(replicated), batch, path)
+        prepared, args = self._prepare(args)
+        *replicated, batch = args
+        return traced_call(prepared.plan, tuple(replicated), batch, path)
 
     def export(self, directory: str | os.PathLike, *args: Any) -> ExportedStages:
         """Write the programs a step with these arguments runs (its gradient part's, as
@@ -292,7 +295,7 @@ class PipelinedStep:
         >>> exported.kind, [name for name in exported.programs if name.startswith("update")]
         ('train_step', ['update/0'])
         """
-        prepared = self._prepare(args)
+        prepared, args = self._prepare(args)
         out_tree = prepared.out_tree
         results = jax.tree_util.tree_unflatten(out_tree, range(out_tree.num_leaves))
         return export_train_step(
@@ -300,7 +303,7 @@ class PipelinedStep:
             prepared.parts,
             directory,
             num_outputs=out_tree.num_leaves,
-            input_names=leaf_names("args", _dynamic(args)),
+            input_names=leaf_names("args", args),
             output_names=leaf_names("result", results),
         )
 
@@ -327,7 +330,7 @@ class PipelinedStep:
         >>> jax.tree_util.tree_structure(opt_state) == jax.tree_util.tree_structure(state)
         True
         """
-        prepared = self._prepare(args)
+        prepared = self._prepare(args)[0]
         plan = prepared.plan
         state = partition_untraceable(tuple(args[:-1]))
         leaves, treedef = jax.tree_util.tree_flatten(state.dynamic)
@@ -350,9 +353,9 @@ class PipelinedStep:
         return out, timings
 
     def _call(self, args: tuple[Any, ...], timings: dict | None) -> Any:
-        prepared = self._prepare(args)
+        prepared, args = self._prepare(args)
         plan, out_tree = prepared.plan, prepared.out_tree
-        *replicated, batch = _dynamic(args)
+        *replicated, batch = args
         state = shared_params_here(plan, _committed(tuple(replicated)))
         accumulated = run_plan(plan, state, batch, timings)
         # The update runs once: each slot its own stages' part, or, where it does not
@@ -407,11 +410,6 @@ def _traced_step(
         return out.dynamic
 
     return step
-
-
-def _dynamic(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """A step's arguments with their static leaves (:func:`_traced_step`) taken out."""
-    return partition_untraceable(args).dynamic
 
 
 def _committed(state: tuple[Any, ...]) -> tuple[Any, ...]:
