@@ -8,9 +8,6 @@ resume too, and a step that raises leaves the state it was given as it was."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -28,22 +25,14 @@ import pipemark as pm
 from pipemark import examples
 from tests._devices import computing_on
 from tests._devices import devices as pick_devices
-from tests._xla import child_environ
+from tests._launched import launched
 from tests.runtime import _checkpoint as script
 
 SCRIPT = Path(script.__file__)
-ROOT = SCRIPT.parents[2]
 
 
 def _launch(out: Path, processes: int, mode: str, *args: str, devices: int = 1):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIPEMARK_")}
-    env = child_environ(env)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env["JAX_NUM_CPU_DEVICES"] = str(devices)
-    command = ["-m", "pipemark.launch", "-n", str(processes), str(SCRIPT), str(out), mode, *args]
-    return subprocess.run(
-        [sys.executable, *command], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT
-    )
+    return launched(SCRIPT, str(out), mode, *args, processes=processes, devices=devices)
 
 
 def _seen(out: Path, mode: str, processes: int) -> list[dict]:

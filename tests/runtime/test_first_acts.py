@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -20,11 +18,10 @@ import pytest
 
 pytest.importorskip("orbax.checkpoint")
 
-from tests._xla import child_environ
+from tests._launched import launched
 from tests.runtime import _first_acts as script
 
 SCRIPT = Path(script.__file__)
-ROOT = SCRIPT.parents[2]
 
 
 def _jit_losses(tied: bool) -> list[float]:
@@ -40,21 +37,11 @@ def _jit_losses(tied: bool) -> list[float]:
 
 @pytest.mark.slow
 def test_first_saves_and_tied_weights_in_two_processes(tmp_path):
-    env = child_environ({k: v for k, v in os.environ.items() if not k.startswith("PIPEMARK_")})
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env["JAX_NUM_CPU_DEVICES"] = "2"
     # make test-newest (PIPEMARK_CASES=cover) runs the configurations of the failures:
     # results kept where computed.
     kept = ["kept"] if os.environ.get("PIPEMARK_CASES") == "cover" else []
-    launched = subprocess.run(
-        [sys.executable, "-m", "pipemark.launch", "-n", "2", str(SCRIPT), str(tmp_path), *kept],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert launched.returncode == 0, launched.stderr[-4000:]
+    done = launched(SCRIPT, str(tmp_path), *kept, processes=2, devices=2)
+    assert done.returncode == 0, done.stderr[-4000:]
     seen = [json.loads((tmp_path / f"{p}.json").read_text()) for p in range(2)]
     assert seen[0] == seen[1]  # every process read every loss
     gathers = (False,) if kept else (False, True)
