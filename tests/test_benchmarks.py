@@ -911,7 +911,9 @@ def test_layer_costs_records_consistent_times_flops_and_memory(tmp_path):
     assert len(rows) == 8 and all(row.count("|") == header.count("|") for row in rows)
     for name in ("tiny-swiglu r2", "tiny-gelu r1"):
         none, full = by[name, "none"], by[name, "full"]
-        assert all(by[name, p]["fwdbwd_s"] > by[name, p]["fwd_s"] > 0 for p in policies)
+        # Times measured, not ordered: on a shared CPU a millisecond program's
+        # forward and backward can time below its forward alone (seen in a CI run).
+        assert all(by[name, p]["fwdbwd_s"] > 0 and by[name, p]["fwd_s"] > 0 for p in policies)
         # (Whether full remat costs more is measured on the TPU, not asserted on a
         # shared CPU whose noise is larger than a millisecond program's recomputation.)
         assert none["recompute_s"] == 0.0
