@@ -58,10 +58,18 @@ def test_readme_first_screen_installs_and_heads_in_order():
     levels = [len(m) for m in re.findall(r"^(#+) ", prose, flags=re.M)]
     assert levels[0] == 1 and 2 in levels
     assert 3 not in levels[: levels.index(2)], "a ### heading before the first ##"
-    assert "pip install -e ." in text
-    install = text[text.index("## Install") :]
-    install = install[: install.index("\n## ", 1)]
-    listed = set(re.findall(r"^\| `([a-z]+)` \|", install, flags=re.M))
+    # The first screen: what it is, a link for each reader, the install line and a
+    # quickstart that splits, verifies and runs a pipeline, its output shown.
+    screen = "\n".join(text.splitlines()[:45])
+    for page in ("compilers", "passes", "inspect", "training", "concepts"):
+        assert f"(docs/{page}.md)" in screen, page
+    assert "pip install -e ." in screen
+    for call in ("pm.mark(", "pm.split(", ".verify(", "pm.pipeline_value_and_grad("):
+        assert call in screen, call
+    assert "pipelined loss" in screen.split("```text", 1)[1]
+    extras = text[text.index("## Extras") :]
+    extras = extras[: extras.index("\n## ", 1)]
+    listed = set(re.findall(r"^\| `([a-z]+)` \|", extras, flags=re.M))
     assert listed == _extras(), "the extras table lists every extra of setup.py"
 
 
