@@ -42,7 +42,7 @@ narrowed to; ``--resume FILE`` goes on from the searches an earlier run's ``--ou
 wrote (the same device, JAX, model and limits), each from the sizes it found, with
 ``--max-probes`` more probes (the searches it does not run are kept as they were).
 The table goes to stdout, the results as JSON to ``--out`` (``report``
-renders them: docs/performance.md, "More than fits").
+renders them: docs/benchmarks/tpu-v5e.md, "More than fits").
 """
 
 from __future__ import annotations

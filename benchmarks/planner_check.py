@@ -110,7 +110,7 @@ def tpu_s_stage_checks(cluster: Cluster | None = None) -> list[dict]:
                 continue
             if run.get("status", "ok") != "ok":
                 continue
-            # Run 1 (recompute) did not record it: 8, as docs/performance.md says.
+            # Run 1 (recompute) did not record it: 8, as docs/benchmarks/tpu-v5e.md says.
             count, micro = int(match.group(1)), scan.get("microbatches", 8)
             step = scan["step_s"]
             model = MeasuredPipeline(

@@ -39,7 +39,7 @@ grown = resident_mib() - before
 del pipe
 # JAX >= 0.12 keeps the compiled stage programs in its own caches until
 # jax.clear_caches() (0.10 frees them with the pipeline); pipemark leaves JAX's caches,
-# which serve the user's own functions too, to the user (docs/runtime.md).
+# which serve the user's own functions too, to the user (docs/memory.md).
 jax.clear_caches()
 pm.clear_caches()
 print(json.dumps({"grown": grown, "left": resident_mib() - before}))

@@ -8,7 +8,7 @@ What it writes:
 * the README's demo output (the block between the ``demo-output`` comments): what
   ``pipemark demo`` prints, up to its verdict line, at 80 columns;
 * ``docs/demo/report.html`` and ``docs/demo/stages.png``, written by the same run;
-* ``docs/demo/schedules.png``: 1F1B, ZB-H1 and ZB-V side by side (docs/runtime.md);
+* ``docs/demo/schedules.png``: 1F1B, ZB-H1 and ZB-V side by side (docs/schedules.md);
 * ``docs/real-models.md`` (``docs/gen/real_models.py``);
 * the marked output blocks of the other docs pages and the README's quickstart
   output (``docs/gen/page_outputs.py``);

@@ -1,4 +1,4 @@
-"""The four-process example of docs/runtime.md:
+"""The four-process example of docs/processes.md:
 
     python -m pipemark.launch -n 4 docs/gen/multiprocess.py
 

@@ -91,9 +91,9 @@ def run_alone(code: str) -> str:
 
 
 def pages() -> list[Path]:
-    """The pages with a marked output block: docs pages, and the README (its
-    quickstart's output)."""
-    candidates = [*DOCS.glob("*.md"), DOCS.parent / "README.md"]
+    """The pages with a marked output block: docs pages (docs/benchmarks/ too), and the
+    README (its quickstart's output)."""
+    candidates = [*DOCS.rglob("*.md"), DOCS.parent / "README.md"]
     return sorted(
         p for p in candidates if {MARKER, ALONE} & _markers(p.read_text(encoding="utf-8"))
     )

@@ -479,7 +479,7 @@ def test_launcher_startup_errors_are_one_line(tmp_path):
 
 
 def test_the_docs_example_prints_what_the_page_shows():
-    page = (ROOT / "docs" / "runtime.md").read_text(encoding="utf-8")
+    page = (ROOT / "docs" / "processes.md").read_text(encoding="utf-8")
     marker = "`python -m pipemark.launch -n 4 docs/gen/multiprocess.py` prints"
     block = page[page.index(marker) :]
     shown = block[block.index("```text\n") + 8 : block.index("```", block.index("```text\n") + 8)]
