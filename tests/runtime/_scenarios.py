@@ -17,8 +17,8 @@ A **scenario** is a JSON object (so that a failure prints one that reruns as it 
   filters);
 - ``optimizer``: one of :data:`OPTIMIZERS`;
 - ``schedule`` (any of ``pm.runtime.SCHEDULES``), ``csv`` (the schedule written with
-  ``to_csv()`` and read back with ``pm.runtime.schedule_from_csv``, with the stage graph a user
-  knows: a chain, and the skip connection's edge), ``microbatches``;
+  ``to_csv()`` and read back with ``pm.runtime.schedule_from_csv``, with the stage graph a
+  user knows: a chain, and the skip connection's edge), ``microbatches``;
 - ``layout``: ``place`` (``devices``: a stage per device, or two for the schedules that
   share a device; ``one-device``: every stage on one device; ``mesh``: sub-meshes of
   ``("stage", "data")`` = 2 x 2; ``processes``: devices of two processes, under
