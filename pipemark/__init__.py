@@ -9,25 +9,34 @@
 
 The top-level names, by task:
 
-- **Mark** a program: ``mark``, ``mark_gradient``, ``mark_pipeline_boundary``,
-  ``mark_pipeline_jaxpreqn``, ``mark_hook_jaxpreqn``, ``pipeline_p``; how markers
-  lower: ``lowering``, ``set_lowering``.
-- **Split and check**: ``split``, ``split_jaxpr``, ``StagedJaxpr`` (its ``verify``
-  returns a ``VerifyReport``), ``load_staged`` (an exported program),
-  ``flatten_shape_byte_sizes``.
-- **Passes**: ``passes``, the pass library (``pm.passes.insert_markers`` ...).
-- **Run and train** on several devices: ``pipeline_value_and_grad`` (a ``Pipeline``),
-  ``pipeline_train_step`` (a ``PipelinedStep``), ``PipelineOptions``.
-- **Schedules**: ``make_schedule`` (by name: ``"gpipe"``, ``"1f1b"``, ``"zb-h1"``,
-  ``"dualpipev"`` ...), ``Schedule``, ``Action``, ``simulate_schedule``; the builders
-  (``gpipe_schedule`` ... ``dualpipev_schedule``) and the rest are in ``runtime``.
-- **Inspect**: ``show``, ``summary``, ``plot``, ``write_report``.
-- **Errors**: ``PipemarkError`` (every error pipemark raises on bad input),
-  ``PipemarkWarning``, ``VerificationError``, ``MemoryBudgetError``,
-  ``DeviceOutOfMemoryError``; all of them in ``errors``.
-- **Modules**: ``runtime`` (pipelines and schedules: every name), ``planner`` (the
-  layout planner: ``pm.planner.predict_layout`` ...), ``views`` (tables and HTML),
-  ``errors``.
+- **Mark** a program: :func:`~pipemark.mark`, :func:`~pipemark.mark_gradient`,
+  :func:`~pipemark.mark_pipeline_boundary`, :func:`~pipemark.mark_pipeline_jaxpreqn`,
+  :func:`~pipemark.mark_hook_jaxpreqn`, :data:`~pipemark.pipeline_p`; how markers
+  lower: :func:`~pipemark.lowering`, :func:`~pipemark.set_lowering`.
+- **Split and check**: :func:`~pipemark.split`, :func:`~pipemark.split_jaxpr`,
+  :class:`~pipemark.StagedJaxpr` (its ``verify`` returns a
+  :class:`~pipemark.VerifyReport`), :func:`~pipemark.load_staged` (an exported
+  program), :func:`~pipemark.flatten_shape_byte_sizes`.
+- **Passes**: :mod:`~pipemark.passes`, the pass library (``pm.passes.insert_markers``
+  ...).
+- **Run and train** on several devices: :func:`~pipemark.pipeline_value_and_grad` (a
+  :class:`~pipemark.Pipeline`), :func:`~pipemark.pipeline_train_step` (a
+  :class:`~pipemark.PipelinedStep`), :class:`~pipemark.PipelineOptions`.
+- **Schedules**: :func:`~pipemark.make_schedule` (by name: ``"gpipe"``, ``"1f1b"``,
+  ``"zb-h1"``, ``"dualpipev"`` ...), :class:`~pipemark.Schedule`,
+  :class:`~pipemark.Action`, :func:`~pipemark.simulate_schedule`; the builders
+  (:func:`~pipemark.runtime.gpipe_schedule` ...
+  :func:`~pipemark.runtime.dualpipev_schedule`) and the rest are in
+  :mod:`~pipemark.runtime`.
+- **Inspect**: :func:`~pipemark.show`, :func:`~pipemark.summary`,
+  :func:`~pipemark.plot`, :func:`~pipemark.write_report`.
+- **Errors**: :class:`~pipemark.PipemarkError` (every error pipemark raises on bad
+  input), :class:`~pipemark.PipemarkWarning`, :class:`~pipemark.VerificationError`,
+  :class:`~pipemark.MemoryBudgetError`, :class:`~pipemark.DeviceOutOfMemoryError`; all
+  of them in :mod:`~pipemark.errors`.
+- **Modules**: :mod:`~pipemark.runtime` (pipelines and schedules: every name),
+  :mod:`~pipemark.planner` (the layout planner: ``pm.planner.predict_layout`` ...),
+  :mod:`~pipemark.views` (tables and HTML), :mod:`~pipemark.errors`.
 """
 
 import sys
