@@ -262,7 +262,7 @@ class Prober:
         except pm.MemoryBudgetError as error:
             why = "memory_budget: " + _first(error)
             return {"fits": False, "bytes": needed_bytes(str(error)), "why": why}
-        except pm.DeviceOutOfMemory as error:
+        except pm.DeviceOutOfMemoryError as error:
             return {"fits": False, "bytes": None, "why": "ran out: " + _first(error)}
         except Exception as error:  # XLA's: at compile time or while running
             message = f"{type(error).__name__}: {error}"

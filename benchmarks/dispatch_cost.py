@@ -1,6 +1,6 @@
 """The host's cost of dispatching a pipeline's actions, on the platform it runs on: what
-the layout planner's dispatch model takes (``pm.Cluster.dispatch_seconds``,
-``bounded_dispatch_seconds`` and ``wake_seconds``, docs/scale.md; ``pm.tpu_v5e``'s
+the layout planner's dispatch model takes (``pm.planner.Cluster.dispatch_seconds``,
+``bounded_dispatch_seconds`` and ``wake_seconds``, docs/scale.md; ``pm.planner.tpu_v5e``'s
 are from ``benchmarks/results/dispatch-tpu-v5e.json``).
 
     python benchmarks/dispatch_cost.py --out results/dispatch.json   # on a TPU

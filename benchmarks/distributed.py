@@ -97,7 +97,9 @@ def _step_times(args, stages: int) -> dict:
         label: pm.pipeline_value_and_grad(
             loss_fn,
             num_microbatches=args.microbatches,
-            schedule=pm.one_f_one_b_schedule(stages, args.microbatches, extra_in_flight=extra),
+            schedule=pm.runtime.one_f_one_b_schedule(
+                stages, args.microbatches, extra_in_flight=extra
+            ),
             timeout_s=120,
             gather_results=gather,
         )
@@ -316,7 +318,7 @@ def _step_rows(processes: int, micro: int, single: dict, multi: list[dict]) -> l
     for label, (extra, _) in SCHEDULES.items():
         step_1 = single[label]["step_s"]
         step_s = max(m[label]["step_s"] for m in multi)
-        schedule = pm.one_f_one_b_schedule(processes, micro, extra_in_flight=extra)
+        schedule = pm.runtime.one_f_one_b_schedule(processes, micro, extra_in_flight=extra)
         costs = single["costs"]
         free = pm.simulate_schedule(schedule, costs).makespan
         simulated = pm.simulate_schedule(schedule, costs, transfer=latency).makespan

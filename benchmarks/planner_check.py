@@ -1,5 +1,5 @@
-"""The layout planner's predictions (``pipemark.predict_layout``) against runs: the TPU
-v5e runs recorded in ``benchmarks/results`` (each S-stage pipeline on one chip,
+"""The layout planner's predictions (``pipemark.planner.predict_layout``) against runs:
+the TPU v5e runs recorded in ``benchmarks/results`` (each S-stage pipeline on one chip,
 predicted from a microbatched one-program step of the same model), and native-sleep
 pipelines on CPU in 2 and in 4 processes (``tests/runtime/_planner_processes.py``),
 predicted from their action costs measured in one process.

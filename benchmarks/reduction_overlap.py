@@ -20,8 +20,8 @@ its second still runs). Per row:
   (other work on a shared machine only slows a call; the record keeps the medians
   too), and the median over the rounds of the ratio of a round's two calls (which
   other work, coming and going, changes least);
-* **simulated**: :func:`pipemark.predict_layout` of a :class:`pipemark.MeasuredPipeline`
-  of the plan's action costs (``Pipeline.action_costs``: each action alone on its
+* **simulated**: :func:`pipemark.planner.predict_layout` of a
+  :class:`pipemark.planner.MeasuredPipeline` of the plan's action costs (``Pipeline.action_costs``: each action alone on its
   sub-mesh), ``width²`` parameters a stage, on a cluster of the mesh's devices whose
   all-reduce of a stage's gradients over the replicas takes what the runtime's
   reduction program takes alone (measured), each action costing the host a jitted

@@ -176,7 +176,7 @@ def sleep_table(
                         lambda pipe=pipe, batch=batch, params=params: pipe(params, batch), repeat
                     )
                     measured = max(0.0, 1.0 - m * work / ts)
-                    ideal = pm.ideal_bubble_fraction(stages, m)
+                    ideal = pm.runtime.ideal_bubble_fraction(stages, m)
                     ratio = measured / ideal
                     ideal_ts = (m + stages - 1) * work
                     # Per tick (one forward or one backward): what the pipeline adds to the
@@ -311,7 +311,7 @@ def bubble_table(stages: int, micro: list[int], width: int, rows: int, repeat: i
             )
             ts = _median_time(lambda pipe=pipe, batch=batch: pipe(params, batch), repeat)
             measured = max(0.0, 1.0 - t1 / ts)
-            ideal = pm.ideal_bubble_fraction(stages, m)
+            ideal = pm.runtime.ideal_bubble_fraction(stages, m)
             lines.append(
                 f"| {schedule} | {m} | {1e3 * t1:.2f} | {1e3 * ts:.2f} | {measured:.3f} | "
                 f"{ideal:.3f} | {measured / ideal:.2f} |"

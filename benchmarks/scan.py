@@ -26,6 +26,7 @@ import numpy as np
 
 import pipemark as pm
 from pipemark import examples
+from pipemark.cost import estimate_cost
 
 
 def _best(fn, repeat):
@@ -53,7 +54,7 @@ def row(num_layers, num_stages, d_model, repeat):
     ex = examples.scanned_transformer(num_layers, d_model=d_model, num_heads=4, seq=16)
     trace, cj = _best(lambda: ex.trace(grad=True), repeat)
     split, staged = _best(lambda: _passes(cj, num_stages), repeat)
-    flops = [pm.estimate_cost(s.closed_jaxpr).total_flops for s in staged.stages]
+    flops = [estimate_cost(s.closed_jaxpr).total_flops for s in staged.stages]
     forward, backward = flops[:num_stages], flops[num_stages : 2 * num_stages]
     lengths = [
         e.params["length"] for s in staged.stages[:num_stages] for e in s.jaxpr.eqns

@@ -43,6 +43,7 @@ from jax.experimental.pallas import tpu as pltpu
 import pipemark as pm
 from pipemark import examples
 from pipemark import pallas_identity as pi
+from pipemark.primitive import is_marker
 
 MiB = 1 << 20
 MARKER_KIND = "Pallas marker kernel, aliased, input donated"
@@ -265,7 +266,7 @@ def time_style(args, style: str) -> tuple[int, dict, dict]:
     """(markers in the step, fastest step per mode, (kernels, copies, loss) per mode)."""
     step, (params, state, batch) = make_step(args, style)
     traced = jax.make_jaxpr(step)(params, state, batch)
-    wanted = sum(pm.is_marker(e) and e.params["mark_type"] != "hook" for e in traced.eqns)
+    wanted = sum(is_marker(e) and e.params["mark_type"] != "hook" for e in traced.eqns)
     fns, facts = {}, {}
 
     def fresh_carry():

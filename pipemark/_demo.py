@@ -26,6 +26,7 @@ import numpy as np
 import pipemark as pm
 from pipemark import examples
 from pipemark._text import plural
+from pipemark.primitive import is_marker
 from pipemark.progress import Progress
 
 NUM_STAGES = 4
@@ -92,7 +93,7 @@ def transform_checks() -> tuple[list[tuple[str, float, bool, float]], int]:
         seconds = time.perf_counter() - start
         rows.append((name, difference, difference <= 1e-5, seconds))
     boundaries = sum(
-        pm.is_marker(e, "boundary") for e in jax.make_jaxpr(jax.grad(marked))(params, x).eqns
+        is_marker(e, "boundary") for e in jax.make_jaxpr(jax.grad(marked))(params, x).eqns
     )
     return rows, boundaries
 

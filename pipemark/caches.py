@@ -5,8 +5,8 @@ is computed again rather than answered from a stale entry. The modules that keep
 register how to empty it here; :func:`clear_caches` empties them all (to free memory,
 or to time a cold run).
 
->>> import pipemark as pm
->>> pm.clear_caches()
+>>> from pipemark.caches import clear_caches
+>>> clear_caches()
 """
 
 from __future__ import annotations

@@ -1,7 +1,14 @@
-"""Exceptions pipemark raises on bad input.
+"""Exceptions pipemark raises on bad input, all in this module.
 
 Every error caused by what a user passed in is a :class:`PipemarkError`, so a caller can
 catch all of them with one ``except`` clause. The subclasses say which part went wrong.
+The few a program catches are also top-level names (``pm.PipemarkError``,
+``pm.VerificationError``, ``pm.MemoryBudgetError``, ``pm.DeviceOutOfMemoryError``);
+the others are here (``pm.errors.MarkerError``).
+
+>>> import pipemark as pm
+>>> issubclass(pm.errors.SignatureError, (pm.PipemarkError, TypeError))
+True
 """
 
 from __future__ import annotations
@@ -15,8 +22,11 @@ __all__ = [
     "StageGraphError",
     "ProcessError",
     "MemoryBudgetError",
-    "DeviceOutOfMemory",
+    "DeviceOutOfMemoryError",
     "ExportError",
+    "SignatureError",
+    "StateMutationError",
+    "VerificationError",
     "check_closed_jaxpr",
     "describe_eqn",
 ]
@@ -57,7 +67,7 @@ class MemoryBudgetError(PipemarkError):
     makes it up, and by how much it is over."""
 
 
-class DeviceOutOfMemory(PipemarkError, MemoryError):
+class DeviceOutOfMemoryError(PipemarkError, MemoryError):
     """A device ran out of memory while a pipeline ran: XLA could not allocate what an
     action's program needs (``RESOURCE_EXHAUSTED``). The message names the stage
     program, the action (stage, microbatch), the device, the bytes
@@ -66,13 +76,39 @@ class DeviceOutOfMemory(PipemarkError, MemoryError):
     arrays are left as they were; the XLA error is its ``__cause__``.
 
     It is also a :class:`MemoryError`, so code that catches running out of memory
-    catches it."""
+    catches it. (Its name was ``DeviceOutOfMemory``, which stays as an alias.)"""
+
+
+# The class's first name, before every error was named ...Error; kept so that code
+# catching it keeps working (not in __all__: new code uses the new name).
+DeviceOutOfMemory = DeviceOutOfMemoryError
 
 
 class ExportError(PipemarkError):
     """A program that cannot be exported, or a directory that is not an export
     :func:`pipemark.load_staged` can read. The message names the program, the step or
     the file."""
+
+
+class SignatureError(PipemarkError, TypeError):
+    """Arguments do not match what a program was traced with (another pytree
+    structure, a changed static argument), or static arguments were named wrongly.
+
+    It is also a :class:`TypeError`, what ``jax.jit`` raises for a wrong call."""
+
+
+class StateMutationError(PipemarkError):
+    """The traced function changed its arguments in place; the traced program would
+    lose those changes (:func:`pipemark.mutation.call_watching_arguments`)."""
+
+
+class VerificationError(PipemarkError):
+    """A staged program's results differ from the reference's; ``report`` holds the
+    :class:`~pipemark.verification.VerifyReport` with every comparison."""
+
+    def __init__(self, message: str, report: Any) -> None:
+        super().__init__(message)
+        self.report = report
 
 
 def check_closed_jaxpr(value: Any, who: str) -> Any:

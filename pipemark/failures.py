@@ -69,7 +69,7 @@ class Failure:
     first line (``"ValueError: boom"``), or, where it stopped without raising
     (``raised`` false), what it did (``"waited more than 5 s for ..."``).
     ``reaction``: it followed another process's failure (a
-    :class:`~pipemark.ProcessError`: a transfer with a process that was gone, a process
+    :class:`~pipemark.errors.ProcessError`: a transfer with a process that was gone, a process
     that did not answer). ``time``: when, in seconds since the epoch."""
 
     process: int

@@ -18,14 +18,10 @@ import jax
 import jax.numpy as jnp
 from jax.core import Tracer
 
-from pipemark.errors import PipemarkError
+# StateMutationError is defined with the other errors; it is imported from here too.
+from pipemark.errors import StateMutationError
 
-__all__ = ["StateMutationError", "call_watching_arguments"]
-
-
-class StateMutationError(PipemarkError):
-    """The traced function changed its arguments in place; the traced program would
-    lose those changes."""
+__all__ = ["call_watching_arguments"]
 
 
 _ADVICE = (
@@ -79,7 +75,7 @@ def call_watching_arguments(
     >>> jax.make_jaxpr(lambda s, x: call_watching_arguments(step, (s, x)))({"w": 1.0}, 2.0)
     Traceback (most recent call last):
     ...
-    pipemark.mutation.StateMutationError: step changed its arguments in place: args[0]['w']. ...
+    pipemark.errors.StateMutationError: step changed its arguments in place: args[0]['w']. ...
     """
     kwargs = kwargs or {}
     before_tree, before = _leaves(args, kwargs)

@@ -45,7 +45,7 @@ def stage_layout(staged: StagedJaxpr) -> dict[str, tuple[float, float]]:
 
     Stages sit in one row in the order they run. When the forward stage of every
     backward (and weight) stage is in the program (by their
-    :attr:`~pipemark.Stage.role`), forward stages form the top row and each backward
+    :attr:`~pipemark.staged.Stage.role`), forward stages form the top row and each backward
     stage sits under its forward stage, so a training step reads as a U: forward left to
     right, backward right to left.
 

@@ -28,17 +28,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from pipemark.errors import PipemarkError, PipemarkWarning
+# SignatureError is defined with the other errors; it is imported from here too.
+from pipemark.errors import PipemarkWarning, SignatureError
 from pipemark.mutation import call_watching_arguments
 
-__all__ = ["Signature", "SignatureError", "is_traced_leaf", "traced_mask"]
-
-
-class SignatureError(PipemarkError, TypeError):
-    """Arguments do not match what a program was traced with (another pytree
-    structure, a changed static argument), or static arguments were named wrongly.
-
-    It is also a :class:`TypeError`, what ``jax.jit`` raises for a wrong call."""
+__all__ = ["Signature", "is_traced_leaf", "traced_mask"]
 
 
 _SCALARS = (bool, int, float, complex)

@@ -703,7 +703,7 @@ class StagedJaxpr:
         :class:`ValueRef`; their ``types`` and ``avals``; ``bytes``, ``num_values``
         and ``skip``, True for a skip connection that jumps over stages in between).
 
-        Raises :class:`~pipemark.StageGraphError` naming the stages on a cycle, should
+        Raises :class:`~pipemark.errors.StageGraphError` naming the stages on a cycle, should
         the stages depend on each other in one.
         """
         from pipemark.graph import stage_graph

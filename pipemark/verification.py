@@ -58,7 +58,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from pipemark.errors import PipemarkError
+# VerificationError is defined with the other errors; it is imported from here too.
+from pipemark.errors import PipemarkError, VerificationError
 
 __all__ = [
     "DEFAULT_ATOL_FLOOR",
@@ -66,7 +67,6 @@ __all__ = [
     "REFERENCE_KINDS",
     "ResultCheck",
     "SPREAD_FACTOR",
-    "VerificationError",
     "VerifyReport",
     "compare_results",
     "evaluate_reference",
@@ -137,15 +137,6 @@ class ComputeTypeLike(Protocol):
 
     @property
     def reason(self) -> str: ...
-
-
-class VerificationError(PipemarkError):
-    """A staged program's results differ from the reference's; ``report`` holds the
-    :class:`VerifyReport` with every comparison."""
-
-    def __init__(self, message: str, report: VerifyReport) -> None:
-        super().__init__(message)
-        self.report = report
 
 
 @dataclass(frozen=True)

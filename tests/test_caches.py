@@ -1,4 +1,4 @@
-"""pm.clear_caches: every registered cache emptied, and the freed heap returned."""
+"""clear_caches: every registered cache emptied, and the freed heap returned."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ SCRIPT = """
 import gc, json, os
 import jax, jax.numpy as jnp
 import pipemark as pm
+from pipemark.caches import clear_caches
 from pipemark import examples
 
 def resident_mib():
@@ -41,7 +42,7 @@ del pipe
 # jax.clear_caches() (0.10 frees them with the pipeline); pipemark leaves JAX's caches,
 # which serve the user's own functions too, to the user (docs/memory.md).
 jax.clear_caches()
-pm.clear_caches()
+clear_caches()
 print(json.dumps({"grown": grown, "left": resident_mib() - before}))
 """
 

@@ -272,7 +272,7 @@ def test_abstract_arrays_past_int64_cost_exactly_and_split(spec):
     count = math.prod(spec.shape)
     assert pm.flatten_shape_byte_sizes(spec).tolist() == [4 * count]
     cj = jax.make_jaxpr(lambda x: jnp.sin(x) * 2.0)(spec)
-    cost = pm.estimate_cost(cj)
+    cost = estimate_cost(cj)
     assert (cost.flops, cost.transcendentals) == (count, count)  # Python ints: exact
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no numpy overflow warning either

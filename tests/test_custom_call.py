@@ -15,6 +15,7 @@ import pytest
 
 import pipemark as pm
 from pipemark import custom_call as cc
+from pipemark.lowering import get_lowering
 from tests._trees import assert_trees_within_ulps
 
 REPO = Path(__file__).resolve().parent.parent
@@ -339,7 +340,7 @@ def test_gpu_without_cupy_says_how_to_install(monkeypatch):
     ):
         pass
     assert "cuda" not in cc.registered_platforms()
-    assert pm.get_lowering() == "barrier"
+    assert get_lowering() == "barrier"
 
 
 def test_unsupported_platform_is_refused():

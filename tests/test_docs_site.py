@@ -30,6 +30,7 @@ EXTENSION = ROOT / "docs" / "hooks" / "griffe_docstrings.py"
 PUBLIC_MODULES = (
     "pipemark.passes",
     "pipemark.runtime",
+    "pipemark.planner",
     "pipemark.views",
     "pipemark.lowering",
     "pipemark.plot",

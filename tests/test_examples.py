@@ -12,6 +12,7 @@ import pytest
 import pipemark as pm
 from pipemark import examples
 from pipemark.errors import PipemarkError
+from pipemark.primitive import is_marker
 from tests._trees import assert_trees_within_ulps
 
 
@@ -98,9 +99,7 @@ def test_resnet_skip_goes_through_the_start_marker_only_when_routed():
     def stage_reads(route_skips):
         cj = examples.resnet(num_blocks=4, skip=3, route_skips=route_skips).trace()
         eqns = cj.jaxpr.eqns
-        block0_end = next(
-            e for e in eqns if pm.is_marker(e, "end") and e.params["name"] == "block0"
-        )
+        block0_end = next(e for e in eqns if is_marker(e, "end") and e.params["name"] == "block0")
         skipped = block0_end.outvars[0]
         readers = [
             (e.primitive.name, e.params.get("mark_type"), e.params.get("name"))
@@ -155,7 +154,7 @@ def test_train_step_marks_gradients_once(optimizer):
     step, init_state = examples.train_step(ex.loss_fn, optimizer=optimizer)
     state = init_state(ex.params)
     cj = jax.make_jaxpr(step)(ex.params, state, ex.batch)
-    grads = [e for e in cj.jaxpr.eqns if pm.is_marker(e, "grad")]
+    grads = [e for e in cj.jaxpr.eqns if is_marker(e, "grad")]
     assert len(grads) == 1
     assert len(grads[0].invars) == len(jax.tree.leaves(ex.params))
     new_params, _, loss = step(ex.params, state, ex.batch)

@@ -158,10 +158,10 @@ def test_the_intro_example_of_the_page_runs(tmp_path, monkeypatch):
 
 
 def test_bad_directories_and_calls_are_refused_naming_the_culprit(tmp_path):
-    with pytest.raises(pm.ExportError, match=r"has no manifest\.json"):
+    with pytest.raises(pm.errors.ExportError, match=r"has no manifest\.json"):
         pm.load_staged(tmp_path)
     (tmp_path / "mine.txt").write_text("keep me")
-    with pytest.raises(pm.ExportError, match="not an export"):
+    with pytest.raises(pm.errors.ExportError, match="not an export"):
         pm.split(jax.value_and_grad(loss), W, X).export(tmp_path)
     good = tmp_path / "good"
     exported = pm.split(jax.value_and_grad(loss), W, X).export(good)
@@ -172,11 +172,11 @@ def test_bad_directories_and_calls_are_refused_naming_the_culprit(tmp_path):
     manifest = json.loads((good / "manifest.json").read_text())
     manifest["steps"][1]["reads"] = ["stage/7/0"]
     (good / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(pm.ExportError, match=r"Step 1 \('b'\) reads 'stage/7/0'"):
+    with pytest.raises(pm.errors.ExportError, match=r"Step 1 \('b'\) reads 'stage/7/0'"):
         pm.load_staged(good)
     manifest["format_version"] = 99
     (good / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(pm.ExportError, match="format_version 99"):
+    with pytest.raises(pm.errors.ExportError, match="format_version 99"):
         pm.load_staged(good)
 
 
@@ -187,5 +187,5 @@ def test_a_stage_with_a_host_callback_is_refused_by_name(tmp_path):
         y = jax.pure_callback(np.sin, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
         return pm.mark(y, name="calls_back", mark_type="end")
 
-    with pytest.raises(pm.ExportError, match="Program 'calls_back' cannot be exported"):
+    with pytest.raises(pm.errors.ExportError, match="Program 'calls_back' cannot be exported"):
         pm.split(f, X).export(tmp_path)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import pipemark as pm
+from pipemark.lowering import LOWERING_MODES, get_lowering
 from tests._trees import assert_trees_within_ulps
 
 X = jnp.arange(6.0).reshape(2, 3)
@@ -24,8 +25,8 @@ def lowered_text(f, *args) -> str:
 
 
 def test_default_mode_is_barrier():
-    assert pm.get_lowering() == "barrier"
-    assert pm.LOWERING_MODES == ("barrier", "identity", "custom_call")
+    assert get_lowering() == "barrier"
+    assert LOWERING_MODES == ("barrier", "identity", "custom_call")
 
 
 def test_barrier_mode_emits_optimization_barrier():
@@ -45,18 +46,18 @@ def test_identity_mode_emits_no_barrier():
 
 def test_context_manager_restores_previous_mode():
     with pm.lowering("identity"):
-        assert pm.get_lowering() == "identity"
+        assert get_lowering() == "identity"
         with pm.lowering("barrier"):
-            assert pm.get_lowering() == "barrier"
-        assert pm.get_lowering() == "identity"
-    assert pm.get_lowering() == "barrier"
+            assert get_lowering() == "barrier"
+        assert get_lowering() == "identity"
+    assert get_lowering() == "barrier"
 
 
 def test_set_lowering_is_global_and_selecting_twice_is_harmless():
     try:
         pm.set_lowering("identity")
         pm.set_lowering("identity")
-        assert pm.get_lowering() == "identity"
+        assert get_lowering() == "identity"
         assert "optimization_barrier" not in lowered_text(marked, X)
     finally:
         pm.set_lowering("barrier")
@@ -89,4 +90,4 @@ def test_unknown_mode_is_refused():
         pm.set_lowering("fast")
     with pytest.raises(pm.PipemarkError, match="Unknown lowering mode None"), pm.lowering(None):
         pass
-    assert pm.get_lowering() == "barrier"
+    assert get_lowering() == "barrier"

@@ -21,6 +21,8 @@ import pipemark as pm
 from pipemark import custom_call as cc
 from pipemark import examples
 from pipemark import pallas_identity as pi
+from pipemark.caches import clear_caches
+from pipemark.primitive import is_marker
 
 ON_TPU = jax.default_backend() == "tpu"
 needs_tpu = pytest.mark.skipif(not ON_TPU, reason="needs a TPU")
@@ -187,7 +189,7 @@ def _kernels(text):
 
 def _markers(fn, *args):
     cj = jax.make_jaxpr(fn)(*args)
-    return [eqn.params for eqn in cj.eqns if pm.is_marker(eqn)]
+    return [eqn.params for eqn in cj.eqns if is_marker(eqn)]
 
 
 def test_every_marker_but_hooks_lowers_to_a_named_tpu_kernel():
@@ -303,10 +305,10 @@ def pallas_on_cpu(monkeypatch):
     which JAX's jit cache cannot answer. The CPU target must make no call."""
     rule = functools.partial(pi.lower_marker, interpret=True)
     monkeypatch.setitem(cc.PLATFORM_LOWERINGS, "cpu", rule)
-    pm.clear_caches()
+    clear_caches()
     cc.reset_cpu_copy_stats()
     yield
-    pm.clear_caches()
+    clear_caches()
     assert cc.cpu_copy_stats().calls == 0
 
 

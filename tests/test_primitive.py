@@ -15,6 +15,8 @@ from jax.interpreters import partial_eval as pe
 from jax.test_util import check_grads
 
 import pipemark as pm
+from pipemark.marks import MARK_TYPES
+from pipemark.primitive import is_marker
 from tests._trees import assert_trees_within_ulps
 
 LAYERS = 3
@@ -136,7 +138,7 @@ def test_vmap_equals_unmarked_and_keeps_markers():
     assert_tree_close(got, jax.vmap(functools.partial(mlp, marked=False), (None, 0))(PARAMS, xs))
     jaxpr = jax.make_jaxpr(jax.vmap(mlp, in_axes=(None, 0)))(PARAMS, xs)
     assert markers(jaxpr) == markers(jax.make_jaxpr(mlp)(PARAMS, X))
-    starts = [e for e in jaxpr.eqns if pm.is_marker(e, "start")]
+    starts = [e for e in jaxpr.eqns if is_marker(e, "start")]
     assert starts[0].outvars[0].aval.shape == (3, 2, 4)  # the batch dimension is kept
 
 
@@ -485,12 +487,12 @@ def test_flatten_shape_byte_sizes():
 
 def test_is_marker():
     closed = jax.make_jaxpr(mlp)(PARAMS, X)
-    assert pm.is_marker(closed.eqns[0]) and pm.is_marker(closed.eqns[0], "start")
-    assert not pm.is_marker(closed.eqns[0], "end")
-    assert not pm.is_marker(closed.eqns[1])
+    assert is_marker(closed.eqns[0]) and is_marker(closed.eqns[0], "start")
+    assert not is_marker(closed.eqns[0], "end")
+    assert not is_marker(closed.eqns[1])
 
 
 def test_mark_types():
-    assert pm.MARK_TYPES == ("start", "end", "jvp_start", "jvp_end", "boundary", "grad", "hook")
+    assert MARK_TYPES == ("start", "end", "jvp_start", "jvp_end", "boundary", "grad", "hook")
     assert pm.pipeline_p.name == "pipeline_marker"
     assert pm.pipeline_p.multiple_results

@@ -20,6 +20,7 @@ from pipemark.roles import (
     StageRole,
     role_from_name,
 )
+from pipemark.staged import Stage
 
 
 @pytest.mark.parametrize(
@@ -67,8 +68,8 @@ def test_sliced_stages_carry_their_roles_and_a_hand_made_stage_reads_its_name():
         StageRole(BACKWARD, "layer0"),
     ]
     stage = staged.stages[1]
-    assert pm.Stage(stage.name, stage.closed_jaxpr, stage.inputs).role == stage.role
-    forward = pm.Stage(stage.name, stage.closed_jaxpr, stage.inputs, role=StageRole(FORWARD))
+    assert Stage(stage.name, stage.closed_jaxpr, stage.inputs).role == stage.role
+    forward = Stage(stage.name, stage.closed_jaxpr, stage.inputs, role=StageRole(FORWARD))
     assert forward.role.kind == FORWARD
     with pytest.raises(pm.PipemarkError, match=r"role must be a pipemark\.roles\.StageRole"):
-        pm.Stage(stage.name, stage.closed_jaxpr, stage.inputs, role="backward")
+        Stage(stage.name, stage.closed_jaxpr, stage.inputs, role="backward")

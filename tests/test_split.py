@@ -67,7 +67,7 @@ def test_split_unmarked_error():
         x = pm.mark(x, name="a", mark_type="start")
         return jnp.sum(pm.mark(jnp.sin(x), name="a", mark_type="end"))
 
-    with pytest.raises(pm.MarkerError, match=r"equation 3 \(reduce_sum.*test_split.py"):
+    with pytest.raises(pm.errors.MarkerError, match=r"equation 3 \(reduce_sum.*test_split.py"):
         pm.split(f, jnp.ones(3), unmarked="error")
     assert len(pm.split(f, jnp.ones(3)).stages) == 1
 
@@ -81,7 +81,7 @@ def test_split_num_stages_balances_an_unmarked_model():
 
 
 def test_split_rejects_unmarked_program_and_non_callable():
-    with pytest.raises(pm.MarkerError, match="no start/end markers"):
+    with pytest.raises(pm.errors.MarkerError, match="no start/end markers"):
         pm.split(jnp.sin, jnp.ones(3))
     with pytest.raises(pm.PipemarkError, match="fn must be callable"):
         pm.split(3, jnp.ones(3))

@@ -159,19 +159,21 @@ def test_constructor_checks_references():
     _, staged = two_stages()
     front, back = staged.stages
     bad_back = Stage(back.name, back.closed_jaxpr, (ValueRef.stage_output(1, 0),))
-    with pytest.raises(pm.StageGraphError, match="reads stage 1, which does not run before it"):
+    with pytest.raises(
+        pm.errors.StageGraphError, match="reads stage 1, which does not run before it"
+    ):
         StagedJaxpr([front, bad_back], staged.invars, staged.outputs)
-    with pytest.raises(pm.StageGraphError, match="reads output 5 of stage 'front'"):
+    with pytest.raises(pm.errors.StageGraphError, match="reads output 5 of stage 'front'"):
         StagedJaxpr(
             [front, Stage("b", back.closed_jaxpr, (ValueRef.stage_output(0, 5),))],
             staged.invars,
             staged.outputs,
         )
-    with pytest.raises(pm.StageGraphError, match="has 1 inputs but 0 input references"):
+    with pytest.raises(pm.errors.StageGraphError, match="has 1 inputs but 0 input references"):
         StagedJaxpr([front, Stage("b", back.closed_jaxpr, ())], staged.invars, staged.outputs)
-    with pytest.raises(pm.StageGraphError, match="Two stages are named 'front'"):
+    with pytest.raises(pm.errors.StageGraphError, match="Two stages are named 'front'"):
         StagedJaxpr([front, front], staged.invars, staged.outputs)
-    with pytest.raises(pm.StageGraphError, match="reads program input 7"):
+    with pytest.raises(pm.errors.StageGraphError, match="reads program input 7"):
         StagedJaxpr(staged.stages, staged.invars, [ValueRef.input(7)])
 
 

@@ -11,6 +11,7 @@ from jax.extend.core import Primitive, jaxprs_in_params, new_jaxpr_eqn, no_effec
 
 import pipemark as pm
 from pipemark import examples
+from pipemark.primitive import is_marker
 from pipemark.walk import BODY_PARAMS, CALL_PRIMITIVES, bodies, find_eqn, iter_eqns
 
 
@@ -92,7 +93,7 @@ def test_find_eqn_searches_bodies_once():
 
     cj = jax.make_jaxpr(f)(1.0)
     memo = {}
-    found = find_eqn(cj, lambda e: pm.is_marker(e, "hook"), memo)
+    found = find_eqn(cj, lambda e: is_marker(e, "hook"), memo)
     assert found is not None and found.params["name"] == "h"
     assert find_eqn(cj, lambda e: e.primitive.name == "cos") is None
     # The jitted body appears twice; it is walked once.

@@ -73,12 +73,12 @@ def schedule_plots(path: Path) -> None:
 
     schedules = [
         pm.make_schedule("1f1b", 4, 8),
-        pm.zero_bubble_schedule(4, 8),
-        pm.zero_bubble_schedule(8, 8, variant="zb-v"),
+        pm.runtime.zero_bubble_schedule(4, 8),
+        pm.runtime.zero_bubble_schedule(8, 8, variant="zb-v"),
     ]
     figure = Figure(figsize=(12, 7.5), layout="constrained")
     for ax, schedule in zip(figure.subplots(len(schedules), 1), schedules):
-        pm.plot_schedule(schedule, ax=ax)
+        pm.runtime.plot_schedule(schedule, ax=ax)
     figure.savefig(path, dpi=90)
 
 

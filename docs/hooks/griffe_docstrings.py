@@ -142,10 +142,12 @@ def normalise_docstring(text: str) -> str:
 def _canonical(name: str, role: str) -> str:
     """``pipemark.StagedJaxpr`` -> ``pipemark.staged.StagedJaxpr``: the package exports
     its names lazily (``pipemark._EXPORTS``), so the reference documents them where they
-    are defined, or under the package that re-exports them. A path into a module that
-    shares its name with a function (``pipemark.plot.stage_layout``) stays as it is."""
+    are defined, or under the package that re-exports them; so is a name that has left
+    the top level (``pipemark._MOVED``: ``pipemark.Cluster`` ->
+    ``pipemark.planner.Cluster``). A path into a module that shares its name with a
+    function (``pipemark.plot.stage_layout``) stays as it is."""
     head, _, rest = name.removeprefix("pipemark.").partition(".")
-    module, attribute = pipemark._EXPORTS.get(head, (None, None))
+    module, attribute = {**pipemark._MOVED, **pipemark._EXPORTS}.get(head, (None, None))
     if module is None:
         return name
     if (rest or role == "mod") and importlib.util.find_spec(f"pipemark.{head}") is not None:

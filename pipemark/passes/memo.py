@@ -5,7 +5,7 @@ equations' params dicts can be edited in place. A :class:`ProgramMemo` entry kee
 an answer about the program's stage structure depends on (the equation list, the result
 list, and each marker's name and mark type) and is used only while all three are
 unchanged: list comparisons by identity and one look at each marker, far cheaper than
-computing the answer again. Entries die with their program; :func:`pipemark.clear_caches`
+computing the answer again. Entries die with their program; :func:`pipemark.caches.clear_caches`
 empties every memo.
 
 >>> import jax, jax.numpy as jnp

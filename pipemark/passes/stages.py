@@ -321,7 +321,7 @@ def rename_stages(staged: StagedJaxpr, mapping: Mapping[str, str]) -> StagedJaxp
     ``mapping`` maps old stage names to new ones; stages not in it keep their names.
     Only the markers whose name is the stage's own name change, so renaming ``layer0``
     leaves ``layer0_backward``'s name alone unless it is in ``mapping`` too; its
-    :attr:`~pipemark.Stage.role` still names the renamed forward stage as its owner, so
+    :attr:`~pipemark.staged.Stage.role` still names the renamed forward stage as its owner, so
     the two stay paired (:func:`pair_stages`).
 
     Raises :class:`PipemarkError` for an unknown stage name, a new name that is not a
@@ -390,7 +390,7 @@ def pair_stages(
 ) -> tuple[list[int], list[int | None], list[int | None]]:
     """Indices in ``staged.stages`` of each forward stage, of its mirrored backward stage
     and of its weight-gradient stage (:func:`pipemark.passes.split_backward`), ``None``
-    where it has none, by the stages' :attr:`~pipemark.Stage.role`. A training step's
+    where it has none, by the stages' :attr:`~pipemark.staged.Stage.role`. A training step's
     update (``apply_grad``) is no forward stage.
 
     >>> import jax, jax.numpy as jnp, pipemark as pm

@@ -325,7 +325,7 @@ def program_inputs(staged: StagedJaxpr, stage: Any) -> list[tuple[str, Any]]:
 
 def stage_colors(staged: StagedJaxpr) -> list[str]:
     """One ``#rrggbb`` colour per stage. A backward stage (and a weight-gradient stage)
-    gets the colour of the forward stage its :attr:`~pipemark.Stage.role` names, so a
+    gets the colour of the forward stage its :attr:`~pipemark.staged.Stage.role` names, so a
     layer reads as one colour both ways.
 
     >>> import jax, pipemark as pm

@@ -405,7 +405,7 @@ def test_bad_arguments():
 def test_already_marked_program():
     cj = examples.mlp(num_layers=2).trace()
     with pytest.raises(
-        pm.MarkerError, match=r"equation 0 \(pipeline_marker start 'layer0'.*remove_markers"
+        pm.errors.MarkerError, match=r"equation 0 \(pipeline_marker start 'layer0'.*remove_markers"
     ):
         pm.passes.auto_layers(cj, 2)
 
@@ -563,7 +563,7 @@ def test_equinox_transformer_with_dropout_is_cut_between_blocks():
     staged.verify(fn, model, x)
     # Dropout's flag is static: flipping it is another program, not a silent rerun.
     other = eqx.tree_at(lambda m: m.blocks[0].drop.inference, model, False)
-    with pytest.raises(pm.SignatureError, match=r"blocks\[0\]\.drop\.inference"):
+    with pytest.raises(pm.errors.SignatureError, match=r"blocks\[0\]\.drop\.inference"):
         staged(other, x)
 
 

@@ -14,7 +14,9 @@ from jax.extend.core import check_jaxpr
 import pipemark as pm
 from pipemark import examples
 from pipemark.marks import forward_name, weight_name
+from pipemark.primitive import is_marker
 from pipemark.roles import BACKWARD, FORWARD, WEIGHT, StageRole
+from pipemark.staged import Stage
 
 
 def _leaves(values):
@@ -36,7 +38,7 @@ def _check_split(staged, split, args) -> None:
     # Every non-marker equation of the program is in exactly one stage: nothing is
     # computed twice (dot_general among them) and nothing is dropped.
     def computing(program):
-        return [id(e) for s in program.stages for e in s.jaxpr.eqns if not pm.is_marker(e)]
+        return [id(e) for s in program.stages for e in s.jaxpr.eqns if not is_marker(e)]
 
     assert sorted(computing(split)) == sorted(computing(staged))
     assert _count(split, "dot_general") == _count(staged, "dot_general")
@@ -135,9 +137,9 @@ def test_a_w_name_already_taken_is_refused():
     staged = pm.split(jax.value_and_grad(ex.loss_fn), *ex.args)
     first = staged.stages[0]
     taken = weight_name(staged.stages[2].role.owner)  # what layer1_backward's W would be
-    stages = [pm.Stage(taken, first.closed_jaxpr, first.inputs), *staged.stages[1:]]
+    stages = [Stage(taken, first.closed_jaxpr, first.inputs), *staged.stages[1:]]
     renamed = pm.StagedJaxpr(stages, staged.invars, staged.outputs)
-    with pytest.raises(pm.StageGraphError, match=f"names a W stage '{taken}'.*rename"):
+    with pytest.raises(pm.errors.StageGraphError, match=f"names a W stage '{taken}'.*rename"):
         pm.passes.split_backward(renamed)
 
 

@@ -10,6 +10,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, check_jaxpr
 
 import pipemark as pm
 from pipemark import examples
+from pipemark.caches import clear_caches
 from pipemark.passes import flow as flow_module
 from pipemark.passes._markers import find_stage_spans
 from pipemark.passes.flow import routed_flow
@@ -55,7 +56,7 @@ PROGRAMS = {name: build() for name, build in BUILDERS.items()}
 
 def _no_shortcut(monkeypatch):
     """Make the passes take their general sweep, as for a program that is not routed."""
-    pm.clear_caches()  # forget the flows found so far
+    clear_caches()  # forget the flows found so far
     monkeypatch.setattr(flow_module, "_routed_flow", lambda jaxpr, spans, known: None)
 
 

@@ -344,8 +344,11 @@ def _hand_built(kind: str):
 
 
 MALFORMED = {
-    "counts": (pm.MarkerError, r"equation 1 \(pipeline_marker start 's'.*1 operands and 2 results"),
-    "avals": (pm.MarkerError, r"equation 1 \(pipeline_marker start 's'.*f32\[2\]"),
+    "counts": (
+        pm.errors.MarkerError,
+        r"equation 1 \(pipeline_marker start 's'.*1 operands and 2 results",
+    ),
+    "avals": (pm.errors.MarkerError, r"equation 1 \(pipeline_marker start 's'.*f32\[2\]"),
     "own operand": (PipemarkError, r"equation 1 \(pipeline_marker start 's'.*reads"),
     "undefined": (PipemarkError, r"equation 1 \(pipeline_marker start 's'.*reads .* which no"),
 }

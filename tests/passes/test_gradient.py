@@ -15,6 +15,7 @@ from pipemark._compat import CLOSED_JAXPR_IS_JAXPR
 from pipemark.errors import MarkerError, PipemarkError
 from pipemark.passes import dce, mark_missing_vars, split_at_gradient
 from pipemark.passes._markers import find_stage_spans
+from pipemark.primitive import is_marker
 from tests._exact import assert_equations_from
 from tests._trees import assert_trees_equal
 
@@ -80,7 +81,7 @@ def test_compute_grad_holds_the_pipeline_and_apply_grad_the_update(model):
     ex = MODELS[model]()
     cj, args = _step_program(ex, "sgd")
     compute_grad, apply_grad = split_at_gradient(cj)
-    (marker,) = [e for e in cj.jaxpr.eqns if pm.is_marker(e, "grad")]
+    (marker,) = [e for e in cj.jaxpr.eqns if is_marker(e, "grad")]
     num_grads = len(marker.invars)
     assert num_grads == len(jax.tree.leaves(ex.params))
 
@@ -190,7 +191,7 @@ def test_two_grad_markers_are_named():
         return w - g - h
 
     cj = jax.make_jaxpr(step)(1.0)
-    first, second = (i for i, e in enumerate(cj.jaxpr.eqns) if pm.is_marker(e, "grad"))
+    first, second = (i for i, e in enumerate(cj.jaxpr.eqns) if is_marker(e, "grad"))
     with pytest.raises(
         MarkerError,
         match=rf"equation {second} \(pipeline_marker grad 'grad'.*is a second grad marker; "

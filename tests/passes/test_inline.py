@@ -245,7 +245,7 @@ def test_markers_inside_a_scan_are_still_refused():
 
         return jax.lax.scan(body, x, None, length=3)[0]
 
-    with pytest.raises(pm.MarkerError, match="scan"):
+    with pytest.raises(pm.errors.MarkerError, match="scan"):
         pm.split(jax.jit(loss), 1.0)
 
 

@@ -11,6 +11,7 @@ from jax.extend.core import Literal, check_jaxpr
 import pipemark as pm
 from pipemark import examples
 from pipemark.passes._markers import find_stage_spans
+from pipemark.primitive import is_marker
 from tests._exact import assert_same_equations_same_bits
 
 P = pm.passes
@@ -42,7 +43,7 @@ def assert_values_cross_through_markers(cj):
                 if isinstance(a, Literal):
                     continue
                 assert stage_of_var.get(a) == k, (eqn, a)
-    end_results = {v for e in cj.eqns if pm.is_marker(e, "end") for v in e.outvars}
+    end_results = {v for e in cj.eqns if is_marker(e, "end") for v in e.outvars}
     outer = set(cj.jaxpr.invars) | set(cj.jaxpr.constvars)
     for a in cj.jaxpr.outvars:
         assert isinstance(a, Literal) or a in end_results or a in outer
@@ -124,7 +125,7 @@ def test_inputs_constants_and_literals():
     check_jaxpr(marked.jaxpr)
     assert_values_cross_through_markers(marked)
     (constvar,) = marked.jaxpr.constvars
-    starts = [e for e in marked.eqns if pm.is_marker(e, "start")]
+    starts = [e for e in marked.eqns if is_marker(e, "start")]
     # The constant enters both stages that read it; x enters stage 0 and stage 2.
     assert [constvar in e.invars for e in starts] == [True, True, False]
     x = marked.jaxpr.invars[0]
@@ -196,10 +197,10 @@ def test_insert_markers_on_model_zoo(kind, grad):
 def test_layers_from_boundaries_model_zoo(kind):
     ex = getattr(examples, kind)(markers="boundary")
     cj = ex.trace()
-    num_boundaries = sum(pm.is_marker(e, "boundary") for e in cj.eqns)
+    num_boundaries = sum(is_marker(e, "boundary") for e in cj.eqns)
     layers = assert_pure(cj, P.layers_from_boundaries)
     check_jaxpr(layers.jaxpr)
-    assert not any(pm.is_marker(e, "boundary") for e in layers.eqns)
+    assert not any(is_marker(e, "boundary") for e in layers.eqns)
     assert marker_names(layers, "start") == [f"layer{i}" for i in range(num_boundaries + 1)]
     assert_values_cross_through_markers(layers)
     P.slice_stages(layers, unmarked="error").verify(ex.loss_fn, *ex.args)
@@ -248,7 +249,7 @@ def test_layers_from_boundaries_skips_empty_layers_and_handles_shared_inputs():
     layers = P.layers_from_boundaries(cj)
     check_jaxpr(layers.jaxpr)
     assert marker_names(layers, "start") == ["layer0", "layer1"]
-    starts = [e for e in layers.eqns if pm.is_marker(e, "start")]
+    starts = [e for e in layers.eqns if is_marker(e, "start")]
     y = layers.jaxpr.invars[1]
     assert all(y in e.invars for e in starts)
     assert_values_cross_through_markers(layers)
@@ -273,7 +274,7 @@ def test_backward_joins_the_last_layer_across_a_closing_boundary():
     layers = assert_pure(cj, P.layers_from_boundaries)
     check_jaxpr(layers.jaxpr)
     assert marker_names(layers) == ["layer0", "layer0"]
-    assert not any(pm.is_marker(e, "boundary") for e in layers.eqns)
+    assert not any(is_marker(e, "boundary") for e in layers.eqns)
     assert len(layers.eqns) == len(cj.eqns) - 1 + 2
     assert_values_cross_through_markers(layers)
     P.slice_stages(layers).verify(cj, X)

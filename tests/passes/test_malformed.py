@@ -154,55 +154,55 @@ def slice_error(cj):
 
 # (id, program, pass, error, message pattern, index of the named equation or None)
 CASES = [
-    ("end without start", end_without_start, slice_, pm.MarkerError,
+    ("end without start", end_without_start, slice_, pm.errors.MarkerError,
      r"closes stage 'a', but no stage is open.*Add a start marker", 1),
-    ("start without end", start_without_end, slice_, pm.MarkerError,
+    ("start without end", start_without_end, slice_, pm.errors.MarkerError,
      r"opens stage 'a', which is never closed.*Add an end marker", 0),
-    ("mismatched names", mismatched_names, slice_, pm.MarkerError,
+    ("mismatched names", mismatched_names, slice_, pm.errors.MarkerError,
      r"closes stage 'b', but the open stage is 'a'.*same name", 2),
-    ("nested start", nested_start, slice_, pm.MarkerError,
+    ("nested start", nested_start, slice_, pm.errors.MarkerError,
      r"opens stage 'b' inside stage 'a'.*cannot nest", 2),
-    ("stage opened twice", same_stage_opened_twice, slice_, pm.MarkerError,
+    ("stage opened twice", same_stage_opened_twice, slice_, pm.errors.MarkerError,
      r"opens stage 'a' inside stage 'a'", 1),
-    ("duplicate stage names", duplicate_stage_names, slice_, pm.MarkerError,
+    ("duplicate stage names", duplicate_stage_names, slice_, pm.errors.MarkerError,
      r"opens a second stage named 'a'.*must be unique", 3),
-    ("second end", second_end, slice_, pm.MarkerError,
+    ("second end", second_end, slice_, pm.errors.MarkerError,
      r"closes stage 'b', but no stage is open", 3),
-    ("jvp_end closes start", jvp_end_closes_start, slice_, pm.MarkerError,
+    ("jvp_end closes start", jvp_end_closes_start, slice_, pm.errors.MarkerError,
      r"has no open jvp_start marker.*Pair start with end", 2),
-    ("end closes jvp_start", end_closes_jvp_start, slice_, pm.MarkerError,
+    ("end closes jvp_start", end_closes_jvp_start, slice_, pm.errors.MarkerError,
      r"has no open start marker", 2),
-    ("late jvp_end", late_jvp_end, slice_, pm.MarkerError,
+    ("late jvp_end", late_jvp_end, slice_, pm.errors.MarkerError,
      r"closes stage 'a', but no stage is open", 6),
-    ("backward without forward", backward_without_forward, slice_, pm.MarkerError,
+    ("backward without forward", backward_without_forward, slice_, pm.errors.MarkerError,
      r"opens stage 'a_backward', which is never closed", 0),
-    ("marker in scan", stage_marker(in_scan), slice_, pm.MarkerError,
+    ("marker in scan", stage_marker(in_scan), slice_, pm.errors.MarkerError,
      r"holds a start marker 'inner' inside its 'jaxpr' body.*Hoist the marker out of the "
      r"scan, or slice the body", 1),
-    ("marker in cond", stage_marker(in_cond), slice_, pm.MarkerError,
+    ("marker in cond", stage_marker(in_cond), slice_, pm.errors.MarkerError,
      r"inside its 'branches' body.*Hoist the marker out of the cond", None),
-    ("marker in while", stage_marker(in_while), slice_, pm.MarkerError,
+    ("marker in while", stage_marker(in_while), slice_, pm.errors.MarkerError,
      r"inside its 'body_jaxpr' body.*out of the while", 1),
-    ("marker in jit", stage_marker(in_jit), slice_, pm.MarkerError,
+    ("marker in jit", stage_marker(in_jit), slice_, pm.errors.MarkerError,
      r"holds a start marker 'inner'.*Inline the jit first with "
      r"pm.passes.inline_calls\(cj\)", 1),
-    ("marker in checkpoint", stage_marker(in_checkpoint), slice_, pm.MarkerError,
+    ("marker in checkpoint", stage_marker(in_checkpoint), slice_, pm.errors.MarkerError,
      r"Inline the \w+ first with pm.passes.inline_calls", 1),
-    ("boundary in scan", boundary_in_scan, pm.passes.layers_from_boundaries, pm.MarkerError,
+    ("boundary in scan", boundary_in_scan, pm.passes.layers_from_boundaries, pm.errors.MarkerError,
      r"holds a boundary marker.*inside its 'jaxpr' body", 0),
-    ("stray equation before", stray_before, slice_error, pm.MarkerError,
+    ("stray equation before", stray_before, slice_error, pm.errors.MarkerError,
      r"equation 0 \(sin.*lies outside every start/end pair \(1 such equation in all\).*"
      r"unmarked='assign'", 0),
-    ("stray equation after", stray_after, slice_error, pm.MarkerError,
+    ("stray equation after", stray_after, slice_error, pm.errors.MarkerError,
      r"lies outside every start/end pair", 3),
-    ("boundary markers", boundaries, slice_, pm.MarkerError,
+    ("boundary markers", boundaries, slice_, pm.errors.MarkerError,
      r"boundary markers.*layers_from_boundaries", 1),
-    ("no markers", plain, slice_, pm.MarkerError,
+    ("no markers", plain, slice_, pm.errors.MarkerError,
      r"no start/end markers.*insert_markers", None),
     ("insert into marked", well_formed, lambda cj: pm.passes.insert_markers(cj, [1]),
-     pm.MarkerError, r"already has one.*remove_markers", 0),
+     pm.errors.MarkerError, r"already has one.*remove_markers", 0),
     ("boundaries and start/end", well_formed, pm.passes.layers_from_boundaries,
-     pm.MarkerError, r"already has one", 0),
+     pm.errors.MarkerError, r"already has one", 0),
     ("insert by scope, no scopes", well_formed, pm.passes.insert_markers_by_scope,
      pm.PipemarkError, r"no equation has a name scope", None),
 ]  # fmt: skip
@@ -237,7 +237,7 @@ def test_malformed_program_raises(program, run, error, pattern, index):
 )
 def test_hand_built_marker_params_are_refused(params, pattern):
     cj = _retype(_trace(well_formed), 0, **params)
-    with pytest.raises(pm.MarkerError, match=pattern) as info:
+    with pytest.raises(pm.errors.MarkerError, match=pattern) as info:
         pm.passes.slice_stages(cj)
     assert "equation 0 (pipeline_marker" in str(info.value)
 

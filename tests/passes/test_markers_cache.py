@@ -15,6 +15,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 
 import pipemark as pm
 from pipemark import examples
+from pipemark.caches import clear_caches
 from pipemark.errors import MarkerError
 from pipemark.passes import _markers
 from pipemark.passes._markers import (
@@ -216,7 +217,7 @@ def test_clear_caches_forgets_validated_programs():
     cj = _two_stages()
     find_stage_spans(cj)
     assert _cache_holds(cj.jaxpr)
-    pm.clear_caches()
+    clear_caches()
     assert not _cache_holds(cj.jaxpr)
 
 

@@ -26,6 +26,7 @@ from pipemark._compat import CLOSED_JAXPR_IS_JAXPR
 from pipemark.errors import MarkerError, PipemarkError
 from pipemark.passes import dce, mark_missing_vars, remove_markers, slice_stages
 from pipemark.passes._markers import find_stage_spans
+from pipemark.primitive import is_marker
 from tests._exact import assert_same_equations_same_bits
 from tests._trees import assert_trees_within_ulps
 
@@ -289,11 +290,11 @@ def test_mark_missing_vars_routes_the_skip_connection():
     cj = examples.resnet(5, skip=3, route_skips=False).trace()
     out = mark_missing_vars(cj)
     eqns = out.jaxpr.eqns
-    by_name = {(e.params["mark_type"], e.params["name"]): e for e in eqns if pm.is_marker(e)}
+    by_name = {(e.params["mark_type"], e.params["name"]): e for e in eqns if is_marker(e)}
     skipped = by_name[("end", "block0")].outvars[0]
     start3 = by_name[("start", "block3")]
     before3 = next(
-        e for e in cj.jaxpr.eqns if pm.is_marker(e, "start") and e.params["name"] == "block3"
+        e for e in cj.jaxpr.eqns if is_marker(e, "start") and e.params["name"] == "block3"
     )
     assert len(start3.invars) == len(before3.invars) + 1
     assert any(v is skipped for v in start3.invars)
@@ -310,7 +311,7 @@ def test_mark_missing_vars_routes_forward_weights_into_the_backward_stage():
     cj = ex.trace(grad=True)
     out = mark_missing_vars(cj)
     eqns = out.jaxpr.eqns
-    by_name = {(e.params["mark_type"], e.params["name"]): e for e in eqns if pm.is_marker(e)}
+    by_name = {(e.params["mark_type"], e.params["name"]): e for e in eqns if is_marker(e)}
     start1 = by_name[("start", "layer1")]
     # (x, w, b) went through the start marker; the backward stage needs w for the
     # cotangent of x.
@@ -558,8 +559,8 @@ def _reads_past_the_start_marker(staged):
     bad = []
     for stage in staged.stages:
         eqns = stage.jaxpr.eqns
-        openers = [i for i, e in enumerate(eqns) if pm.is_marker(e, "start")]
-        closers = [i for i, e in enumerate(eqns) if pm.is_marker(e, "end")]
+        openers = [i for i, e in enumerate(eqns) if is_marker(e, "start")]
+        closers = [i for i, e in enumerate(eqns) if is_marker(e, "end")]
         if not openers:
             continue
         last = closers[-1] if closers else len(eqns) - 1

@@ -12,6 +12,7 @@ from jax.extend.core import check_jaxpr, jaxpr_as_fun
 
 import pipemark as pm
 from pipemark._compat import scan_operand_counts
+from pipemark.cost import estimate_cost
 from pipemark.passes import split_scan
 from pipemark.passes.scan import chunk_ranges
 from tests._trees import assert_trees_within_ulps
@@ -95,7 +96,7 @@ def test_auto_split_of_a_scanned_model_is_balanced_and_mirrored():
     names = [s.name for s in staged.stages]
     assert names == [f"layer{i}" for i in range(4)] + [f"layer{i}_backward" for i in (3, 2, 1, 0)]
     assert [_scan_lengths(s.jaxpr) for s in staged.stages] == [[2]] * 8
-    flops = [s.name and pm.estimate_cost(s.closed_jaxpr).total_flops for s in staged.stages]
+    flops = [s.name and estimate_cost(s.closed_jaxpr).total_flops for s in staged.stages]
     forward = np.asarray(flops[:4], float)
     assert forward.max() / forward.mean() < 1.05
     staged.verify(fn, params, x)
@@ -259,5 +260,7 @@ def test_two_stage_names_in_one_scan_body_are_refused():
 
         return lax.scan(body, x, ws)[0]
 
-    with pytest.raises(pm.MarkerError, match=r"holds markers of several stages \['a', 'b'\]"):
+    with pytest.raises(
+        pm.errors.MarkerError, match=r"holds markers of several stages \['a', 'b'\]"
+    ):
         pm.split(loss, jnp.ones((3, 4, 4)), jnp.ones((2, 4)))

@@ -187,7 +187,7 @@ def test_value_and_grad_loss_and_seed_join_the_last_forward_stage():
     staged = P.slice_stages(cj)
     assert [s.name for s in staged.stages] == ["l0", "l1", "l1_backward", "l0_backward"]
     assert stage_of_primitive(staged, "reduce_sum")[0] == "l1"
-    with pytest.raises(pm.MarkerError, match="lies outside every start/end pair"):
+    with pytest.raises(pm.errors.MarkerError, match="lies outside every start/end pair"):
         P.slice_stages(cj, unmarked="error")
     staged.verify(jax.value_and_grad(f), ws, x)
 

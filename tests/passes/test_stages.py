@@ -12,6 +12,7 @@ from jax.extend.core import check_jaxpr
 import pipemark as pm
 from pipemark import examples
 from pipemark.plot import stage_layout
+from pipemark.primitive import is_marker
 from pipemark.roles import BACKWARD, FORWARD, MIXED, WEIGHT, StageRole
 
 P = pm.passes
@@ -110,7 +111,7 @@ def test_merge_non_adjacent_independent_stages_reorders():
 
 def test_merge_that_makes_a_cycle_is_refused():
     _, staged = staged_chain()
-    with pytest.raises(pm.StageGraphError, match=r"cycle: .*'a\+c'.*'b'.*Merge only"):
+    with pytest.raises(pm.errors.StageGraphError, match=r"cycle: .*'a\+c'.*'b'.*Merge only"):
         P.merge_stages(staged, [["a", "c"]])
 
 
@@ -144,7 +145,7 @@ def test_rename_stages_renames_stage_and_markers():
     renamed = P.rename_stages(staged, {"a": "embed", "d": "head"})
     check(renamed)
     assert [s.name for s in renamed.stages] == ["embed", "b", "c", "head"]
-    markers = [e.params["name"] for e in renamed["embed"].jaxpr.eqns if pm.is_marker(e)]
+    markers = [e.params["name"] for e in renamed["embed"].jaxpr.eqns if is_marker(e)]
     assert markers == ["embed", "embed"]
     renamed.verify(cj, X)
     # Re-slicing the stitched program finds the new names.
@@ -271,7 +272,7 @@ def test_a_merge_across_roles_is_mixed_and_refused_by_the_pairing():
     staged = pm.split(jax.grad(_four_marked_layers), X)
     merged = P.merge_stages(staged, [["layer3", "layer3_backward"]])
     assert merged["layer3+layer3_backward"].role.kind == MIXED
-    with pytest.raises(pm.StageGraphError, match="merges stages of different roles"):
+    with pytest.raises(pm.errors.StageGraphError, match="merges stages of different roles"):
         P.pair_stages(merged)
     # The backward stages of forward stages merged apart belong to no one stage.
     apart = P.merge_stages(staged, [["layer1_backward", "layer0_backward"]])
@@ -296,5 +297,5 @@ def test_a_forward_stage_renamed_with_a_backward_suffix_stays_forward():
         if s.role.owner is not None
     )
     # Sliced from names alone, the same name reads as a backward stage with no forward.
-    with pytest.raises(pm.StageGraphError, match="no forward stage named 'embed'"):
+    with pytest.raises(pm.errors.StageGraphError, match="no forward stage named 'embed'"):
         P.pair_stages(P.slice_stages(renamed.as_closed_jaxpr()))

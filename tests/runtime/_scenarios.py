@@ -17,8 +17,8 @@ A **scenario** is a JSON object (so that a failure prints one that reruns as it 
   filters);
 - ``optimizer``: one of :data:`OPTIMIZERS`;
 - ``schedule`` (any of ``pm.runtime.SCHEDULES``), ``csv`` (the schedule written with
-  ``to_csv()`` and read back with ``pm.schedule_from_csv``, with the stage graph a user
-  knows: a chain, and the skip connection's edge), ``microbatches``;
+  ``to_csv()`` and read back with ``pm.runtime.schedule_from_csv``, with the stage graph a
+  user knows: a chain, and the skip connection's edge), ``microbatches``;
 - ``layout``: ``place`` (``devices``: a stage per device, or two for the schedules that
   share a device; ``one-device``: every stage on one device; ``mesh``: sub-meshes of
   ``("stage", "data")`` = 2 x 2; ``processes``: devices of two processes, under
@@ -482,7 +482,7 @@ def build_model(scenario: dict) -> Model:
 
 
 def user_graph(model: dict, stages: int) -> list[tuple[int, int]] | None:
-    """The stage graph a user passes to ``pm.schedule_from_csv``: a chain, and the skip
+    """The stage graph a user passes to ``pm.runtime.schedule_from_csv``: a chain, and the skip
     connection's edge where it skips stages (``None``, a chain, without one)."""
     if not (model["skip"] and stages > 2):
         return None
@@ -520,7 +520,7 @@ def make_pipeline(model: Model, scenario: dict, spec: dict, rows: Sequence[Seque
         made = pm.make_schedule(
             name, layout["stages"], scenario["microbatches"], stage_graph=graph, num_devices=slots
         )
-        schedule = pm.schedule_from_csv(made.to_csv(), stage_graph=graph)
+        schedule = pm.runtime.schedule_from_csv(made.to_csv(), stage_graph=graph)
     return pm.pipeline_train_step(
         model.step,
         num_stages=layout["stages"],

@@ -13,6 +13,7 @@ from jax.extend.core import jaxpr_as_fun
 
 import pipemark as pm
 from pipemark import examples
+from pipemark.caches import clear_caches
 from pipemark.runtime import compilation
 from pipemark.runtime.accumulation import accumulate, fold_scatters
 from pipemark.runtime.losses import microbatch_share
@@ -151,7 +152,7 @@ def test_a_llama_pipeline_with_scattered_gradients_equals_jax(tied, fuse_actions
         return found
 
     monkeypatch.setattr(compilation, "fold_scatters", spy)
-    pm.clear_caches()  # each stage program compiled again, through the spy
+    clear_caches()  # each stage program compiled again, through the spy
     ex = examples.llama(
         2, 32, 2, seq=16, batch=4, vocab=64, d_ff=64, markers="boundary", tied=tied,
         compute_dtype=jnp.float32,

@@ -10,6 +10,7 @@ from jax.experimental import io_callback
 
 import pipemark as pm
 from pipemark import examples
+from pipemark.caches import clear_caches
 from pipemark.runtime.compilation import keeps_markers, runtime_program
 from pipemark.runtime.programs import compiled_programs
 from pipemark.runtime.steps import PARAM, STAGE
@@ -129,7 +130,7 @@ def test_stages_of_identical_blocks_share_one_compiled_program():
     markers have other names, which the compiled program leaves out, so they are one
     program, compiled once (forward, middle forward, last fused, middle backward,
     first backward: 5)."""
-    pm.clear_caches()
+    clear_caches()
     ex, pipe = _gpt_pipeline(4)
     with compilations() as compiled:
         loss, grads = jax.block_until_ready(pipe(*ex.args))
@@ -146,7 +147,7 @@ def test_stages_of_identical_blocks_share_one_compiled_program():
 def test_custom_call_programs_of_identical_blocks_stay_apart():
     # Under the custom-call lowering each program keeps its markers, which name their
     # stage: the programs differ, and each compiles on its own.
-    pm.clear_caches()
+    clear_caches()
     ex, pipe = _gpt_pipeline(4)
     with pm.lowering("custom_call"):
         plan = pipe.plan(*ex.args)
@@ -185,7 +186,7 @@ def test_values_kept_on_a_slot_are_handed_over_in_the_layout_xla_chooses():
     the program that reads it is compiled for that layout, by a call as by
     compiled_programs (one compilation each); elsewhere outputs keep the default one.
     On CPU, XLA writes ``sin(x @ w1).T`` column-major, the default being row-major."""
-    pm.clear_caches()
+    clear_caches()
     params, x = _transposing_args()
     pipe = pm.pipeline_value_and_grad(
         _transposing_loss, num_stages=2, num_microbatches=2, schedule="interleaved",
@@ -230,7 +231,7 @@ def test_a_program_with_an_effect_hands_over_its_values_in_the_default_layout():
     default whatever XLA chose, so a reader compiled for the reported layout read
     ``sin(x @ w1).T`` (column-major on CPU) as row-major: wrong gradients, silently.
     Such a program writes the default layout, and the pipeline equals JAX's own."""
-    pm.clear_caches()
+    clear_caches()
     params, x = _transposing_args()
     pipe = pm.pipeline_value_and_grad(
         _transposing_loss_with_an_effect, num_stages=2, num_microbatches=2,

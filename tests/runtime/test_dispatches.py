@@ -75,7 +75,7 @@ def test_the_planner_dispatches_the_runtimes_programs():
         {"forward": 1e-4, "backward": 2e-4}, Layout(microbatches=8), global_batch=8
     )
     layout = Layout(schedule="interleaved", stages_per_device=16, microbatches=8)
-    cluster = pm.tpu_v5e(1)
+    cluster = pm.planner.tpu_v5e(1)
     steps = {
         k: predict_layout(
             measured, layout, cluster, global_batch=8, update=False, fuse_actions=k
@@ -101,7 +101,7 @@ def test_a_bound_counts_programs_so_fused_runs_hold_more_activations():
     layout = Layout(schedule="interleaved", stages_per_device=16, microbatches=8)
     held = {
         (ahead, fuse): predict_layout(
-            measured, layout, pm.tpu_v5e(1), global_batch=8, update=False,
+            measured, layout, pm.planner.tpu_v5e(1), global_batch=8, update=False,
             fuse_actions=fuse, dispatch_ahead=ahead,
         ).memory["activations"]
         for ahead in (2, 4, None)

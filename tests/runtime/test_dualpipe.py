@@ -22,7 +22,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
     ("name", "stages", "micro"), [("dualpipev", 4, 8), ("dualpipev_8stages", 8, 16)]
 )
 def test_equals_the_schedule_torch_writes(name, stages, micro):
-    torch = pm.schedule_from_csv(FIXTURES / f"{name}.csv", name="dualpipev")
+    torch = pm.runtime.schedule_from_csv(FIXTURES / f"{name}.csv", name="dualpipev")
     ours = dualpipev_schedule(stages, micro)
     assert ours == torch  # the same ticks, overlapped pairs and stage placement
 

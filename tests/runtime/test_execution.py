@@ -16,6 +16,7 @@ import pytest
 
 import pipemark as pm
 from pipemark import examples
+from pipemark.caches import clear_caches
 from pipemark.runtime import execution, placement
 from pipemark.runtime.execution import run_plan
 from tests._devices import computing_on
@@ -155,7 +156,7 @@ def test_each_stage_program_compiles_once():
     # accumulating stage program twice.
     # Identical stages on one device (layer0 and layer2 here) share one program; their
     # inputs are committed arrays (an uncommitted batch would compile it apart).
-    pm.clear_caches()  # fresh stage programs: none compiled by an earlier test
+    clear_caches()  # fresh stage programs: none compiled by an earlier test
     used = pick_devices(2)  # on an accelerator with one device, the host CPU's two
     ex = examples.mlp(num_layers=4, width=3, batch=8)
     args = jax.device_put(ex.args, used[0])
@@ -183,7 +184,7 @@ def test_each_stage_program_compiles_once():
 def test_threaded_and_serial_walks_run_the_same_compiled_programs():
     # The walk on a worker thread runs under the caller's mesh context (jax.set_mesh is
     # per thread, and JAX compiles a program apart for each context).
-    pm.clear_caches()
+    clear_caches()
     used = pick_devices(2)
     with computing_on(used):
         ex = examples.mlp(num_layers=4, width=3, batch=4)
@@ -200,7 +201,7 @@ def test_uncommitted_state_compiles_nothing_at_the_second_step():
     # results, the next step's arguments, are committed, and jit compiles a program for
     # each kind apart. The runtime commits what it is given: the first step compiles
     # every program, the second none.
-    pm.clear_caches()
+    clear_caches()
     used = pick_devices(2)
     ex = examples.mlp(num_layers=4, width=3, batch=8)
     step, init_state = examples.train_step(ex.loss_fn, optimizer="adam")

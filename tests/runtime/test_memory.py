@@ -514,7 +514,7 @@ def _cubic_loss(width):
 
 def _runs_out_and_recovers(used, width, rows, small_rows, num_microbatches, schedule):
     """A training step of :func:`_cubic_loss` whose batch of ``rows`` rows does not fit
-    on the devices ``used`` raises DeviceOutOfMemory and leaves the state it was
+    on the devices ``used`` raises DeviceOutOfMemoryError and leaves the state it was
     given; the same step with ``small_rows`` rows then computes what JAX computes."""
     with computing_on(used):
         params = (jnp.full((4, 4), 0.25), jnp.float32(0.5))
@@ -533,7 +533,7 @@ def _runs_out_and_recovers(used, width, rows, small_rows, num_microbatches, sche
     big = _ones(rows, 4)
     plan = pipe.plan(params, state, big)  # compiled: it fits, and keeps a few scalars
     live = _buffers()
-    with pytest.raises(pm.DeviceOutOfMemory) as caught:
+    with pytest.raises(pm.DeviceOutOfMemoryError) as caught:
         jax.block_until_ready(pipe(params, state, big))
     error = caught.value
     assert isinstance(error, pm.PipemarkError) and isinstance(error, MemoryError)
@@ -606,7 +606,7 @@ def test_a_device_runs_out_of_memory_between_programs_that_each_fit():
     width = int(limit / 4 / 4 / rows**3)  # a quarter of the device per microbatch
     forwards = [Action(stage, m, FORWARD) for stage in (0, 1) for m in range(8)]
     backwards = [Action(stage, m, BACKWARD) for stage in (1, 0) for m in range(8)]
-    gpipe = pm.schedule_from_orders(
+    gpipe = pm.runtime.schedule_from_orders(
         [forwards + backwards], stage_devices=(0, 0), num_microbatches=8
     )
     error = _runs_out_and_recovers([device], width, 8 * rows, 8, 8, gpipe)
@@ -634,7 +634,7 @@ def test_an_update_out_of_memory_raises_and_leaves_the_state():
 
     pipe = pm.pipeline_train_step(huge_metric, num_stages=2, num_microbatches=2, devices=used)
     before = [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves((ex.params, state))]
-    with pytest.raises(pm.DeviceOutOfMemory, match=r"running the training step's update"):
+    with pytest.raises(pm.DeviceOutOfMemoryError, match=r"running the training step's update"):
         jax.block_until_ready(pipe(ex.params, state, ex.batch))
     after = jax.tree_util.tree_leaves((ex.params, state))
     for leaf, kept in zip(after, before):

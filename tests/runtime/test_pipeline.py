@@ -361,7 +361,7 @@ def test_one_f_one_b_with_a_forward_more_in_flight_equals_value_and_grad(model):
         .plan(*ex.args)
         .schedule
     )
-    schedule = pm.one_f_one_b_schedule(
+    schedule = pm.runtime.one_f_one_b_schedule(
         4, 4, stage_graph=dict(enumerate(graph.predecessors)), extra_in_flight=1
     )
     pipe = pm.pipeline_value_and_grad(
@@ -392,7 +392,7 @@ def test_training_step_on_one_device_and_its_errors():
     def unmarked(params, batch):
         return jax.grad(ex.loss_fn)(params, batch)
 
-    with pytest.raises(pm.MarkerError, match="no grad marker"):
+    with pytest.raises(pm.errors.MarkerError, match="no grad marker"):
         pm.pipeline_train_step(unmarked, num_stages=1, num_microbatches=2)(ex.params, ex.batch)
 
     def per_row_residual(params, batch):
@@ -490,7 +490,7 @@ def test_a_forward_stage_named_like_a_backward_half_is_refused(suffix):
         return jnp.mean(pm.mark(jnp.tanh(x @ w), name="layer" + suffix, mark_type="end"))
 
     pipe = pm.pipeline_value_and_grad(loss_fn, num_microbatches=1, devices=devices(1))
-    with pytest.raises(pm.StageGraphError, match="'_backward' or '_weight' suffix"):
+    with pytest.raises(pm.errors.StageGraphError, match="'_backward' or '_weight' suffix"):
         pipe(jnp.eye(2), jnp.ones((2, 2)))
 
 
@@ -669,11 +669,11 @@ def test_an_nnx_jit_step_that_updates_in_place_is_refused():
         return value
 
     with pytest.raises(
-        pm.StateMutationError,
+        pm.errors.StateMutationError,
         match=r"step changed its arguments in place: args\[0\]\.l1.*nnx\.split",
     ):
         pm.split(step, model, optimizer, (x, y))
-    with pytest.raises(pm.StateMutationError, match=r"nnx\.merge"):
+    with pytest.raises(pm.errors.StateMutationError, match=r"nnx\.merge"):
         pm.pipeline_train_step(step, num_microbatches=2)(model, optimizer, (x, y))
 
     # The way the error says: a function of the state that returns the new state.

@@ -385,7 +385,7 @@ def test_dualpipev_with_reduce_grad_on_sub_meshes_matches_jax():
         at = max(i for i, cell in enumerate(row) if cell.startswith(str(j)) and cell[1] in "BIW")
         row.insert(at + 1, f"{j}REDUCE_GRAD")
         text[schedule.stage_devices[j]] = ",".join(row)
-    read = pm.schedule_from_csv("\n".join(text), "compute_comms", name="dualpipev")
+    read = pm.runtime.schedule_from_csv("\n".join(text), "compute_comms", name="dualpipev")
     assert dict(read.reduce_grad) == last
     pipe = pm.pipeline_value_and_grad(
         loss_fn, num_microbatches=4, schedule=read, mesh=_meshes()["2x2x2"], param_specs=specs

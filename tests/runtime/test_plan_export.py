@@ -34,7 +34,7 @@ def test_a_pipeline_export_computes_its_call(tmp_path):
     assert schedule["name"] == "1f1b" and schedule["stage_devices"] == [0, 1]
     # torch's grammar, read back as the schedule the plan runs.
     assert schedule["csv"] == plan.schedule.to_csv()
-    assert pm.schedule_from_csv(schedule["csv"]).to_csv() == schedule["csv"]
+    assert pm.runtime.schedule_from_csv(schedule["csv"]).to_csv() == schedule["csv"]
     # The last stage's forward and backward run as one program, as the runtime fuses them.
     assert "layer1+layer1_backward" in exported.programs
     stage_steps = [s for s in manifest["steps"] if s["slot"] is not None and s["reads"]]

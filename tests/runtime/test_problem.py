@@ -11,7 +11,7 @@ from pipemark.errors import PipemarkError, StageGraphError
 
 
 def test_defaults_and_normal_forms():
-    problem = pm.ScheduleProblem(3, 4, stage_graph=[(0, 2), (1, 2)], slots=("a", "b"))
+    problem = pm.runtime.ScheduleProblem(3, 4, stage_graph=[(0, 2), (1, 2)], slots=("a", "b"))
     assert problem.stage_graph == {0: (), 1: (), 2: (0, 1)}
     assert problem.predecessors == ((), (), (0, 1))
     assert problem.successors == ((2,), (2,), ())
@@ -23,7 +23,7 @@ def test_defaults_and_normal_forms():
 
 
 def test_times_per_stage_and_the_cost_of_an_action():
-    problem = pm.ScheduleProblem(2, 1, backward_time=(2.0, 3.0), weight_time=1.0)
+    problem = pm.runtime.ScheduleProblem(2, 1, backward_time=(2.0, 3.0), weight_time=1.0)
     backward = pm.Action(1, 0, "backward")
     assert problem.cost(backward) == 4.0  # not split: B + W
     assert dataclasses.replace(problem, splits_backward=True).cost(backward) == 3.0
@@ -34,32 +34,44 @@ def test_times_per_stage_and_the_cost_of_an_action():
 @pytest.mark.parametrize(
     ("make", "error", "message"),
     [
-        (lambda: pm.ScheduleProblem(0, 2), PipemarkError, "num_stages must be a positive int"),
-        (lambda: pm.ScheduleProblem(2, 2, stage_graph=[(1, 0), (0, 1)]), StageGraphError, "cycle"),
         (
-            lambda: pm.ScheduleProblem(2, 2, forward_time=(1.0,)),
+            lambda: pm.runtime.ScheduleProblem(0, 2),
+            PipemarkError,
+            "num_stages must be a positive int",
+        ),
+        (
+            lambda: pm.runtime.ScheduleProblem(2, 2, stage_graph=[(1, 0), (0, 1)]),
+            StageGraphError,
+            "cycle",
+        ),
+        (
+            lambda: pm.runtime.ScheduleProblem(2, 2, forward_time=(1.0,)),
             PipemarkError,
             "forward_time has 1 entries but the schedule has 2 stages",
         ),
-        (lambda: pm.ScheduleProblem(2, 2, weight_time=-1), PipemarkError, "non-negative"),
+        (lambda: pm.runtime.ScheduleProblem(2, 2, weight_time=-1), PipemarkError, "non-negative"),
         (
-            lambda: pm.ScheduleProblem(2, 2, num_devices=3, slots=("a", "b")),
+            lambda: pm.runtime.ScheduleProblem(2, 2, num_devices=3, slots=("a", "b")),
             PipemarkError,
             "num_devices=3 but 2 slots",
         ),
         (
-            lambda: pm.ScheduleProblem(2, 2, activation_bytes=(1, 2, 3)),
+            lambda: pm.runtime.ScheduleProblem(2, 2, activation_bytes=(1, 2, 3)),
             PipemarkError,
             "activation_bytes has 3 entries",
         ),
-        (lambda: pm.ScheduleProblem(2, 2, memory_limit=0), PipemarkError, "memory_limit must be"),
         (
-            lambda: pm.ScheduleProblem(2, 2).with_costs({"forwards": 1.0}),
+            lambda: pm.runtime.ScheduleProblem(2, 2, memory_limit=0),
+            PipemarkError,
+            "memory_limit must be",
+        ),
+        (
+            lambda: pm.runtime.ScheduleProblem(2, 2).with_costs({"forwards": 1.0}),
             PipemarkError,
             r"costs\['forwards'\]",
         ),
         (
-            lambda: pm.ScheduleProblem(2, 2).with_costs([1.0, 2.0]),
+            lambda: pm.runtime.ScheduleProblem(2, 2).with_costs([1.0, 2.0]),
             PipemarkError,
             "with_costs takes a table",
         ),

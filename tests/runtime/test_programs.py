@@ -11,6 +11,7 @@ from jax.sharding import Mesh
 
 import pipemark as pm
 from pipemark import examples
+from pipemark.caches import clear_caches
 from pipemark.errors import PipemarkError
 from tests.runtime._compiles import compilations
 
@@ -24,7 +25,7 @@ def _placed(ex, device):
 
 
 def test_after_a_call_nothing_compiles_again_and_the_names_follow_the_schedule():
-    pm.clear_caches()
+    clear_caches()
     ex = examples.mlp(num_layers=4, width=5, batch=8)
     params, batch = _placed(ex, jax.devices()[0])
     pipe = pm.pipeline_value_and_grad(
@@ -42,7 +43,7 @@ def test_after_a_call_nothing_compiles_again_and_the_names_follow_the_schedule()
 @pytest.mark.parametrize("num_microbatches", [1, 2])
 def test_compiled_before_the_first_call_the_call_compiles_none_of_them(num_microbatches):
     # With one microbatch the program keeps no accumulators: the call passes none.
-    pm.clear_caches()
+    clear_caches()
     ex = examples.mlp(num_layers=2, width=6, batch=4)
     params, batch = _placed(ex, jax.devices()[0])
     pipe = pm.pipeline_value_and_grad(

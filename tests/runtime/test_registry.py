@@ -1,5 +1,5 @@
 """Tests for pipemark.runtime.registry: the one table of schedule names, each built for
-a pm.ScheduleProblem.
+a pm.runtime.ScheduleProblem.
 
 A schedule registered here runs as a pipeline with no other change: each case below
 registers one, runs ``pm.pipeline_value_and_grad(..., schedule=name)`` on the host CPU
@@ -32,7 +32,7 @@ def _lifo(problem):
         + [pm.Action(j, m, pm.runtime.BACKWARD) for m in reversed(range(micro))]
         for j in range(problem.num_stages)
     ]
-    return pm.schedule_from_orders(
+    return pm.runtime.schedule_from_orders(
         orders,
         stage_devices=tuple(range(problem.num_stages)),
         num_microbatches=micro,
@@ -43,7 +43,7 @@ def _lifo(problem):
 
 def _pairs(problem):
     """Interleaved 1F1B under another name: several stages on each device."""
-    return pm.interleaved_schedule(
+    return pm.runtime.interleaved_schedule(
         problem.num_stages,
         problem.num_microbatches,
         num_devices=problem.num_devices,
@@ -53,7 +53,7 @@ def _pairs(problem):
 
 def _split(problem):
     """ZB-H1 under another name: the backward split into B and W."""
-    return pm.zero_bubble_schedule(
+    return pm.runtime.zero_bubble_schedule(
         problem.num_stages, problem.num_microbatches, stage_graph=problem.stage_graph
     )
 
@@ -95,7 +95,7 @@ def _in_flight(schedule):
 def registered(request):
     """Registers the case's schedule and forgets it after the test."""
     name, build, options = request.param
-    entry = pm.register_schedule(name, build, **options)
+    entry = pm.runtime.register_schedule(name, build, **options)
     yield entry
     pm.runtime.unregister_schedule(name)
 
@@ -145,7 +145,7 @@ def test_a_registered_schedule_runs_a_pipeline_equal_to_value_and_grad(registere
 @pytest.mark.parametrize("graph", [None, [(0, 1), (1, 2), (2, 3), (0, 2)]], ids=["chain", "skip"])
 def test_the_docs_memory_aware_schedule_keeps_its_residuals_under_the_limit(graph):
     sizes = (300, 100, 200, 100)
-    unlimited = pm.ScheduleProblem(4, 8, stage_graph=graph, activation_bytes=sizes)
+    unlimited = pm.runtime.ScheduleProblem(4, 8, stage_graph=graph, activation_bytes=sizes)
     # Without a limit it is 1F1B (stage j holds up to 4 - j microbatches on a chain).
     one_f_one_b = pm.make_schedule("1f1b", 4, 8, stage_graph=graph)
     assert MEMORY_CAPPED(unlimited).ticks == one_f_one_b.ticks
@@ -174,12 +174,12 @@ def test_the_built_in_schedules_and_their_entries():
 
 
 def test_a_name_registers_once_and_unregisters():
-    pm.register_schedule("lifo", _lifo)
+    pm.runtime.register_schedule("lifo", _lifo)
     try:
         assert "lifo" in pm.runtime.SCHEDULES
         assert pm.make_schedule("lifo", 2, 3).name == "lifo"
         with pytest.raises(PipemarkError, match="registered already"):
-            pm.register_schedule("lifo", _lifo)
+            pm.runtime.register_schedule("lifo", _lifo)
     finally:
         pm.runtime.unregister_schedule("lifo")
     assert "lifo" not in pm.runtime.SCHEDULES
@@ -190,9 +190,9 @@ def test_a_name_registers_once_and_unregisters():
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda: pm.register_schedule("", _lifo), "non-empty str"),
-        (lambda: pm.register_schedule("gpipe", _lifo), "registered already"),
-        (lambda: pm.register_schedule("x", "gpipe"), "build must be callable"),
+        (lambda: pm.runtime.register_schedule("", _lifo), "non-empty str"),
+        (lambda: pm.runtime.register_schedule("gpipe", _lifo), "registered already"),
+        (lambda: pm.runtime.register_schedule("x", "gpipe"), "build must be callable"),
         (lambda: pm.runtime.unregister_schedule("nope"), "Unknown schedule 'nope'"),
     ],
 )
@@ -206,12 +206,15 @@ def test_a_builder_of_the_old_form_still_registers_with_a_warning():
 
     def old(num_stages, num_microbatches, *, stage_graph, num_devices):
         given.update(stage_graph=stage_graph, num_devices=num_devices)
-        return pm.gpipe_schedule(num_stages, num_microbatches, stage_graph=stage_graph)
+        return pm.runtime.gpipe_schedule(num_stages, num_microbatches, stage_graph=stage_graph)
 
     with pytest.warns(DeprecationWarning, match=r"write build\(problem\) -> Schedule"):
-        pm.register_schedule("old", old)
+        pm.runtime.register_schedule("old", old)
     try:
-        assert pm.make_schedule("old", 3, 2, num_devices=4).ticks == pm.gpipe_schedule(3, 2).ticks
+        assert (
+            pm.make_schedule("old", 3, 2, num_devices=4).ticks
+            == pm.runtime.gpipe_schedule(3, 2).ticks
+        )
         # As the planner called it: one device per stage.
         assert given == {"stage_graph": {0: (), 1: (0,), 2: (1,)}, "num_devices": 3}
     finally:
@@ -219,7 +222,7 @@ def test_a_builder_of_the_old_form_still_registers_with_a_warning():
 
 
 def test_the_entry_checks_the_devices_a_schedule_needs():
-    few = pm.ScheduleProblem(4, 2, num_devices=2)
+    few = pm.runtime.ScheduleProblem(4, 2, num_devices=2)
     with pytest.raises(
         PipemarkError,
         match=r"4 stages but only 2 device\(s\); each stage needs its own device.*"
@@ -228,9 +231,9 @@ def test_the_entry_checks_the_devices_a_schedule_needs():
         pm.runtime.schedule_entry("1f1b").schedule(few)
     # A schedule that places its stages itself must keep to the devices available.
     with pytest.raises(PipemarkError, match="uses 4 devices but only 2 are available"):
-        pm.runtime.build_schedule(pm.gpipe_schedule(4, 2), few)
-    pm.register_schedule("wide", _lifo, one_stage_per_device=False)
-    pm.register_schedule("nothing", lambda problem: None)
+        pm.runtime.build_schedule(pm.runtime.gpipe_schedule(4, 2), few)
+    pm.runtime.register_schedule("wide", _lifo, one_stage_per_device=False)
+    pm.runtime.register_schedule("nothing", lambda problem: None)
     try:
         with pytest.raises(PipemarkError, match="uses 4 devices but only 2 are available"):
             pm.runtime.build_schedule("wide", few)
@@ -244,9 +247,9 @@ def test_the_entry_checks_the_devices_a_schedule_needs():
 def test_the_problem_times_reach_the_zero_bubble_builders():
     # ZB-H1 orders its actions by simulating them with the problem's times: with a slow
     # last stage the order differs from the one for unit times.
-    slow_last = pm.ScheduleProblem(4, 8, splits_backward=True).with_costs(
+    slow_last = pm.runtime.ScheduleProblem(4, 8, splits_backward=True).with_costs(
         {"forward": (1.0, 1.0, 1.0, 4.0)}
     )
     tuned = pm.runtime.build_schedule("zb-h1", slow_last)
-    assert tuned.ticks == pm.zero_bubble_schedule(4, 8, costs=slow_last.costs).ticks
+    assert tuned.ticks == pm.runtime.zero_bubble_schedule(4, 8, costs=slow_last.costs).ticks
     assert tuned.ticks != pm.make_schedule("zb-h1", 4, 8).ticks

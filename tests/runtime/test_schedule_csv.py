@@ -41,7 +41,7 @@ RUNS = {
 
 def _read(name: str, format: str = "compute_only") -> pm.Schedule:
     suffix = ".comms.csv" if format == "compute_comms" else ".csv"
-    return pm.schedule_from_csv(FIXTURES / f"{name}{suffix}", format)
+    return pm.runtime.schedule_from_csv(FIXTURES / f"{name}{suffix}", format)
 
 
 def test_dualpipev_runs_each_overlapped_pair_and_whole_backward_as_one_program():
@@ -111,7 +111,7 @@ def test_compute_comms_files_read_to_the_same_orders(name):
     }
     assert dict(comms.reduce_grad) == last
     # Written back (UNSHARD / RESHARD left out: pipemark does not shard), read the same.
-    again = pm.schedule_from_csv(comms.to_csv("compute_comms"), "compute_comms")
+    again = pm.runtime.schedule_from_csv(comms.to_csv("compute_comms"), "compute_comms")
     assert again.device_orders() == comms.device_orders()
     assert again.reduce_grad == comms.reduce_grad
 
@@ -120,7 +120,7 @@ def test_compute_comms_files_read_to_the_same_orders(name):
 @pytest.mark.parametrize("format", ["compute_only", "compute_comms"])
 def test_every_registered_schedule_round_trips(name, format):
     schedule = make_schedule(name, 4, 8, num_devices=4)
-    assert pm.schedule_from_csv(schedule.to_csv(format), format, name=name) == schedule
+    assert pm.runtime.schedule_from_csv(schedule.to_csv(format), format, name=name) == schedule
 
 
 def test_a_path_a_str_path_or_the_text(tmp_path):
@@ -129,17 +129,17 @@ def test_a_path_a_str_path_or_the_text(tmp_path):
     text = schedule.to_csv(path=path)
     assert path.read_text() == text
     for given in (path, str(path), text):
-        assert pm.schedule_from_csv(given, name="zb-v") == schedule
+        assert pm.runtime.schedule_from_csv(given, name="zb-v") == schedule
 
 
 def test_idle_cells_are_idle_ticks():
     # 1F1B's grid as pipemark writes it, one forward delayed by two idle cells more.
-    s = pm.schedule_from_csv("0F0,0F1,,,,0B0,0B1\n,1F0,1B0,1F1,1B1")
+    s = pm.runtime.schedule_from_csv("0F0,0F1,,,,0B0,0B1\n,1F0,1B0,1F1,1B1")
     assert [a and a.label(True) for a in (t[0] for t in s.ticks)] == [
         "F0", "F1", None, None, None, "B0", "B1",
     ]  # fmt: skip
     # An action whose inputs are not ready at its cell runs when they are.
-    s = pm.schedule_from_csv("0F0,0B0\n1F0,1B0")
+    s = pm.runtime.schedule_from_csv("0F0,0B0\n1F0,1B0")
     assert s.num_ticks == 4 and s.ticks[1][1] == Action(1, 0, FORWARD)
 
 
@@ -180,15 +180,15 @@ _GOOD = "0F0,0F1,0B0,0B1\n,1F0,1B0,1F1,1B1"
 )  # fmt: skip
 def test_a_malformed_file_is_refused_naming_the_row_and_cell(text, format, match):
     with pytest.raises(pm.PipemarkError, match=match):
-        pm.schedule_from_csv(text, format)
-    pm.schedule_from_csv(_GOOD)  # the well-formed one reads
+        pm.runtime.schedule_from_csv(text, format)
+    pm.runtime.schedule_from_csv(_GOOD)  # the well-formed one reads
 
 
 def test_a_deadlock_names_the_cells():
     # Device 1 waits for stage 0's forward of microbatch 1, queued behind the backward
     # of microbatch 0, which waits for device 1's.
     with pytest.raises(pm.PipemarkError, match=r"deadlock.*In the file: Row 0, cell 1"):
-        pm.schedule_from_csv("0F0,0B0,0F1,0B1\n1F1,1F0,1B0,1B1")
+        pm.runtime.schedule_from_csv("0F0,0B0,0F1,0B1\n1F1,1F0,1B0,1B1")
 
 
 # ------------------------------------------------------------- the files, run
@@ -310,7 +310,7 @@ def test_a_compute_comms_file_reads_with_the_tied_graph():
     # torch writes the transfers of a chain; the edge 0->3 needs none it does not write
     # here (stage 3 reads stage 2 from the other row already), and pipemark makes its own.
     graph = _MODELS["tied"][1]
-    comms = pm.schedule_from_csv(
+    comms = pm.runtime.schedule_from_csv(
         FIXTURES / "interleaved1f1b.comms.csv", "compute_comms", stage_graph=graph
     )
     assert comms.stage_graph == graph
@@ -321,7 +321,7 @@ def test_an_order_that_misses_an_edge_of_the_pipeline_is_refused():
     # Read for a diamond (stages 1 and 2 both read stage 0 alone), the file runs the
     # forwards of stages 1 and 2 at one tick; the skip model's stage 2 also reads stage 1.
     text = "0F0,0F1,,,,,0B0,0B1\n,1F0,1F1,,,1B0,1B1\n,2F0,2F1,,2B0,2B1\n,,,3F0,3F1,3B0,3B1"
-    schedule = pm.schedule_from_csv(text, stage_graph={1: (0,), 2: (0,), 3: (1, 2)})
+    schedule = pm.runtime.schedule_from_csv(text, stage_graph={1: (0,), 2: (0,), 3: (1, 2)})
     step, args, _ = _step("skip", schedule, train=False)
     with pytest.raises(
         StageGraphError,

@@ -52,7 +52,7 @@ def test_gpipe_text_grid():
         device 1  .   F0  F1  .   .   B0  B1  .
         device 2  .   .   F0  F1  B0  B1  .   ."""
     )
-    assert str(pm.gpipe_schedule(3, 2)) == expected
+    assert str(pm.runtime.gpipe_schedule(3, 2)) == expected
 
 
 def test_one_f_one_b_text_grid_alternates_after_warmup():
@@ -63,7 +63,7 @@ def test_one_f_one_b_text_grid_alternates_after_warmup():
         device 0  F0  F1  .   B0  F2  B1  F3  B2  .   B3
         device 1  .   F0  B0  F1  B1  F2  B2  F3  B3  ."""
     )
-    assert pm.one_f_one_b_schedule(2, 4).to_text() == expected
+    assert pm.runtime.one_f_one_b_schedule(2, 4).to_text() == expected
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
@@ -73,7 +73,9 @@ def test_chain_bubble_is_the_ideal(kind, stages, micro):
     schedule = pm.make_schedule(kind, stages, micro)
     _independent_check(schedule)
     assert schedule.num_ticks == 2 * (micro + stages - 1)
-    assert schedule.bubble_fraction == pytest.approx(pm.ideal_bubble_fraction(stages, micro))
+    assert schedule.bubble_fraction == pytest.approx(
+        pm.runtime.ideal_bubble_fraction(stages, micro)
+    )
 
 
 @pytest.mark.parametrize("stages", [2, 4, 6])
@@ -97,14 +99,14 @@ def test_one_f_one_b_with_more_in_flight(stages, extra):
     # Each stage but the last starts extra more forwards before its first backward (and
     # holds that many more microbatches); the last alternates from the start.
     micro = 8
-    schedule = pm.one_f_one_b_schedule(stages, micro, extra_in_flight=extra)
-    plain = pm.one_f_one_b_schedule(stages, micro)
+    schedule = pm.runtime.one_f_one_b_schedule(stages, micro, extra_in_flight=extra)
+    plain = pm.runtime.one_f_one_b_schedule(stages, micro)
     for j, (order, before) in enumerate(zip(schedule.device_orders(), plain.device_orders())):
         first_backward = next(i for i, a in enumerate(order) if a.kind != F)
         plain_first = next(i for i, a in enumerate(before) if a.kind != F)
         assert first_backward == plain_first + (extra if j < stages - 1 else 0)
         assert sorted(order) == sorted(before)
-    assert pm.one_f_one_b_schedule(2, 2, extra_in_flight=5).device_orders()[0][:2] == [
+    assert pm.runtime.one_f_one_b_schedule(2, 2, extra_in_flight=5).device_orders()[0][:2] == [
         pm.runtime.Action(0, 0, F),
         pm.runtime.Action(0, 1, F),
     ]  # no more than the microbatches there are
@@ -113,7 +115,7 @@ def test_one_f_one_b_with_more_in_flight(stages, extra):
 @pytest.mark.parametrize("extra", [-1, 1.5, True, "1"])
 def test_one_f_one_b_names_a_bad_extra_in_flight(extra):
     with pytest.raises(pm.PipemarkError, match="extra_in_flight"):
-        pm.one_f_one_b_schedule(2, 4, extra_in_flight=extra)
+        pm.runtime.one_f_one_b_schedule(2, 4, extra_in_flight=extra)
 
 
 @st.composite
@@ -144,7 +146,7 @@ def test_skip_connection_waits_for_the_skipped_stage():
     # Stage 3 reads stage 0 directly; stage 1's backward needs nothing from stage 3, but
     # stage 0's backward needs stage 3's.
     edges = [(0, 1), (1, 2), (2, 3), (0, 3)]
-    schedule = pm.one_f_one_b_schedule(4, 2, stage_graph=edges)
+    schedule = pm.runtime.one_f_one_b_schedule(4, 2, stage_graph=edges)
     _independent_check(schedule)
     assert schedule.predecessors == ((), (0,), (1,), (0, 2))
     when = {a: t for t, _, a in schedule.actions()}
@@ -153,7 +155,7 @@ def test_skip_connection_waits_for_the_skipped_stage():
 
 def test_parallel_branches_run_at_the_same_tick():
     # 0 feeds 1 and 2, which both feed 3: 1 and 2 run side by side.
-    schedule = pm.gpipe_schedule(4, 1, stage_graph=[(0, 1), (0, 2), (1, 3), (2, 3)])
+    schedule = pm.runtime.gpipe_schedule(4, 1, stage_graph=[(0, 1), (0, 2), (1, 3), (2, 3)])
     when = {a: t for t, _, a in schedule.actions()}
     assert when[Action(1, 0, F)] == when[Action(2, 0, F)] == 1
     assert schedule.num_ticks == 6
@@ -161,11 +163,11 @@ def test_parallel_branches_run_at_the_same_tick():
 
 @pytest.mark.parametrize("devices,chunks,micro", [(2, 2, 4), (2, 3, 8), (4, 2, 8), (3, 2, 3)])
 def test_interleaved_schedule_is_valid_and_shrinks_the_bubble(devices, chunks, micro):
-    schedule = pm.interleaved_schedule(devices * chunks, micro, num_devices=devices)
+    schedule = pm.runtime.interleaved_schedule(devices * chunks, micro, num_devices=devices)
     _independent_check(schedule)
     assert schedule.num_devices == devices
     assert schedule.stage_devices == tuple(j % devices for j in range(devices * chunks))
-    plain = pm.one_f_one_b_schedule(devices, micro)
+    plain = pm.runtime.one_f_one_b_schedule(devices, micro)
     assert schedule.bubble_fraction < plain.bubble_fraction
     assert "F0s1" in schedule.to_text()
 
@@ -175,7 +177,7 @@ def test_schedule_from_custom_orders_and_dataclass_checks():
         [Action(0, 0, F), Action(0, 1, F), Action(0, 1, B), Action(0, 0, B)],
         [Action(1, 1, F), Action(1, 0, F), Action(1, 1, B), Action(1, 0, B)],
     ]
-    schedule = pm.schedule_from_orders(orders, stage_devices=(0, 1), num_microbatches=2)
+    schedule = pm.runtime.schedule_from_orders(orders, stage_devices=(0, 1), num_microbatches=2)
     _independent_check(schedule)
     assert schedule.device_orders() == orders
     rebuilt = pm.Schedule("again", 2, (0, 1), ((), (0,)), schedule.ticks)
@@ -255,7 +257,7 @@ def test_deadlocking_orders_are_named():
         [Action(1, 0, F), Action(1, 0, B)],
     ]
     with pytest.raises(StageGraphError, match=r"deadlock at tick 0: device 0 waits to run the"):
-        pm.schedule_from_orders(orders, stage_devices=(0, 1), num_microbatches=1)
+        pm.runtime.schedule_from_orders(orders, stage_devices=(0, 1), num_microbatches=1)
 
 
 @pytest.mark.parametrize(
@@ -264,24 +266,28 @@ def test_deadlocking_orders_are_named():
         (lambda: pm.make_schedule("zigzag", 2, 2), PipemarkError, "Unknown schedule 'zigzag'"),
         (lambda: pm.make_schedule("interleaved", 4, 4), PipemarkError, "needs num_devices"),
         (
-            lambda: pm.interleaved_schedule(3, 4, num_devices=2),
+            lambda: pm.runtime.interleaved_schedule(3, 4, num_devices=2),
             PipemarkError,
             r"3 stages do not divide over 2 devices.*num_stages=4",
         ),
         (
-            lambda: pm.interleaved_schedule(4, 3, num_devices=2),
+            lambda: pm.runtime.interleaved_schedule(4, 3, num_devices=2),
             PipemarkError,
             r"num_microbatches=3 is not a multiple.*Use 4 microbatches",
         ),
-        (lambda: pm.gpipe_schedule(0, 2), PipemarkError, "num_stages must be a positive int"),
-        (lambda: pm.gpipe_schedule(2, 1.5), PipemarkError, "num_microbatches must be"),
         (
-            lambda: pm.make_schedule(pm.gpipe_schedule(2, 2), 2, 4),
+            lambda: pm.runtime.gpipe_schedule(0, 2),
+            PipemarkError,
+            "num_stages must be a positive int",
+        ),
+        (lambda: pm.runtime.gpipe_schedule(2, 1.5), PipemarkError, "num_microbatches must be"),
+        (
+            lambda: pm.make_schedule(pm.runtime.gpipe_schedule(2, 2), 2, 4),
             PipemarkError,
             r"for 2 stages and 2 microbatches, but the pipeline has 2 stages and 4",
         ),
         (
-            lambda: pm.make_schedule(pm.gpipe_schedule(3, 2, stage_graph=[(0, 2)]), 3, 2),
+            lambda: pm.make_schedule(pm.runtime.gpipe_schedule(3, 2, stage_graph=[(0, 2)]), 3, 2),
             StageGraphError,
             r"runs F0s1 \(the forward of stage 1 for microbatch 0\) at tick 0, before F0s0 "
             r".*the edge 0->1.*built for the stage graph \{0->2\}, the pipeline's is "
@@ -335,7 +341,7 @@ def test_a_chain_schedule_fits_tied_embeddings_with_their_graph(name, devices):
 )  # fmt: skip
 def test_an_order_that_misses_an_edge_names_it(orders, built_for, message):
     devices = [0, 0, 0] if len(orders) == 1 else [0, 1, 2]
-    schedule = pm.schedule_from_orders(
+    schedule = pm.runtime.schedule_from_orders(
         orders, stage_devices=devices, num_microbatches=1, stage_graph=built_for
     )
     with pytest.raises(StageGraphError, match=message):
@@ -345,7 +351,7 @@ def test_an_order_that_misses_an_edge_names_it(orders, built_for, message):
 def test_an_overlapped_pair_must_have_the_backwards_inputs_when_it_starts():
     # B0s1 runs at tick 5, after B0s2 (tick 4), but as the second of a pair it starts
     # with F1s1 at tick 4: on the graph with 1->2 it would read B0s2's cotangents early.
-    schedule = pm.schedule_from_csv(
+    schedule = pm.runtime.schedule_from_csv(
         "0F0,0F1,,,,,,,0B0,0B1\n,1F0,,,(1F1;1B0)OVERLAP_F_B,1B1\n,,2F0,,2B0,2F1,2B1",
         stage_graph={1: (0,), 2: (0,)},
     )
@@ -359,7 +365,7 @@ def test_an_overlapped_pair_must_have_the_backwards_inputs_when_it_starts():
 def test_plot_schedule_draws_one_box_per_action():
     matplotlib = pytest.importorskip("matplotlib")
     schedule = pm.make_schedule("1f1b", 3, 4)
-    fig = pm.plot_schedule(schedule)
+    fig = pm.runtime.plot_schedule(schedule)
     assert isinstance(fig, matplotlib.figure.Figure)
     ax = fig.axes[0]
     assert len(ax.patches) == 2 * 3 * 4
@@ -370,13 +376,13 @@ def test_plot_schedule_draws_one_box_per_action():
     # drawing onto given axes returns that figure
     fig2 = matplotlib.figure.Figure()
     ax2 = fig2.add_subplot(1, 1, 1)
-    assert pm.plot_schedule(pm.make_schedule("gpipe", 2, 2), ax=ax2, title="x") is fig2
+    assert pm.runtime.plot_schedule(pm.make_schedule("gpipe", 2, 2), ax=ax2, title="x") is fig2
     assert ax2.get_title() == "x"
 
 
 def test_plot_schedule_refuses_other_objects():
     with pytest.raises(PipemarkError, match="takes a Schedule, got str"):
-        pm.plot_schedule("1f1b")
+        pm.runtime.plot_schedule("1f1b")
 
 
 @pytest.mark.parametrize(
@@ -393,7 +399,7 @@ def test_plot_schedule_refuses_other_objects():
 def test_malformed_actions_are_named_where_they_stand(action, message):
     orders = [[action, Action(0, 0, BACKWARD)]]
     with pytest.raises(StageGraphError, match=r"orders\[0\]\[0\]" + ".*" + message):
-        pm.schedule_from_orders(orders, stage_devices=[0], num_microbatches=1)
+        pm.runtime.schedule_from_orders(orders, stage_devices=[0], num_microbatches=1)
     ticks = ((action,), (Action(0, 0, BACKWARD),))
     with pytest.raises(StageGraphError, match=r"Tick 0, device 0.*"):
         pm.Schedule("custom", 1, (0,), ((),), ticks)
@@ -455,14 +461,16 @@ def test_waves_of_an_interleaved_schedule_fill_every_device():
 
 
 def test_waves_need_a_schedule_the_pipeline_builds():
-    made = pm.gpipe_schedule(2, 4)
+    made = pm.runtime.gpipe_schedule(2, 4)
     problem = pm.runtime.ScheduleProblem(2, 4, microbatches_in_flight=2)
     with pytest.raises(PipemarkError, match="the schedule 'gpipe' was given made"):
         pm.runtime.build_schedule(made, problem)
     with pytest.raises(PipemarkError, match="microbatches_in_flight must be an int >= 1"):
         pm.runtime.ScheduleProblem(2, 4, microbatches_in_flight=0)
     with pytest.raises(PipemarkError, match="for one pipeline"):
-        pm.runtime.schedules.in_waves([pm.gpipe_schedule(2, 2), pm.gpipe_schedule(3, 2)])
+        pm.runtime.schedules.in_waves(
+            [pm.runtime.gpipe_schedule(2, 2), pm.runtime.gpipe_schedule(3, 2)]
+        )
 
 
 # ------------------------------------------------- overlapped pairs and REDUCE_GRAD
@@ -481,12 +489,12 @@ def _pair_orders():
 
 def test_an_overlapped_pair_starts_when_both_are_ready_and_runs_on_adjacent_ticks():
     pair = (Action(0, 1, FORWARD), Action(1, 0, BACKWARD))
-    s = pm.schedule_from_orders(
+    s = pm.runtime.schedule_from_orders(
         _pair_orders(), stage_devices=(0, 0), num_microbatches=2, overlapped=[pair]
     )
     ticks = {a: t for t, _, a in s.actions()}
     assert ticks[pair[1]] == ticks[pair[0]] + 1 and s.overlapped == (pair,)
-    assert pm.schedule_from_csv(s.to_csv(), name="custom") == s
+    assert pm.runtime.schedule_from_csv(s.to_csv(), name="custom") == s
     assert "(0F1;1B0)OVERLAP_F_B" in s.to_csv()
 
 
@@ -499,7 +507,9 @@ def test_an_overlapped_pair_starts_when_both_are_ready_and_runs_on_adjacent_tick
     ],
 )
 def test_a_bad_overlapped_pair_is_refused(pair, match):
-    plain = pm.schedule_from_orders(_pair_orders(), stage_devices=(0, 0), num_microbatches=2)
+    plain = pm.runtime.schedule_from_orders(
+        _pair_orders(), stage_devices=(0, 0), num_microbatches=2
+    )
     with pytest.raises(StageGraphError, match=match):
         pm.Schedule(plain.name, 2, (0, 0), plain.predecessors, plain.ticks, (pair,))
 

@@ -247,7 +247,9 @@ def test_weight_actions_are_checked_like_the_others():
         "B0",
         "W0",
     ]
-    with pytest.raises(pm.StageGraphError, match="weight of stage 0 for microbatch 0 runs before"):
+    with pytest.raises(
+        pm.errors.StageGraphError, match="weight of stage 0 for microbatch 0 runs before"
+    ):
         pm.Schedule(
             "bad", 1, (0,), ((),), ((Action(0, 0, F),), (Action(0, 0, W),), (Action(0, 0, B),))
         )
@@ -261,7 +263,9 @@ def test_weight_actions_are_checked_like_the_others():
     assert mixed.splits_backward and mixed.whole_backwards == {(0, 1)}
     costs = {"forward": 1.0, "backward": 2.0, "weight": 4.0}
     assert simulate_schedule(mixed, costs).makespan == 1 + 2 + 4 + 1 + (2 + 4)
-    with pytest.raises(pm.StageGraphError, match=r"never run, e\.g\. the backward of stage 0"):
+    with pytest.raises(
+        pm.errors.StageGraphError, match=r"never run, e\.g\. the backward of stage 0"
+    ):
         pm.Schedule("no backward", 1, (0,), ((),), ((Action(0, 0, F),), (Action(0, 0, W),)))
 
 

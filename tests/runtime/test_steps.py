@@ -145,7 +145,7 @@ def test_a_whole_backward_of_a_split_stage_is_its_b_and_w_in_one_program():
         [Action(1, 0, FORWARD), Action(1, 1, FORWARD), *split(1, 0), *split(1, 1)],
         [Action(2, 0, FORWARD), Action(2, 1, FORWARD), Action(2, 0, BACKWARD), *split(2, 1)],
     ]
-    schedule = pm.schedule_from_orders(orders, stage_devices=(0, 1, 2), num_microbatches=2)
+    schedule = pm.runtime.schedule_from_orders(orders, stage_devices=(0, 1, 2), num_microbatches=2)
     assert schedule.whole_backwards == {(0, 0), (0, 1), (2, 0)}
     pipe, ex = mlp_pipeline(3, 2, schedule, num_layers=3)
     with computing_on(jax.tree_util.tree_leaves(ex.args)[0].devices()):  # the pipeline's

@@ -103,7 +103,7 @@ def _failed_transfer(error: Exception) -> str:
 
     transport = CollectiveTransport(Watchdog(None, 0), 0)
     peer = types.SimpleNamespace(process_index=1)
-    with pytest.raises(pm.ProcessError) as raised:
+    with pytest.raises(pm.errors.ProcessError) as raised:
         transport._transfer(program, [], ("sending", "the outputs of stage 's0'", "to", peer))
     assert raised.value.__cause__ is error
     return str(raised.value)

@@ -70,13 +70,17 @@ def test_a_schedule_built_on_measured_costs_runs_where_its_order_meets_the_graph
     graph = step.plan(*ex.args).schedule.stage_graph
     # One built for a stage graph with an edge more (a skip from stage 0 to 2) orders
     # every edge of the pipeline's: it fits, with the pipeline's graph.
-    wider = pm.zero_bubble_schedule(4, 4, costs=costs, stage_graph=[(0, 1), (1, 2), (2, 3), (0, 2)])
+    wider = pm.runtime.zero_bubble_schedule(
+        4, 4, costs=costs, stage_graph=[(0, 1), (1, 2), (2, 3), (0, 2)]
+    )
     assert wider.stage_graph != graph
     assert pm.make_schedule(wider, 4, 4, stage_graph=graph).stage_graph == graph
     # One built for stages 1 and 2 that both read stage 0 alone runs their forwards side
     # by side, but the pipeline's stage 2 reads stage 1: refused, naming the edge.
-    other = pm.zero_bubble_schedule(4, 4, costs=costs, stage_graph=[(0, 1), (0, 2), (1, 3), (2, 3)])
-    with pytest.raises(pm.StageGraphError, match=r"before F0s1 .*the edge 1->2"):
+    other = pm.runtime.zero_bubble_schedule(
+        4, 4, costs=costs, stage_graph=[(0, 1), (0, 2), (1, 3), (2, 3)]
+    )
+    with pytest.raises(pm.errors.StageGraphError, match=r"before F0s1 .*the edge 1->2"):
         _pipeline(ex.loss_fn, other)(*ex.args)
-    tuned = pm.zero_bubble_schedule(4, 4, costs=costs, stage_graph=graph)
+    tuned = pm.runtime.zero_bubble_schedule(4, 4, costs=costs, stage_graph=graph)
     assert_trees_close(_pipeline(ex.loss_fn, tuned)(*ex.args), _reference(model), rtol=2e-5)

@@ -18,6 +18,7 @@ import pipemark as pm
 from pipemark import examples
 from pipemark import views as pmi
 from pipemark._compat import jax_form
+from pipemark.cost import estimate_cost
 
 P = pm.passes
 
@@ -188,7 +189,7 @@ def test_rows_count_each_program_input_once_in_the_total():
     assert (
         sum(r.flops for r in rows)
         == total.flops
-        == pm.estimate_cost(staged.as_closed_jaxpr()).total_flops
+        == estimate_cost(staged.as_closed_jaxpr()).total_flops
     )
     assert abs(sum(r.share for r in rows) - 1.0) < 1e-12
     # The total counts each parameter once (the batch is not a parameter).
@@ -482,7 +483,7 @@ def test_show_takes_start_end_markers_and_staged_programs():
 
 def test_show_refuses_unmarked_programs_and_other_things():
     cj = jax.make_jaxpr(skip)(jnp.ones(4))
-    with pytest.raises(pm.MarkerError, match="no start/end markers"):
+    with pytest.raises(pm.errors.MarkerError, match="no start/end markers"):
         pm.show(cj)
     with pytest.raises(pm.PipemarkError, match="show takes a marked ClosedJaxpr"):
         pm.show(skip)

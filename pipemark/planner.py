@@ -1,0 +1,55 @@
+"""Plan a training step for a cluster you do not have: the layout planner's public
+names in one place (``pm.planner``), apart from what runs a pipeline (``pm.runtime``).
+
+Describe the hardware (:class:`Cluster`, :func:`tpu_v5e`) and the model
+(:class:`Transformer` from its sizes, or :class:`MeasuredPipeline` from a real
+pipeline's measured action costs); :func:`predict_layout` predicts one
+:class:`Layout`'s step time and per-chip peak memory (a :class:`LayoutPrediction`),
+and :func:`rank_layouts` / :func:`search_layouts` predict a search space, refuse the
+layouts that do not fit (:class:`Refusal`) and rank the rest (:class:`Ranking`).
+docs/scale.md is the guide.
+
+>>> import pipemark as pm
+>>> layout = pm.planner.Layout(pp=4, fsdp=64, microbatches=16, remat=True)
+>>> model, cluster = pm.planner.Transformer.llama2_7b(), pm.planner.tpu_v5e(256)
+>>> p = pm.planner.predict_layout(model, layout, cluster, global_batch=1024)
+>>> p.fits, round(p.step_seconds, 1)
+(True, 12.5)
+"""
+
+# The planner lives in pipemark.runtime (it predicts with the runtime's schedules and
+# simulation); these are the names its package exports, re-exported under one name.
+from pipemark.runtime import (
+    TPU_V5E_POD,
+    Cluster,
+    Layout,
+    LayoutPrediction,
+    MeasuredPipeline,
+    Ranking,
+    Refusal,
+    StageWork,
+    Transformer,
+    predict_layout,
+    rank_layouts,
+    search_layouts,
+    tpu_v5e,
+)
+
+__all__ = [
+    # the hardware
+    "Cluster",
+    "TPU_V5E_POD",
+    "tpu_v5e",
+    # the model and how it is laid out
+    "Layout",
+    "MeasuredPipeline",
+    "StageWork",
+    "Transformer",
+    # predictions
+    "LayoutPrediction",
+    "Ranking",
+    "Refusal",
+    "predict_layout",
+    "rank_layouts",
+    "search_layouts",
+]
