@@ -134,7 +134,7 @@ class Steps(NamedTuple):
     # Under jax.distributed: the steps of every worker, as (worker, position in its
     # column), and this process's transfers, as (TRANSFER, index in transfers), in
     # the one global order (where a stage program has collectives between processes,
-    # every process dispatches its share of them in this order: execution.py).
+    # every process dispatches its share of them in this order: execution/run.py).
     order: tuple[tuple[int, int], ...] = ()
     # Per worker, {position in its column: stage indices} whose accumulators it hands
     # to the transfer thread after that step, to be reduced there (Reduce): stages
