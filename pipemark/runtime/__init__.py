@@ -11,11 +11,12 @@ through them:
   and memory with the same simulation.
 - here, what a user passes and how a pipeline is planned: :class:`PipelineOptions`
   (``options``), a loss's arguments and reductions (``arguments``, ``losses``), one
-  microbatch traced (``tracing``), cut into pipeline stages (``pipeline_stages``),
-  scheduled (``scheduling``) and planned (``plan``: :class:`PipelinePlan`).
-- ``devices/``: below a plan, what runs where: device slots and sub-meshes, each stage
-  program compiled for its slot, the steps each worker runs, and the transports between
-  slots and processes (:func:`stage_devices` chooses devices across processes).
+  microbatch traced (``tracing``), cut into pipeline stages (``pipeline_stages``) and
+  scheduled (``scheduling``).
+- ``devices/``: what runs where: device slots and sub-meshes, each stage program
+  compiled for its slot, the steps each worker runs, and the transports between slots and
+  processes (:func:`stage_devices` chooses devices across processes); from these the
+  plan is made (``plan``: :class:`PipelinePlan`).
 - ``memory/``: what a plan holds on each device, predicted (:class:`MemoryEstimate`), and a
   plan within a memory budget.
 - ``execution/``: a plan run, traced (Perfetto) and exported.
