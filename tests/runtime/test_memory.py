@@ -19,8 +19,10 @@ from jax.sharding import Mesh
 import pipemark as pm
 from pipemark import examples
 from pipemark.cost import nbytes
-from pipemark.runtime import BACKWARD, FORWARD, Action, execution, memory, train_step
+from pipemark.runtime import BACKWARD, FORWARD, Action, train_step
 from pipemark.runtime.devices.steps import STAGE, program_name
+from pipemark.runtime.execution import run as execution
+from pipemark.runtime.memory import estimate as memory
 from pipemark.runtime.memory.estimate import (
     device_padding,
     estimate_memory,
