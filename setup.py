@@ -35,7 +35,7 @@ setup(
         "gpu": ["cupy-cuda13x>=13"],
         "viz": ["matplotlib>=3.7", "rich>=13"],
         # Checkpoints of pipelined training runs with orbax, in one process or many
-        # (pipemark.runtime.orbax_arrays; docs/training.md).
+        # (pipemark.runtime.training.orbax_arrays; docs/training.md).
         "checkpoint": ["orbax-checkpoint>=0.12"],
         "test": [
             "pytest>=8",

@@ -191,7 +191,7 @@ def _transfers(repeat: int) -> dict:
     import jax
     import numpy as np
 
-    from pipemark.runtime.transport import CollectiveTransport, Watchdog
+    from pipemark.runtime.devices.transport import CollectiveTransport, Watchdog
 
     devices = jax.devices()
     source, target = devices[0], devices[1]

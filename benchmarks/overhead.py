@@ -55,7 +55,7 @@ def _set_flags(num_devices: int) -> None:
 
 def _unfused(pipe, params, batch):
     """A call of ``pipe``'s plan with every action its own program (no fusion)."""
-    from pipemark.runtime.execution import run_plan
+    from pipemark.runtime.execution.run import run_plan
 
     plan = pipe.plan(params, batch)
     plan = dataclasses.replace(plan, steps=plan.unfused_steps, fused={})
@@ -205,7 +205,8 @@ def profile(width: int, batch_size: int, repeat: int) -> str:
 
     import pipemark as pm
     from pipemark import examples
-    from pipemark.runtime import execution, pipeline
+    from pipemark.runtime import pipeline
+    from pipemark.runtime.execution import run as execution
 
     loss_fn, params, batch = examples.mlp(num_layers=4, width=width, batch=batch_size)
     reference = jax.jit(jax.value_and_grad(loss_fn))

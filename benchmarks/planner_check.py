@@ -22,9 +22,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pipemark.runtime.cluster import Cluster, tpu_v5e
-from pipemark.runtime.planner import predict_layout
-from pipemark.runtime.workload import Layout, MeasuredPipeline
+from pipemark.runtime.planning.cluster import Cluster, tpu_v5e
+from pipemark.runtime.planning.planner import predict_layout
+from pipemark.runtime.planning.workload import Layout, MeasuredPipeline
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: The CPU check as last recorded (``--record-cpu``).

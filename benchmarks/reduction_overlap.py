@@ -151,7 +151,7 @@ def cpu_cluster(devices: int, replicas: int, nbytes: float, seconds: float, disp
     fast enough that a ring all-reduce of ``nbytes`` over ``replicas`` takes
     ``seconds`` (what the runtime's reduction took alone), each action costing the
     host ``dispatch``."""
-    from pipemark.runtime.cluster import Cluster, Group, collective_seconds
+    from pipemark.runtime.planning.cluster import Cluster, Group, collective_seconds
 
     def cluster(link: float) -> Cluster:
         return Cluster(
@@ -167,8 +167,8 @@ def cpu_cluster(devices: int, replicas: int, nbytes: float, seconds: float, disp
 def predictions(record: dict) -> list[dict]:
     """Per schedule of ``record``: its measured steps, the planner's for each mode, and
     the sum of its programs."""
-    from pipemark.runtime.planner import predict_layout
-    from pipemark.runtime.workload import Layout, MeasuredPipeline
+    from pipemark.runtime.planning.planner import predict_layout
+    from pipemark.runtime.planning.workload import Layout, MeasuredPipeline
 
     config = record["config"]
     slots, replicas, width = config["slots"], config["replicas"], config["width"]

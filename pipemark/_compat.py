@@ -114,7 +114,7 @@ VERSION_TABLE: dict[str, dict[str, str]] = {
         "device kind (jax.sharding.AbstractDevice) for a rank-1 block",
     },
     # Every equation records the abstract mesh it was traced under (jax.sharding.set_mesh)
-    # and evaluating it enters that mesh again: pipemark.runtime.sharding rebuilds it on
+    # and evaluating it enters that mesh again: pipemark.runtime.devices.sharding rebuilds it on
     # a stage's sub-mesh through eqn_context_with_mesh.
     "equation context": {
         "JaxprEqnContext._create": "0.10.2, 0.12.0.1: eqn.ctx is an interned "
@@ -124,7 +124,7 @@ VERSION_TABLE: dict[str, dict[str, str]] = {
         "configs named by jax._src.config.jaxpr_eqn_ctx_names(), the mesh as "
         "abstract_mesh_context_manager",
     },
-    # A stage program of the one microbatch of a call (pipemark.runtime.compilation)
+    # A stage program of the one microbatch of a call (pipemark.runtime.devices.compilation)
     # can make its accumulators itself instead of adding to zeros it is given.
     "one microbatch's accumulators": {
         "zeros first": "0.10.2 (measured): a program whose arguments arrive in layouts "

@@ -332,7 +332,7 @@ def _memory_text(fn: Any, positional: list, kwargs: dict, staged: Any, args: Any
 def _memory_columns(estimate: Any, per_line: int = 4) -> list[str]:
     """``estimate`` as a table of a column per device slot (``per_line`` slots side by
     side, so every line fits 80 columns) and a row per part of the peak."""
-    from pipemark.runtime.memory import format_bytes
+    from pipemark.runtime.memory.estimate import format_bytes
 
     parts = ("parameters", "batch", "accumulators", "in_flight", "temporaries", "update")
     parts = tuple(p for p in parts if any(getattr(s, p) for s in estimate.slots))

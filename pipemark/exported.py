@@ -17,7 +17,7 @@ Running the steps in order is all a loader does (:class:`ExportedStages` here; a
 lines with ``jax.export`` alone, see ``docs/export.md``). The programs are written with
 their markers lowered to nothing (the ``"identity"`` lowering): inside one stage program
 a marker separates nothing, the runtime compiles each stage without them
-(:func:`pipemark.runtime.compilation.runtime_program`), and a program that kept a
+(:func:`pipemark.runtime.devices.compilation.runtime_program`), and a program that kept a
 ``"custom_call"`` marker would need pipemark's custom-call target in the loading
 process. Each stage's markers are listed in the manifest instead.
 
@@ -81,7 +81,7 @@ MANIFEST = "manifest.json"
 class ProgramGraph:
     """What an export directory holds, in memory: the programs and the steps that run
     them. :func:`write_export` writes it; the runtime
-    (:mod:`pipemark.runtime.plan_export`) and :func:`export_staged` build one.
+    (:mod:`pipemark.runtime.execution.plan_export`) and :func:`export_staged` build one.
 
     Attributes
     ----------

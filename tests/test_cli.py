@@ -523,7 +523,7 @@ def test_inspect_microbatches_prints_what_each_device_would_hold(capsys, tmp_pat
     import jax.numpy as jnp
 
     import pipemark as pm
-    from pipemark.runtime.memory import format_bytes
+    from pipemark.runtime.memory.estimate import format_bytes
     from tests._cli_targets import pipeline_loss
 
     report = tmp_path / "report.html"

@@ -138,7 +138,7 @@ import jax
 jax.devices()  # both processes have started JAX's backend
 if os.environ["PIPEMARK_PROCESS_ID"] == "1":
     raise ValueError("bad batch\\nof shape (3, 5)")
-from pipemark.runtime.agreement import from_every_process
+from pipemark.runtime.devices.agreement import from_every_process
 from_every_process("its plan", 0, 60)  # process 0 waits for process 1, as a pipeline does
 """
 

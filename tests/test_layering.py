@@ -216,3 +216,59 @@ def test_functions_fit_on_a_screen():
     long = _long_functions()
     assert not long, "\n".join(long)
     assert _long_functions(limit=40), "the check finds functions longer than 40 lines"
+
+
+def _runtime_room(module: str) -> str | None:
+    """The room of the runtime a module lives in: a package of ``pipemark/runtime/``
+    (``pipemark.runtime.schedules``), or a module at its top, which is a room of its own;
+    ``None`` outside the runtime and for the package itself."""
+    parts = module.split(".")
+    return ".".join(parts[:3]) if parts[:2] == ["pipemark", "runtime"] and len(parts) > 2 else None
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for target in graph[todo.pop()] - seen:
+            seen.add(target)
+            todo.append(target)
+    return seen
+
+
+def test_runtime_rooms_import_only_rooms_below_them():
+    # The runtime is parted along the way data flows (docs/architecture.md, "The
+    # runtime"): a room that imported one above it would tie two rooms into one.
+    graph: dict[str, set[str]] = {}
+    for module, targets in _edges().items():
+        room = _runtime_room(module)
+        if room is not None:
+            graph.setdefault(room, set()).update(
+                other for t in targets if (other := _runtime_room(t)) not in (None, room)
+            )
+    for targets in list(graph.values()):
+        for target in targets:
+            graph.setdefault(target, set())
+    assert "pipemark.runtime.schedules" in graph and "pipemark.runtime.devices" in graph
+    cycles = _cycles(graph)
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+@pytest.mark.parametrize(
+    ("room", "allowed"),
+    [
+        # Schedules are data: nothing of them knows a device, a program or a plan.
+        ("pipemark.runtime.schedules", set()),
+        # A plan is built from the devices' room; nothing in it knows a plan.
+        ("pipemark.runtime.devices", {"pipemark.runtime.schedules", "pipemark.runtime.losses"}),
+    ],
+)
+def test_the_lower_rooms_of_the_runtime_know_nothing_above_them(room, allowed):
+    graph = _edges()
+    above = {
+        (module, target)
+        for module in graph
+        if _runtime_room(module) == room
+        for target in _reachable(graph, module)
+        if _runtime_room(target) not in (None, room, *allowed)
+    }
+    assert not above, sorted(above)

@@ -183,8 +183,6 @@ def _tracked(*patterns: str) -> list[Path]:
 
 
 def test_docs_examples_and_tests_use_no_moved_name():
-    # pipemark/runtime/ is left out while its modules move into sub-packages; its
-    # docstrings still name pm.one_f_one_b_schedule and pm.plot_schedule (warning, working).
     # (pipemark.verification, the module, is named by its path: not a top-level lookup.)
     moved = sorted(set(pm._MOVED) - {"verification"}, key=len, reverse=True)
     old = re.compile(rf"\b(?:pm|pipemark)\.({'|'.join(moved)})\b(?!\.py)")
@@ -199,7 +197,7 @@ def test_docs_examples_and_tests_use_no_moved_name():
     found = [
         f"{path.relative_to(ROOT)}:{number}: {match.group(0)}"
         for path in files
-        if path not in skipped and "pipemark/runtime/" not in path.as_posix()
+        if path not in skipped
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
         for match in old.finditer(line)
     ]

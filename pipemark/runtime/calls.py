@@ -13,14 +13,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipemark.runtime.execution import run_plan
-from pipemark.runtime.holdings import record_results
-from pipemark.runtime.keeping import Reader, abstract_leaves, kept_shardings
-from pipemark.runtime.orbax_arrays import install as install_orbax_handler
-from pipemark.runtime.perfetto import trace_events, write_trace
+from pipemark.runtime.devices.transport import CollectiveTransport
+from pipemark.runtime.execution.perfetto import trace_events, write_trace
+from pipemark.runtime.execution.run import run_plan
 from pipemark.runtime.plan import PipelinePlan
-from pipemark.runtime.sharing import bring_shared_params
-from pipemark.runtime.transport import CollectiveTransport
+from pipemark.runtime.training.holdings import record_results
+from pipemark.runtime.training.keeping import Reader, abstract_leaves, kept_shardings
+from pipemark.runtime.training.orbax_arrays import install as install_orbax_handler
+from pipemark.runtime.training.sharing import bring_shared_params
 
 __all__ = ["record_holders", "restore_target", "shape_key", "shared_params_here", "traced_call"]
 
@@ -45,7 +45,7 @@ def shared_params_here(plan: PipelinePlan, params: Any) -> Any:
     """``params`` (a call's parameters, this process's view) with each leaf that this
     process's stages read and another process holds alone brought here, and each leaf
     this process holds alone sent to the other processes that read it
-    (:mod:`pipemark.runtime.sharing`). Every process calls it before the call runs."""
+    (:mod:`pipemark.runtime.training.sharing`). Every process calls it before the call runs."""
     if not plan.placement.distributed:
         return params
     leaves, treedef = jax.tree_util.tree_flatten(params)
@@ -57,8 +57,8 @@ def record_holders(
     plan: PipelinePlan, results: Sequence[Any], holders: Sequence[int | None]
 ) -> None:
     """Under ``jax.distributed``, say which process holds each of a call's results
-    (:mod:`pipemark.runtime.holdings`), so that orbax saves them
-    (:mod:`pipemark.runtime.orbax_arrays`)."""
+    (:mod:`pipemark.runtime.training.holdings`), so that orbax saves them
+    (:mod:`pipemark.runtime.training.orbax_arrays`)."""
     if plan.placement.distributed:
         record_results(plan.placement, results, holders)
         install_orbax_handler()
@@ -68,7 +68,7 @@ def restore_target(
     plan: PipelinePlan, leaves: Sequence[Any], readers: Sequence[Sequence[Reader]]
 ) -> list[Any]:
     """``leaves`` as ``jax.ShapeDtypeStruct`` s laid out where ``plan`` keeps each
-    (:func:`~pipemark.runtime.keeping.kept_shardings` of its ``readers``): orbax's
+    (:func:`~pipemark.runtime.training.keeping.kept_shardings` of its ``readers``): orbax's
     restore target. Under ``jax.distributed`` this installs pipemark's orbax handler,
     which restores a leaf kept by another process as held there."""
     shardings = kept_shardings(plan, readers)

@@ -19,10 +19,10 @@ from typing import Any
 
 from pipemark.errors import PipemarkError
 from pipemark.passes.auto import check_block_cuts
+from pipemark.runtime.devices.sharding import FSDP_GATHERS
 from pipemark.runtime.losses import LOSS_REDUCTIONS
-from pipemark.runtime.registry import schedule_entry
-from pipemark.runtime.schedules import Schedule
-from pipemark.runtime.sharding import FSDP_GATHERS
+from pipemark.runtime.schedules.core import Schedule
+from pipemark.runtime.schedules.registry import schedule_entry
 
 __all__ = ["GRADIENT_REDUCTIONS", "PipelineOptions", "check_positive"]
 
@@ -80,7 +80,7 @@ class PipelineOptions:
         Instead of ``devices``: a ``jax.sharding.Mesh`` with a ``stage_axis`` (each
         position along it one device slot, a sub-mesh of the other axes) or a list of
         meshes, one per slot; each stage then runs as an SPMD program over its
-        sub-mesh (:mod:`pipemark.runtime.sharding`).
+        sub-mesh (:mod:`pipemark.runtime.devices.sharding`).
     param_specs:
         With ``mesh``: how each parameter lies on its stage's sub-mesh, a
         ``PartitionSpec`` per leaf (a pytree prefix of the parameters; ``None``:
@@ -147,7 +147,7 @@ class PipelineOptions:
         At most this many consecutive actions of a device slot run as one program,
         where no other slot waits for the ones before the last (each reads only values
         its own slot made; all but the last hand their outputs to their own slot only;
-        :func:`pipemark.runtime.steps.fuse_runs`): a slot holding many stages (an
+        :func:`pipemark.runtime.devices.steps.fuse_runs`): a slot holding many stages (an
         interleaved schedule's, or all stages on one device) dispatches fewer
         programs, each with a fixed cost on the host. Each distinct run is a program
         to compile. Default 2 (with ``fuse_min_uses``' default, only runs whose
@@ -163,7 +163,7 @@ class PipelineOptions:
         dispatched once per microbatch does not repay in the first call.
     memory_budget:
         Bytes each device slot may hold, as :meth:`pipemark.Pipeline.memory` predicts
-        it (``None``: no limit); see :mod:`pipemark.runtime.budget`.
+        it (``None``: no limit); see :mod:`pipemark.runtime.memory.budget`.
     microbatches_in_flight:
         At most this many microbatches in the pipeline at once (``None``: as many as
         the schedule keeps): the schedule runs in waves of this many

@@ -22,7 +22,7 @@ How a call runs:
    accumulator that stays on the device. Where a device runs a forward and then, for
    the same microbatch, the backward of the same stage, and nothing else reads the
    forward's outputs (one stage; the last stage of 1F1B), the two are compiled into one
-   program (:func:`pipemark.runtime.steps.fuse_steps`): the residuals never leave it.
+   program (:func:`pipemark.runtime.devices.steps.fuse_steps`): the residuals never leave it.
 4. **Dispatch** (:func:`pipemark.runtime.execution.run_plan`): one worker thread per
    device walks its device's column of the schedule, and values move between devices
    as soon as they are dispatched; the module's docstring says how.
@@ -55,7 +55,6 @@ from pipemark.runtime.arguments import (
     check_batch_args,
     partition_params,
 )
-from pipemark.runtime.budget import within_budget
 from pipemark.runtime.calls import (
     record_holders,
     restore_target,
@@ -63,16 +62,17 @@ from pipemark.runtime.calls import (
     shared_params_here,
     traced_call,
 )
-from pipemark.runtime.execution import action_costs, run_plan
-from pipemark.runtime.keeping import stage_readers
+from pipemark.runtime.devices.placement import leaf_specs
+from pipemark.runtime.execution.plan_export import export_plan, leaf_names
+from pipemark.runtime.execution.run import action_costs, run_plan
 from pipemark.runtime.losses import LOSS_REDUCTIONS, split_count
-from pipemark.runtime.memory import MemoryEstimate, argument_bytes, plan_memory
+from pipemark.runtime.memory.budget import within_budget
+from pipemark.runtime.memory.estimate import MemoryEstimate, argument_bytes, plan_memory
+from pipemark.runtime.memory.programs import compiled_programs
 from pipemark.runtime.options import PipelineOptions
-from pipemark.runtime.placement import leaf_specs
 from pipemark.runtime.plan import PipelinePlan, build_plan
-from pipemark.runtime.plan_export import export_plan, leaf_names
-from pipemark.runtime.programs import compiled_programs
-from pipemark.runtime.schedules import Schedule
+from pipemark.runtime.schedules.core import Schedule
+from pipemark.runtime.training.keeping import stage_readers
 
 __all__ = ["LOSS_REDUCTIONS", "Pipeline", "pipeline_value_and_grad"]
 
@@ -172,7 +172,7 @@ class Pipeline:
 
     def abstract_params(self, params: Any, *batch: Any) -> Any:
         """``params`` as ``jax.ShapeDtypeStruct`` s laid out where this pipeline keeps
-        each leaf (:mod:`pipemark.runtime.keeping`): on the slot whose stages read it,
+        each leaf (:mod:`pipemark.runtime.training.keeping`): on the slot whose stages read it,
         under ``jax.distributed`` on another process's slot where only that process's
         stages read it. The target to restore a checkpoint to
         (``orbax.checkpoint.args.StandardRestore(pipe.abstract_params(params, batch))``),
@@ -218,7 +218,7 @@ class Pipeline:
         self, params: Any, *batch: Any, repeat: int = 3
     ) -> dict[str, tuple[float, ...]]:
         """Measured costs of this pipeline's actions, for :func:`pipemark.simulate_schedule`
-        and :func:`pipemark.zero_bubble_schedule`: ``{"forward": (seconds per stage),
+        and :func:`pipemark.runtime.zero_bubble_schedule`: ``{"forward": (seconds per stage),
         "backward": ..., "weight": ...}``, each action run alone on its device and waited
         for (median of ``repeat`` walks of every microbatch). Measure with
         ``schedule="zb-h1"`` to get B and W apart; otherwise ``"backward"`` is the whole
@@ -244,7 +244,7 @@ class Pipeline:
         name (``"<forward>+<backward>"`` for a fused pair): read each one's
         ``memory_analysis()`` (temporary, argument and output bytes) or
         ``cost_analysis()``. After a call, JAX's caches give back the programs the call
-        compiled; see :func:`pipemark.runtime.programs.compiled_programs`.
+        compiled; see :func:`pipemark.runtime.memory.programs.compiled_programs`.
 
         >>> import jax, pipemark as pm
         >>> from pipemark import examples
@@ -284,7 +284,7 @@ class Pipeline:
         ``"<stage> mb<microbatch>"``) and an arrow per value handed between slots,
         written to ``path`` when given, and returned. A first call compiles (not
         traced); in the traced one each action is waited for, so its slice is its own
-        time on its device (see :mod:`pipemark.runtime.perfetto`). The actions also
+        time on its device (see :mod:`pipemark.runtime.execution.perfetto`). The actions also
         carry these names in a ``jax.profiler`` trace of any call.
 
         >>> import jax, pipemark as pm
@@ -301,7 +301,7 @@ class Pipeline:
 
     def export(self, directory: str | os.PathLike, params: Any, *batch: Any) -> ExportedStages:
         """Write the programs a call with inputs like these runs, and its schedule, to
-        ``directory`` (:mod:`pipemark.runtime.plan_export`; ``docs/export.md``): a
+        ``directory`` (:mod:`pipemark.runtime.execution.plan_export`; ``docs/export.md``): a
         callable of the parameters' array leaves and the whole batch's leaves (flat, in
         JAX's order) returning the flat ``(loss, grads)`` leaves, computed by the same
         programs in the same order as a call, which :func:`pipemark.load_staged` reads
@@ -412,7 +412,7 @@ def pipeline_value_and_grad(
         SPMD program over its sub-mesh: the model's ``with_sharding_constraint``
         annotations apply there, each microbatch is split into data-parallel replicas
         along ``data_axis`` and the gradients are reduced over it once per call
-        (:mod:`pipemark.runtime.sharding`; docs: "Stages on sub-meshes").
+        (:mod:`pipemark.runtime.devices.sharding`; docs: "Stages on sub-meshes").
     param_specs:
         With ``mesh``: a ``PartitionSpec`` per parameter (a pytree prefix of
         ``params``; ``None``: replicated) over the sub-mesh's axes; by default each
@@ -471,7 +471,7 @@ def pipeline_value_and_grad(
         forward stages and moves marked layers between stages until every device
         fits, or raises
         :class:`~pipemark.MemoryBudgetError` saying by how much it cannot
-        (:mod:`pipemark.runtime.budget`).
+        (:mod:`pipemark.runtime.memory.budget`).
     microbatches_in_flight:
         At most this many microbatches in the pipeline at once (``None``: as many as
         the schedule keeps): the schedule runs in waves of this many microbatches, one

@@ -132,7 +132,7 @@ class PipelineStages(NamedTuple):
 def pipeline_stages(staged: StagedJaxpr, split_backward: bool) -> PipelineStages:
     """``staged`` grouped into pipeline stages (its backward split into B and W first
     where ``split_backward``: a zero-bubble schedule runs each backward's parameter
-    gradients apart). Raises :class:`~pipemark.StageGraphError` where a forward stage
+    gradients apart). Raises :class:`~pipemark.errors.StageGraphError` where a forward stage
     reads a backward stage's value."""
     if split_backward:
         staged = split_backward_stages(staged)

@@ -20,23 +20,17 @@ from jax.sharding import NamedSharding
 
 from pipemark import failures
 from pipemark.passes.residuals import RECOMPUTABLE, recompute_residuals
-from pipemark.runtime.agreement import check_agreement
-from pipemark.runtime.compilation import Unit, compile_fused, compile_units
-from pipemark.runtime.losses import LOSS_REDUCTIONS
-from pipemark.runtime.options import PipelineOptions
-from pipemark.runtime.pipeline_stages import pipeline_stages, stage_program
-from pipemark.runtime.placement import (
+from pipemark.runtime.devices.agreement import check_agreement
+from pipemark.runtime.devices.compilation import Unit, compile_fused, compile_units
+from pipemark.runtime.devices.placement import (
     Placement,
     Slot,
     mesh_leaf_specs,
     place_stages,
     put_global,
 )
-from pipemark.runtime.problem import ScheduleProblem
-from pipemark.runtime.schedules import BACKWARD, FORWARD, WEIGHT, Schedule
-from pipemark.runtime.scheduling import plan_schedule
-from pipemark.runtime.sharding import gathered_spec
-from pipemark.runtime.steps import (
+from pipemark.runtime.devices.sharding import gathered_spec
+from pipemark.runtime.devices.steps import (
     Steps,
     fuse_runs,
     fuse_steps,
@@ -44,13 +38,19 @@ from pipemark.runtime.steps import (
     resolve_steps,
     without_gathers,
 )
+from pipemark.runtime.devices.transport import Watchdog
+from pipemark.runtime.losses import LOSS_REDUCTIONS
+from pipemark.runtime.options import PipelineOptions
+from pipemark.runtime.pipeline_stages import pipeline_stages, stage_program
+from pipemark.runtime.schedules.core import BACKWARD, FORWARD, WEIGHT, Schedule
+from pipemark.runtime.schedules.problem import ScheduleProblem
+from pipemark.runtime.scheduling import plan_schedule
 from pipemark.runtime.tracing import (
     loss_over_microbatches,
     replica_batch,
     trace_loss,
     trace_value_and_grad,
 )
-from pipemark.runtime.transport import Watchdog
 from pipemark.staged import StagedJaxpr
 
 __all__ = [
@@ -76,7 +76,7 @@ class PipelinePlan:
         mirrored backward stage).
     placement:
         The slot (device or sub-mesh) of each pipeline stage
-        (:class:`~pipemark.runtime.placement.Placement`).
+        (:class:`~pipemark.runtime.devices.placement.Placement`).
     forward_stages, backward_stages, weight_stages:
         For each pipeline stage, the index in ``staged.stages`` of its forward,
         backward and weight-gradient programs (``None`` where it has none).
@@ -90,11 +90,11 @@ class PipelinePlan:
     units:
         The compiled stage programs this process runs, by stage index.
     steps:
-        The schedule's actions resolved (:mod:`pipemark.runtime.steps`), a forward
+        The schedule's actions resolved (:mod:`pipemark.runtime.devices.steps`), a forward
         fused with the backward that follows it where nothing else reads its outputs.
     fused:
-        The fused programs (:func:`~pipemark.runtime.compilation.compile_fused`), by
-        the :class:`~pipemark.runtime.compilation.Combined` their steps run
+        The fused programs (:func:`~pipemark.runtime.devices.compilation.compile_fused`), by
+        the :class:`~pipemark.runtime.devices.compilation.Combined` their steps run
         (``plan.fused[step.fused]``).
     """
 
@@ -133,7 +133,7 @@ class PipelinePlan:
     #: On sub-meshes: each parameter leaf's ``PartitionSpec`` on its stage's sub-mesh.
     param_specs: tuple[Any, ...] | None = None
     #: On sub-meshes: how the stages gather parameters sharded over the data axis
-    #: (:data:`~pipemark.runtime.sharding.FSDP_GATHERS`).
+    #: (:data:`~pipemark.runtime.devices.sharding.FSDP_GATHERS`).
     fsdp_gather: str = "once"
     data_axis: str = "data"
     #: Under jax.distributed: whether each stage's results go to every process
@@ -144,7 +144,7 @@ class PipelinePlan:
     #: (:func:`~pipemark.runtime.build_schedule`).
     problem: ScheduleProblem | None = dataclasses.field(default=None, compare=False)
     #: The forward stages recomputed whole by their backward stages, by name (a memory
-    #: budget's choice: :mod:`pipemark.runtime.budget`).
+    #: budget's choice: :mod:`pipemark.runtime.memory.budget`).
     rematerialized: frozenset[str] = frozenset()
     #: How many marked layers each pipeline stage merges (``None``: its stages are not
     #: merged from marked layers): the options' ``stage_layers``, or the default.
@@ -155,11 +155,11 @@ class PipelinePlan:
     #: Under jax.distributed, whether stage programs have collectives between processes
     #: (FSDP gathered per microbatch on a sub-mesh that spans processes): then every
     #: process dispatches its steps and transfers one at a time in the one global order
-    #: (:attr:`~pipemark.runtime.steps.Steps.order`), as XLA needs of collectives.
+    #: (:attr:`~pipemark.runtime.devices.steps.Steps.order`), as XLA needs of collectives.
     ordered: bool = False
     #: When each stage's accumulators are reduced over their data-parallel replicas
     #: (:class:`~pipemark.runtime.PipelineOptions` ``reduce_gradients``): the plan's
-    #: steps say where (:func:`~pipemark.runtime.steps.place_reductions`).
+    #: steps say where (:func:`~pipemark.runtime.devices.steps.place_reductions`).
     reduce_gradients: str = "after_stage"
 
     @property
@@ -337,7 +337,7 @@ def plan_from_staged(
     the plan) says how many marked layers each stage merged."""
     if options.recompute_residuals or rematerialize:
         # The forward stages named in rematerialize are recomputed whole by their
-        # backward (memory_budget asks for them: pipemark.runtime.budget).
+        # backward (memory_budget asks for them: pipemark.runtime.memory.budget).
         recomputable = RECOMPUTABLE if options.recompute_residuals else frozenset()
         staged = recompute_residuals(
             staged, recomputable, rematerialize, expanding_products=options.recompute_residuals

@@ -1,7 +1,7 @@
 """The planner's schedule: the :class:`~pipemark.runtime.ScheduleProblem` of a pipeline
 (from its pipeline stages, its options and the device slots available) and the
 schedule its options name, built for that problem
-(:func:`~pipemark.runtime.registry.build_schedule`, which checks the devices).
+(:func:`~pipemark.runtime.schedules.registry.build_schedule`, which checks the devices).
 
 >>> import jax, jax.numpy as jnp, pipemark as pm
 >>> from pipemark.runtime.pipeline_stages import pipeline_stages
@@ -15,12 +15,12 @@ schedule its options name, built for that problem
 
 from __future__ import annotations
 
+from pipemark.runtime.devices.placement import available_slots
 from pipemark.runtime.options import PipelineOptions
 from pipemark.runtime.pipeline_stages import PipelineStages
-from pipemark.runtime.placement import available_slots
-from pipemark.runtime.problem import ScheduleProblem
-from pipemark.runtime.registry import build_schedule
-from pipemark.runtime.schedules import Schedule
+from pipemark.runtime.schedules.core import Schedule
+from pipemark.runtime.schedules.problem import ScheduleProblem
+from pipemark.runtime.schedules.registry import build_schedule
 
 __all__ = ["plan_schedule", "schedule_problem"]
 

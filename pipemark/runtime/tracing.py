@@ -21,9 +21,9 @@ from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
 from pipemark.errors import PipemarkError
 from pipemark.passes.inline import inline_calls
+from pipemark.runtime.devices.placement import available_slots
 from pipemark.runtime.losses import count_batch_free_terms_once, find_batch_normaliser
 from pipemark.runtime.options import PipelineOptions
-from pipemark.runtime.placement import available_slots
 
 __all__ = [
     "loss_over_microbatches",

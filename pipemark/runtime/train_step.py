@@ -1,7 +1,7 @@
 """The training-step entry point: :func:`pipeline_train_step` cuts a step at its grad
 marker (:func:`pipemark.passes.split_at_gradient`), runs the part before as a pipeline
 (:mod:`pipemark.runtime.pipeline` says how a call runs) and the update after it once,
-per slot where the stages' parameters live (:mod:`pipemark.runtime.update_run`)."""
+per slot where the stages' parameters live (:mod:`pipemark.runtime.training.update_run`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from pipemark.mutation import call_watching_arguments
 from pipemark.passes.gradient import split_at_gradient
 from pipemark.passes.inline import inline_calls
 from pipemark.runtime.arguments import PartitionedParams, partition_untraceable
-from pipemark.runtime.budget import check_update_within, within_budget
 from pipemark.runtime.calls import (
     record_holders,
     restore_target,
@@ -29,21 +28,27 @@ from pipemark.runtime.calls import (
     shared_params_here,
     traced_call,
 )
-from pipemark.runtime.execution import action_costs, run_plan
-from pipemark.runtime.keeping import stage_readers
-from pipemark.runtime.layouts import StepLayouts, step_layouts
+from pipemark.runtime.devices.placement import available_slots, mesh_leaf_specs
+from pipemark.runtime.devices.transport import CollectiveTransport
+from pipemark.runtime.execution.plan_export import export_train_step, leaf_names
+from pipemark.runtime.execution.run import action_costs, run_plan
 from pipemark.runtime.losses import count_batch_free_terms_once
-from pipemark.runtime.memory import MemoryEstimate, argument_bytes, plan_memory, with_update
+from pipemark.runtime.memory.budget import check_update_within, within_budget
+from pipemark.runtime.memory.estimate import (
+    MemoryEstimate,
+    argument_bytes,
+    plan_memory,
+    with_update,
+)
 from pipemark.runtime.options import PipelineOptions
 from pipemark.runtime.pipeline_stages import stage_program
-from pipemark.runtime.placement import available_slots, mesh_leaf_specs
 from pipemark.runtime.plan import PipelinePlan, plan_from_staged
-from pipemark.runtime.plan_export import export_train_step, leaf_names
-from pipemark.runtime.schedules import Schedule
+from pipemark.runtime.schedules.core import Schedule
 from pipemark.runtime.tracing import replica_batch
-from pipemark.runtime.transport import CollectiveTransport
-from pipemark.runtime.update import StageUpdates
-from pipemark.runtime.update_run import (
+from pipemark.runtime.training.keeping import stage_readers
+from pipemark.runtime.training.layouts import StepLayouts, step_layouts
+from pipemark.runtime.training.update import StageUpdates
+from pipemark.runtime.training.update_run import (
     UpdateProgram,
     crossing_reads,
     run_update,
@@ -313,7 +318,7 @@ class PipelinedStep:
     def abstract_state(self, *args: Any) -> tuple[Any, ...]:
         """The step's state (its arguments but the batch, ``args[:-1]``) as
         ``jax.ShapeDtypeStruct`` s laid out where this pipeline keeps each leaf
-        (:mod:`pipemark.runtime.keeping`): a parameter on the slot whose stages read it,
+        (:mod:`pipemark.runtime.training.keeping`): a parameter on the slot whose stages read it,
         a leaf of the optimizer state on the slot whose part of the update reads it;
         under ``jax.distributed`` on another process's slot where only that process
         reads it (results not gathered), else on this process's own. The target to
@@ -519,7 +524,7 @@ def pipeline_train_step(
     with ``loss_reduction="sum"``); the part after runs once, per stage where the
     stage's parameters live (each device its own stages' new parameters and optimizer
     state; values that couple the stages, such as each device's share of a global
-    norm, are small and exchanged: :mod:`pipemark.runtime.update`; on sub-meshes,
+    norm, are small and exchanged: :mod:`pipemark.runtime.training.update`; on sub-meshes,
     ``mesh=``, each stage's sub-mesh, its parameters laid out by ``param_specs``, a
     pytree prefix of the arguments but the batch, or by their own sharding), or, where
     a big value couples two stages, whole on the first stage's device or sub-mesh.

@@ -152,7 +152,7 @@ def bare(me: int) -> None:
     any pipeline call and from different lines of this script (on JAX 0.12.1 that hung
     while the programs carried the caller's line), twice with the same types, once
     with others; process 1 saves what it received."""
-    from pipemark.runtime.transport import CollectiveTransport, Watchdog
+    from pipemark.runtime.devices.transport import CollectiveTransport, Watchdog
 
     source, target = jax.devices()[:2]
     transport = CollectiveTransport(Watchdog(TIMEOUT, me), me)
@@ -253,7 +253,7 @@ def main() -> None:
     if MODE == "absent" and me == 1:
         os._exit(3)  # never calls the pipeline
     if MODE == "die" and me == 1:
-        # Die after the processes agreed on the call (pipemark.runtime.agreement), before
+        # Die after the processes agreed on the call (pipemark.runtime.devices.agreement), before
         # the first transfer: the pipeline makes its transfers' watchdog right then.
         from pipemark.runtime import plan
 

@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 import pipemark as pm
 from pipemark import examples
-from pipemark.runtime.steps import Gather, Reduce
+from pipemark.runtime.devices.steps import Gather, Reduce
 from tests.runtime._steps import optax_step
 
 #: (schedule, stages): interleaved puts two stages on each slot; with 4 processes (a

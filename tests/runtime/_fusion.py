@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pipemark as pm
 from pipemark import examples
-from pipemark.runtime.steps import resolve_steps
+from pipemark.runtime.devices.steps import resolve_steps
 from tests._devices import computing_on
 from tests._devices import devices as pick_devices
 

@@ -90,7 +90,7 @@ class _Rows:
 def all_reduce_seconds(mesh, width: int) -> float:
     """The runtime's one reduction of a stage's gradient replicas (``width × width``
     float32, a sum over the replica axis into one replicated array, as
-    :func:`pipemark.runtime.sharding.compile_stage` reduces them), timed alone on each
+    :func:`pipemark.runtime.devices.sharding.compile_stage` reduces them), timed alone on each
     row of ``mesh``; the slower. Every process dispatches each; each runs its part."""
     import jax
     import jax.numpy as jnp

@@ -1,5 +1,5 @@
 """A microbatch's results added into the accumulators, a scattered gradient scattered
-into its accumulator in place (pipemark/runtime/accumulation.py)."""
+into its accumulator in place (pipemark/runtime/devices/accumulation.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from jax.extend.core import jaxpr_as_fun
 import pipemark as pm
 from pipemark import examples
 from pipemark.caches import clear_caches
-from pipemark.runtime import compilation
-from pipemark.runtime.accumulation import accumulate, fold_scatters
+from pipemark.runtime.devices import compilation
+from pipemark.runtime.devices.accumulation import accumulate, fold_scatters
 from pipemark.runtime.losses import microbatch_share
 
 ROWS = jnp.array([0, 2, 0, 5])

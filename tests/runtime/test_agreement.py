@@ -9,7 +9,7 @@ import pytest
 
 from pipemark.errors import ProcessError
 from pipemark.failures import Failure
-from pipemark.runtime import agreement
+from pipemark.runtime.devices import agreement
 
 HEAD = "process 0: process 1 did not start pipeline call 3"
 GUESS = "it died, hangs, or reused an earlier input shape"

@@ -1,4 +1,4 @@
-"""Tests of pipemark.runtime.budget (memory_budget=): the plan the runtime picks keeps
+"""Tests of pipemark.runtime.memory.budget (memory_budget=): the plan the runtime picks keeps
 every device within the budget, by the memory estimate, and computes what
 ``jax.value_and_grad`` of the user's loss computes; an impossible budget is refused."""
 

@@ -1,4 +1,4 @@
-"""The programs the runtime compiles (pipemark/runtime/compilation.py): without marker
+"""The programs the runtime compiles (pipemark/runtime/devices/compilation.py): without marker
 barriers, with their accumulators donated, and as lean as ``jax.jit`` of the step."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from jax.experimental import io_callback
 import pipemark as pm
 from pipemark import examples
 from pipemark.caches import clear_caches
-from pipemark.runtime.compilation import keeps_markers, runtime_program
-from pipemark.runtime.programs import compiled_programs
-from pipemark.runtime.steps import PARAM, STAGE
+from pipemark.runtime.devices.compilation import keeps_markers, runtime_program
+from pipemark.runtime.devices.steps import PARAM, STAGE
+from pipemark.runtime.memory.programs import compiled_programs
 from tests._trees import assert_trees_close
 from tests.runtime._compiles import compilations
 

@@ -1,4 +1,4 @@
-"""Tests of pipemark.runtime.csv_cells: torch's schedule CSV cells, parsed and written
+"""Tests of pipemark.runtime.schedules.csv_cells: torch's schedule CSV cells, parsed and written
 back, and the cells it refuses."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipemark.runtime.csv_cells import (
+from pipemark.runtime.schedules.csv_cells import (
     CELL_TYPES,
     COMPUTE,
     OVERLAP,

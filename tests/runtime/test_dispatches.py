@@ -1,4 +1,4 @@
-"""The programs the planner counts (pipemark.runtime.dispatches) against the programs
+"""The programs the planner counts (pipemark.runtime.planning.dispatches) against the programs
 the runtime's plan dispatches for the same layout: the planner has no stage programs,
 only the schedule and which stages are alike, and must come to the same steps."""
 
@@ -9,11 +9,11 @@ import pytest
 
 import pipemark as pm
 from pipemark import examples
-from pipemark.runtime.dispatches import programs, stage_classes
-from pipemark.runtime.planner import predict_layout
-from pipemark.runtime.problem import ScheduleProblem
-from pipemark.runtime.registry import build_schedule, schedule_entry
-from pipemark.runtime.workload import Layout, MeasuredPipeline
+from pipemark.runtime.planning.dispatches import programs, stage_classes
+from pipemark.runtime.planning.planner import predict_layout
+from pipemark.runtime.planning.workload import Layout, MeasuredPipeline
+from pipemark.runtime.schedules.problem import ScheduleProblem
+from pipemark.runtime.schedules.registry import build_schedule, schedule_entry
 
 
 def _without_weights(programs_of_a_device):

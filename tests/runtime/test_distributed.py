@@ -442,7 +442,7 @@ def test_without_the_launcher_the_timeout_stops_a_process_waiting_for_one_that_r
     # Process 1 raises where it would make its first transfer; process 0 waits there. Its
     # watchdog names process 1's error, published on the coordinator (pipemark.failures).
     waiting, elapsed = _without_the_launcher(tmp_path, "raise")
-    from pipemark.runtime.transport import Watchdog
+    from pipemark.runtime.devices.transport import Watchdog
 
     assert waiting.returncode == Watchdog.EXIT_STATUS, waiting.stderr[-3000:]
     assert (

@@ -1,4 +1,4 @@
-"""Tests of pipemark.runtime.dualpipe: DualPipeV equals torch's ScheduleDualPipeV cell
+"""Tests of pipemark.runtime.schedules.dualpipe: DualPipeV equals torch's ScheduleDualPipeV cell
 for cell, idles DeepSeek's (PP/2 - 1)(F&B + B - 3W) on paper, and runs as
 schedule="dualpipev" with the loss and gradients of jax.value_and_grad."""
 
@@ -12,7 +12,7 @@ import pytest
 import pipemark as pm
 from pipemark import examples
 from pipemark.runtime import ScheduleProblem, build_schedule, dualpipev_schedule
-from pipemark.runtime.csv_cells import read_rows
+from pipemark.runtime.schedules.csv_cells import read_rows
 from tests._trees import assert_trees_close
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -17,8 +17,9 @@ import pytest
 import pipemark as pm
 from pipemark import examples
 from pipemark.caches import clear_caches
-from pipemark.runtime import execution, placement
-from pipemark.runtime.execution import run_plan
+from pipemark.runtime.devices import placement
+from pipemark.runtime.execution import run as execution
+from pipemark.runtime.execution.run import run_plan
 from tests._devices import computing_on
 from tests._devices import devices as pick_devices
 from tests._trees import assert_trees_close, assert_trees_equal

@@ -1,4 +1,4 @@
-"""pipemark.runtime.layouts: which values of a training step's update take a
+"""pipemark.runtime.training.layouts: which values of a training step's update take a
 parameter's spec (tied to it elementwise, at one shape) and which do not."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import pipemark as pm
 from pipemark.passes.inline import inline_calls
-from pipemark.runtime.layouts import step_layouts, update_layouts
+from pipemark.runtime.training.layouts import step_layouts, update_layouts
 
 ROWS = P("data", None)
 

@@ -19,14 +19,16 @@ from jax.sharding import Mesh
 import pipemark as pm
 from pipemark import examples
 from pipemark.cost import nbytes
-from pipemark.runtime import BACKWARD, FORWARD, Action, execution, memory, train_step
-from pipemark.runtime.memory import (
+from pipemark.runtime import BACKWARD, FORWARD, Action, train_step
+from pipemark.runtime.devices.steps import STAGE, program_name
+from pipemark.runtime.execution import run as execution
+from pipemark.runtime.memory import estimate as memory
+from pipemark.runtime.memory.estimate import (
     device_padding,
     estimate_memory,
     held_in_flight,
     held_while_running,
 )
-from pipemark.runtime.steps import STAGE, program_name
 from tests._devices import computing_on
 from tests._devices import devices as pick_devices
 from tests.runtime._fusion import mlp_pipeline
@@ -165,7 +167,7 @@ def test_a_training_step_counts_each_slots_part_of_its_update():
     first, last = estimate.slots
     params = _tree_bytes(ex.params)
     assert first.parameters + last.parameters == params
-    # The update, each slot its own stage's part (pipemark.runtime.update): parameters,
+    # The update, each slot its own stage's part (pipemark.runtime.training.update): parameters,
     # Adam's two moments and the gradients in, new parameters and moments out (no
     # donation), whatever its temporaries.
     assert _tree_bytes(state) >= 2 * params

@@ -1,4 +1,4 @@
-"""Tests of pipemark.runtime.perfetto and the traces of a call (Pipeline.trace,
+"""Tests of pipemark.runtime.execution.perfetto and the traces of a call (Pipeline.trace,
 PipelinedStep.trace): the JSON is loaded back and its events checked against the
 plan's steps, and the actions' names in a jax.profiler trace are recorded."""
 
@@ -13,7 +13,7 @@ import pytest
 
 import pipemark as pm
 from pipemark import examples
-from pipemark.runtime.steps import STAGE, step_name
+from pipemark.runtime.devices.steps import STAGE, step_name
 from tests._devices import computing_on
 from tests._devices import devices as pick_devices
 from tests.runtime._fusion import mlp_pipeline

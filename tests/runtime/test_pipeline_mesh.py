@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 import pipemark as pm
 from pipemark import examples
 from pipemark.errors import PipemarkError
-from pipemark.runtime.execution import run_plan
+from pipemark.runtime.execution.run import run_plan
 from tests._trees import assert_trees_close
 
 WIDTH, LAYERS, ROWS = 16, 4, 32

@@ -1,4 +1,4 @@
-"""A pipeline's and a training step's export (pipemark/runtime/plan_export.py): the
+"""A pipeline's and a training step's export (pipemark/runtime/execution/plan_export.py): the
 programs a call runs, in its order, equal to the call within ulps (each exported module is
 another program to XLA: tests/_exact.py); against JAX's own step within rounding; the schedule, slots and stages in the manifest; what is refused."""
 

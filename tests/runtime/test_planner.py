@@ -1,4 +1,4 @@
-"""The layout planner (pipemark/runtime/planner.py, cluster.py, workload.py): its
+"""The layout planner (pipemark/runtime/planning/planner.py, cluster.py, workload.py): its
 formulas against hand-computed cases, and its predictions against measurements: a
 pipeline of native-sleep stages run here (one process, one device a stage), and the
 TPU v5e S-stage runs recorded in benchmarks/results.
@@ -16,9 +16,15 @@ import jax
 import pytest
 
 import pipemark as pm
-from pipemark.runtime.cluster import Cluster, Group, axis_group, collective_seconds, tpu_v5e
-from pipemark.runtime.planner import predict_layout, rank_layouts, search_layouts
-from pipemark.runtime.workload import Layout, MeasuredPipeline, Transformer
+from pipemark.runtime.planning.cluster import (
+    Cluster,
+    Group,
+    axis_group,
+    collective_seconds,
+    tpu_v5e,
+)
+from pipemark.runtime.planning.planner import predict_layout, rank_layouts, search_layouts
+from pipemark.runtime.planning.workload import Layout, MeasuredPipeline, Transformer
 from tests._xla import child_environ
 from tests.runtime._planner_processes import fastest
 

@@ -1,4 +1,4 @@
-"""Tests for pipemark.runtime.problem: what a schedule builder is given, checked once."""
+"""Tests for pipemark.runtime.schedules.problem: what a schedule builder is given, checked once."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""pipemark.runtime.processes: the stages' devices across processes, consecutive
+"""pipemark.runtime.devices.processes: the stages' devices across processes, consecutive
 stages in one process (the two-process runs of examples/train_minimal.py and
 examples/train_lm.py use it for real: tests/test_train_minimal.py,
 tests/test_train_lm.py)."""

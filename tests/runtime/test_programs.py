@@ -1,4 +1,4 @@
-"""Tests of pipemark.runtime.programs: the compiled stage programs of a plan are those
+"""Tests of pipemark.runtime.memory.programs: the compiled stage programs of a plan are those
 its calls run (nothing compiles twice, either way round), and their memory analysis
 counts what the program takes and returns, checked against the model's own arrays."""
 

@@ -1,4 +1,4 @@
-"""Tests for pipemark.runtime.registry: the one table of schedule names, each built for
+"""Tests for pipemark.runtime.schedules.registry: the one table of schedule names, each built for
 a pm.runtime.ScheduleProblem.
 
 A schedule registered here runs as a pipeline with no other change: each case below

@@ -1,4 +1,4 @@
-"""Tests of pipemark.runtime.schedule_csv (and Schedule.to_csv): the schedules
+"""Tests of pipemark.runtime.schedules.schedule_csv (and Schedule.to_csv): the schedules
 torch.distributed.pipelining writes (tests/runtime/fixtures, written by torch 2.13 with
 fixtures/torch_schedules.py) read, run as pipelines equal to jax.value_and_grad and
 jax.jit of a training step (models whose stage graph is more than torch's chain: tied
@@ -20,7 +20,7 @@ import pipemark as pm
 from pipemark import examples
 from pipemark.errors import StageGraphError
 from pipemark.runtime import BACKWARD, FORWARD, WEIGHT, Action
-from pipemark.runtime.registry import SCHEDULES, make_schedule
+from pipemark.runtime.schedules.registry import SCHEDULES, make_schedule
 from tests._devices import computing_on, devices
 from tests._trees import assert_trees_close
 

@@ -1,4 +1,4 @@
-"""Tests for pipemark.runtime.schedules and pipemark.runtime.plot: schedules as data."""
+"""Tests for pipemark.runtime.schedules and pipemark.runtime.schedules.plot: schedules as data."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import pipemark as pm
 from pipemark.errors import PipemarkError, StageGraphError
-from pipemark.runtime.schedules import (
+from pipemark.runtime.schedules.core import (
     BACKWARD,
     FORWARD,
     Action,

@@ -1,4 +1,4 @@
-"""Tests for pipemark.runtime.sharding: sub-meshes, retargeted shardings and stage
+"""Tests for pipemark.runtime.devices.sharding: sub-meshes, retargeted shardings and stage
 programs compiled over sub-meshes with data parallelism reduced once.
 
 The equivalence tests run a tensor-parallel MLP's training step cut into 2 stages, each
@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 import pipemark as pm
 from pipemark.errors import PipemarkError
 from pipemark.passes.stages import pair_stages
-from pipemark.runtime.sharding import (
+from pipemark.runtime.devices.sharding import (
     compile_stage,
     gathered_spec,
     retarget_shardings,

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pipemark as pm
-from pipemark.runtime.schedules import (
+from pipemark.runtime.schedules.core import (
     BACKWARD,
     FORWARD,
     WEIGHT,
@@ -18,8 +18,8 @@ from pipemark.runtime.schedules import (
     one_f_one_b_schedule,
     schedule_from_orders,
 )
-from pipemark.runtime.simulation import simulate_schedule
-from pipemark.runtime.zero_bubble import zero_bubble_schedule
+from pipemark.runtime.schedules.simulation import simulate_schedule
+from pipemark.runtime.schedules.zero_bubble import zero_bubble_schedule
 
 EQUAL = {"forward": 1.0, "backward": 1.0, "weight": 1.0}
 

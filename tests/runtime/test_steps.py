@@ -1,4 +1,4 @@
-"""Tests of pipemark.runtime.steps: which forward steps fuse_steps folds into the
+"""Tests of pipemark.runtime.devices.steps: which forward steps fuse_steps folds into the
 backward step that follows them, where the fused step goes, and a whole backward of a
 split stage run as its B and W in one program."""
 

@@ -14,7 +14,7 @@ import pytest
 
 import pipemark as pm
 from pipemark import examples
-from pipemark.runtime.execution import run_plan
+from pipemark.runtime.execution.run import run_plan
 from tests._trees import assert_trees_close, assert_trees_equal
 
 

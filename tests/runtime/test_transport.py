@@ -18,9 +18,9 @@ from jax.sharding import PartitionSpec as P
 
 import pipemark as pm
 from pipemark.failures import Failure
-from pipemark.runtime import transport as transport_module
-from pipemark.runtime.placement import device_slot, mesh_slot
-from pipemark.runtime.transport import CollectiveTransport, InProcessTransport, Watchdog
+from pipemark.runtime.devices import transport as transport_module
+from pipemark.runtime.devices.placement import device_slot, mesh_slot
+from pipemark.runtime.devices.transport import CollectiveTransport, InProcessTransport, Watchdog
 
 WIDTH, ROWS = 16, 32
 

@@ -1,4 +1,4 @@
-"""Tests of pipemark.runtime.update: a training step's update runs per device slot,
+"""Tests of pipemark.runtime.training.update: a training step's update runs per device slot,
 where each stage's parameters live, and equals the step ``jax.jit`` runs; an update that
 couples the stages through small values (global-norm clipping) exchanges them, one that
 couples them through big values stays one program on the first slot."""
@@ -12,7 +12,7 @@ import pytest
 
 import pipemark as pm
 from pipemark import examples
-from pipemark.runtime import update
+from pipemark.runtime.training import update
 from tests._devices import computing_on
 from tests._devices import devices as pick_devices
 from tests._trees import assert_trees_within_ulps

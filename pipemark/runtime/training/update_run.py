@@ -1,0 +1,352 @@
+"""Running a training step's update after its pipeline
+(:class:`~pipemark.runtime.train_step.PipelinedStep`): the update cut per slot
+(:func:`pipemark.runtime.training.update.split_update`) or whole, each part jitted for its slot,
+what each part holds, and the parts run in order, values moving between processes'
+slots where a part reads another's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+from jax.sharding import NamedSharding
+
+from pipemark._compat import DEVICE_ERRORS
+from pipemark.cost import nbytes
+from pipemark.errors import DeviceOutOfMemory
+from pipemark.runtime.devices.placement import Slot, device_slot, held_elsewhere, put_global
+from pipemark.runtime.devices.transport import Transport
+from pipemark.runtime.memory.estimate import (
+    describe_limit,
+    format_bytes,
+    local_device,
+    resident_bytes,
+)
+from pipemark.runtime.plan import PipelinePlan
+from pipemark.runtime.training.update import StageUpdates, UpdatePart, input_owners, split_update
+
+__all__ = [
+    "UpdateProgram",
+    "crossing_reads",
+    "first_update_slot",
+    "run_update",
+    "split_step_update",
+    "update_bytes",
+    "update_phase",
+    "update_holders",
+    "update_programs",
+]
+
+
+class UpdateProgram(NamedTuple):
+    """One program of a training step's update (``program``, jitted as ``run``): its
+    slot (worker), the positions it reads in the table of the update's values (see
+    :class:`~pipemark.runtime.training.update.StageUpdates`), each laid out by ``shardings``, and
+    those it computes, each laid out by ``out_shardings`` where it gives one (``None``:
+    as ``jax.jit`` chooses)."""
+
+    worker: int
+    program: ClosedJaxpr
+    run: Callable
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    shardings: tuple[Any, ...]
+    out_shardings: tuple[Any, ...] = ()
+
+
+def update_bytes(
+    plan: PipelinePlan,
+    parts: tuple[UpdateProgram, ...],
+    num_args: int,
+    leaves: Sequence[Any] | None = None,
+) -> dict[int, int]:
+    """Per slot of this process that runs a part of the update, what it holds while
+    its largest part runs, as :func:`update_phase` counts it."""
+    return {w: total for w, (total, _) in update_phase(plan, parts, num_args, leaves).items()}
+
+
+def update_phase(
+    plan: PipelinePlan,
+    parts: tuple[UpdateProgram, ...],
+    num_args: int,
+    leaves: Sequence[Any] | None = None,
+) -> dict[int, tuple[int, int]]:
+    """Per slot of this process that runs a part of the update, ``(bytes, bytes of
+    arrays)`` it holds at most while its parts run, one after the other: each part's
+    compiled arguments (parameters, optimizer state, gradients), its results and those
+    of the slot's earlier parts, and its temporaries (not arrays); the pipeline's
+    results on the slot that the part does not read (they live until the step
+    returns); with the step's argument leaves ``leaves`` (``num_args`` of them, the
+    batch's last), those lying on the slot that the part does not read."""
+    results = _results_left(plan)
+    sizes: dict[int, tuple[int, int]] = {}
+    made: dict[int, int] = {}  # per slot, the results of its parts so far
+    for part in parts:
+        if not plan.placement.local[part.worker]:
+            continue
+        structs = [
+            jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=where)
+            for aval, where in zip(part.program.in_avals, part.shardings)
+        ]
+        with jax.set_mesh(None):  # as the call runs it (see __call__)
+            analysis = part.run.lower(*structs).compile().memory_analysis()
+        made[part.worker] = made.get(part.worker, 0) + analysis.output_size_in_bytes
+        read = set(part.inputs)
+        left = sum(size for r, size in results.get(part.worker, ()) if num_args + r not in read)
+        if leaves is not None:
+            device = local_device(plan.placement.slots[part.worker])
+            skip = {id(x) for i, x in enumerate(leaves) if i in read}
+            left += resident_bytes(leaves, device, skip)
+        arrays = analysis.argument_size_in_bytes + made[part.worker] + left
+        total = arrays + analysis.temp_size_in_bytes
+        before = sizes.get(part.worker, (0, 0))
+        sizes[part.worker] = (max(before[0], total), max(before[1], arrays))
+    return sizes
+
+
+def _results_left(plan: PipelinePlan) -> dict[int, list[tuple[int, int]]]:
+    """Per slot, ``(result, bytes)`` of the results its stages accumulate."""
+    left: dict[int, list[tuple[int, int]]] = {}
+    for unit in plan.units.values():
+        out_avals = plan.staged.stages[unit.index].out_avals
+        for r, o in unit.accumulated:
+            left.setdefault(unit.worker, []).append((r, nbytes(out_avals[o])))
+    return left
+
+
+def split_step_update(plan: PipelinePlan, apply: ClosedJaxpr, num_args: int) -> StageUpdates | None:
+    """The update of ``plan``'s step split per slot (:func:`split_update`, with the
+    rounds that exchange small coupled values such as the partial sums of a global
+    norm), or ``None`` where it does not split (a big value couples two slots, or the
+    update has effects) or runs whole anyway.
+
+    Under ``jax.distributed`` with ``gather_results=False`` every process cuts the same
+    parts (a result no slot owns goes to slot 0, whichever process this is) and runs
+    its own slots' (:func:`run_update`). With results gathered (the default) every
+    process holds every gradient: it runs the whole update on its own first slot, so
+    that every process gets the whole new state, as before."""
+    if plan.placement.distributed and plan.gather_results:
+        return None
+    return split_update(apply, input_owners(plan, num_args), first_update_slot(plan))
+
+
+def first_update_slot(plan: PipelinePlan) -> int:
+    """Where a result no slot owns is computed, and where the update runs whole: this
+    process's first slot, or, when processes keep their own results, slot 0 (every
+    process must cut the same parts)."""
+    return 0 if plan.placement.distributed and not plan.gather_results else plan.update_worker
+
+
+def update_programs(
+    plan: PipelinePlan,
+    apply: ClosedJaxpr,
+    split: StageUpdates | None,
+    layouts: Mapping[int, Any] | None = None,
+) -> tuple[UpdateProgram, ...]:
+    """The parts of ``split`` (where it is ``None``, one part: the whole update
+    ``apply`` on the first slot), each jitted and reading its inputs on its slot (a
+    sub-mesh's parameters with their layout there: :meth:`PipelinePlan.update_sharding`).
+    On sub-meshes, ``layouts`` gives the ``PartitionSpec`` of positions of the update's
+    value table (:func:`pipemark.runtime.training.layouts.step_layouts`): the inputs there are
+    read, and the results written, in that layout (gradients and optimizer state
+    sharded like their parameters). On a sub-mesh that spans processes a result with
+    no layout is replicated over the sub-mesh, so that each of its processes holds it
+    whole (a result sent to every process is taken from there, :func:`run_update`)."""
+    if split is None:
+        count = len(apply.jaxpr.invars)
+        results = tuple(range(count, count + len(apply.jaxpr.outvars)))
+        parts: Sequence[UpdatePart] = (
+            UpdatePart(first_update_slot(plan), apply, tuple(range(count)), results),
+        )
+    else:
+        parts = split.parts
+    layouts = layouts if plan.placement.meshes else None
+
+    def laid_out(position: int, worker: int) -> Any:
+        if layouts is None or position not in layouts:
+            return None
+        return NamedSharding(plan.placement.slots[worker].mesh, layouts[position])
+
+    programs = []
+    for p in parts:
+        shardings = tuple(
+            laid_out(i, p.worker) or plan.update_sharding(i, p.worker) for i in p.inputs
+        )
+        slot = plan.placement.slots[p.worker]
+        whole = slot.replicated if len(slot.processes) > 1 else None
+        outs = [laid_out(k, p.worker) or whole for k in p.outputs]
+        run = jax.jit(jaxpr_as_fun(p.program), out_shardings=outs if any(outs) else None)
+        programs.append(
+            UpdateProgram(p.worker, p.program, run, p.inputs, p.outputs, shardings, tuple(outs))
+        )
+    return tuple(programs)
+
+
+def crossing_reads(
+    parts: Sequence[UpdateProgram], holders: Sequence[int | None]
+) -> list[tuple[int, int, int]]:
+    """``(slot, position, source)`` for each input of a part on ``slot`` that another
+    slot, ``source``, holds alone (``holders`` as :func:`update_holders` gives them, then
+    each part's results held by its slot), in the order the parts run: the values
+    :func:`run_update` moves between slots (a global norm's partial sums).
+
+    >>> import jax, jax.numpy as jnp
+    >>> from pipemark.runtime.training.update import split_update
+    >>> def clipped(w0, w1, g0, g1):
+    ...     scale = jnp.minimum(1.0, 0.1 / jnp.sqrt(jnp.sum(g0**2) + jnp.sum(g1**2)))
+    ...     return w0 - scale * g0, w1 - scale * g1
+    >>> split = split_update(jax.make_jaxpr(clipped)(*[jnp.ones(2)] * 4), [0, 1, 0, 1], 0)
+    >>> crossing_reads(split.parts, [None, None, 0, 1])
+    [(0, 7, 1), (1, 6, 0)]
+    """
+    held = dict(enumerate(holders))
+    crossing = []
+    for part in parts:
+        for i in part.inputs:
+            source = held.get(i)
+            if source is not None and source != part.worker:
+                crossing.append((part.worker, i, source))
+        held.update((k, part.worker) for k in part.outputs)
+    return crossing
+
+
+def update_holders(plan: PipelinePlan, num_args: int) -> tuple[int | None, ...]:
+    """Per input of the update (the step's argument leaves, ``num_args`` of them, then
+    the pipeline's accumulated results): the slot whose process alone holds it, or
+    ``None`` where every process does (the arguments, which every process passes; every
+    result when results are gathered, and in one process)."""
+    return (None,) * num_args + plan.result_holders()
+
+
+def run_update(
+    plan: PipelinePlan,
+    parts: Sequence[UpdateProgram],
+    holders: Sequence[int | None],
+    shared: Sequence[int],
+    values: dict[int, Any],
+    transport: Transport | None,
+) -> dict[int, int | None]:
+    """Run the update's parts in order, filling the table ``values`` (its inputs first,
+    see :class:`~pipemark.runtime.training.update.StageUpdates`) with what they compute; ``holders``
+    says which slot's process alone holds each input (``None``: every one), as
+    :func:`update_holders` gives them. Returns the same for every position of the table after the update.
+
+    A part of this process's slot reads its inputs there (``device_put``). Under
+    ``jax.distributed`` a part of another process's slot runs there: its results are
+    arrays of the global program this process does not hold (as
+    :func:`pipemark.runtime.execution.run_plan` returns another process's stages'
+    results). A value a part reads from a slot of another process (an exchanged partial
+    sum) moves with ``transport``: every process walks the same parts in the same
+    order, so both ends of each move meet. The results no slot owns (``shared``) then
+    go to every process (``shared``: the positions that do).
+    """
+    slots, local = plan.placement.slots, plan.placement.local
+    held = dict(enumerate(holders))
+    avals: dict[int, Any] = {}
+    moved: dict[tuple[int, int], Any] = {}  # (position, slot): a value moved there
+    for part in parts:
+        reader = slots[part.worker]
+        inputs = []
+        for i, aval in zip(part.inputs, part.program.in_avals):
+            source = held.get(i)
+            if source is None or slots[source].process == reader.process:
+                inputs.append(values.get(i))
+                continue
+            if (i, part.worker) not in moved:
+                ends = device_slot(slots[source].device), device_slot(reader.device)
+                got = _move(plan, [i], values, source, ends, [aval], transport)
+                moved[(i, part.worker)] = got[0] if got else None
+            inputs.append(moved[(i, part.worker)])
+        if local[part.worker]:
+            outputs = _run_part(plan, part, inputs)
+        else:  # another process computes them: arrays without data here
+            where = part.out_shardings or [None] * len(part.outputs)
+            outputs = [
+                held_elsewhere(a, w or reader.replicated)
+                for a, w in zip(part.program.out_avals, where)
+            ]
+        values.update(zip(part.outputs, outputs))
+        held.update((k, part.worker) for k in part.outputs)
+        avals.update(zip(part.outputs, part.program.out_avals))
+    by_source: dict[int, list[int]] = {}
+    for k in shared:  # grouped by the slot that computed them, in slot order
+        by_source.setdefault(held[k], []).append(k)
+    receivers = plan.placement.receivers()
+    for source, positions in sorted(by_source.items()):
+        types = [avals[k] for k in positions]
+        if local[source] and len(slots[source].processes) > 1:
+            # Each process of a sub-mesh that spans processes holds them whole (the
+            # part's results are replicated there): its own copy, on its receiver.
+            mine = receivers[plan.placement.process]
+            values.update(
+                (k, jax.device_put(values[k].addressable_data(0), mine)) for k in positions
+            )
+        for process, device in receivers.items():
+            if process not in slots[source].processes:
+                ends = device_slot(slots[source].device), device_slot(device)
+                got = _move(plan, positions, values, source, ends, types, transport)
+                values.update(zip(positions, got or ()))
+        held.update(dict.fromkeys(positions))  # every process now holds them
+    return held
+
+
+def _run_part(plan: PipelinePlan, part: UpdateProgram, inputs: list[Any]) -> Any:
+    """``part`` run on its slot; running out of the device's memory raises a
+    :class:`~pipemark.DeviceOutOfMemoryError` naming the part and what it takes."""
+    try:
+        # A sub-mesh that spans processes takes this process's shards (put_global).
+        return part.run(*put_global(inputs, part.shardings))
+    except DEVICE_ERRORS as error:
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        slot = plan.placement.slots[part.worker]
+        structs = [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where)
+            for a, where in zip(part.program.in_avals, part.shardings)
+        ]
+        analysis = part.run.lower(*structs).compile().memory_analysis()
+        takes = (
+            analysis.argument_size_in_bytes
+            + analysis.output_size_in_bytes
+            + analysis.temp_size_in_bytes
+        )
+        first = str(error).strip().splitlines()[0]
+        raise DeviceOutOfMemory(
+            f"Slot {part.worker} ({', '.join(map(str, slot.devices))}) ran out of memory "
+            f"running the training step's update after the pipeline (its part on this "
+            f"slot): {first} Its arguments (parameters, optimizer state, gradients), "
+            f"results and temporaries take {format_bytes(takes)} ({takes} bytes); the "
+            f"device's limit is {describe_limit(slot.devices[0])}. Give the pipeline "
+            "more stages or devices (each updates its own parameters), a smaller model "
+            "or optimizer state, or memory_budget= to be told before it runs. The "
+            "arrays passed in are unchanged."
+        ) from error
+
+
+def _move(
+    plan: PipelinePlan,
+    positions: Sequence[int],
+    values: Mapping[int, Any],
+    source: int,
+    ends: tuple[Slot, Slot],
+    avals: Sequence[Any],
+    transport: Transport | None,
+) -> list[Any] | None:
+    """The values at ``positions`` of the update's table, computed on slot ``source``,
+    moved between the devices ``ends`` (the source slot's first device, so that a
+    sub-mesh's value goes whole) by ``transport``: on the receiving end's process, the
+    values there; ``None`` elsewhere."""
+    # Only under jax.distributed does a part read a value of another process's slot.
+    if transport is None:
+        raise RuntimeError(
+            f"the update moves values {list(positions)} between slots of two processes "
+            "without a transport between them (only a plan under jax.distributed has one)"
+        )
+    sent = None
+    if ends[0].process == plan.placement.process:  # of a sub-mesh, its first device's
+        sent = jax.device_put([values[i] for i in positions], ends[0].device)
+    types = tuple((a.shape, a.dtype) for a in avals)
+    what = f"values {list(positions)} of the update"
+    return transport.move(sent, types, *ends, what)
