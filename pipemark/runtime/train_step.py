@@ -367,6 +367,13 @@ class PipelinedStep:
         *replicated, batch = args
         state = shared_params_here(plan, _committed(tuple(replicated)))
         accumulated = run_plan(plan, state, batch, timings)
+        if self.donate:
+            # A pipeline program that fails on its device (a host callback's error)
+            # reports it only once its results are waited for: the update, dispatched
+            # first, would have taken the state's buffers. So a donating step waits for
+            # this process's results first, and such an error leaves the state intact.
+            leaves = jax.tree_util.tree_leaves(accumulated)
+            jax.block_until_ready([x for x in leaves if _local_array(x)])
         # The update runs once: each slot its own stages' part, or, where it does not
         # split, whole on the first slot; on a sub-mesh each parameter keeps its layout
         # there. The parts fill one table (StageUpdates): the update's inputs, its
@@ -386,7 +393,7 @@ class PipelinedStep:
                 prepared.shared,
                 values,
                 transport,
-                donating=self.donate,
+                self.donate,
             )
         if self.donate:  # a state leaf copied for its part is deleted too, as jit would
             count = len(jax.tree_util.tree_leaves(state))
@@ -428,6 +435,11 @@ def _traced_step(
         return out.dynamic
 
     return step
+
+
+def _local_array(x: Any) -> bool:
+    """Whether ``x`` is an array this process holds whole (not another process's)."""
+    return isinstance(x, jax.Array) and x.is_fully_addressable
 
 
 def _committed(state: tuple[Any, ...]) -> tuple[Any, ...]:
