@@ -579,9 +579,12 @@ def pipeline_train_step(
     leaf of the optimizer state that the update replaces with a result of its shape
     and dtype is deleted, its new value written in its buffer, so that the update no
     longer holds the old state and the new at once (:meth:`PipelinedStep.memory`
-    counts it); read the returned state, not the arrays passed in. ``False`` (the
-    default) leaves the arrays passed in unchanged. Either way the update writes its
-    results into the gradients' buffers where it can (they are the call's own).
+    counts it); read the returned state, not the arrays passed in. A donating step
+    waits for the pipeline's results before its update, so that a stage failing on its
+    device raises with the state intact; one failing in the update may have deleted
+    it (docs/training.md, "Donating the state"). ``False`` (the default) leaves the
+    arrays passed in unchanged. Either way the update writes its results into the
+    gradients' buffers where it can (they are the call's own).
 
     >>> import jax, numpy as np, pipemark as pm
     >>> from pipemark import examples

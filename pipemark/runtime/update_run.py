@@ -81,8 +81,11 @@ def update_phase(
     parts, and its temporaries (not arrays); the pipeline's results on the slot that
     the part does not read (they live until the step returns); with the step's
     argument leaves ``leaves`` (``num_args`` of them, the batch's last), those lying on
-    the slot that the part does not read. What a slot's earlier part donated is gone."""
+    the slot that the part does not read. What a slot's earlier part donated is gone,
+    but an array at several places of ``leaves``: :func:`run_update` donates copies of
+    it, and the array itself lives until the update ends (counted once, with them)."""
     results = _results_left(plan)
+    uses = Counter(id(x) for x in leaves or ())
     sizes: dict[int, tuple[int, int]] = {}
     made: dict[int, int] = {}  # per slot, the results of its parts so far
     gone: dict[int, set[int]] = {}  # per slot, the positions its parts so far donated
@@ -97,12 +100,14 @@ def update_phase(
             analysis = part.run.lower(*structs).compile().memory_analysis()
         before = made.get(part.worker, 0)
         made[part.worker] = before + analysis.output_size_in_bytes
-        read = set(part.inputs) | gone.setdefault(part.worker, set())
-        gone[part.worker].update(part.donated)
+        donated = gone.setdefault(part.worker, set())
+        donated.update(part.donated)
+        read = set(part.inputs) | donated
         left = sum(size for r, size in results.get(part.worker, ()) if num_args + r not in read)
         if leaves is not None:
             device = local_device(plan.placement.slots[part.worker])
-            skip = {id(x) for i, x in enumerate(leaves) if i in read}
+            kept = {i for i in donated if i < len(leaves) and uses[id(leaves[i])] > 1}
+            skip = {id(x) for i, x in enumerate(leaves) if i in read and i not in kept}
             left += resident_bytes(leaves, device, skip)
         # A result written into a donated argument's buffer takes no bytes of its own.
         outputs = analysis.output_size_in_bytes - analysis.alias_size_in_bytes

@@ -450,20 +450,28 @@ def test_a_call_holds_no_more_arrays_than_predicted(
 
 
 @pytest.mark.parametrize(
-    ("schedule", "num_stages", "optimizer"), [("1f1b", 2, "adam"), ("gpipe", 4, "sgd")]
+    ("schedule", "num_stages", "optimizer", "donate"),
+    [("1f1b", 2, "adam", False), ("1f1b", 2, "adam", True), ("gpipe", 4, "sgd", False)],
 )
 def test_a_training_step_holds_no_more_arrays_than_predicted(
-    monkeypatch, schedule, num_stages, optimizer
+    monkeypatch, schedule, num_stages, optimizer, donate
 ):
     # The step's first call: its parameters and optimizer state where they were made,
-    # on the first device; its update's arrays are sampled once its parts ran.
+    # on the first device; its update's arrays are sampled once its parts ran. Donating,
+    # the state's copies on other slots and the arrays at two places of the state
+    # (the example's Adam starts both moments from the same zeros) live to the end.
     used = pick_devices(num_stages)
     with computing_on(used):
         ex = examples.mlp(num_layers=num_stages, width=64, batch=16)
         step, init = examples.train_step(ex.loss_fn, optimizer=optimizer)
         state = init(ex.params)
     pipe = pm.pipeline_train_step(
-        step, num_stages=num_stages, num_microbatches=4, schedule=schedule, devices=used
+        step,
+        num_stages=num_stages,
+        num_microbatches=4,
+        schedule=schedule,
+        devices=used,
+        donate=donate,
     )
     args = (ex.params, state, ex.batch)
     estimate = pipe.memory(*args)
