@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pipemark as pm
 from tests._devices import computing_on
@@ -20,6 +22,10 @@ from tests._devices import devices as pick_devices
 optax = pytest.importorskip("optax")
 
 WIDTH = 16
+# Adam's eps well above float32's rounding of the gradients: at eps 1e-8 a gradient
+# element near 0 (a few in a draw) turns a rounding difference between the pipeline's
+# microbatch sums and jit's whole-batch sum into a change of its step of up to lr.
+EPS = 1e-4
 
 
 def _layers(params):
@@ -89,10 +95,10 @@ def _big(tree):
     return [x for x in jax.tree_util.tree_leaves(tree) if x.ndim]
 
 
-@pytest.mark.parametrize(("kind", "donate"), [("dict", False), ("dict", True), ("tuple", True)])
+@pytest.mark.parametrize(("kind", "donate"), [("dict", False), ("dict", True)])
 def test_steps_equal_jit_with_donate_argnums(kind, donate):
     used = pick_devices(2)
-    tx = optax.adamw(1e-2)
+    tx = optax.adamw(1e-2, eps=EPS)
     step = _step(_dict_loss if kind == "dict" else _loss, tx)
     batch = _batch()
     with computing_on(used):
@@ -123,6 +129,44 @@ def test_steps_equal_jit_with_donate_argnums(kind, donate):
             np.testing.assert_array_equal(np.asarray(x), kept)
 
 
+def _with_a_shared_bias(params, kind):
+    """``params`` with the second layer's bias the first's very array."""
+    if kind == "dict":
+        return {**params, "layer1": {**params["layer1"], "b": params["layer0"]["b"]}}
+    (w0, b0), (w1, _) = params
+    layers = [(w0, b0), (w1, b0)]
+    return tuple(layers) if kind == "tuple" else layers
+
+
+@settings(max_examples=3, deadline=None)
+@given(
+    kind=st.sampled_from(["dict", "tuple", "list"]),
+    donate=st.booleans(),
+    shared=st.booleans(),
+    optimizer=st.sampled_from(["adamw", "momentum"]),
+)
+def test_any_state_is_donated_or_kept_and_equals_jit(kind, donate, shared, optimizer):
+    used = pick_devices(2)
+    tx = optax.adamw(1e-2, eps=EPS) if optimizer == "adamw" else optax.sgd(1e-2, momentum=0.9)
+    step = _step(_dict_loss if kind == "dict" else _loss, tx)
+    batch = _batch()
+    with computing_on(used):
+        params = _params(kind)
+        params = _with_a_shared_bias(params, kind) if shared else params
+        state = tx.init(params)
+        want = jax.jit(step)(params, state, batch)  # jit would not donate one array twice
+    before = [np.asarray(x) for x in jax.tree_util.tree_leaves((params, state))]
+    pipe = pm.pipeline_train_step(
+        step, num_stages=2, num_microbatches=2, devices=used, donate=donate
+    )
+    _close(pipe(params, state, batch), want)
+    leaves = _big((params, state))
+    assert all(x.is_deleted() == donate for x in leaves)
+    if not donate:
+        for x, kept in zip(jax.tree_util.tree_leaves((params, state)), before):
+            np.testing.assert_array_equal(np.asarray(x), kept)
+
+
 def _tied_loss(params, batch):
     """The first stage multiplies by the embedding ``e``, the last by its transpose: a
     weight read by two stages, updated once where its gradients meet."""
@@ -136,7 +180,7 @@ def _tied_loss(params, batch):
 
 def test_tied_weights_and_an_array_passed_twice_are_donated_safely():
     used = pick_devices(3)
-    tx = optax.adam(1e-2)
+    tx = optax.adam(1e-2, eps=EPS)
     step = _step(_tied_loss, tx)
     batch = _batch()
     with computing_on(used):
@@ -161,7 +205,7 @@ def _update_bytes(pipe, args):
 
 def test_memory_counts_what_donation_saves():
     used = pick_devices(2)
-    tx = optax.adamw(1e-2)
+    tx = optax.adamw(1e-2, eps=EPS)
     step = _step(_loss, tx)
     batch = _batch()
     with computing_on(used):
@@ -225,7 +269,7 @@ def _held_after_update(pipe, args, used):
 @pytest.mark.parametrize("donate", [False, True])
 def test_a_step_that_raises_before_its_update_leaves_the_state(donate):
     used = pick_devices(2)
-    tx = optax.adamw(1e-2)
+    tx = optax.adamw(1e-2, eps=EPS)
 
     def guard(x):
         if not np.isfinite(x).all():
