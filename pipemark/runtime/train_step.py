@@ -167,6 +167,12 @@ class PipelinedStep:
     :func:`pipeline_train_step`."""
 
     def __init__(self, step_fn: Callable, options: PipelineOptions, donate: bool = False) -> None:
+        if not isinstance(donate, bool):
+            raise PipemarkError(
+                "pipeline_train_step: donate must be True (the update takes over the "
+                "buffers of the state passed in, as jax.jit's donate_argnums does) or "
+                f"False (the arrays passed in are left unchanged), got {donate!r}."
+            )
         self.step_fn = step_fn
         self.options = options
         self.donate = donate
@@ -232,11 +238,7 @@ class PipelinedStep:
             # where a stage spans processes).
             options = dataclasses.replace(options, gather_results=True)
             plan = _step_plan(compute, options, num_replicated, micro, layouts, arguments)
-        # The accumulated results (gradients, the loss) are the call's own: the update
-        # may always write its results into them. The caller's state only with donate.
-        donatable = {*range(num_args, len(apply.jaxpr.invars))}
-        if self.donate:
-            donatable.update(range(num_replicated))
+        donatable = _donatable(self.donate, num_replicated, num_args, len(apply.jaxpr.invars))
         parts = update_programs(plan, apply, split, layouts and layouts.table, donatable)
         holders = update_holders(plan, num_args)
         _refuse_spanning_update(plan, split, parts, holders)
@@ -437,6 +439,18 @@ def _traced_step(
     return step
 
 
+def _donatable(donate: bool, num_state: int, num_args: int, num_inputs: int) -> set[int]:
+    """The positions of the update's inputs (the step's ``num_args`` argument leaves,
+    its state's ``num_state`` first, then the pipeline's accumulated results) that
+    its parts may donate: the accumulated results (gradients, the loss) always, being
+    the call's own; the caller's state with ``donate``; never the batch.
+
+    >>> sorted(_donatable(True, 2, 3, 5)), sorted(_donatable(False, 2, 3, 5))
+    ([0, 1, 3, 4], [3, 4])
+    """
+    return {*range(num_args, num_inputs), *(range(num_state) if donate else ())}
+
+
 def _local_array(x: Any) -> bool:
     """Whether ``x`` is an array this process holds whole (not another process's)."""
     return isinstance(x, jax.Array) and x.is_fully_addressable
@@ -623,10 +637,4 @@ def pipeline_train_step(
         fsdp_gather=fsdp_gather,
         reduce_gradients=reduce_gradients,
     )
-    if not isinstance(donate, bool):
-        raise PipemarkError(
-            f"pipeline_train_step: donate must be True (the update takes over the "
-            f"buffers of the state passed in, as jax.jit's donate_argnums does) or False "
-            f"(the arrays passed in are left unchanged), got {donate!r}."
-        )
     return PipelinedStep(step_fn, options, donate)

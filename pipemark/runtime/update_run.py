@@ -294,17 +294,15 @@ def run_update(
     order, so both ends of each move meet. The results no slot owns (``shared``) then
     go to every process (``shared``: the positions that do).
 
-    A part donates the positions it names (:class:`UpdateProgram`); an array found at
-    several positions of the table (a state that holds the same array twice) is
-    copied for the donation, so that no buffer is donated that is still to be read.
-    ``donating``: whether the caller's state is among them (an error then says so).
+    A part donates the positions it names (:class:`UpdateProgram`), a copy of an array
+    at several positions of the table (the same array twice in the state), so that no
+    buffer still to be read is donated; ``donating``: the caller's state is among them.
     """
     slots, local = plan.placement.slots, plan.placement.local
-    # The table's arrays at more than one position, by identity (a step's arguments
-    # are committed once each, :func:`pipemark.runtime.train_step`; the pipeline's
-    # results and the parts' are arrays of their own).
+    # By identity: a step commits each argument once (train_step's _committed), and
+    # the pipeline's results and the parts' are arrays of their own.
     uses = Counter(id(v) for v in values.values())
-    twice = {id(v) for v in values.values() if uses[id(v)] > 1}
+    twice = {k for k, n in uses.items() if n > 1}
     held = dict(enumerate(holders))
     avals: dict[int, Any] = {}
     moved: dict[tuple[int, int], Any] = {}  # (position, slot): a value moved there
