@@ -363,7 +363,6 @@ def delete_donated(
     also at a position not donated (a batch leaf) is kept.
 
     >>> import jax, jax.numpy as jnp
-    >>> from pipemark.runtime.update import UpdatePart
     >>> sgd = jax.make_jaxpr(lambda w, g: w - 0.1 * g)(jnp.ones(3), jnp.ones(3))
     >>> part = UpdateProgram(0, sgd, None, (0, 1), (2,), (), (), (0,))
     >>> values = {0: jnp.ones(3), 1: jnp.ones(3)}
