@@ -51,6 +51,7 @@ from pipemark.runtime.training.update import StageUpdates
 from pipemark.runtime.training.update_run import (
     UpdateProgram,
     crossing_reads,
+    delete_donated,
     run_update,
     split_step_update,
     update_bytes,
@@ -170,9 +171,16 @@ class PipelinedStep:
     """A training step whose gradient part runs as a pipeline; made by
     :func:`pipeline_train_step`."""
 
-    def __init__(self, step_fn: Callable, options: PipelineOptions) -> None:
+    def __init__(self, step_fn: Callable, options: PipelineOptions, donate: bool = False) -> None:
+        if not isinstance(donate, bool):
+            raise PipemarkError(
+                "pipeline_train_step: donate must be True (the update takes over the "
+                "buffers of the state passed in, as jax.jit's donate_argnums does) or "
+                f"False (the arrays passed in are left unchanged), got {donate!r}."
+            )
         self.step_fn = step_fn
         self.options = options
+        self.donate = donate
         self._prepared: dict[Any, tuple[PipelinePlan, Callable, Any]] = {}
 
     def plan(self, *args: Any) -> PipelinePlan:
@@ -235,7 +243,8 @@ class PipelinedStep:
             # where a stage spans processes).
             options = dataclasses.replace(options, gather_results=True)
             plan = _step_plan(compute, options, num_replicated, micro, layouts, arguments)
-        parts = update_programs(plan, apply, split, layouts and layouts.table)
+        donatable = _donatable(self.donate, num_replicated, num_args, len(apply.jaxpr.invars))
+        parts = update_programs(plan, apply, split, layouts and layouts.table, donatable)
         holders = update_holders(plan, num_args)
         _refuse_spanning_update(plan, split, parts, holders)
         if options.memory_budget is not None:
@@ -271,8 +280,10 @@ class PipelinedStep:
         (``SlotMemory.update``: each slot's part of it, the largest where a slot runs
         several rounds, or the whole update on the first slot where it does not split;
         its compiled program's arguments, among them the optimizer state and the
-        gradients, its results and temporaries; under ``jax.distributed``, of this
-        process's slots)."""
+        gradients, its results but those written into a donated argument's buffer, and
+        its temporaries; under ``jax.distributed``, of this process's slots). With
+        ``donate=True`` the new parameters and optimizer state take the old ones'
+        buffers: the update holds one copy of the state, not two."""
         prepared, args = self._prepare(args)
         return _step_memory(prepared.plan, prepared.parts, args)
 
@@ -363,6 +374,13 @@ class PipelinedStep:
         *replicated, batch = args
         state = shared_params_here(plan, _committed(tuple(replicated)))
         accumulated = run_plan(plan, state, batch, timings)
+        if self.donate:
+            # A pipeline program that fails on its device (a host callback's error)
+            # reports it only once its results are waited for: the update, dispatched
+            # first, would have taken the state's buffers. So a donating step waits for
+            # this process's results first, and such an error leaves the state intact.
+            leaves = jax.tree_util.tree_leaves(accumulated)
+            jax.block_until_ready([x for x in leaves if _local_array(x)])
         # The update runs once: each slot its own stages' part, or, where it does not
         # split, whole on the first slot; on a sub-mesh each parameter keeps its layout
         # there. The parts fill one table (StageUpdates): the update's inputs, its
@@ -376,8 +394,17 @@ class PipelinedStep:
             transport = CollectiveTransport(plan.watchdog, plan.placement.process)
         with jax.set_mesh(None):  # on its slot whatever the caller's mesh (see run_plan)
             held = run_update(
-                plan, prepared.parts, prepared.holders, prepared.shared, values, transport
+                plan,
+                prepared.parts,
+                prepared.holders,
+                prepared.shared,
+                values,
+                transport,
+                self.donate,
             )
+        if self.donate:  # a state leaf copied for its part is deleted too, as jit would
+            count = len(jax.tree_util.tree_leaves(state))
+            delete_donated(prepared.parts, plan.placement.local, values, count)
         if timings is not None and transport is not None:
             timings["update_bytes_sent"] = transport.bytes_sent
             timings["update_bytes_received"] = transport.bytes_received
@@ -417,6 +444,23 @@ def _traced_step(
     return step
 
 
+def _donatable(donate: bool, num_state: int, num_args: int, num_inputs: int) -> set[int]:
+    """The positions of the update's inputs (the step's ``num_args`` argument leaves,
+    its state's ``num_state`` first, then the pipeline's accumulated results) that
+    its parts may donate: the accumulated results (gradients, the loss) always, being
+    the call's own; the caller's state with ``donate``; never the batch.
+
+    >>> sorted(_donatable(True, 2, 3, 5)), sorted(_donatable(False, 2, 3, 5))
+    ([0, 1, 3, 4], [3, 4])
+    """
+    return {*range(num_args, num_inputs), *(range(num_state) if donate else ())}
+
+
+def _local_array(x: Any) -> bool:
+    """Whether ``x`` is an array this process holds whole (not another process's)."""
+    return isinstance(x, jax.Array) and x.is_fully_addressable
+
+
 def _committed(state: tuple[Any, ...]) -> tuple[Any, ...]:
     """``state`` with each uncommitted array (``jnp.ones``, ``jax.random``'s: on the
     default device, not put there) committed where it lies, which copies nothing. A
@@ -427,8 +471,12 @@ def _committed(state: tuple[Any, ...]) -> tuple[Any, ...]:
     loose = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not x.committed]
     if not loose:
         return state
+    done: dict[int, Any] = {}  # an array at two places stays one (the update's donation)
     for i in loose:
-        leaves[i] = jax.device_put(leaves[i], leaves[i].sharding)
+        x = leaves[i]
+        if id(x) not in done:
+            done[id(x)] = jax.device_put(x, x.sharding)
+        leaves[i] = done[id(x)]
     return treedef.unflatten(leaves)
 
 
@@ -510,6 +558,7 @@ def pipeline_train_step(
     stage_layers: Sequence[int] | None = None,
     fsdp_gather: str | None = None,
     reduce_gradients: str = "after_stage",
+    donate: bool = False,
 ) -> PipelinedStep:
     """A training step ``step_fn(*state, batch)`` whose gradients are computed as a
     pipeline and then applied once.
@@ -543,6 +592,18 @@ def pipeline_train_step(
     over the sub-mesh in each of its processes, its new parameters and optimizer state
     staying there as arrays of the global program; an update whose part on one stage
     reads a value another stage computes (global-norm clipping) is refused there. The other options are those of :func:`pipeline_value_and_grad`.
+
+    ``donate=True`` donates the step's state (its arguments but the batch) to the
+    update, as ``jax.jit(step, donate_argnums=...)`` donates it: each parameter and
+    leaf of the optimizer state that the update replaces with a result of its shape
+    and dtype is deleted, its new value written in its buffer, so that the update no
+    longer holds the old state and the new at once (:meth:`PipelinedStep.memory`
+    counts it); read the returned state, not the arrays passed in. A donating step
+    waits for the pipeline's results before its update, so that a stage failing on its
+    device raises with the state intact; one failing in the update may have deleted
+    it (docs/training.md, "Donating the state"). ``False`` (the default) leaves the
+    arrays passed in unchanged. Either way the update writes its results into the
+    gradients' buffers where it can (they are the call's own).
 
     >>> import jax, numpy as np, pipemark as pm
     >>> from pipemark import examples
@@ -581,4 +642,4 @@ def pipeline_train_step(
         fsdp_gather=fsdp_gather,
         reduce_gradients=reduce_gradients,
     )
-    return PipelinedStep(step_fn, options)
+    return PipelinedStep(step_fn, options, donate)

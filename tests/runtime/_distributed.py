@@ -228,20 +228,28 @@ def clipped_step(loss_fn):
 
 def train(saved: dict) -> None:
     """Two training steps with ``gather_results=False``, one stage per process, the
-    second from the state the first returned: what this process holds of the second's
-    results (``train-i``; ``train-i-elsewhere``, the shape of one it does not hold),
-    ``jax.jit`` of the step in this process alone (``train-want-i``), and the bytes the
-    second step gathered and received for the update."""
+    second from the state the first returned, the state donated (each process donates
+    its own stages' parameters and momentum to its part of the update): what this
+    process holds of the second's results (``train-i``; ``train-i-elsewhere``, the
+    shape of one it does not hold), ``jax.jit`` of the step in this process alone
+    (``train-want-i``, computed first: the pipeline deletes what it donates), and the
+    bytes the second step gathered and received for the update."""
     mlp = examples.mlp(num_layers=STAGES, width=16, batch=8)
     step = clipped_step(mlp.loss_fn)
     state = (mlp.params, jax.tree_util.tree_map(lambda p: 0.1 * p, mlp.params))
-    pipelined = pm.pipeline_train_step(
-        step, num_stages=STAGES, num_microbatches=2, timeout_s=TIMEOUT, gather_results=False
-    )
-    first = pipelined(*state, mlp.batch)
-    got, timings = pipelined.timed_call(*first[:2], mlp.batch)
     reference = jax.jit(step)
     want = reference(*reference(*state, mlp.batch)[:2], mlp.batch)
+    pipelined = pm.pipeline_train_step(
+        step,
+        num_stages=STAGES,
+        num_microbatches=2,
+        timeout_s=TIMEOUT,
+        gather_results=False,
+        donate=True,
+    )
+    first = pipelined(*state, mlp.batch)
+    saved["train-deleted"] = np.asarray([x.is_deleted() for x in jax.tree_util.tree_leaves(state)])
+    got, timings = pipelined.timed_call(*first[:2], mlp.batch)
     for i, w in enumerate(jax.tree_util.tree_leaves(want)):
         saved[f"train-want-{i}"] = np.asarray(w)
     save_held(saved, "train", got, timings)

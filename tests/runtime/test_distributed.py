@@ -113,7 +113,8 @@ def _check_training_step(runs: list) -> None:
     parameters and momentum (leaves ``2k`` and ``2k + 1`` of each), equal to ``jax.jit``
     of the step in one process (within 1e-6 of each leaf's largest value), and nothing
     of the other stages; every process holds the loss (a scalar: #39) and the norm (a
-    result no stage owns). Only small values crossed processes (the loss, the partial
+    result no stage owns); the state the first step was given is deleted where this
+    process's part of the update took it over. Only small values crossed processes (the loss, the partial
     sums, the norm): no gradient was gathered or received."""
     want = runs[0]
     count = sum(k.startswith("train-want-") for k in want.files)
@@ -124,6 +125,10 @@ def _check_training_step(runs: list) -> None:
     # The pipeline's loss (one float32) goes from the last stage's process to the others.
     assert [int(got["train-gathered"]) for got in runs] == [4] * (num - 1) + [0]
     for process, got in enumerate(runs):
+        # Donated: the first step's state of this process's own stage, which its part
+        # of the update took over; another process's stages' state is left here.
+        deleted = [h == process for h in holder[: 4 * num]]
+        assert got["train-deleted"].tolist() == deleted, process
         received = int(got["train-update-bytes"])
         # A few float32 partial sums (each process sends its stage's share of the norm):
         # less than the smallest gradient (a bias of 16 floats, 64 bytes).

@@ -6,7 +6,8 @@ slots where a part reads another's."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -30,6 +31,8 @@ from pipemark.runtime.training.update import StageUpdates, UpdatePart, input_own
 __all__ = [
     "UpdateProgram",
     "crossing_reads",
+    "delete_donated",
+    "donations",
     "first_update_slot",
     "run_update",
     "split_step_update",
@@ -45,7 +48,9 @@ class UpdateProgram(NamedTuple):
     slot (worker), the positions it reads in the table of the update's values (see
     :class:`~pipemark.runtime.training.update.StageUpdates`), each laid out by ``shardings``, and
     those it computes, each laid out by ``out_shardings`` where it gives one (``None``:
-    as ``jax.jit`` chooses)."""
+    as ``jax.jit`` chooses); ``donated``: the positions among its inputs whose buffers
+    ``run`` takes over (``donate_argnums``: XLA writes a result of the same shape and
+    dtype there, and the input is deleted)."""
 
     worker: int
     program: ClosedJaxpr
@@ -54,6 +59,7 @@ class UpdateProgram(NamedTuple):
     outputs: tuple[int, ...]
     shardings: tuple[Any, ...]
     out_shardings: tuple[Any, ...] = ()
+    donated: tuple[int, ...] = ()
 
 
 def update_bytes(
@@ -75,14 +81,19 @@ def update_phase(
 ) -> dict[int, tuple[int, int]]:
     """Per slot of this process that runs a part of the update, ``(bytes, bytes of
     arrays)`` it holds at most while its parts run, one after the other: each part's
-    compiled arguments (parameters, optimizer state, gradients), its results and those
-    of the slot's earlier parts, and its temporaries (not arrays); the pipeline's
-    results on the slot that the part does not read (they live until the step
-    returns); with the step's argument leaves ``leaves`` (``num_args`` of them, the
-    batch's last), those lying on the slot that the part does not read."""
+    compiled arguments (parameters, optimizer state, gradients), its results (but
+    those XLA writes into a donated argument's buffer) and those of the slot's earlier
+    parts, and its temporaries (not arrays); the pipeline's results on the slot that
+    the part does not read (they live until the step returns); with the step's
+    argument leaves ``leaves`` (``num_args`` of them, the batch's last), those lying on
+    the slot that the part does not read. What a slot's earlier part donated is gone,
+    but an array at several places of ``leaves``: :func:`run_update` donates copies of
+    it, and the array itself lives until the update ends (counted once, with them)."""
     results = _results_left(plan)
+    uses = Counter(id(x) for x in leaves or ())
     sizes: dict[int, tuple[int, int]] = {}
     made: dict[int, int] = {}  # per slot, the results of its parts so far
+    gone: dict[int, set[int]] = {}  # per slot, the positions its parts so far donated
     for part in parts:
         if not plan.placement.local[part.worker]:
             continue
@@ -92,17 +103,23 @@ def update_phase(
         ]
         with jax.set_mesh(None):  # as the call runs it (see __call__)
             analysis = part.run.lower(*structs).compile().memory_analysis()
-        made[part.worker] = made.get(part.worker, 0) + analysis.output_size_in_bytes
-        read = set(part.inputs)
+        before = made.get(part.worker, 0)
+        made[part.worker] = before + analysis.output_size_in_bytes
+        donated = gone.setdefault(part.worker, set())
+        donated.update(part.donated)
+        read = set(part.inputs) | donated
         left = sum(size for r, size in results.get(part.worker, ()) if num_args + r not in read)
         if leaves is not None:
             device = local_device(plan.placement.slots[part.worker])
-            skip = {id(x) for i, x in enumerate(leaves) if i in read}
+            kept = {i for i in donated if i < len(leaves) and uses[id(leaves[i])] > 1}
+            skip = {id(x) for i, x in enumerate(leaves) if i in read and i not in kept}
             left += resident_bytes(leaves, device, skip)
-        arrays = analysis.argument_size_in_bytes + made[part.worker] + left
+        # A result written into a donated argument's buffer takes no bytes of its own.
+        outputs = analysis.output_size_in_bytes - analysis.alias_size_in_bytes
+        arrays = analysis.argument_size_in_bytes + before + outputs + left
         total = arrays + analysis.temp_size_in_bytes
-        before = sizes.get(part.worker, (0, 0))
-        sizes[part.worker] = (max(before[0], total), max(before[1], arrays))
+        most = sizes.get(part.worker, (0, 0))
+        sizes[part.worker] = (max(most[0], total), max(most[1], arrays))
     return sizes
 
 
@@ -144,6 +161,7 @@ def update_programs(
     apply: ClosedJaxpr,
     split: StageUpdates | None,
     layouts: Mapping[int, Any] | None = None,
+    donatable: Collection[int] = (),
 ) -> tuple[UpdateProgram, ...]:
     """The parts of ``split`` (where it is ``None``, one part: the whole update
     ``apply`` on the first slot), each jitted and reading its inputs on its slot (a
@@ -153,7 +171,9 @@ def update_programs(
     read, and the results written, in that layout (gradients and optimizer state
     sharded like their parameters). On a sub-mesh that spans processes a result with
     no layout is replicated over the sub-mesh, so that each of its processes holds it
-    whole (a result sent to every process is taken from there, :func:`run_update`)."""
+    whole (a result sent to every process is taken from there, :func:`run_update`).
+    The positions of the table in ``donatable`` are donated where :func:`donations`
+    finds a result to take their buffers."""
     if split is None:
         count = len(apply.jaxpr.invars)
         results = tuple(range(count, count + len(apply.jaxpr.outvars)))
@@ -170,18 +190,54 @@ def update_programs(
         return NamedSharding(plan.placement.slots[worker].mesh, layouts[position])
 
     programs = []
-    for p in parts:
+    for p, donated in zip(parts, donations(parts, donatable)):
         shardings = tuple(
             laid_out(i, p.worker) or plan.update_sharding(i, p.worker) for i in p.inputs
         )
         slot = plan.placement.slots[p.worker]
         whole = slot.replicated if len(slot.processes) > 1 else None
         outs = [laid_out(k, p.worker) or whole for k in p.outputs]
-        run = jax.jit(jaxpr_as_fun(p.program), out_shardings=outs if any(outs) else None)
+        run = jax.jit(
+            jaxpr_as_fun(p.program),
+            out_shardings=outs if any(outs) else None,
+            donate_argnums=tuple(n for n, i in enumerate(p.inputs) if i in donated),
+        )
         programs.append(
-            UpdateProgram(p.worker, p.program, run, p.inputs, p.outputs, shardings, tuple(outs))
+            UpdateProgram(
+                p.worker, p.program, run, p.inputs, p.outputs, shardings, tuple(outs), donated
+            )
         )
     return tuple(programs)
+
+
+def donations(parts: Sequence[UpdatePart], donatable: Collection[int]) -> list[tuple[int, ...]]:
+    """Per part, the positions of ``donatable`` it donates: each in the last part that
+    reads it (no part reads it after its buffer is gone), where a result of that part
+    of the same shape and dtype is left to take its buffer (an argument no result
+    takes is not freed by the donation, and JAX warns that it was not usable). The
+    inputs come first in the order a part reads them: the step's state before the
+    gradients.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from pipemark.runtime.training.update import UpdatePart
+    >>> sgd = jax.make_jaxpr(lambda w, g: w - 0.1 * g)(jnp.ones(3), jnp.ones(3))
+    >>> parts = [UpdatePart(0, sgd, (0, 2), (4,)), UpdatePart(1, sgd, (0, 3), (5,))]
+    >>> donations(parts, {0, 2, 3})  # 0 read again by part 1: donated there
+    [(2,), (0,)]
+    """
+    last = {i: n for n, part in enumerate(parts) for i in part.inputs}
+    chosen = []
+    for n, part in enumerate(parts):
+        free = Counter((a.shape, a.dtype) for a in part.program.out_avals)
+        reads = Counter(part.inputs)
+        mine = []
+        for i, aval in zip(part.inputs, part.program.in_avals):
+            kind = (aval.shape, aval.dtype)
+            if i in donatable and last[i] == n and reads[i] == 1 and free[kind] > 0:
+                free[kind] -= 1
+                mine.append(i)
+        chosen.append(tuple(mine))
+    return chosen
 
 
 def crossing_reads(
@@ -227,6 +283,7 @@ def run_update(
     shared: Sequence[int],
     values: dict[int, Any],
     transport: Transport | None,
+    donating: bool = False,
 ) -> dict[int, int | None]:
     """Run the update's parts in order, filling the table ``values`` (its inputs first,
     see :class:`~pipemark.runtime.training.update.StageUpdates`) with what they compute; ``holders``
@@ -241,8 +298,16 @@ def run_update(
     sum) moves with ``transport``: every process walks the same parts in the same
     order, so both ends of each move meet. The results no slot owns (``shared``) then
     go to every process (``shared``: the positions that do).
+
+    A part donates the positions it names (:class:`UpdateProgram`), a copy of an array
+    at several positions of the table (the same array twice in the state), so that no
+    buffer still to be read is donated; ``donating``: the caller's state is among them.
     """
     slots, local = plan.placement.slots, plan.placement.local
+    # By identity: a step commits each argument once (train_step's _committed), and
+    # the pipeline's results and the parts' are arrays of their own.
+    uses = Counter(id(v) for v in values.values())
+    twice = {k for k, n in uses.items() if n > 1}
     held = dict(enumerate(holders))
     avals: dict[int, Any] = {}
     moved: dict[tuple[int, int], Any] = {}  # (position, slot): a value moved there
@@ -260,7 +325,7 @@ def run_update(
                 moved[(i, part.worker)] = got[0] if got else None
             inputs.append(moved[(i, part.worker)])
         if local[part.worker]:
-            outputs = _run_part(plan, part, inputs)
+            outputs = _run_part(plan, part, inputs, twice, donating)
         else:  # another process computes them: arrays without data here
             where = part.out_shardings or [None] * len(part.outputs)
             outputs = [
@@ -292,12 +357,50 @@ def run_update(
     return held
 
 
-def _run_part(plan: PipelinePlan, part: UpdateProgram, inputs: list[Any]) -> Any:
-    """``part`` run on its slot; running out of the device's memory raises a
-    :class:`~pipemark.DeviceOutOfMemoryError` naming the part and what it takes."""
+def delete_donated(
+    parts: Sequence[UpdateProgram], local: Sequence[bool], values: Mapping[int, Any], count: int
+) -> None:
+    """After the update, delete the arrays at the first ``count`` positions of the
+    table ``values`` (the caller's state) that a part of this process donated and that
+    are still there: where the part read a copy (the state of a step's first call, as
+    a rule made on one device, copied to the slot whose part updates it). So, as with
+    ``jax.jit``'s ``donate_argnums``, no donated array outlives the call. An array
+    also at a position not donated (a batch leaf) is kept.
+
+    >>> import jax, jax.numpy as jnp
+    >>> sgd = jax.make_jaxpr(lambda w, g: w - 0.1 * g)(jnp.ones(3), jnp.ones(3))
+    >>> part = UpdateProgram(0, sgd, None, (0, 1), (2,), (), (), (0,))
+    >>> values = {0: jnp.ones(3), 1: jnp.ones(3)}
+    >>> delete_donated([part], [True], values, 1)
+    >>> values[0].is_deleted(), values[1].is_deleted()
+    (True, False)
+    """
+    donated = {i for p in parts if local[p.worker] for i in p.donated if i < count}
+    kept = {id(v) for i, v in values.items() if i not in donated}
+    for i in sorted(donated):
+        array = values[i]
+        if not isinstance(array, jax.Array) or id(array) in kept:
+            continue
+        # Deleting waits for nothing: the device frees the buffer once the programs
+        # and copies already dispatched to read it are done.
+        if array.is_fully_addressable and not array.is_deleted():
+            array.delete()
+
+
+def _run_part(
+    plan: PipelinePlan, part: UpdateProgram, inputs: list[Any], twice: Any, donating: bool
+) -> Any:
+    """``part`` run on its slot, an input it donates copied first where its array is
+    also at another position (``id`` in ``twice``: rare, and the copy is its own,
+    whether or not ``put_global`` moved it); running out of the device's memory
+    raises a :class:`~pipemark.DeviceOutOfMemoryError` naming the part and what it takes."""
     try:
         # A sub-mesh that spans processes takes this process's shards (put_global).
-        return part.run(*put_global(inputs, part.shardings))
+        args = put_global(inputs, part.shardings)
+        for n, i in enumerate(part.inputs):
+            if i in part.donated and id(inputs[n]) in twice:
+                args[n] = jax.device_put(args[n], part.shardings[n], may_alias=False)
+        return part.run(*args)
     except DEVICE_ERRORS as error:
         if "RESOURCE_EXHAUSTED" not in str(error):
             raise
@@ -320,8 +423,13 @@ def _run_part(plan: PipelinePlan, part: UpdateProgram, inputs: list[Any]) -> Any
             f"results and temporaries take {format_bytes(takes)} ({takes} bytes); the "
             f"device's limit is {describe_limit(slot.devices[0])}. Give the pipeline "
             "more stages or devices (each updates its own parameters), a smaller model "
-            "or optimizer state, or memory_budget= to be told before it runs. The "
-            "arrays passed in are unchanged."
+            "or optimizer state, or memory_budget= to be told before it runs. "
+            + (
+                "With donate=True the parameters and optimizer state that the update's "
+                "parts donated before it failed (and possibly this part's) are deleted."
+                if donating
+                else "The arrays passed in are unchanged."
+            )
         ) from error
 
 
