@@ -1,4 +1,4 @@
-"""The ballast check of a predicted peak (issue #40, item 3), for
+"""The ballast check of a predicted peak (is it an upper bound, and how close?), for
 ``benchmarks/accelerator.py --ballast``.
 
 A TPU's ``memory_stats()["peak_bytes_in_use"]`` counts arrays, not the programs' XLA
@@ -84,7 +84,7 @@ def ballast_check(step, params, batch, device, predicted_peak: int, out_of_memor
 
 def verdict(config: str, check: dict) -> str:
     """One line: the smallest room the step ran in and the largest it ran out of memory
-    in, as fractions of the prediction, and the issue's two conditions.
+    in, as fractions of the prediction, and the two conditions.
 
     >>> verdict("s4", {"limit": 16, "predicted": 8, "in_use": 1, "tries": [
     ...     {"fraction": 1.0, "ballast": 7, "result": "ran"},

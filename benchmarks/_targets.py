@@ -1,4 +1,4 @@
-"""Issue #40's targets, every model and layout in one table, from the recorded runs of
+"""The accelerator targets, every model and layout in one table, from the recorded runs of
 ``benchmarks/accelerator.py`` (its JSON results).
 
 For each model and layout the table takes one configuration (:data:`LAYOUTS`: the
@@ -16,7 +16,7 @@ check tried another prediction than the current one (:data:`PREDICTED`, recorded
 (``_ballast.rejudged``), the rooms of every check of the step since the run that timed
 it, which bound its whole peak together (``_ballast.whole_peak``).
 
-The targets (issue #40): the step within 1.05 x the scan's, the first call within
+The targets: the step within 1.05 x the scan's, the first call within
 1.5 x the scan's, and a predicted peak that is an upper bound and at most 1.07 x what
 the step needs. The ballast settles the last: the step runs with the predicted peak
 free (less a 64 MiB margin), and runs out of memory with ``1/1.07`` of it free.

@@ -1,5 +1,5 @@
 """A bfloat16 GPT's training step on one accelerator: plain ``jax.jit``, a ``lax.scan``
-gradient accumulation and the pipeline runtime, side by side (issue #33).
+gradient accumulation and the pipeline runtime, side by side.
 
     python benchmarks/accelerator.py --out results/tpu.md      # the GPT on an accelerator
     python benchmarks/accelerator.py --configs jit,s1 --size tiny   # a quick look on CPU
@@ -39,9 +39,9 @@ of the ``jit`` program is in the header); the compiled programs' ``memory_analys
 the sum over its programs, from ``Pipeline.compiled_programs``), and the device's
 ``memory_stats()["peak_bytes_in_use"]`` (on CPU, which has none, the process's peak
 resident memory). A configuration that does not fit shows "out of memory" with XLA's
-message shortened. Verdict lines give the issue's targets: S 1 / M 1 within 1.05 x
+message shortened. Verdict lines give the targets: S 1 / M 1 within 1.05 x
 ``jax.jit`` and its memory within 5 %; S 4 and S 16 (with any dispatch bound) within
-1.05 x the scan (issue #40); the first call of S 16 within 1.5 x the scan's; and for each pipeline row, the peak
+1.05 x the scan; the first call of S 16 within 1.5 x the scan's; and for each pipeline row, the peak
 ``Pipeline.memory`` predicts for its device next to the measured one (target within
 10 % on an accelerator).
 
@@ -472,7 +472,7 @@ def _memory(step, pipe, params, batch) -> dict:
         "out_max": max(a.output_size_in_bytes for a in analyses.values()),
         "out_sum": sum(a.output_size_in_bytes for a in analyses.values()),
     }
-    if pipe is not None:  # pipemark's prediction, next to the measured peak (#33)
+    if pipe is not None:  # pipemark's prediction, next to the measured peak
         plan = pipe.plan(params, batch)
         out["schedule"] = plan.schedule.name  # e.g. the waves a memory budget chose
         out["in_flight"] = max(plan.schedule.in_flight())

@@ -1,6 +1,6 @@
 """More than fits: the largest batch and the largest number of blocks that train on one
 device with ``jax.jit``, a ``lax.scan`` accumulation and the pipeline with
-``memory_budget`` equal to the device's memory, side by side (issue #40).
+``memory_budget`` equal to the device's memory, side by side.
 
     python benchmarks/capacity.py --out "$OUT/capacity-tpu-v5e.json"       # on a TPU
     python benchmarks/capacity.py --size tiny --memory-bytes 3000000        # on CPU

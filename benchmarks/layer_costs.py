@@ -1,5 +1,5 @@
 """One transformer decoder layer's compute and memory at the per-chip shapes a layout
-gives it (issue #58, items 1 and 3): forward time, forward+backward time under MaxText's
+gives it: forward time, forward+backward time under MaxText's
 remat policies, the recomputation each policy costs, and the compiled program's memory.
 
     python benchmarks/layer_costs.py --grid v5e --budget-s 330 \\

@@ -3,7 +3,7 @@
 ``flax.nnx.dot_product_attention``) with a causal mask from ``nnx.make_causal_mask``, a
 SwiGLU MLP of ``nnx.Linear`` layers, tied embeddings (``Embed.attend``), bfloat16
 compute over float32 parameters, and a :func:`pipemark.mark_pipeline_boundary` between
-blocks. ``benchmarks/accelerator.py --model nnx`` measures it (issue #40).
+blocks. ``benchmarks/accelerator.py --model nnx`` measures it.
 
 >>> ex = nnx_lm(layers=2, d_model=16, heads=2, d_ff=24, vocab=32, seq=8, rows=2)
 >>> loss = ex.loss_fn(ex.params, ex.batch)

@@ -27,19 +27,19 @@ whichever call happens to trigger it. The collector runs once per round, before
 tracing, not before each timed call (a full collection leaves the CPU caches cold). The
 last column repeats the ratio with the collector left as it is.
 
-Targets (issue 3): ratio <= 0.05 at 2k equations; microseconds per equation flat
+Targets: ratio <= 0.05 at 2k equations; microseconds per equation flat
 within 2x from 2k to 200k.
 
 The last lines time the front end ``pm.split`` runs before these passes,
 ``inline_calls`` then ``split_scan``, on the largest program of each kind: as traced
 (nothing to inline, no scan: the passes only look) and traced under one ``jax.jit``
-(the whole program is one jit equation to inline). Target (issue 14): at most 10 % of
+(the whole program is one jit equation to inline). Target: at most 10 % of
 the pipeline's time.
 
 The very last lines time ``split_backward`` (the B/W split of zero-bubble schedules)
 on the staged gradient program of 10k equations, against ``make_jaxpr`` of that
 program: with a stage per layer (the boundary-marked model), and cut into 8 and 64
-stages by ``auto_layers``. Target (issue 18): at most 0.05.
+stages by ``auto_layers``. Target: at most 0.05.
 
     python benchmarks/passes.py                      # 2k, 20k, 200k
     python benchmarks/passes.py --sizes 2000 20000 --repeat 5
@@ -196,7 +196,7 @@ def backward_split_line(
     kind: str, num_eqns: int, repeat: int, num_stages: int | None = None
 ) -> str:
     """One line: ``split_backward`` (the B/W split zero-bubble schedules run) on the
-    staged gradient program, against ``make_jaxpr`` of that program (issue 18). With
+    staged gradient program, against ``make_jaxpr`` of that program. With
     ``num_stages`` the model is traced without markers and cut into that many stages
     by ``auto_layers``; without, every layer is a stage (its boundary markers)."""
     from pipemark import split_jaxpr

@@ -1,4 +1,4 @@
-"""The peak ``Pipeline.memory`` predicts for each cell of issue #40's targets on this
+"""The peak ``Pipeline.memory`` predicts for each cell of the accelerator targets on this
 device, without running a step (the stage programs are compiled for their
 temporaries; nothing else runs).
 

@@ -1,6 +1,6 @@
 """Where a step's device time goes: a ``jax.profiler`` trace of a few steps of each
 configuration of ``benchmarks/accelerator.py``, its device's XLA operations added up by
-kind and output shape, side by side (issue #40, item 1: the stage programs against the
+kind and output shape, side by side (the stage programs against the
 same blocks inside the scan).
 
     python benchmarks/profile_ops.py --model llama-flash --layers 16 --configs scan,s4 \\

@@ -1,7 +1,7 @@
 """A bfloat16 GPT trained two ways on one accelerator, side by side: the pipeline
 runtime (S 4 stages, M 8 microbatches, the interleaved schedule putting every stage on
 the one device) and ``jax.jit`` of the ``lax.scan`` gradient accumulation over the same
-microbatches, what a user writes instead (issue #39).
+microbatches, what a user writes instead.
 
     python benchmarks/training_curve.py --markdown results/training-curve.md
     python benchmarks/training_curve.py --size tiny --steps 20    # a quick look on CPU

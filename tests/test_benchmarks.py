@@ -7,6 +7,7 @@ scripts' tables and verdicts are.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -944,3 +945,11 @@ def test_layer_costs_records_consistent_times_flops_and_memory(tmp_path):
         "attention": attention,
     }
     assert swiglu["forward_flops"] == 19_922_944
+
+
+def test_the_readme_names_every_script_and_helper():
+    # benchmarks/README.md says which scripts a user runs and which files are helpers.
+    folder = Path(__file__).parents[1] / "benchmarks"
+    readme = (folder / "README.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"`(_?[a-z_]+\.py)`", readme))
+    assert named == {p.name for p in folder.glob("*.py")}
