@@ -47,7 +47,7 @@ program) and the largest temporary of a stage's program.
 >>> p.fits, round(p.step_seconds, 1), round(p.bubble_fraction, 2)
 (True, 7.9, 0.19)
 >>> p.compute
-"measured: TPU v5 lite layer records of 2026-12-07, nearest family '16B'"
+"measured: TPU v5 lite layer records of 2026-12-07, nearest family 'base'"
 """
 
 from __future__ import annotations
