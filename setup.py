@@ -18,7 +18,8 @@ setup(
     # kernels/*.cu ship inside the package as pipemark/kernels (see pipemark.custom_call).
     packages=[*find_packages(include=["pipemark", "pipemark.*"]), "pipemark.kernels"],
     package_dir={"pipemark.kernels": "kernels"},
-    package_data={"pipemark.kernels": ["*.cu"]},
+    # The planner's measured TPU v5e layer costs (pipemark.runtime.planning.measured).
+    package_data={"pipemark.kernels": ["*.cu"], "pipemark.runtime.planning": ["*.json"]},
     install_requires=[
         # The tested range: JAX 0.10 (Python 3.11, `make test`) to 0.12 (Python 3.12,
         # `make test-newest`). Raise the bound after the suite passes on the next minor.

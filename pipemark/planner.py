@@ -1,7 +1,8 @@
 """Plan a training step for a cluster you do not have: the layout planner's public
 names in one place (``pm.planner``), apart from what runs a pipeline (``pm.runtime``).
 
-Describe the hardware (:class:`Cluster`, :func:`tpu_v5e`) and the model
+Describe the hardware (:class:`Cluster`, or a preset from vendors' specifications:
+:func:`tpu_v5e`, :func:`tpu_v5p`, :func:`tpu_v6e`, :func:`h100`) and the model
 (:class:`Transformer` from its sizes, or :class:`MeasuredPipeline` from a real
 pipeline's measured action costs); :func:`predict_layout` predicts one
 :class:`Layout`'s step time and per-chip peak memory (a :class:`LayoutPrediction`),
@@ -14,7 +15,7 @@ docs/scale.md is the guide.
 >>> model, cluster = pm.planner.Transformer.llama2_7b(), pm.planner.tpu_v5e(256)
 >>> p = pm.planner.predict_layout(model, layout, cluster, global_batch=1024)
 >>> p.fits, round(p.step_seconds, 1)
-(True, 12.5)
+(True, 7.9)
 """
 
 # The planner lives in pipemark.runtime (it predicts with the runtime's schedules and
@@ -29,10 +30,13 @@ from pipemark.runtime import (
     Refusal,
     StageWork,
     Transformer,
+    h100,
     predict_layout,
     rank_layouts,
     search_layouts,
     tpu_v5e,
+    tpu_v5p,
+    tpu_v6e,
 )
 
 __all__ = [
@@ -40,6 +44,9 @@ __all__ = [
     "Cluster",
     "TPU_V5E_POD",
     "tpu_v5e",
+    "tpu_v5p",
+    "tpu_v6e",
+    "h100",
     # the model and how it is laid out
     "Layout",
     "MeasuredPipeline",

@@ -10,6 +10,7 @@ What it writes:
 * ``docs/demo/report.html`` and ``docs/demo/stages.png``, written by the same run;
 * ``docs/demo/schedules.png``: 1F1B, ZB-H1 and ZB-V side by side (docs/schedules.md);
 * ``docs/real-models.md`` (``docs/gen/real_models.py``);
+* docs/scale.md's comparison with MaxText's published runs (``docs/gen/maxtext_table.py``);
 * the marked output blocks of the other docs pages and the README's quickstart
   output (``docs/gen/page_outputs.py``);
 * the stored outputs of ``docs/tutorial.ipynb`` (``docs/gen/tutorial.py``).
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     changed = _write_readme(demo_output(DEMO_DIR))
     schedule_plots(DEMO_DIR / "schedules.png")
     print(f"{'rewrote' if changed else 'kept'} README.md's demo output; wrote {DEMO_DIR}")
-    for script in ("real_models.py", "page_outputs.py", "tutorial.py"):
+    for script in ("real_models.py", "maxtext_table.py", "page_outputs.py", "tutorial.py"):
         path = Path(__file__).with_name(script)
         if path.exists():
             subprocess.run([sys.executable, str(path)], check=True)

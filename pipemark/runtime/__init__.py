@@ -41,7 +41,10 @@ from pipemark.runtime.pipeline import pipeline_value_and_grad as pipeline_value_
 from pipemark.runtime.plan import PipelinePlan as PipelinePlan
 from pipemark.runtime.planning.cluster import TPU_V5E_POD as TPU_V5E_POD
 from pipemark.runtime.planning.cluster import Cluster as Cluster
+from pipemark.runtime.planning.cluster import h100 as h100
 from pipemark.runtime.planning.cluster import tpu_v5e as tpu_v5e
+from pipemark.runtime.planning.cluster import tpu_v5p as tpu_v5p
+from pipemark.runtime.planning.cluster import tpu_v6e as tpu_v6e
 from pipemark.runtime.planning.planner import LayoutPrediction as LayoutPrediction
 from pipemark.runtime.planning.planner import Ranking as Ranking
 from pipemark.runtime.planning.planner import Refusal as Refusal

@@ -37,17 +37,25 @@ __all__ = [
     "MESH_ORDER",
     "Cluster",
     "Group",
+    "TOPOLOGIES",
     "TPU_V5E_POD",
     "axis_group",
     "collective_seconds",
+    "h100",
     "transfer_seconds",
     "tpu_v5e",
+    "tpu_v5p",
+    "tpu_v6e",
 ]
 
 #: The mesh axes of a layout, innermost (neighbouring chips) first.
 MESH_ORDER = ("tp", "fsdp", "pp", "dp")
 #: The collectives :func:`collective_seconds` times.
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+#: How a slice's chips are joined: a 2D or 3D torus of ICI links (a ring along one
+#: dimension uses that dimension's two ports), or a switch (NVLink and NVSwitch:
+#: every chip reaches every other at all its links' bandwidth).
+TOPOLOGIES = ("2d-torus", "3d-torus", "switch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +101,8 @@ class Cluster:
         (``None``: ``dispatch_seconds``). The runtime then waits for each action's
         results ``dispatch_ahead`` actions later, and its walking thread spends more
         per action than unbounded (:func:`tpu_v5e` says how much, and how measured).
+    topology:
+        How a slice's chips are joined (:data:`TOPOLOGIES`).
 
     >>> Cluster("two chips", 2, 2, 2, 2**30, 1e11, 1e12, 1e10, 2, 1e-6, 1e9, 1e-5).num_slices
     1
@@ -113,8 +123,13 @@ class Cluster:
     dispatch_seconds: float = 0.0
     wake_seconds: float = 0.0
     bounded_dispatch_seconds: float | None = None
+    topology: str = "2d-torus"
 
     def __post_init__(self) -> None:
+        if self.topology not in TOPOLOGIES:
+            raise PipemarkError(
+                f"Cluster {self.name!r}: topology = {self.topology!r}; choose one of {TOPOLOGIES}."
+            )
         for name in ("num_chips", "chips_per_host", "chips_per_slice", "hbm_bytes", "ici_ports"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -231,6 +246,118 @@ def tpu_v5e(num_chips: int = 256) -> Cluster:
 #: One TPU v5e pod: 256 chips on one 16 × 16 ICI torus (:func:`tpu_v5e`).
 TPU_V5E_POD = tpu_v5e(256)
 
+#: Host dispatch costs measured on a v5e host (:func:`tpu_v5e`); the other presets
+#: assume the same (their hosts were not measured).
+_HOST = {"dispatch_seconds": 0.46e-3, "wake_seconds": 0.40e-3, "bounded_dispatch_seconds": 0.59e-3}
+
+
+def _slice_of(owner: str, num_chips: int, slice_chips: int | None, largest: int) -> int:
+    """A preset's chips per slice: ``slice_chips``, or all of them up to ``largest``."""
+    chips = slice_chips if slice_chips is not None else min(num_chips, largest)
+    if chips > largest:
+        raise PipemarkError(
+            f"{owner}: a slice of {chips} chips; the largest is {largest}: give slice_chips."
+        )
+    return chips
+
+
+def tpu_v5p(num_chips: int = 256, slice_chips: int | None = None) -> Cluster:
+    """Google Cloud TPU v5p chips, in slices of ``slice_chips`` (default: all of them,
+    up to the largest single slice, 6,144 chips) joined by DCN.
+
+    Figures from Google's TPU v5p page (https://cloud.google.com/tpu/docs/v5p): per
+    chip 459 TFLOP/s bfloat16, 95 GiB HBM2e at 2,765 GB/s, 1,200 GB/s of bidirectional
+    ICI (the page's 4,800 Gbps) over the 6 ports of a 3D torus, so 100 GB/s per port
+    and direction; 50 Gbps of DCN per chip, 4 chips a host (the page's 4-chip VM);
+    single slices of up to 6,144 chips. Assumed, as for :func:`tpu_v5e`: all 95 GiB
+    usable (not measured), 1 µs per ICI step, 25 µs per DCN message, and the v5e
+    host's dispatch costs.
+
+    >>> cluster = tpu_v5p(512)
+    >>> cluster.num_slices, cluster.peak_flops / 1e12, cluster.topology
+    (1, 459.0, '3d-torus')
+    """
+    return Cluster(
+        name=f"TPU v5p, {num_chips} chips",
+        num_chips=num_chips,
+        chips_per_host=4,
+        chips_per_slice=_slice_of("tpu_v5p", num_chips, slice_chips, 6144),
+        hbm_bytes=95 * 2**30,
+        hbm_bandwidth=2765e9,
+        peak_flops=459e12,
+        ici_link_bandwidth=100e9,
+        ici_ports=6,
+        ici_latency=1e-6,
+        dcn_bandwidth=4 * 50e9 / 8,
+        dcn_latency=25e-6,
+        topology="3d-torus",
+        **_HOST,
+    )
+
+
+def tpu_v6e(num_chips: int = 256) -> Cluster:
+    """Google Cloud TPU v6e (Trillium) chips, 256 to a pod (slice), pods joined by DCN.
+
+    Figures from Google's TPU v6e page (https://cloud.google.com/tpu/docs/v6e): per
+    chip 918 TFLOP/s bfloat16, 32 GB HBM at 1,638 GB/s, 800 GB/s of bidirectional ICI
+    over 4 ports of a 2D torus (100 GB/s per port and direction), 8 chips a host, 256
+    chips a pod. Assumed: 32 GiB usable (the page's GB, as v5e's 16 GB are 16 GiB);
+    the page gives no DCN figure, so v5e's 25 Gbps a chip; 1 µs per ICI step, 25 µs
+    per DCN message; the v5e host's dispatch costs.
+
+    >>> tpu_v6e(512).num_slices, tpu_v6e().hbm_bandwidth / 1e9
+    (2, 1638.0)
+    """
+    return Cluster(
+        name=f"TPU v6e, {num_chips} chips",
+        num_chips=num_chips,
+        chips_per_host=8,
+        chips_per_slice=256,
+        hbm_bytes=32 * 2**30,
+        hbm_bandwidth=1638e9,
+        peak_flops=918e12,
+        ici_link_bandwidth=100e9,
+        ici_ports=4,
+        ici_latency=1e-6,
+        dcn_bandwidth=8 * 25e9 / 8,
+        dcn_latency=25e-6,
+        **_HOST,
+    )
+
+
+def h100(num_gpus: int = 8) -> Cluster:
+    """NVIDIA H100 SXM GPUs, 8 to a node joined by NVLink through NVSwitch (a switch,
+    not a torus: the node is the planner's slice), nodes joined by InfiniBand.
+
+    Figures from NVIDIA's H100 datasheet (https://www.nvidia.com/en-us/data-center/h100/):
+    989 TFLOP/s dense bfloat16 (the sheet's 1,979 is with sparsity), 80 GB HBM3 at
+    3.35 TB/s, NVLink 900 GB/s bidirectional per GPU over 18 links (25 GB/s per link and
+    direction); from NVIDIA's DGX H100 page (https://www.nvidia.com/en-us/data-center/dgx-h100/):
+    8 GPUs a node and 8 ConnectX-7 InfiniBand ports of 400 Gb/s (50 GB/s a GPU).
+    Assumed: all 80 × 10⁹ bytes usable (JAX's allocator keeps some), 2 µs per NVLink
+    step, 5 µs per InfiniBand message (not published), the v5e host's dispatch costs.
+
+    >>> cluster = h100(64)
+    >>> cluster.num_slices, cluster.topology, cluster.dcn_bandwidth / 8 / 1e9
+    (8, 'switch', 50.0)
+    """
+    return Cluster(
+        name=f"H100 SXM, {num_gpus} GPUs",
+        num_chips=num_gpus,
+        chips_per_host=8,
+        chips_per_slice=min(num_gpus, 8),
+        hbm_bytes=80 * 10**9,
+        hbm_bandwidth=3.35e12,
+        peak_flops=989e12,
+        ici_link_bandwidth=25e9,
+        ici_ports=18,
+        ici_latency=2e-6,
+        dcn_bandwidth=8 * 400e9 / 8,
+        dcn_latency=5e-6,
+        topology="switch",
+        **_HOST,
+    )
+
 
 class Group(NamedTuple):
     """The chips of one collective: ``ici`` in each slice, over ``dcn`` slices."""
@@ -270,10 +397,18 @@ def axis_group(cluster: Cluster, sizes: Mapping[str, int], axis: str) -> Group:
 
 
 def _ici_bandwidth(cluster: Cluster, members: int) -> float:
-    """A ring's bytes per second through each chip: a group that fits along one torus
-    dimension (at most √slice chips) rings over that dimension's two ports, both
-    directions; a larger one over all ports."""
-    side = math.isqrt(cluster.chips_per_slice)
+    """A ring's bytes per second through each chip: on a torus, a group that fits
+    along one dimension (at most √ or ∛ of the slice's chips) rings over that
+    dimension's two ports, both directions, a larger one over all ports; through a
+    switch, always over all its links."""
+    if cluster.topology == "switch":
+        return cluster.ici_ports * cluster.ici_link_bandwidth
+    dims = 3 if cluster.topology == "3d-torus" else 2
+    side = (
+        math.isqrt(cluster.chips_per_slice)
+        if dims == 2
+        else round(cluster.chips_per_slice ** (1 / 3))
+    )
     ports = 2 if members <= side else cluster.ici_ports
     return ports * cluster.ici_link_bandwidth
 
@@ -304,7 +439,8 @@ def collective_seconds(cluster: Cluster, kind: str, nbytes: float, group: Group)
 
 def transfer_seconds(cluster: Cluster, nbytes: float, across_slices: bool) -> float:
     """Seconds to send ``nbytes`` from one chip to another: one ICI port in one
-    direction within a slice, the chip's share of its host's DCN across slices.
+    direction within a slice (all of a chip's links through a switch), the chip's
+    share of its host's DCN across slices.
 
     >>> round(transfer_seconds(TPU_V5E_POD, 50e6, across_slices=False) * 1e3, 3)
     1.001
@@ -313,4 +449,5 @@ def transfer_seconds(cluster: Cluster, nbytes: float, across_slices: bool) -> fl
         return 0.0
     if across_slices:
         return cluster.dcn_latency + nbytes * cluster.chips_per_host / cluster.dcn_bandwidth
-    return cluster.ici_latency + nbytes / cluster.ici_link_bandwidth
+    links = cluster.ici_ports if cluster.topology == "switch" else 1
+    return cluster.ici_latency + nbytes / (links * cluster.ici_link_bandwidth)
