@@ -246,7 +246,7 @@ class PipelinedStep:
         # device: the most a step holds there), against a budget too.
         arguments = functools.partial(_argument_bytes, args)
         plan = _step_plan(compute, options, num_replicated, micro, layouts, arguments)
-        split = split_step_update(plan, apply, num_args)
+        split = split_step_update(plan, apply, num_args, self.offload is not None)
         distributed = plan.placement.distributed and not plan.placement.spanning
         if split is None and not plan.gather_results and distributed:
             # The whole update reads every stage's gradients: they are gathered, as

@@ -151,3 +151,27 @@ def test_refused_offloads_name_what_to_do():
         )
         with pytest.raises(HostMemoryError, match="new state first"):
             pipelined(params, state, batch)
+
+
+def test_one_device_updates_one_stage_at_a_time():
+    # Four stages on one device: with offload each stage's part of the update brings
+    # in its own state alone, so the update holds less on the device than the whole.
+    devices = pick_devices(1)
+    with computing_on(devices):
+        params, batch = _setup(num_layers=4)
+        optimizer = optax.adamw(1e-2, eps=1e-4)
+        step = _step(optimizer)
+        state = optimizer.init(params)
+        options = dict(num_stages=4, num_microbatches=2, schedule="interleaved", devices=devices)
+        plain = pm.pipeline_train_step(step, **options).memory(params, state, batch)
+        pipelined = pm.pipeline_train_step(step, **options, offload="optimizer")
+        memory = pipelined.memory(params, state, batch)
+        want = jax.jit(step)(params, state, batch)
+        got = pipelined(params, state, batch)
+    # Each stage's moments and its step count's copy wait in host memory.
+    assert _kinds(got[1]) == {"pinned_host"}
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    layer = (WIDTH * WIDTH + WIDTH) * 4
+    # Three other stages' moments (old and new) are no longer on the device at once.
+    assert memory.slots[0].update <= plain.slots[0].update - 3 * 2 * layer

@@ -27,7 +27,13 @@ from pipemark.runtime.memory.estimate import (
 )
 from pipemark.runtime.plan import PipelinePlan
 from pipemark.runtime.training.offload import HOST_KINDS
-from pipemark.runtime.training.update import StageUpdates, UpdatePart, input_owners, split_update
+from pipemark.runtime.training.update import (
+    StageUpdates,
+    UpdatePart,
+    input_owners,
+    split_update,
+    stage_owners,
+)
 
 __all__ = [
     "UpdateProgram",
@@ -106,7 +112,8 @@ def update_phase(
         with jax.set_mesh(None):  # as the call runs it (see __call__)
             analysis = part.run.lower(*structs).compile().memory_analysis()
         before = made.get(part.worker, 0)
-        made[part.worker] = before + analysis.output_size_in_bytes
+        # What a part writes to host memory (offloaded state) leaves the device with it.
+        made[part.worker] = before + analysis.output_size_in_bytes - _host_outputs(part)
         donated = gone.setdefault(part.worker, set())
         donated.update(part.donated)
         read = set(part.inputs) | donated
@@ -128,6 +135,16 @@ def update_phase(
     return sizes
 
 
+def _host_outputs(part: UpdateProgram) -> int:
+    """The bytes of ``part``'s results that it writes to a host memory kind."""
+    where = part.out_shardings or (None,) * len(part.outputs)
+    return sum(
+        nbytes(aval)
+        for aval, sharding in zip(part.program.out_avals, where)
+        if getattr(sharding, "memory_kind", None) in HOST_KINDS
+    )
+
+
 def _results_left(plan: PipelinePlan) -> dict[int, list[tuple[int, int]]]:
     """Per slot, ``(result, bytes)`` of the results its stages accumulate."""
     left: dict[int, list[tuple[int, int]]] = {}
@@ -138,7 +155,9 @@ def _results_left(plan: PipelinePlan) -> dict[int, list[tuple[int, int]]]:
     return left
 
 
-def split_step_update(plan: PipelinePlan, apply: ClosedJaxpr, num_args: int) -> StageUpdates | None:
+def split_step_update(
+    plan: PipelinePlan, apply: ClosedJaxpr, num_args: int, per_stage: bool = False
+) -> StageUpdates | None:
     """The update of ``plan``'s step split per slot (:func:`split_update`, with the
     rounds that exchange small coupled values such as the partial sums of a global
     norm), or ``None`` where it does not split (a big value couples two slots, or the
@@ -148,10 +167,22 @@ def split_step_update(plan: PipelinePlan, apply: ClosedJaxpr, num_args: int) -> 
     parts (a result no slot owns goes to slot 0, whichever process this is) and runs
     its own slots' (:func:`run_update`). With results gathered (the default) every
     process holds every gradient: it runs the whole update on its own first slot, so
-    that every process gets the whole new state, as before."""
+    that every process gets the whole new state, as before.
+
+    ``per_stage``: cut per pipeline stage (:func:`stage_owners`), each part run on its
+    stage's slot, where that splits (else per slot): with the state offloaded, a slot
+    of several stages then holds one stage's state on its device at a time."""
     if plan.placement.distributed and plan.gather_results:
         return None
-    return split_update(apply, input_owners(plan, num_args), first_update_slot(plan))
+    first = first_update_slot(plan)
+    if per_stage:
+        owners, workers = stage_owners(plan, num_args)
+        stages = [s for s, w in sorted(workers.items()) if w == first]
+        split = split_update(apply, owners, stages[0]) if stages else None
+        if split is not None:
+            parts = tuple(p._replace(worker=workers[p.worker]) for p in split.parts)
+            return split._replace(parts=parts)
+    return split_update(apply, input_owners(plan, num_args), first)
 
 
 def first_update_slot(plan: PipelinePlan) -> int:
