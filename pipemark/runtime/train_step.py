@@ -298,7 +298,7 @@ class PipelinedStep:
         kind = host_memory_kind([d for slot in plan.placement.slots for d in slot.devices])
         count = len(apply.jaxpr.invars)
         host = {}
-        for i, j in offloaded_leaves(plan, state, out_shape).items():
+        for i, j in offloaded_leaves(plan, state, out_shape, self.offload).items():
             if split is not None:
                 slots = {p.worker for p in split.parts if i in p.inputs or count + j in p.outputs}
                 if len(slots) > 1:
@@ -661,7 +661,8 @@ def pipeline_train_step(
     ``offload="optimizer"`` keeps the optimizer state (the state's leaves that no stage
     reads, only the update) in the devices' host memory kind between steps
     (``pinned_host``): each part of the update brings its leaves to its device, and
-    writes their new values back to host memory. The step must return its new state
+    writes their new values back to host memory; ``"params"`` the parameters, each
+    slot bringing its own in for the call; ``"params+optimizer"`` both. The step must return its new state
     first, laid out as its arguments but the batch. A backend without a host memory
     kind raises :class:`~pipemark.errors.HostMemoryError` (docs/training.md,
     "Offloading to host memory").

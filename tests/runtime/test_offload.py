@@ -134,8 +134,8 @@ def test_no_host_memory_kind_is_refused():
 
 
 def test_refused_offloads_name_what_to_do():
-    with pytest.raises(HostMemoryError, match="not supported yet"):
-        pm.pipeline_train_step(_step(optax.sgd(0.1)), num_microbatches=2, offload="params")
+    with pytest.raises(HostMemoryError, match=r'"params\+optimizer"'):
+        pm.pipeline_train_step(_step(optax.sgd(0.1)), num_microbatches=2, offload="all")
     devices = pick_devices(1)
     with computing_on(devices):
         params, batch = _setup()
@@ -175,3 +175,38 @@ def test_one_device_updates_one_stage_at_a_time():
     layer = (WIDTH * WIDTH + WIDTH) * 4
     # Three other stages' moments (old and new) are no longer on the device at once.
     assert memory.slots[0].update <= plain.slots[0].update - 3 * 2 * layer
+
+
+def test_parameters_wait_in_host_memory_too():
+    # offload="params+optimizer": the parameters lie in host memory between steps as
+    # well, each slot bringing its own in for the call (a program reads them there).
+    devices = pick_devices(2)
+    with computing_on(devices):
+        params, batch = _setup()
+        optimizer = optax.adamw(1e-2, eps=1e-4)
+        step = _step(optimizer)
+        state = optimizer.init(params)
+        pipelined = pm.pipeline_train_step(
+            step,
+            num_stages=2,
+            num_microbatches=2,
+            devices=devices,
+            offload="params+optimizer",
+        )
+        ref = jax.jit(step)
+        want_params, want_state = params, state
+        for _ in range(2):
+            params, state, loss = pipelined(params, state, batch)
+            want_params, want_state, want_loss = ref(want_params, want_state, batch)
+            assert _kinds(params) == {"pinned_host"}
+            assert _kinds([x for x in jax.tree_util.tree_leaves(state) if x.ndim]) == {
+                "pinned_host"
+            }
+        memory = pipelined.memory(params, state, batch)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    got = jax.tree_util.tree_leaves((params, state))
+    for a, b in zip(got, jax.tree_util.tree_leaves((want_params, want_state))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    layer = (WIDTH * WIDTH + WIDTH) * 4
+    # A slot's parameters and both moments, old and new, in host memory.
+    assert [s.host for s in memory.slots] == [6 * layer, 6 * layer]

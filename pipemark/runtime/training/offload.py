@@ -23,9 +23,9 @@ from pipemark.runtime.plan import PipelinePlan
 
 __all__ = ["HOST_KINDS", "OFFLOADS", "check_offload", "host_memory_kind", "offloaded_leaves"]
 
-#: What ``offload=`` accepts: ``None`` (the default: everything on the devices) or
-#: ``"optimizer"``.
-OFFLOADS = (None, "optimizer")
+#: What ``offload=`` accepts: ``None`` (the default: everything on the devices),
+#: ``"optimizer"``, ``"params"`` or ``"params+optimizer"``.
+OFFLOADS = (None, "optimizer", "params", "params+optimizer")
 
 #: The memory kinds JAX names host memory by, the preferred first.
 HOST_KINDS = ("pinned_host", "unpinned_host")
@@ -38,11 +38,10 @@ def check_offload(offload: Any) -> None:
     """
     if offload in OFFLOADS:
         return
-    later = " (offloading the parameters is not supported yet)" if "param" in str(offload) else ""
     raise HostMemoryError(
-        f"pipeline_train_step: offload must be None (the state stays on the devices) or "
-        f'"optimizer" (the optimizer state waits in host memory between steps), got '
-        f"{offload!r}{later}."
+        f"pipeline_train_step: offload must be None (the state stays on the devices), "
+        f'"optimizer", "params" or "params+optimizer" (what waits in host memory '
+        f"between steps), got {offload!r}."
     )
 
 
@@ -67,11 +66,15 @@ def host_memory_kind(devices: Sequence[Any]) -> str:
     )
 
 
-def offloaded_leaves(plan: PipelinePlan, state: Sequence[Any], out_shape: Any) -> dict[int, int]:
+def offloaded_leaves(
+    plan: PipelinePlan, state: Sequence[Any], out_shape: Any, offload: str = "optimizer"
+) -> dict[int, int]:
     """Per leaf of the optimizer state (a leaf of ``state``, the step's arguments but
     the batch, that no stage of ``plan`` reads), the index among the step's result
     leaves of its new value: the same index, the step returning its new state first,
-    laid out as ``state`` (checked: else a :class:`HostMemoryError` says so)."""
+    laid out as ``state`` (checked: else a :class:`HostMemoryError` says so). With
+    ``"params"`` in ``offload``, the same for each parameter leaf that one slot's stages
+    read (a tied weight that two slots read stays on the devices)."""
     if plan.placement.distributed:
         raise HostMemoryError(
             "pipeline_train_step(offload=...) under jax.distributed is not supported yet: "
@@ -95,5 +98,19 @@ def offloaded_leaves(plan: PipelinePlan, state: Sequence[Any], out_shape: Any) -
             "result replaces which leaf kept in host memory. Return it so, or run "
             "with offload=None."
         )
-    read = {leaf for worker in plan.steps.params for leaf in worker}
-    return {i: i for i in range(len(leaves)) if i not in read}
+    readers: dict[int, set[int]] = {}
+    for worker, read in enumerate(plan.steps.params):
+        for leaf in read:
+            readers.setdefault(leaf, set()).add(worker)
+    if "params" in offload and plan.param_specs is not None:
+        raise HostMemoryError(
+            f'pipeline_train_step(offload="{offload}") on sub-meshes (mesh=) is not '
+            'supported yet: offload="optimizer" is, or run with offload=None.'
+        )
+    chosen = {
+        i
+        for i in range(len(leaves))
+        if ("optimizer" in offload and i not in readers)
+        or ("params" in offload and len(readers.get(i, ())) == 1)
+    }
+    return {i: i for i in sorted(chosen)}

@@ -250,6 +250,14 @@ def update_programs(
             else laid_out(k, p.worker) or whole
             for k in p.outputs
         ]
+        if any(k in host for k in p.outputs):
+            # JAX matches a donated argument with a result of the same memory kind only
+            # where every result names one (else it may alias a device buffer with a
+            # host result, which aborts the process on CPU): the rest name "device".
+            outs = [o or slot.replicated for o in outs]
+            outs = [
+                o if o.memory_kind in HOST_KINDS else o.with_memory_kind("device") for o in outs
+            ]
         run = jax.jit(
             _brought_in(p.program, {n: on_device[n] for n in brought}),
             out_shardings=outs if any(outs) else None,
