@@ -27,6 +27,7 @@ __all__ = [
     "SignatureError",
     "StateMutationError",
     "VerificationError",
+    "HostMemoryError",
     "check_closed_jaxpr",
     "describe_eqn",
 ]
@@ -82,6 +83,13 @@ class DeviceOutOfMemoryError(PipemarkError, MemoryError):
 # The class's first name, before every error was named ...Error; kept so that code
 # catching it keeps working (not in __all__: new code uses the new name).
 DeviceOutOfMemory = DeviceOutOfMemoryError
+
+
+class HostMemoryError(PipemarkError):
+    """State offloaded to host memory (``pipeline_train_step(..., offload=...)``) on a
+    backend whose devices have no host memory kind (``pinned_host`` or
+    ``unpinned_host`` among ``device.addressable_memories()``), or in a setting where
+    offload is not supported yet. The message says what to do instead."""
 
 
 class ExportError(PipemarkError):

@@ -38,6 +38,7 @@ from pipemark.runtime.memory.estimate import (
     MemoryEstimate,
     argument_bytes,
     plan_memory,
+    with_host,
     with_update,
 )
 from pipemark.runtime.options import PipelineOptions
@@ -47,11 +48,13 @@ from pipemark.runtime.schedules.core import Schedule
 from pipemark.runtime.tracing import replica_batch
 from pipemark.runtime.training.keeping import stage_readers
 from pipemark.runtime.training.layouts import StepLayouts, step_layouts
+from pipemark.runtime.training.offload import check_offload, host_memory_kind, offloaded_leaves
 from pipemark.runtime.training.update import StageUpdates
 from pipemark.runtime.training.update_run import (
     UpdateProgram,
     crossing_reads,
     delete_donated,
+    offloaded_inputs,
     run_update,
     split_step_update,
     update_bytes,
@@ -171,16 +174,24 @@ class PipelinedStep:
     """A training step whose gradient part runs as a pipeline; made by
     :func:`pipeline_train_step`."""
 
-    def __init__(self, step_fn: Callable, options: PipelineOptions, donate: bool = False) -> None:
+    def __init__(
+        self,
+        step_fn: Callable,
+        options: PipelineOptions,
+        donate: bool = False,
+        offload: str | None = None,
+    ) -> None:
         if not isinstance(donate, bool):
             raise PipemarkError(
                 "pipeline_train_step: donate must be True (the update takes over the "
                 "buffers of the state passed in, as jax.jit's donate_argnums does) or "
                 f"False (the arrays passed in are left unchanged), got {donate!r}."
             )
+        check_offload(offload)
         self.step_fn = step_fn
         self.options = options
         self.donate = donate
+        self.offload = offload
         self._prepared: dict[Any, tuple[PipelinePlan, Callable, Any]] = {}
 
     def plan(self, *args: Any) -> PipelinePlan:
@@ -235,7 +246,7 @@ class PipelinedStep:
         # device: the most a step holds there), against a budget too.
         arguments = functools.partial(_argument_bytes, args)
         plan = _step_plan(compute, options, num_replicated, micro, layouts, arguments)
-        split = split_step_update(plan, apply, num_args)
+        split = split_step_update(plan, apply, num_args, self.offload is not None)
         distributed = plan.placement.distributed and not plan.placement.spanning
         if split is None and not plan.gather_results and distributed:
             # The whole update reads every stage's gradients: they are gathered, as
@@ -244,7 +255,8 @@ class PipelinedStep:
             options = dataclasses.replace(options, gather_results=True)
             plan = _step_plan(compute, options, num_replicated, micro, layouts, arguments)
         donatable = _donatable(self.donate, num_replicated, num_args, len(apply.jaxpr.invars))
-        parts = update_programs(plan, apply, split, layouts and layouts.table, donatable)
+        host = self._offloaded(plan, replicated, out_shape, apply, split)  # and its kind
+        parts = update_programs(plan, apply, split, layouts and layouts.table, donatable, *host)
         holders = update_holders(plan, num_args)
         _refuse_spanning_update(plan, split, parts, holders)
         if options.memory_budget is not None:
@@ -266,6 +278,33 @@ class PipelinedStep:
         prepared = _Prepared(plan, out_tree, parts, holders, shared, results["part"])
         self._prepared[key] = prepared
         return prepared, args
+
+    def _offloaded(
+        self,
+        plan: PipelinePlan,
+        state: Sequence[Any],
+        out_shape: Any,
+        apply: ClosedJaxpr,
+        split: StageUpdates | None,
+    ) -> tuple[dict[int, int], str]:
+        """With ``offload``: per result of the update ``apply`` (its position in the
+        update's table, whose inputs come first) written to host memory, the input it
+        replaces, and the host memory kind (:mod:`pipemark.runtime.training.offload`).
+        A leaf that parts on several slots read (Adam's step count: a scalar) stays on
+        the devices: a part reads host memory on its own slot alone (JAX 0.12.1 on CPU
+        cannot copy a program's host result to another device)."""
+        if self.offload is None:
+            return {}, "pinned_host"
+        kind = host_memory_kind([d for slot in plan.placement.slots for d in slot.devices])
+        count = len(apply.jaxpr.invars)
+        host = {}
+        for i, j in offloaded_leaves(plan, state, out_shape, self.offload).items():
+            if split is not None:
+                slots = {p.worker for p in split.parts if i in p.inputs or count + j in p.outputs}
+                if len(slots) > 1:
+                    continue
+            host[count + j] = i
+        return host, kind
 
     def action_costs(self, *args: Any, repeat: int = 3) -> dict[str, tuple[float, ...]]:
         """Measured costs of the gradient part's actions, as
@@ -404,7 +443,8 @@ class PipelinedStep:
             )
         if self.donate:  # a state leaf copied for its part is deleted too, as jit would
             count = len(jax.tree_util.tree_leaves(state))
-            delete_donated(prepared.parts, plan.placement.local, values, count)
+            local = plan.placement.local
+            delete_donated(prepared.parts, local, values, count, offloaded_inputs(prepared.parts))
         if timings is not None and transport is not None:
             timings["update_bytes_sent"] = transport.bytes_sent
             timings["update_bytes_received"] = transport.bytes_received
@@ -526,11 +566,23 @@ def _step_memory(
     plan: PipelinePlan, parts: tuple[UpdateProgram, ...], args: tuple[Any, ...]
 ) -> MemoryEstimate:
     """``plan``'s memory for a step of ``args`` (the caller's arrays where they lie,
-    :func:`argument_bytes`), with the update after it (:func:`update_phase`)."""
+    :func:`argument_bytes`), with the update after it (:func:`update_phase`). The leaves
+    the update reads from host memory (:func:`offloaded_inputs`) count there, where
+    they lie between steps, whatever the first step's arrays: twice (the old and the
+    new, during the update)."""
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    host: dict[int, int] = {}
+    for i in offloaded_inputs(parts):
+        struct = jax.ShapeDtypeStruct(np.shape(leaves[i]), jax.numpy.result_type(leaves[i]))
+        leaves[i] = struct  # no device's: it lies in host memory between steps
+        for worker in {p.worker for p in parts if i in p.inputs}:
+            host[worker] = host.get(worker, 0) + 2 * struct.size * struct.dtype.itemsize
+    args = treedef.unflatten(leaves)
     estimate = plan_memory(plan, _argument_bytes(args, plan))
-    leaves = jax.tree_util.tree_leaves(args)
     for worker, (update, arrays) in update_phase(plan, parts, len(leaves), leaves).items():
         estimate = with_update(estimate, worker, update, arrays)
+    for worker, size in host.items():
+        estimate = with_host(estimate, worker, size)
     return estimate
 
 
@@ -559,6 +611,7 @@ def pipeline_train_step(
     fsdp_gather: str | None = None,
     reduce_gradients: str = "after_stage",
     donate: bool = False,
+    offload: str | None = None,
 ) -> PipelinedStep:
     """A training step ``step_fn(*state, batch)`` whose gradients are computed as a
     pipeline and then applied once.
@@ -605,6 +658,15 @@ def pipeline_train_step(
     arrays passed in unchanged. Either way the update writes its results into the
     gradients' buffers where it can (they are the call's own).
 
+    ``offload="optimizer"`` keeps the optimizer state (the state's leaves that no stage
+    reads, only the update) in the devices' host memory kind between steps
+    (``pinned_host``): each part of the update brings its leaves to its device, and
+    writes their new values back to host memory; ``"params"`` the parameters, each
+    slot bringing its own in for the call; ``"params+optimizer"`` both. The step must return its new state
+    first, laid out as its arguments but the batch. A backend without a host memory
+    kind raises :class:`~pipemark.errors.HostMemoryError` (docs/training.md,
+    "Offloading to host memory").
+
     >>> import jax, numpy as np, pipemark as pm
     >>> from pipemark import examples
     >>> ex = examples.mlp(num_layers=2, batch=4)
@@ -642,4 +704,4 @@ def pipeline_train_step(
         fsdp_gather=fsdp_gather,
         reduce_gradients=reduce_gradients,
     )
-    return PipelinedStep(step_fn, options, donate)
+    return PipelinedStep(step_fn, options, donate, offload)

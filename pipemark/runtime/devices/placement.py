@@ -13,6 +13,7 @@ process runs, which process receives what, where a training step's update runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from functools import cached_property
@@ -31,8 +32,10 @@ __all__ = [
     "Placement",
     "Slot",
     "available_slots",
+    "bring_in",
     "device_slot",
     "held_elsewhere",
+    "in_host_memory",
     "leaf_specs",
     "mesh_leaf_specs",
     "mesh_slot",
@@ -92,10 +95,39 @@ class Slot:
 
 
 def put_on(values: Sequence[Any], slot: Slot) -> list[Any]:
-    """``values`` copied onto ``slot`` (laid out by its sharding), in one transfer."""
+    """``values`` copied onto ``slot`` (laid out by its sharding), in one transfer;
+    those in its device's host memory (offloaded parameters) by a program
+    (:func:`bring_in`)."""
+    values = list(values)
     if slot.mesh is None:
-        return copy_to_device(list(values), slot.device)
-    return put_global(list(values), [slot.sharding] * len(values))
+        host = [i for i, v in enumerate(values) if in_host_memory(v, slot.device)]
+        if host:
+            brought = bring_in(slot.sharding)(*[values[i] for i in host])
+            rest = [i for i in range(len(values)) if i not in set(host)]
+            moved = copy_to_device([values[i] for i in rest], slot.device) if rest else []
+            done = dict(zip(host, brought)) | dict(zip(rest, moved))
+            return [done[i] for i in range(len(values))]
+        return copy_to_device(values, slot.device)
+    return put_global(values, [slot.sharding] * len(values))
+
+
+def in_host_memory(value: Any, device: Any) -> bool:
+    """Whether ``value`` is an array in ``device``'s host memory (``pinned_host`` or
+    ``unpinned_host``)."""
+    if not isinstance(value, jax.Array) or value.is_deleted():
+        return False
+    kind = getattr(value.sharding, "memory_kind", None)
+    return kind in ("pinned_host", "unpinned_host") and value.devices() == {device}
+
+
+@functools.lru_cache(maxsize=64)
+def bring_in(sharding: Any) -> Any:
+    """A jitted program copying its arguments, arrays in host memory, to device memory
+    laid out by ``sharding``: where JAX 0.12.1 on CPU cannot ``jax.device_put`` a
+    program's host result back to the device, a program can read it (docs/memory.md,
+    "Host memory kinds")."""
+    device = sharding.with_memory_kind("device")
+    return jax.jit(lambda *xs: [jax.device_put(x, device) for x in xs])
 
 
 def put_global(values: Sequence[Any], shardings: Sequence[Any]) -> list[Any]:

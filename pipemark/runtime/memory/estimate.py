@@ -93,12 +93,13 @@ __all__ = [
     "plan_memory",
     "resident_bytes",
     "result_avals",
+    "with_host",
     "with_update",
 ]
 
 _FIELDS = (
     "parameters", "batch", "accumulators", "arguments", "in_flight", "temporaries", "update",
-    "buffers",
+    "buffers", "host",
 )  # fmt: skip
 
 
@@ -134,6 +135,10 @@ class SlotMemory:
     #: counts arrays alone (a TPU's ``peak_bytes_in_use``, JAX's ``live_arrays``),
     #: what to compare with the measured peak.
     buffers: int = 0
+    #: What a training step keeps in host memory for this slot (offloaded optimizer
+    #: state, ``pipeline_train_step(offload=...)``), at most: the old state and the new
+    #: during the update. Not part of ``predicted_peak``, which is the device's.
+    host: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +151,7 @@ class MemoryEstimate:
         fields = [
             f
             for f in _FIELDS
-            if f not in ("update", "arguments") or any(getattr(s, f) for s in self.slots)
+            if f not in ("update", "arguments", "host") or any(getattr(s, f) for s in self.slots)
         ]
         head = ("slot", *fields, "predicted_peak", "measured")
         rows = [head]
@@ -626,6 +631,18 @@ def with_update(
     return MemoryEstimate(tuple(slots))
 
 
+def with_host(estimate: MemoryEstimate, slot: int, host: int) -> MemoryEstimate:
+    """``estimate`` with ``host`` more bytes kept in host memory for slot ``slot``.
+
+    >>> one = SlotMemory(0, "cpu:0", 0, 0, 0, 0, None, predicted_peak=100)
+    >>> with_host(MemoryEstimate((one,)), 0, 64).slots[0].host
+    64
+    """
+    slots = list(estimate.slots)
+    slots[slot] = dataclasses.replace(slots[slot], host=slots[slot].host + host)
+    return MemoryEstimate(tuple(slots))
+
+
 def argument_bytes(plan: PipelinePlan, params: Any, batch: Any) -> list[int]:
     """Per slot of ``plan``, the bytes of the caller's arrays (``params``, the leaves
     the plan calls parameters, and ``batch``) that lie on the slot's first device
@@ -690,6 +707,8 @@ def _bytes_on(leaf: Any, device: Any) -> int:
     ``jax.Array`` there)."""
     if not isinstance(leaf, jax.Array) or leaf.is_deleted() or device not in leaf.devices():
         return 0
+    if getattr(leaf.sharding, "memory_kind", None) in ("pinned_host", "unpinned_host"):
+        return 0  # in the host's memory (offloaded state), not the device's
     if len(leaf.devices()) == 1:
         return leaf.nbytes
     return sum(s.data.nbytes for s in leaf.addressable_shards if s.device == device)

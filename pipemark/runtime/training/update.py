@@ -69,7 +69,14 @@ from pipemark.passes.rewrite import dce
 from pipemark.runtime.plan import PipelinePlan
 from pipemark.staged import substitute_operands
 
-__all__ = ["EXCHANGE_LIMIT", "StageUpdates", "UpdatePart", "input_owners", "split_update"]
+__all__ = [
+    "EXCHANGE_LIMIT",
+    "StageUpdates",
+    "UpdatePart",
+    "input_owners",
+    "split_update",
+    "stage_owners",
+]
 
 #: The most bytes one slot sends the others for a split update. Global-norm clipping
 #: sends one scalar per gradient leaf (4 KiB for a thousand leaves); a limit far above
@@ -136,6 +143,31 @@ def input_owners(plan: PipelinePlan, num_args: int) -> list[int | None]:
         unit = plan.units.get(ref.stage) if ref.kind == "stage" else None
         owners.append(None if unit is None else unit.worker)
     return owners
+
+
+def stage_owners(plan: PipelinePlan, num_args: int) -> tuple[list[int | None], dict[int, int]]:
+    """As :func:`input_owners`, by pipeline stage rather than slot (so that a slot that
+    runs several stages updates each apart: with its state offloaded, one stage's at a
+    time on the device); and the slot of each pipeline stage."""
+    stage_of = {
+        index: stage
+        for indices in plan.roles().values()
+        for stage, index in enumerate(indices)
+        if index is not None
+    }
+    readers: dict[int, set[int | None]] = {}
+    for index, program in enumerate(plan.staged.stages):
+        for ref in program.inputs:
+            if ref.kind == "input" and ref.index < plan.num_param_leaves:
+                readers.setdefault(ref.index, set()).add(stage_of.get(index))
+    owners: list[int | None] = []
+    for i in range(num_args):
+        stages = readers.get(i, set())
+        owners.append(next(iter(stages)) if len(stages) == 1 else None)
+    for ref in plan.staged.outputs:
+        owners.append(stage_of.get(ref.stage) if ref.kind == "stage" else None)
+    workers = {stage_of[i]: unit.worker for i, unit in plan.units.items() if i in stage_of}
+    return owners, workers
 
 
 @jaxpr_pass

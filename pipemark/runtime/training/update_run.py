@@ -26,7 +26,14 @@ from pipemark.runtime.memory.estimate import (
     resident_bytes,
 )
 from pipemark.runtime.plan import PipelinePlan
-from pipemark.runtime.training.update import StageUpdates, UpdatePart, input_owners, split_update
+from pipemark.runtime.training.offload import HOST_KINDS
+from pipemark.runtime.training.update import (
+    StageUpdates,
+    UpdatePart,
+    input_owners,
+    split_update,
+    stage_owners,
+)
 
 __all__ = [
     "UpdateProgram",
@@ -34,6 +41,7 @@ __all__ = [
     "delete_donated",
     "donations",
     "first_update_slot",
+    "offloaded_inputs",
     "run_update",
     "split_step_update",
     "update_bytes",
@@ -104,7 +112,8 @@ def update_phase(
         with jax.set_mesh(None):  # as the call runs it (see __call__)
             analysis = part.run.lower(*structs).compile().memory_analysis()
         before = made.get(part.worker, 0)
-        made[part.worker] = before + analysis.output_size_in_bytes
+        # What a part writes to host memory (offloaded state) leaves the device with it.
+        made[part.worker] = before + analysis.output_size_in_bytes - _host_outputs(part)
         donated = gone.setdefault(part.worker, set())
         donated.update(part.donated)
         read = set(part.inputs) | donated
@@ -115,12 +124,25 @@ def update_phase(
             skip = {id(x) for i, x in enumerate(leaves) if i in read and i not in kept}
             left += resident_bytes(leaves, device, skip)
         # A result written into a donated argument's buffer takes no bytes of its own.
+        # Offloaded state (read from and written to host memory) counts as the device
+        # copies the part makes of it: the CPU's analysis counts it among the arguments
+        # and results (its host_*_size_in_bytes are 0), an upper bound.
         outputs = analysis.output_size_in_bytes - analysis.alias_size_in_bytes
         arrays = analysis.argument_size_in_bytes + before + outputs + left
         total = arrays + analysis.temp_size_in_bytes
         most = sizes.get(part.worker, (0, 0))
         sizes[part.worker] = (max(most[0], total), max(most[1], arrays))
     return sizes
+
+
+def _host_outputs(part: UpdateProgram) -> int:
+    """The bytes of ``part``'s results that it writes to a host memory kind."""
+    where = part.out_shardings or (None,) * len(part.outputs)
+    return sum(
+        nbytes(aval)
+        for aval, sharding in zip(part.program.out_avals, where)
+        if getattr(sharding, "memory_kind", None) in HOST_KINDS
+    )
 
 
 def _results_left(plan: PipelinePlan) -> dict[int, list[tuple[int, int]]]:
@@ -133,7 +155,9 @@ def _results_left(plan: PipelinePlan) -> dict[int, list[tuple[int, int]]]:
     return left
 
 
-def split_step_update(plan: PipelinePlan, apply: ClosedJaxpr, num_args: int) -> StageUpdates | None:
+def split_step_update(
+    plan: PipelinePlan, apply: ClosedJaxpr, num_args: int, per_stage: bool = False
+) -> StageUpdates | None:
     """The update of ``plan``'s step split per slot (:func:`split_update`, with the
     rounds that exchange small coupled values such as the partial sums of a global
     norm), or ``None`` where it does not split (a big value couples two slots, or the
@@ -143,10 +167,22 @@ def split_step_update(plan: PipelinePlan, apply: ClosedJaxpr, num_args: int) -> 
     parts (a result no slot owns goes to slot 0, whichever process this is) and runs
     its own slots' (:func:`run_update`). With results gathered (the default) every
     process holds every gradient: it runs the whole update on its own first slot, so
-    that every process gets the whole new state, as before."""
+    that every process gets the whole new state, as before.
+
+    ``per_stage``: cut per pipeline stage (:func:`stage_owners`), each part run on its
+    stage's slot, where that splits (else per slot): with the state offloaded, a slot
+    of several stages then holds one stage's state on its device at a time."""
     if plan.placement.distributed and plan.gather_results:
         return None
-    return split_update(apply, input_owners(plan, num_args), first_update_slot(plan))
+    first = first_update_slot(plan)
+    if per_stage:
+        owners, workers = stage_owners(plan, num_args)
+        stages = [s for s, w in sorted(workers.items()) if w == first]
+        split = split_update(apply, owners, stages[0]) if stages else None
+        if split is not None:
+            parts = tuple(p._replace(worker=workers[p.worker]) for p in split.parts)
+            return split._replace(parts=parts)
+    return split_update(apply, input_owners(plan, num_args), first)
 
 
 def first_update_slot(plan: PipelinePlan) -> int:
@@ -162,6 +198,8 @@ def update_programs(
     split: StageUpdates | None,
     layouts: Mapping[int, Any] | None = None,
     donatable: Collection[int] = (),
+    host: Mapping[int, int] | None = None,
+    host_kind: str = "pinned_host",
 ) -> tuple[UpdateProgram, ...]:
     """The parts of ``split`` (where it is ``None``, one part: the whole update
     ``apply`` on the first slot), each jitted and reading its inputs on its slot (a
@@ -173,7 +211,9 @@ def update_programs(
     no layout is replicated over the sub-mesh, so that each of its processes holds it
     whole (a result sent to every process is taken from there, :func:`run_update`).
     The positions of the table in ``donatable`` are donated where :func:`donations`
-    finds a result to take their buffers."""
+    finds a result to take their buffers. ``host`` maps a result's position to the
+    input it replaces (offloaded state, :mod:`pipemark.runtime.training.offload`): that
+    result is written to ``host_kind`` memory, laid out as the input is read."""
     if split is None:
         count = len(apply.jaxpr.invars)
         results = tuple(range(count, count + len(apply.jaxpr.outvars)))
@@ -189,16 +229,37 @@ def update_programs(
             return None
         return NamedSharding(plan.placement.slots[worker].mesh, layouts[position])
 
+    host = host or {}
+    # A donated device buffer cannot take a result written to host memory (XLA aborts
+    # the process on CPU): such results and the inputs they replace are not matched.
+    donatable = set(donatable) - set(host.values())
     programs = []
-    for p, donated in zip(parts, donations(parts, donatable)):
+    for p, donated in zip(parts, donations(parts, donatable, host)):
+        on_device = [laid_out(i, p.worker) or plan.update_sharding(i, p.worker) for i in p.inputs]
+        brought = {n for n, i in enumerate(p.inputs) if i in host.values()}
         shardings = tuple(
-            laid_out(i, p.worker) or plan.update_sharding(i, p.worker) for i in p.inputs
+            s.with_memory_kind(host_kind) if n in brought else s for n, s in enumerate(on_device)
         )
         slot = plan.placement.slots[p.worker]
         whole = slot.replicated if len(slot.processes) > 1 else None
-        outs = [laid_out(k, p.worker) or whole for k in p.outputs]
+        outs = [
+            (
+                laid_out(host[k], p.worker) or plan.update_sharding(host[k], p.worker)
+            ).with_memory_kind(host_kind)
+            if k in host
+            else laid_out(k, p.worker) or whole
+            for k in p.outputs
+        ]
+        if any(k in host for k in p.outputs):
+            # JAX matches a donated argument with a result of the same memory kind only
+            # where every result names one (else it may alias a device buffer with a
+            # host result, which aborts the process on CPU): the rest name "device".
+            outs = [o or slot.replicated for o in outs]
+            outs = [
+                o if o.memory_kind in HOST_KINDS else o.with_memory_kind("device") for o in outs
+            ]
         run = jax.jit(
-            jaxpr_as_fun(p.program),
+            _brought_in(p.program, {n: on_device[n] for n in brought}),
             out_shardings=outs if any(outs) else None,
             donate_argnums=tuple(n for n, i in enumerate(p.inputs) if i in donated),
         )
@@ -210,13 +271,48 @@ def update_programs(
     return tuple(programs)
 
 
-def donations(parts: Sequence[UpdatePart], donatable: Collection[int]) -> list[tuple[int, ...]]:
+def _brought_in(program: ClosedJaxpr, brought: Mapping[int, Any]) -> Callable:
+    """``program`` as a function whose arguments at the positions of ``brought`` (state
+    in host memory) it first copies to device memory, laid out by ``brought``'s
+    shardings: the copy is part of the program (as a result written to host memory
+    is), where JAX 0.12.1 on CPU cannot ``device_put`` a program's host result back."""
+    run = jaxpr_as_fun(program)
+    if not brought:
+        return run
+
+    def bring_in(*args: Any) -> Any:
+        return run(
+            *(
+                jax.device_put(a, brought[n].with_memory_kind("device")) if n in brought else a
+                for n, a in enumerate(args)
+            )
+        )
+
+    return bring_in
+
+
+def offloaded_inputs(parts: Sequence[UpdateProgram]) -> list[int]:
+    """The positions of the update's table that its parts read from host memory (the
+    state offloaded there: :mod:`pipemark.runtime.training.offload`), in order."""
+    return sorted(
+        {
+            i
+            for p in parts
+            for i, sharding in zip(p.inputs, p.shardings)
+            if getattr(sharding, "memory_kind", None) in HOST_KINDS
+        }
+    )
+
+
+def donations(
+    parts: Sequence[UpdatePart], donatable: Collection[int], kept: Collection[int] = ()
+) -> list[tuple[int, ...]]:
     """Per part, the positions of ``donatable`` it donates: each in the last part that
     reads it (no part reads it after its buffer is gone), where a result of that part
     of the same shape and dtype is left to take its buffer (an argument no result
     takes is not freed by the donation, and JAX warns that it was not usable). The
     inputs come first in the order a part reads them: the step's state before the
-    gradients.
+    gradients. A result at a position in ``kept`` (written to host memory) takes none.
 
     >>> import jax, jax.numpy as jnp
     >>> from pipemark.runtime.training.update import UpdatePart
@@ -228,7 +324,11 @@ def donations(parts: Sequence[UpdatePart], donatable: Collection[int]) -> list[t
     last = {i: n for n, part in enumerate(parts) for i in part.inputs}
     chosen = []
     for n, part in enumerate(parts):
-        free = Counter((a.shape, a.dtype) for a in part.program.out_avals)
+        free = Counter(
+            (a.shape, a.dtype)
+            for k, a in zip(part.outputs, part.program.out_avals)
+            if k not in kept
+        )
         reads = Counter(part.inputs)
         mine = []
         for i, aval in zip(part.inputs, part.program.in_avals):
@@ -358,14 +458,20 @@ def run_update(
 
 
 def delete_donated(
-    parts: Sequence[UpdateProgram], local: Sequence[bool], values: Mapping[int, Any], count: int
+    parts: Sequence[UpdateProgram],
+    local: Sequence[bool],
+    values: Mapping[int, Any],
+    count: int,
+    offloaded: Collection[int] = (),
 ) -> None:
     """After the update, delete the arrays at the first ``count`` positions of the
     table ``values`` (the caller's state) that a part of this process donated and that
     are still there: where the part read a copy (the state of a step's first call, as
     a rule made on one device, copied to the slot whose part updates it). So, as with
     ``jax.jit``'s ``donate_argnums``, no donated array outlives the call. An array
-    also at a position not donated (a batch leaf) is kept.
+    also at a position not donated (a batch leaf) is kept. The ``offloaded`` positions
+    (state in host memory, whose new value the update writes there: no buffer to
+    donate) that a part of this process read are deleted too.
 
     >>> import jax, jax.numpy as jnp
     >>> sgd = jax.make_jaxpr(lambda w, g: w - 0.1 * g)(jnp.ones(3), jnp.ones(3))
@@ -376,6 +482,7 @@ def delete_donated(
     (True, False)
     """
     donated = {i for p in parts if local[p.worker] for i in p.donated if i < count}
+    donated |= {i for p in parts if local[p.worker] for i in p.inputs if i in offloaded}
     kept = {id(v) for i, v in values.items() if i not in donated}
     for i in sorted(donated):
         array = values[i]
