@@ -21,6 +21,7 @@ from pipemark.runtime.memory.estimate import local_device as local_device
 from pipemark.runtime.memory.estimate import plan_memory as plan_memory
 from pipemark.runtime.memory.estimate import resident_bytes as resident_bytes
 from pipemark.runtime.memory.estimate import result_avals as result_avals
+from pipemark.runtime.memory.estimate import with_host as with_host
 from pipemark.runtime.memory.estimate import with_update as with_update
 
 __all__ = [
@@ -38,5 +39,6 @@ __all__ = [
     "plan_memory",
     "resident_bytes",
     "result_avals",
+    "with_host",
     "with_update",
 ]
