@@ -25,6 +25,7 @@ import pipemark as pm
 from pipemark import examples
 from tests._devices import computing_on
 from tests._devices import devices as pick_devices
+from tests._faults import checked_finite
 from tests._launched import launched
 from tests.runtime import _checkpoint as script
 
@@ -166,22 +167,11 @@ def test_a_stage_that_fails_while_it_runs_leaves_the_state_it_was_given():
     ex = examples.mlp(num_layers=script.LAYERS, width=script.WIDTH, batch=script.ROWS)
     tx = optax.adamw(1e-2)
 
-    def guard(x):
-        if not np.isfinite(x).all():
-            raise FloatingPointError("a non-finite activation")
-        return x
-
-    @jax.custom_jvp  # a callback has no derivative of its own: the identity's
-    def checked(x):
-        return jax.pure_callback(guard, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
-
-    checked.defjvp(lambda primals, tangents: (checked(*primals), *tangents))
-
     def loss_fn(params, batch):
         x, y = batch
         for k, (w, b) in enumerate(params):
             if k == 2:  # in the second stage
-                x = checked(x)
+                x = checked_finite(x)
             x = jnp.tanh(x @ w + b)
             if k < len(params) - 1:
                 pm.mark_pipeline_boundary()
