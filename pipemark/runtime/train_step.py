@@ -444,7 +444,7 @@ class PipelinedStep:
         if self.donate:  # a state leaf copied for its part is deleted too, as jit would
             count = len(jax.tree_util.tree_leaves(state))
             local = plan.placement.local
-            delete_donated(prepared.parts, local, values, count, offloaded_inputs(prepared.parts))
+            delete_donated(prepared.parts, local, values, count)
         if timings is not None and transport is not None:
             timings["update_bytes_sent"] = transport.bytes_sent
             timings["update_bytes_received"] = transport.bytes_received

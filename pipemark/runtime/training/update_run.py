@@ -462,16 +462,16 @@ def delete_donated(
     local: Sequence[bool],
     values: Mapping[int, Any],
     count: int,
-    offloaded: Collection[int] = (),
 ) -> None:
     """After the update, delete the arrays at the first ``count`` positions of the
     table ``values`` (the caller's state) that a part of this process donated and that
     are still there: where the part read a copy (the state of a step's first call, as
     a rule made on one device, copied to the slot whose part updates it). So, as with
     ``jax.jit``'s ``donate_argnums``, no donated array outlives the call. An array
-    also at a position not donated (a batch leaf) is kept. The ``offloaded`` positions
-    (state in host memory, whose new value the update writes there: no buffer to
-    donate) that a part of this process read are deleted too.
+    also at a position not donated (a batch leaf) is kept. The positions the parts
+    read from host memory (:func:`offloaded_inputs`: state whose new value the update
+    writes there, no buffer to donate) that a part of this process read are deleted
+    too.
 
     >>> import jax, jax.numpy as jnp
     >>> sgd = jax.make_jaxpr(lambda w, g: w - 0.1 * g)(jnp.ones(3), jnp.ones(3))
@@ -482,6 +482,7 @@ def delete_donated(
     (True, False)
     """
     donated = {i for p in parts if local[p.worker] for i in p.donated if i < count}
+    offloaded = set(offloaded_inputs(parts))
     donated |= {i for p in parts if local[p.worker] for i in p.inputs if i in offloaded}
     kept = {id(v) for i, v in values.items() if i not in donated}
     for i in sorted(donated):
